@@ -1,0 +1,85 @@
+"""Small models with the traps that break sharded data parallelism, and a reference trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HIDDEN, SEQ = 13, 7, 11, 5
+
+
+class TrapModel(nn.Module):
+    """Tied input/output embeddings, a frozen layer, a parameter never used in forward,
+    a buffer, and parameter sizes that divide by no world size above 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.unused = nn.Parameter(torch.randn(1, 5))  # 2-D: in the decaying group
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("temperature", torch.tensor(1.5))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + self.frozen(h)
+        h = h + self.fc2(torch.tanh(self.fc1(self.norm(h))))
+        logits = self.head(h) / self.temperature
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def make_model(seed: int = 0) -> TrapModel:
+    torch.manual_seed(seed)
+    return TrapModel()
+
+
+def decay_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict[str, Any]]:
+    """Matrices decay, vectors (biases, norms) do not: the usual two groups."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (size, SEQ), generator=generator)
+    targets = torch.randint(0, VOCAB, (size, SEQ), generator=generator)
+    return tokens, targets
+
+
+def micro_batch(step: int, micro: int, rank: int, world_size: int, micro_size: int, accum: int):
+    """Rank ``rank``'s ``micro``-th slice of the global batch of ``step``."""
+    tokens, targets = global_batch(step, micro_size * accum * world_size)
+    start = (micro * world_size + rank) * micro_size
+    return tokens[start : start + micro_size], targets[start : start + micro_size]
+
+
+def train_reference(
+    steps: int, global_size: int, optimizer: str = "AdamW", lr: float = 0.05, clip: float = 0.0
+) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """One process, torch.optim, the full global batch: (losses, final state, grad norms)."""
+    model = make_model()
+    cls = getattr(torch.optim, optimizer)
+    opt = cls(decay_groups(model), lr=lr)
+    losses, norms = [], []
+    for step in range(steps):
+        loss = model(*global_batch(step, global_size))
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms

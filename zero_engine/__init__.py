@@ -1,0 +1,11 @@
+"""zero_engine: ZeRO-style sharded data parallelism for PyTorch, behind one config file.
+
+    engine = zero_engine.initialize(model, "configs/zero1.yaml")
+    loss = engine(x, y); engine.backward(loss); engine.step()
+"""
+
+from .config import ConfigError, ZeroEngineConfig, load_config
+from .engine import Engine, initialize
+
+__all__ = ["ConfigError", "Engine", "ZeroEngineConfig", "initialize", "load_config"]
+__version__ = "0.1.0"

@@ -1,0 +1,166 @@
+"""Collectives: the only module that calls ``torch.distributed``.
+
+Every collective works on flat buffers whose length is a multiple of the world size, with
+rank ``r``'s shard at ``[r * n / N, (r + 1) * n / N)``, and returns a `Pending` handle so the
+caller decides when to wait. World size 1 needs no process group: every call is a no-op.
+
+Which primitive implements a collective is chosen per backend, by measurement (see
+``docs/benchmarks.md``): gloo's own reduce-scatter and all-gather are naive (3-8x slower than
+all-reduce on 16 MB here), so on gloo a reduce-scatter is one ``reduce`` per destination rank
+and an all-gather one ``broadcast`` per source rank, all launched at once. NCCL uses its native
+collectives. Sums are divided explicitly by the caller: ``ReduceOp.AVG`` has been a sum on
+gloo in some torch versions.
+
+Bytes are counted per collective kind as the ring algorithm's per-rank volume (an all-reduce
+of ``b`` bytes sends and receives ``2 b (N-1)/N``; reduce-scatter and all-gather ``b (N-1)/N``
+each), the lower bound that NCCL reaches and that the ZeRO paper's analysis uses.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .config import CommConfig
+
+
+class CollectiveKind(str, Enum):
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    BROADCAST = "broadcast"
+
+
+class Pending(NamedTuple):
+    """Collectives in flight; `wait` blocks until all of them are done."""
+
+    works: tuple[Any, ...] = ()
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+DONE = Pending()
+
+
+class Comm:
+    """A process group with a backend-specific choice of primitives and a byte counter."""
+
+    def __init__(self, rank: int, world_size: int, backend: str, group: Any = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.group = group
+        self._bytes = {kind: 0 for kind in CollectiveKind}
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Pending:
+        if self.world_size == 1:
+            return DONE
+        self._count(CollectiveKind.ALL_REDUCE, 2 * _bytes(tensor))
+        return Pending((dist.all_reduce(tensor, group=self.group, async_op=True),))
+
+    def reduce_scatter_sum(self, flat: torch.Tensor) -> Pending:
+        """Sum ``flat`` over ranks into this rank's shard of it; other shards become undefined."""
+        if self.world_size == 1:
+            return DONE
+        self._count(CollectiveKind.REDUCE_SCATTER, _bytes(flat))
+        shards = self._shards(flat)
+        if self.backend == "gloo":
+            return Pending(tuple(
+                dist.reduce(shard, dst=self._global_rank(r), group=self.group, async_op=True)
+                for r, shard in enumerate(shards)
+            ))
+        return Pending((_reduce_scatter_tensor(shards[self.rank], flat, group=self.group, async_op=True),))
+
+    def all_gather(self, flat: torch.Tensor) -> Pending:
+        """Fill every shard of ``flat`` with its owner's values."""
+        if self.world_size == 1:
+            return DONE
+        self._count(CollectiveKind.ALL_GATHER, _bytes(flat))
+        shards = self._shards(flat)
+        if self.backend == "gloo":
+            return Pending(tuple(
+                dist.broadcast(shard, src=self._global_rank(r), group=self.group, async_op=True)
+                for r, shard in enumerate(shards)
+            ))
+        return Pending((_all_gather_into_tensor(flat, shards[self.rank], group=self.group, async_op=True),))
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` with rank ``src``'s values, synchronously."""
+        if self.world_size == 1:
+            return
+        works = []
+        for tensor in tensors:
+            self._count(CollectiveKind.BROADCAST, _bytes(tensor))
+            works.append(dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True))
+        Pending(tuple(works)).wait()
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def _count(self, kind: CollectiveKind, full_bytes: int) -> None:
+        self._bytes[kind] += full_bytes * (self.world_size - 1) // self.world_size
+
+    def report(self) -> dict[str, dict[str, int]]:
+        """Bytes sent and received by this rank per collective kind since `reset_report`."""
+        report = {kind.value: {"sent": n, "received": n} for kind, n in self._bytes.items()}
+        total = sum(self._bytes.values())
+        report["total"] = {"sent": total, "received": total}
+        return report
+
+    def reset_report(self) -> None:
+        self._bytes = {kind: 0 for kind in CollectiveKind}
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _shards(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        if flat.numel() % self.world_size:
+            raise ValueError(f"flat buffer of {flat.numel()} elements does not split into {self.world_size} shards")
+        return list(flat.view(self.world_size, -1).unbind(0))
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# torch 2.13 renamed the flat collectives; torch 2.4 has only the old names.
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def connect(config: CommConfig, device: torch.device) -> Comm:
+    """The engine's `Comm`: an existing default group, a new one from torchrun's environment,
+    or world size 1 without ``torch.distributed`` when neither exists."""
+    if dist.is_available() and dist.is_initialized():
+        return Comm(dist.get_rank(), dist.get_world_size(), dist.get_backend())
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Comm(0, 1, "none")
+    backend = choose_backend(config.backend, device)
+    if backend == "nccl":
+        _bind_cuda_device()
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=config.timeout_s))
+    return Comm(dist.get_rank(), dist.get_world_size(), backend)
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _bind_cuda_device() -> None:
+    """CUDA only: one GPU per local rank, as torchrun numbers them."""
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

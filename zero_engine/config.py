@@ -1,0 +1,311 @@
+"""The zero_engine configuration: one validated pydantic model for the whole file.
+
+Key names follow DeepSpeed's wherever the feature is the same, so a ``ds_config.json`` that
+uses only supported features loads unchanged. The whole schema is validated up front, even
+for features a later release implements; `zero_engine.features` decides at `initialize`
+which switched-on features are not built yet.
+
+Every error is a `ConfigError` whose lines each name a key path, the offending value and
+the fix (an unknown key suggests the closest known one).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal, NamedTuple
+
+import torch
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names each key path at fault."""
+
+
+def _parse_count(value: Any) -> Any:
+    """Accept DeepSpeed's float-style counts (``5e8`` in JSON, ``"5e8"`` in YAML 1.1)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_parse_count), Field(ge=0)]
+PositiveCount = Annotated[int, BeforeValidator(_parse_count), Field(ge=1)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class OptimizerConfig(_Section):
+    type: str = Field("AdamW", description="A torch.optim class, case-insensitive (AdamW, Adam, SGD, ...).")
+    params: dict[str, Any] = Field(
+        default_factory=lambda: {"lr": 1e-3},
+        description="Keyword arguments of that optimizer, checked against its signature.",
+    )
+
+
+class SchedulerConfig(_Section):
+    type: str = Field(description="WarmupLR, WarmupDecayLR, WarmupCosineLR or a torch.optim.lr_scheduler class.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of that scheduler.")
+
+
+class FP16Config(_Section):
+    enabled: bool = Field(False, description="Compute in float16 with fp32 master weights.")
+    auto_cast: bool = Field(False, description="DeepSpeed's autocast switch; accepted for compatibility.")
+    loss_scale: float = Field(0.0, ge=0, description="0 = dynamic loss scaling; any other value a static scale.")
+    initial_scale_power: int = Field(16, ge=0, le=64, description="Dynamic scaling starts at 2**this.")
+    loss_scale_window: PositiveCount = Field(1000, description="Clean steps before the scale grows.")
+    hysteresis: PositiveCount = Field(2, description="Overflows tolerated before the scale drops.")
+    consecutive_hysteresis: bool = Field(False, description="Refill hysteresis on every clean step.")
+    min_loss_scale: float = Field(1.0, gt=0, description="The dynamic scale never drops below this.")
+
+
+class BF16Config(_Section):
+    enabled: bool = Field(False, description="Compute in bfloat16 with fp32 master weights.")
+
+
+class OffloadConfig(_Section):
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where to offload; only 'none' is built.")
+    pin_memory: bool = Field(False, description="Pinned host memory for offloaded tensors.")
+    nvme_path: str | None = Field(None, description="NVMe directory for 'nvme' offload.")
+    buffer_count: PositiveCount = Field(4, description="Offload buffers in flight.")
+    fast_init: bool = Field(False, description="DeepSpeed's fast-init switch; accepted for compatibility.")
+    ratio: float = Field(1.0, ge=0, le=1, description="Fraction of the optimizer offloaded.")
+
+
+class ZeroOptimizationConfig(_Section):
+    stage: int = Field(0, ge=0, le=3, description="0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters.")
+    overlap_comm: bool = Field(True, description="Launch gradient reductions during backward, bucket by bucket.")
+    contiguous_gradients: bool = Field(True, description="Gradients live in one flat buffer (always true here).")
+    reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter rather than all-reduce.")
+    reduce_bucket_size: PositiveCount = Field(
+        2_000_000, description="Elements per gradient-reduction bucket (and per shard unit at stages 1-2)."
+    )
+    allgather_partitions: bool = Field(True, description="Gather updated shards with all-gather.")
+    allgather_bucket_size: PositiveCount = Field(2_000_000, description="Elements per parameter all-gather.")
+    reduce_scatter_each_micro_step: bool = Field(
+        True, description="Stage 2: reduce every micro-step into the gradient shard (False: once per boundary)."
+    )
+    round_robin_gradients: bool = Field(False, description="DeepSpeed stage 1-2 option; accepted, no effect.")
+    offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer offload; not built.")
+    offload_param: OffloadConfig | None = Field(None, description="Parameter offload; not built.")
+    sub_group_size: PositiveCount = Field(1_000_000_000, description="DeepSpeed stage 3 optimizer sub-groups.")
+    stage3_prefetch_bucket_size: Count = Field(50_000_000, description="Elements gathered ahead of use.")
+    stage3_param_persistence_threshold: Count = Field(100_000, description="Smaller parameters stay unsharded.")
+    stage3_max_live_parameters: Count = Field(1_000_000_000, description="Upper bound on gathered elements.")
+    stage3_max_reuse_distance: Count = Field(1_000_000_000, description="Keep a gathered unit this close to reuse.")
+    stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Gather full weights at save.")
+    stage3_wrap_modules: list[str] | None = Field(None, description="Class names that become stage 3 units.")
+    ignore_unused_parameters: bool = Field(True, description="Unused parameters are allowed (always true here).")
+    elastic_checkpoint: bool = Field(False, description="DeepSpeed option; checkpoints here are always elastic.")
+    load_from_fp32_weights: bool = Field(True, description="DeepSpeed option; masters always load from fp32.")
+
+
+class CommConfig(_Section):
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
+    timeout_s: float = Field(1800.0, gt=0, description="Seconds before a collective that never completes fails.")
+
+
+class BatchSizes(NamedTuple):
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+
+class ZeroEngineConfig(_Section):
+    """The whole configuration file."""
+
+    train_batch_size: PositiveCount | None = Field(None, description="Global batch: micro x accumulation x ranks.")
+    train_micro_batch_size_per_gpu: PositiveCount | None = Field(None, description="Samples per rank per micro-step.")
+    gradient_accumulation_steps: PositiveCount | None = Field(None, description="Micro-steps per optimizer step.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="The torch optimizer.")
+    scheduler: SchedulerConfig | None = Field(None, description="The learning-rate schedule.")
+    gradient_clipping: float = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 = off.")
+    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision.")
+    bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, description="dtype of gradient reductions (default fp32)."
+    )
+    zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
+    comm: CommConfig = Field(default_factory=CommConfig, description="Process group settings (ours).")
+    steps_per_print: PositiveCount = Field(10, description="Log every this many optimizer steps.")
+    wall_clock_breakdown: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    zero_allow_untested_optimizer: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> ZeroEngineConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true: enable at most one")
+        check_optimizer(self.optimizer)
+        return self
+
+    def batch_sizes(self, world_size: int) -> BatchSizes:
+        """Fill in the batch triple for ``world_size``; any two keys determine the third."""
+        return resolve_batch_sizes(
+            self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, world_size
+        )
+
+
+def resolve_batch_sizes(total: int | None, micro: int | None, accum: int | None, world_size: int) -> BatchSizes:
+    """DeepSpeed's batch arithmetic: ``total = micro * accum * world_size``."""
+    if total is None:
+        micro, accum = micro or 1, accum or 1
+        return BatchSizes(micro * accum * world_size, micro, accum)
+    if micro is None and accum is None:
+        accum = 1
+    if micro is None:
+        assert accum is not None
+        if total % (accum * world_size):
+            raise ConfigError(
+                f"train_batch_size = {total} is not divisible by gradient_accumulation_steps ({accum}) x "
+                f"world size ({world_size}) = {accum * world_size}: set train_micro_batch_size_per_gpu"
+            )
+        return BatchSizes(total, total // (accum * world_size), accum)
+    if accum is None:
+        if total % (micro * world_size):
+            raise ConfigError(
+                f"train_batch_size = {total} is not divisible by train_micro_batch_size_per_gpu ({micro}) x "
+                f"world size ({world_size}) = {micro * world_size}: set gradient_accumulation_steps"
+            )
+        return BatchSizes(total, micro, total // (micro * world_size))
+    if micro * accum * world_size != total:
+        raise ConfigError(
+            f"train_batch_size = {total} but train_micro_batch_size_per_gpu ({micro}) x "
+            f"gradient_accumulation_steps ({accum}) x world size ({world_size}) = {micro * accum * world_size}: "
+            "give two of the three and the third is derived"
+        )
+    return BatchSizes(total, micro, accum)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer checks: the class by name, its keywords by signature, its numbers by range.
+
+_ENGINE_OWNED_OPTIMIZER_ARGS = {"params", "self"}
+_NON_NEGATIVE = {"lr", "weight_decay", "momentum", "dampening", "lr_decay", "alpha", "lambd", "momentum_decay"}
+_POSITIVE = {"eps"}
+
+
+def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
+    """Every torch.optim optimizer, by lower-case class name."""
+    return {
+        name.lower(): cls
+        for name, cls in vars(torch.optim).items()
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
+    }
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    classes = optimizer_classes()
+    try:
+        return classes[name.lower()]
+    except KeyError:
+        known = sorted(cls.__name__ for cls in classes.values())
+        raise ValueError(f"optimizer.type = {name!r} is not a torch.optim optimizer{_suggest(name, known)}") from None
+
+
+def check_optimizer(section: OptimizerConfig) -> None:
+    cls = optimizer_class(section.type)
+    accepted = [k for k in inspect.signature(cls.__init__).parameters if k not in _ENGINE_OWNED_OPTIMIZER_ARGS]
+    for key, value in section.params.items():
+        path = f"optimizer.params.{key}"
+        if key not in accepted:
+            raise ValueError(
+                f"{path} = {value!r}: {cls.__name__} takes no keyword {key!r}{_suggest(key, accepted)}"
+            )
+        if key in _NON_NEGATIVE | _POSITIVE:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{path} = {value!r}: must be a finite number")
+            if value < 0 or (key in _POSITIVE and value == 0):
+                raise ValueError(f"{path} = {value!r}: must be {'positive' if key in _POSITIVE else 'non-negative'}")
+        if key == "betas":
+            if not (
+                isinstance(value, (list, tuple))
+                and len(value) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)
+            ):
+                raise ValueError(f"{path} = {value!r}: must be two numbers in [0, 1)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and error reporting.
+
+
+def load_config(source: str | Path | dict[str, Any] | ZeroEngineConfig) -> ZeroEngineConfig:
+    """A validated config from a ``.yaml``/``.yml``/``.json`` path, a dict, or a config object."""
+    if isinstance(source, ZeroEngineConfig):
+        return source
+    origin = "config dict"
+    if isinstance(source, (str, Path)):
+        origin = str(source)
+        source = _read_file(Path(source))
+    if not isinstance(source, dict):
+        raise ConfigError(f"{origin}: expected a mapping of keys at the top level, got {type(source).__name__}")
+    try:
+        return ZeroEngineConfig.model_validate(source)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, origin)) from None
+
+
+def _read_file(path: Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            return yaml.safe_load(text) or {}
+        if path.suffix == ".json":
+            return json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {err}") from None
+    raise ConfigError(f"{path}: unknown config suffix {path.suffix!r}; use .yaml, .yml or .json")
+
+
+def _format_errors(err: ValidationError, origin: str) -> str:
+    lines = [f"{origin}: {err.error_count()} invalid setting(s)"]
+    for item in err.errors():
+        loc = item["loc"]
+        path = ".".join(str(part) for part in loc)
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            known = list(_model_at(loc[:-1]).model_fields)
+            lines.append(f"  {path}: unknown key{_suggest(str(loc[-1]), known)}")
+        elif path:
+            lines.append(f"  {path} = {item['input']!r}: {message}")
+        else:
+            lines.append(f"  {message}")
+    return "\n".join(lines)
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The pydantic section class found at a key path, for listing its known keys."""
+    model: type[BaseModel] = ZeroEngineConfig
+    for part in loc:
+        annotation = model.model_fields[str(part)].annotation
+        candidates = getattr(annotation, "__args__", (annotation,))
+        model = next(c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel))
+    return model
+
+
+def _suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; known: {', '.join(sorted(known))}"

@@ -1,0 +1,81 @@
+"""Per-rank memory of model states: the ZeRO formula, and what a rank actually holds.
+
+The two must agree (up to padding and a few bytes of per-tensor optimizer step counters);
+tests check both against each other, because users distrust estimators that disagree with
+what they see.
+
+The formula (ZeRO paper, section 5, for Psi parameters on N ranks): stage 0 holds every
+state in full; stage 1 shards optimizer state; stage 2 shards gradients too; stage 3 shards
+parameters too. In fp32 the optimizer's master copy is the parameter itself, so it costs
+nothing extra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .flat_param import FlatUnit
+
+
+class MemoryReport(NamedTuple):
+    """Bytes of each kind of model state on one rank."""
+
+    parameters: int  # persistent parameter storage, frozen ones included
+    gradients: int  # persistent gradient storage
+    optimizer_states: int  # optimizer state tensors
+    master_parameters: int  # separate fp32 masters (mixed precision only)
+    buffers: int  # reusable communication buffers
+
+
+def formula_bytes(
+    num_params: int,
+    stage: int,
+    world_size: int,
+    *,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    optimizer_bytes: int = 8,
+    master_bytes: int = 0,
+) -> MemoryReport:
+    """Per-rank bytes for ``num_params`` trainable parameters, ignoring padding.
+
+    ``optimizer_bytes`` is optimizer state per parameter (fp32 Adam: 8, SGD with momentum: 4).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0-3, got {stage}")
+
+    def per_rank(bytes_per_param: int, sharded_from_stage: int) -> int:
+        total = num_params * bytes_per_param
+        return total // world_size if stage >= sharded_from_stage else total
+
+    return MemoryReport(
+        parameters=per_rank(param_bytes, 3),
+        gradients=per_rank(grad_bytes, 2),
+        optimizer_states=per_rank(optimizer_bytes, 1),
+        master_parameters=per_rank(master_bytes, 1),
+        buffers=0,
+    )
+
+
+def measure_memory(module: nn.Module, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer) -> MemoryReport:
+    """What this rank holds now, counted from the tensors themselves."""
+    in_units = {param for unit in units for param in unit.params}
+    loose_params = sum(_nbytes(p) for p in module.parameters() if p not in in_units)
+    optimizer_states = sum(
+        _nbytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+    )
+    return MemoryReport(
+        parameters=loose_params + sum(_nbytes(unit.flat_param) for unit in units),
+        gradients=sum(_nbytes(unit.flat_grad) for unit in units),
+        optimizer_states=optimizer_states,
+        master_parameters=0,
+        buffers=0,
+    )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

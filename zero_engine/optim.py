@@ -1,0 +1,47 @@
+"""Builds the torch optimizer named in the config over what the stage lets a rank update.
+
+At stage 0 that is the model's own parameters. From stage 1 on it is this rank's pieces of
+them (1-D views into its shard), each piece its own optimizer tensor, so torch.optim keeps its
+usual semantics piece by piece: a piece whose parameter got no gradient is skipped, state and
+step count included. Only optimizers whose update is elementwise give the same result on
+pieces as on whole parameters; the others are refused from stage 1 on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .config import OptimizerConfig, optimizer_class
+
+# Updates that depend on each element alone (plus per-tensor step counts), so splitting a
+# parameter into pieces changes nothing.
+ELEMENTWISE_OPTIMIZERS = frozenset(
+    {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop"}
+)
+# Need a closure or whole-parameter structure at every stage.
+UNSUPPORTED_OPTIMIZERS = frozenset({"LBFGS", "SparseAdam"})
+
+
+def check_optimizer_for_stage(config: OptimizerConfig, stage: int) -> type[torch.optim.Optimizer]:
+    """The optimizer class, or a clear refusal when the stage cannot run it."""
+    cls = optimizer_class(config.type)
+    if cls.__name__ in UNSUPPORTED_OPTIMIZERS:
+        raise NotImplementedError(
+            f"optimizer.type = {config.type!r}: {cls.__name__} needs a closure or sparse gradients, "
+            "which the engine does not provide at any stage"
+        )
+    if stage >= 1 and cls.__name__ not in ELEMENTWISE_OPTIMIZERS:
+        raise NotImplementedError(
+            f"optimizer.type = {config.type!r}: {cls.__name__} is not elementwise, so it cannot update the flat "
+            f"shards of zero_optimization.stage = {stage}; it runs at stage 0 only. Elementwise optimizers "
+            f"(all stages): {', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}"
+        )
+    return cls
+
+
+def build_optimizer(config: OptimizerConfig, stage: int, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """``groups`` are torch param-group dicts whose ``params`` are the tensors to update."""
+    cls = check_optimizer_for_stage(config, stage)
+    return cls(groups, **config.params)
