@@ -28,10 +28,11 @@ class TrapModel(nn.Module):
         self.head.weight = self.embed.weight
         self.register_buffer("temperature", torch.tensor(1.5))
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, skip_mlp: bool = False) -> torch.Tensor:
         h = self.embed(tokens)
         h = h + self.frozen(h)
-        h = h + self.fc2(torch.tanh(self.fc1(self.norm(h))))
+        if not skip_mlp:  # a rank that skips leaves norm/fc1/fc2 without gradients
+            h = h + self.fc2(torch.tanh(self.fc1(self.norm(h))))
         logits = self.head(h) / self.temperature
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 

@@ -1,0 +1,144 @@
+"""Config loading and validation: one process, no ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+import zero_engine
+from zero_engine import ConfigError, load_config
+from zero_engine.cli import main as cli_main
+from zero_engine.config import resolve_batch_sizes
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*"))
+
+EXAMPLE = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "adamw", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": "5e8"},
+    "comm": {"backend": "gloo", "timeout_s": 60},
+}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    config = load_config(path)
+    assert config.zero_optimization.stage in (0, 1, 2, 3)
+    assert cli_main(["validate", str(path)]) == 0
+
+
+def test_shipped_stage_configs_differ_only_in_stage() -> None:
+    dumps = []
+    for stage in range(3):
+        config = load_config(Path(__file__).parent.parent / "configs" / f"zero{stage}.yaml").model_dump()
+        assert config["zero_optimization"].pop("stage") == stage
+        dumps.append(config)
+    assert dumps[0] == dumps[1] == dumps[2]
+
+
+def test_yaml_json_and_dict_give_equal_models(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(EXAMPLE))
+    (tmp_path / "c.json").write_text(json.dumps(EXAMPLE))
+    from_dict = load_config(EXAMPLE)
+    assert load_config(tmp_path / "c.yaml") == from_dict
+    assert load_config(str(tmp_path / "c.json")) == from_dict
+    assert load_config(from_dict) is from_dict
+    assert from_dict.zero_optimization.reduce_bucket_size == 500_000_000
+
+
+def _error(source) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(source)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        ({"zero_optimisation": {"stage": 1}}, "zero_optimisation: unknown key; did you mean 'zero_optimization'?"),
+        ({"zero_optimization": {"stag": 1}}, "zero_optimization.stag: unknown key; did you mean 'stage'?"),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage = 4"),
+        ({"optimizer": {"type": "adamw", "params": {"lr": -1}}}, "optimizer.params.lr = -1: must be non-negative"),
+        ({"optimizer": {"type": "adamw", "params": {"lr": "fast"}}}, "optimizer.params.lr = 'fast': must be a finite"),
+        ({"optimizer": {"type": "adamw", "params": {"lr": 1e-3, "weight_decy": 0.1}}},
+         "optimizer.params.weight_decy = 0.1: AdamW takes no keyword 'weight_decy'; did you mean 'weight_decay'?"),
+        ({"optimizer": {"type": "adamm"}}, "optimizer.type = 'adamm' is not a torch.optim optimizer; did you mean"),
+        ({"optimizer": {"type": "sgd", "params": {"lr": 0.1, "betas": [0.9, 0.99]}}}, "SGD takes no keyword 'betas'"),
+        ({"optimizer": {"type": "adam", "params": {"betas": [0.9, 1.5]}}}, "optimizer.params.betas = [0.9, 1.5]"),
+        ({"gradient_clipping": -1}, "gradient_clipping = -1"),
+        ({"train_batch_size": 0}, "train_batch_size = 0"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
+        ({"comm": {"backend": "mpi"}}, "comm.backend = 'mpi'"),
+        ({"comm": {"timeout_s": 0}}, "comm.timeout_s = 0"),
+    ],
+)
+def test_bad_input_names_key_and_value(patch: dict, expected: str) -> None:
+    assert expected in _error({**EXAMPLE, **patch})
+
+
+def test_every_error_is_reported_at_once() -> None:
+    message = _error({"zero_optimisation": {}, "gradient_clipping": -1, "steps_per_print": 0})
+    assert "3 invalid setting(s)" in message
+    assert "zero_optimisation" in message and "gradient_clipping" in message and "steps_per_print" in message
+
+
+def test_file_errors_name_the_file(tmp_path: Path) -> None:
+    assert "no such config file" in _error(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("zero_optimization: [unclosed\n")
+    assert f"{bad}: not valid YAML" in _error(bad)
+    (tmp_path / "c.toml").write_text("")
+    assert "unknown config suffix '.toml'" in _error(tmp_path / "c.toml")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert "expected a mapping" in _error(tmp_path / "list.json")
+    assert isinstance(ConfigError("x"), ValueError)
+
+
+@pytest.mark.parametrize(
+    "given, world, expected",
+    [
+        ((None, None, None), 4, (4, 1, 1)),
+        ((64, None, None), 4, (64, 16, 1)),
+        ((64, 4, None), 4, (64, 4, 4)),
+        ((64, None, 2), 4, (64, 8, 2)),
+        ((None, 3, 5), 3, (45, 3, 5)),
+        ((24, 2, 4), 3, (24, 2, 4)),
+    ],
+)
+def test_batch_arithmetic_fills_the_third(given, world, expected) -> None:
+    assert tuple(resolve_batch_sizes(*given, world)) == expected
+
+
+@pytest.mark.parametrize(
+    "given, world, expected",
+    [
+        ((64, 4, 4), 3, "train_batch_size = 64 but train_micro_batch_size_per_gpu (4) x gradient_accumulation_steps"
+                        " (4) x world size (3) = 48"),
+        ((10, 4, None), 2, "train_batch_size = 10 is not divisible by train_micro_batch_size_per_gpu (4) x world"),
+        ((10, None, 3), 2, "is not divisible by gradient_accumulation_steps (3) x world size (2) = 6"),
+    ],
+)
+def test_inconsistent_batch_sizes_show_the_arithmetic(given, world, expected) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        resolve_batch_sizes(*given, world)
+    assert expected in str(info.value)
+
+
+def test_cli_validate_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"zero_optimisation": {"stage": 1}}))
+    assert cli_main(["validate", str(bad)]) == 1
+    assert "did you mean 'zero_optimization'" in capsys.readouterr().err
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"train_batch_size": 32, "gradient_accumulation_steps": 2}))
+    assert cli_main(["validate", str(good), "--world-size", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["train_micro_batch_size_per_gpu"] == 4
+
+
+def test_public_surface() -> None:
+    for name in ("initialize", "load_config", "ConfigError", "Engine"):
+        assert hasattr(zero_engine, name)

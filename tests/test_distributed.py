@@ -1,0 +1,137 @@
+"""Multi-rank behaviour beyond parity: start-up sync, memory and communication accounting,
+ranks that use different parameters. One spawn per world size runs every check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_engine
+from harness import run_on_ranks
+from models import decay_groups, global_batch, make_model, micro_batch
+from zero_engine.memory import formula_bytes
+
+LR = 0.05
+
+
+def _config(stage: int, accum: int = 1, bucket: int = 40) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
+    }
+
+
+def _trainable_numel(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def checks(rank: int, world_size: int) -> dict:
+    out: dict = {}
+
+    # Start-up: every rank builds a different model; all start from rank 0's.
+    torch.manual_seed(rank)
+    model = make_model(seed=rank)
+    model.temperature.fill_(1.0 + rank)
+    engine = zero_engine.initialize(model, _config(1))
+    out["initial_state"] = engine.full_state_dict()
+    engine.close()
+
+    for stage in (0, 1):
+        model = make_model()
+        engine = zero_engine.initialize(model, _config(stage, accum=2), param_groups=decay_groups(model))
+        # torch.optim creates its state at the first step, so measure at the second.
+        for step in range(2):
+            engine.backward(engine(*micro_batch(step, 0, rank, world_size, 2, 2)))
+            silent = engine.comm_report()["total"]["sent"]
+            engine.step()
+            engine.backward(engine(*micro_batch(step, 1, rank, world_size, 2, 2)))
+            memory_before_step = engine.memory_report()
+            engine.step()
+        out[f"stage{stage}"] = {
+            "silent_micro_step_bytes": silent,
+            "memory": memory_before_step,
+            "comm": engine.comm_report(),
+            "unit_numels": [(u.layout.unpadded_numel, u.layout.padded_numel) for u in engine.units],
+            "num_optimizer_tensors": len(engine.optimizer.state),
+            "psi": _trainable_numel(model),
+            "never_stepped": model.unused.numel(),  # torch.optim gives it no state
+            "frozen_bytes": sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad),
+        }
+        engine.close()
+
+    # Ranks that use different parameters: odd ranks skip the MLP on even steps.
+    model = make_model()
+    engine = zero_engine.initialize(model, _config(1, bucket=30), param_groups=decay_groups(model))
+    for step in range(3):
+        tokens, targets = micro_batch(step, 0, rank, world_size, 2, 1)
+        engine.backward(engine(tokens, targets, skip_mlp=(rank % 2 == 1 and step % 2 == 0)))
+        engine.step()
+    out["divergent_state"] = engine.full_state_dict()
+    engine.close()
+    return out
+
+
+def _divergent_reference(world_size: int) -> dict[str, torch.Tensor]:
+    model = make_model()
+    opt = torch.optim.AdamW(decay_groups(model), lr=LR)
+    for step in range(3):
+        tokens, targets = global_batch(step, 2 * world_size)
+        losses = [
+            model(tokens[r * 2 : r * 2 + 2], targets[r * 2 : r * 2 + 2], skip_mlp=(r % 2 == 1 and step % 2 == 0))
+            for r in range(world_size)
+        ]
+        (sum(losses) / world_size).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_distributed_behaviour(world_size: int) -> None:
+    per_rank = run_on_ranks(world_size, checks)
+    n = world_size
+
+    rank0 = per_rank[0]["initial_state"]
+    for result in per_rank[1:]:
+        for name, tensor in result["initial_state"].items():
+            assert torch.equal(tensor, rank0[name]), f"{name} differs from rank 0 after initialize"
+
+    for stage in (0, 1):
+        reports = [r[f"stage{stage}"] for r in per_rank]
+        psi, units = reports[0]["psi"], reports[0]["unit_numels"]
+        padded = sum(p for _, p in units)
+        formula = formula_bytes(psi, stage, n)
+        stepped = psi - reports[0]["never_stepped"]
+        optimizer_formula = formula_bytes(stepped, stage, n).optimizer_states
+        for report in reports:
+            assert report["silent_micro_step_bytes"] == 0, "a non-boundary micro-step communicated"
+            memory = report["memory"]
+            assert memory["parameters"] == 4 * padded + report["frozen_bytes"]
+            assert memory["gradients"] == 4 * padded
+            assert abs(memory["parameters"] - report["frozen_bytes"] - formula.parameters) <= 4 * n * len(units)
+            # Adam: exp_avg + exp_avg_sq (8 bytes an element) + a 4-byte step counter per tensor.
+            counters = 4 * report["num_optimizer_tensors"]
+            assert abs(memory["optimizer_states"] - counters - optimizer_formula) <= 8 * len(units)
+            assert memory["master_parameters"] == 0
+        states = sum(r["memory"]["optimizer_states"] - 4 * r["num_optimizer_tensors"] for r in reports)
+        assert states == 8 * stepped * (n if stage == 0 else 1), "optimizer state is not partitioned exactly"
+
+        ring = (n - 1) / n
+        for report in reports:
+            comm = report["comm"]
+            if stage == 0:
+                gradient_bytes = comm["all_reduce"]["sent"]
+                assert 2 * ring * 4 * padded <= gradient_bytes <= 2 * ring * 4 * padded + 2 * 8 * (psi + 1)
+                assert comm["reduce_scatter"]["sent"] == comm["all_gather"]["sent"] == 0
+            else:
+                moved = comm["reduce_scatter"]["sent"] + comm["all_gather"]["sent"]
+                assert abs(moved - 2 * ring * 4 * psi) <= 2 * 4 * n * len(units), (moved, 2 * ring * 4 * psi)
+                assert comm["all_reduce"]["sent"] < 2 * 8 * (psi + 1), "only the small used-mask all-reduce"
+
+    reference = _divergent_reference(world_size)
+    for rank, result in enumerate(per_rank):
+        for name, ref in reference.items():
+            diff = (result["divergent_state"][name] - ref).abs().max().item()
+            assert diff <= 2e-5, f"rank {rank}: {name} differs by {diff} when ranks use different parameters"

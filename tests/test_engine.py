@@ -1,0 +1,129 @@
+"""The engine in one process (world size 1, no torch.distributed): surface and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zero_engine
+from models import decay_groups, make_model, micro_batch
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+
+
+def _with(**sections) -> dict:
+    return {**BASE, **sections}
+
+
+def test_runs_without_a_process_group() -> None:
+    assert not torch.distributed.is_initialized()
+    model = make_model()
+    engine = zero_engine.initialize(model, _with(gradient_accumulation_steps=2, zero_optimization={"stage": 1}))
+    assert engine.module is model and engine.comm.world_size == 1
+    boundaries = []
+    for micro in range(6):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(*micro_batch(0, micro % 2, 0, 1, 2, 2)))
+        engine.step()
+    assert boundaries == [False, True] * 3
+    assert engine.global_step == 3
+    assert engine.get_lr() == [0.01]
+    assert engine.get_global_grad_norm() > 0
+    assert engine.eval() is engine and not model.training
+    assert engine.train() is engine and model.training
+    assert not torch.distributed.is_initialized()
+
+
+def test_backward_divides_by_accumulation_steps() -> None:
+    model = make_model()
+    engine = zero_engine.initialize(model, _with(gradient_accumulation_steps=4))
+    batch = micro_batch(0, 0, 0, 1, 2, 1)
+    engine.backward(engine(*batch))
+    reference = make_model()
+    reference(*batch).backward()
+    torch.testing.assert_close(model.fc1.weight.grad, reference.fc1.weight.grad / 4)
+
+
+def test_full_state_dict_has_every_key_on_cpu_fp32() -> None:
+    model = make_model()
+    engine = zero_engine.initialize(model, _with(zero_optimization={"stage": 1}))
+    state = engine.full_state_dict()
+    assert state.keys() == model.state_dict().keys()
+    assert "head.weight" in state and "embed.weight" in state
+    assert all(t.device.type == "cpu" for t in state.values())
+    state["fc1.weight"].add_(1.0)
+    assert not torch.equal(state["fc1.weight"], model.fc1.weight), "full_state_dict must return copies"
+
+
+@pytest.mark.parametrize(
+    "sections, fragment",
+    [
+        ({"fp16": {"enabled": True}}, "fp16.enabled = true"),
+        ({"bf16": {"enabled": True}}, "bf16.enabled = true"),
+        ({"scheduler": {"type": "WarmupLR"}}, "scheduler.type = 'WarmupLR'"),
+        ({"communication_data_type": "bf16"}, "communication_data_type = 'bf16'"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device = 'cpu'"),
+        ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage = 2"),
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage = 3"),
+        ({"optimizer": {"type": "Adafactor", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 1}},
+         "Adafactor is not elementwise"),
+        ({"optimizer": {"type": "LBFGS", "params": {"lr": 0.01}}}, "LBFGS needs a closure"),
+    ],
+)
+def test_unbuilt_features_are_refused_at_initialize(sections: dict, fragment: str) -> None:
+    with pytest.raises(NotImplementedError) as info:
+        zero_engine.initialize(make_model(), _with(**sections))
+    assert fragment in str(info.value)
+
+
+def test_off_switches_are_accepted() -> None:
+    config = _with(gradient_clipping=0, fp16={"enabled": False}, zero_optimization={"offload_optimizer": {"device": "none"}})
+    zero_engine.initialize(make_model(), config)
+
+
+def test_non_elementwise_optimizer_runs_at_stage_0() -> None:
+    model = make_model()
+    engine = zero_engine.initialize(model, _with(optimizer={"type": "Adafactor", "params": {"lr": 0.01}}))
+    before = model.fc1.weight.detach().clone()
+    engine.backward(engine(*micro_batch(0, 0, 0, 1, 2, 1)))
+    engine.step()
+    assert not torch.equal(before, model.fc1.weight)
+
+
+def test_bad_param_groups_name_the_problem() -> None:
+    model = make_model()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: a tensor of shape \(3,\) is not a parameter"):
+        zero_engine.initialize(model, BASE, param_groups=[{"params": [nn.Parameter(torch.zeros(3))]}])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: parameter 'fc1.weight' is already in param_groups\[0\]"):
+        zero_engine.initialize(model, BASE, param_groups=[{"params": [model.fc1.weight]}, {"params": [model.fc1.weight]}])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['weight_decy'\]: AdamW has no option"):
+        zero_engine.initialize(model, BASE, param_groups=[{"params": list(model.parameters()), "weight_decy": 0.1}])
+
+
+def test_batch_arithmetic_is_checked_at_initialize() -> None:
+    with pytest.raises(zero_engine.ConfigError, match="train_batch_size = 10 but"):
+        zero_engine.initialize(make_model(), {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3,
+                                              "gradient_accumulation_steps": 1})
+
+
+def test_low_precision_parameters_are_refused_with_their_name() -> None:
+    model = make_model().to(torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="parameter 'unused' is torch.bfloat16"):
+        zero_engine.initialize(model, BASE)
+
+
+def test_per_group_options_are_kept() -> None:
+    model = make_model()
+    engine = zero_engine.initialize(model, _with(zero_optimization={"stage": 1}), param_groups=decay_groups(model))
+    assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.1, 0.0]
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [0.01, 0.01]
+
+
+def test_user_zero_grad_does_not_break_the_flat_gradients() -> None:
+    model = make_model()
+    engine = zero_engine.initialize(model, BASE)
+    model.zero_grad(set_to_none=True)
+    engine.backward(engine(*micro_batch(0, 0, 0, 1, 2, 1)))
+    unit_grads = torch.cat([unit.flat_grad for unit in engine.units])
+    assert unit_grads.abs().sum() > 0, "gradients went around the flat buffer"

@@ -1,0 +1,51 @@
+"""The ``zero-engine`` console script.
+
+    zero-engine validate CONFIG [--world-size N]   print the resolved config, or its errors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import ConfigError, load_config
+from .features import unbuilt_features
+
+
+def _validate(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        batch = config.batch_sizes(args.world_size)
+    except ConfigError as err:
+        print(f"invalid: {err}", file=sys.stderr)
+        return 1
+    resolved = config.model_dump(mode="json")
+    resolved.update(
+        train_batch_size=batch.train_batch_size,
+        train_micro_batch_size_per_gpu=batch.micro_batch_size,
+        gradient_accumulation_steps=batch.gradient_accumulation_steps,
+    )
+    print(json.dumps(resolved, indent=2))
+    for feature in unbuilt_features(config):
+        print(f"warning: not built yet, initialize will refuse: {feature}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero-engine", description=__doc__.splitlines()[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    validate = verbs.add_parser("validate", help="check a config and print it resolved")
+    validate.add_argument("config", help="a .yaml, .yml or .json config file")
+    validate.add_argument("--world-size", type=int, default=1, help="ranks to resolve the batch sizes for")
+    validate.set_defaults(run=_validate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
