@@ -142,3 +142,13 @@ def test_cli_validate_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_public_surface() -> None:
     for name in ("initialize", "load_config", "ConfigError", "Engine"):
         assert hasattr(zero_engine, name)
+
+
+def test_docs_list_every_key() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    from make_config_docs import DOC, render
+
+    text = DOC.read_text()
+    assert render(text) == text, "docs/config.md is stale: run python scripts/make_config_docs.py"

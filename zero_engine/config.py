@@ -95,12 +95,12 @@ class ZeroOptimizationConfig(_Section):
     stage: int = Field(0, ge=0, le=3, description="0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters.")
     overlap_comm: bool = Field(True, description="Launch gradient reductions during backward, bucket by bucket.")
     contiguous_gradients: bool = Field(True, description="Gradients live in one flat buffer (always true here).")
-    reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter rather than all-reduce.")
+    reduce_scatter: bool = Field(True, description="DeepSpeed option; stages 1-2 always reduce-scatter (fastest primitive per backend).")
     reduce_bucket_size: PositiveCount = Field(
         2_000_000, description="Elements per gradient-reduction bucket (and per shard unit at stages 1-2)."
     )
-    allgather_partitions: bool = Field(True, description="Gather updated shards with all-gather.")
-    allgather_bucket_size: PositiveCount = Field(2_000_000, description="Elements per parameter all-gather.")
+    allgather_partitions: bool = Field(True, description="DeepSpeed option; updated shards are always all-gathered, one unit per call.")
+    allgather_bucket_size: PositiveCount = Field(2_000_000, description="DeepSpeed option; accepted (shards are gathered per reduce_bucket_size unit).")
     reduce_scatter_each_micro_step: bool = Field(
         True, description="Stage 2: reduce every micro-step into the gradient shard (False: once per boundary)."
     )
@@ -114,7 +114,7 @@ class ZeroOptimizationConfig(_Section):
     stage3_max_reuse_distance: Count = Field(1_000_000_000, description="Keep a gathered unit this close to reuse.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Gather full weights at save.")
     stage3_wrap_modules: list[str] | None = Field(None, description="Class names that become stage 3 units.")
-    ignore_unused_parameters: bool = Field(True, description="Unused parameters are allowed (always true here).")
+    ignore_unused_parameters: bool = Field(True, description="DeepSpeed option; parameters without gradients are always allowed.")
     elastic_checkpoint: bool = Field(False, description="DeepSpeed option; checkpoints here are always elastic.")
     load_from_fp32_weights: bool = Field(True, description="DeepSpeed option; masters always load from fp32.")
 
@@ -144,7 +144,9 @@ class ZeroEngineConfig(_Section):
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
         None, description="dtype of gradient reductions (default fp32)."
     )
-    zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
+    zero_optimization: ZeroOptimizationConfig = Field(
+        default_factory=ZeroOptimizationConfig, description="What is sharded, and how gradients are reduced."
+    )
     comm: CommConfig = Field(default_factory=CommConfig, description="Process group settings (ours).")
     steps_per_print: PositiveCount = Field(10, description="Log every this many optimizer steps.")
     wall_clock_breakdown: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
@@ -309,3 +311,19 @@ def _suggest(name: str, known: list[str]) -> str:
     if close:
         return f"; did you mean {close[0]!r}?"
     return f"; known: {', '.join(sorted(known))}"
+
+
+def key_reference(model: type[BaseModel] = ZeroEngineConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """Every key path with its default and description, for ``docs/config.md``."""
+    rows = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        sections = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)
+                    and issubclass(a, BaseModel)]
+        if sections:
+            rows.append((prefix + name, "section", field.description or ""))
+            rows.extend(key_reference(sections[0], prefix + name + "."))
+        else:
+            default = "{}" if field.default_factory is not None else repr(field.default)
+            rows.append((prefix + name, default, field.description or ""))
+    return rows

@@ -1,0 +1,200 @@
+"""Engine stages against torch's own data parallelism, side by side in ONE job.
+
+    torchrun --nproc_per_node=2 scripts/bench.py --model small
+
+Every system trains its own copy of the same GPT on the same batches; their steps alternate
+(in a rotating order) so that the machine's noise hits all of them alike, and only ratios of
+medians inside one job are reported. Baselines: DistributedDataParallel with AdamW, and DDP
+with torch's ZeroRedundancyOptimizer. Writes JSON and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import zero_engine  # noqa: E402
+from gpt import GPT, PRESETS, decay_groups  # noqa: E402
+from stdlib_text import TextBatches, load_corpus  # noqa: E402
+
+LR, WEIGHT_DECAY = 1e-3, 0.1
+
+
+class TorchSystem:
+    """DDP with a torch optimizer (plain AdamW, or ZeroRedundancyOptimizer over AdamW)."""
+
+    def __init__(self, model: nn.Module, sharded_optimizer: bool) -> None:
+        self.model = DistributedDataParallel(model)
+        groups = decay_groups(model, WEIGHT_DECAY)
+        if sharded_optimizer:
+            self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=LR)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=LR)
+        self.sharded = sharded_optimizer
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = self.model(tokens, targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        return loss.item()
+
+    def memory(self) -> dict[str, int]:
+        params = list(self.model.module.parameters())
+        inner = self.optimizer.optim if self.sharded else self.optimizer
+        return {
+            "parameters": sum(_nbytes(p) for p in params),
+            "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_states": sum(_nbytes(t) for s in inner.state.values() for t in s.values() if torch.is_tensor(t)),
+        }
+
+    def comm_bytes(self) -> int | None:
+        return None  # not instrumented; theory: all-reduce 2(N-1)/N x gradient bytes (+ broadcasts for ZeRO)
+
+
+class EngineSystem:
+    def __init__(self, model: nn.Module, stage: int, bucket: int) -> None:
+        config = {
+            "train_micro_batch_size_per_gpu": 1,  # batches are handed in directly
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
+        }
+        self.engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = self.engine(tokens, targets)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.item()
+
+    def memory(self) -> dict[str, int]:
+        report = self.engine.memory_report()
+        return {key: report[key] for key in ("parameters", "gradients", "optimizer_states")}
+
+    def comm_bytes(self) -> int | None:
+        return self.engine.comm_report()["total"]["sent"]
+
+
+def build_systems(names: list[str], model_config, bucket: int) -> dict[str, Callable]:
+    """``ddp``, ``zero_redundancy``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B elements)."""
+    systems = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = GPT(model_config)
+        if name in ("ddp", "zero_redundancy"):
+            systems[name] = TorchSystem(model, sharded_optimizer=name == "zero_redundancy")
+        elif name.startswith("engine"):
+            stage, _, size = name.removeprefix("engine").partition("@")
+            systems[name] = EngineSystem(model, int(stage), int(float(size)) if size else bucket)
+        else:
+            raise SystemExit(f"unknown system {name!r}: ddp, zero_redundancy, engineS or engineS@BUCKET")
+    return systems
+
+
+def run(args: argparse.Namespace) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model_config = PRESETS[args.model]
+    systems = build_systems(args.systems, model_config, args.bucket)
+    data = TextBatches(load_corpus(), model_config.context)
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    losses: dict[str, list[float]] = {name: [] for name in systems}
+    names = list(systems)
+    for step in range(args.warmup + args.steps):
+        batch = data.rank_batch(step, 0, rank, world, args.micro_batch, 1)
+        rotation = names[step % len(names):] + names[: step % len(names)]
+        for name in rotation:
+            dist.barrier()
+            start = time.perf_counter()
+            losses[name].append(systems[name].train_step(*batch))
+            dist.barrier()
+            if step >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    num_params = sum(p.numel() for p in GPT(model_config).parameters())
+    reference = "ddp" if "ddp" in systems else names[0]
+    ref_median = statistics.median(times[reference])
+    rows = {}
+    for name, system in systems.items():
+        median = statistics.median(times[name])
+        rows[name] = {
+            "median_step_s": median,
+            "ratio_to_" + reference: median / ref_median,
+            "max_loss_diff_vs_" + reference: max(abs(a - b) for a, b in zip(losses[name], losses[reference])),
+            **system.memory(),
+            "comm_bytes_per_step": system.comm_bytes(),
+        }
+    return {
+        "model": args.model,
+        "num_params": num_params,
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "steps_timed": args.steps,
+        "micro_batch": args.micro_batch,
+        "bucket": args.bucket,
+        "theory_comm_bytes_per_step": round(2 * (world - 1) / world * 4 * num_params),
+        "systems": rows,
+    }
+
+
+def markdown(result: dict) -> str:
+    ref = next(k for k in next(iter(result["systems"].values())) if k.startswith("ratio_to_"))
+    lines = [
+        f"{result['model']} GPT, {result['num_params'] / 1e6:.2f}M parameters, {result['world_size']} ranks "
+        f"({result['backend']}), micro-batch {result['micro_batch']}, median of {result['steps_timed']} steps; "
+        f"theory for 2x parameter bytes x (N-1)/N: {result['theory_comm_bytes_per_step'] / 2**20:.2f} MiB/step",
+        "",
+        f"| system | median step (ms) | {ref.replace('_', ' ')} | params MiB | grads MiB | optimizer MiB "
+        "| comm MiB/step | max loss diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in result["systems"].items():
+        comm = "n/a" if row["comm_bytes_per_step"] is None else f"{row['comm_bytes_per_step'] / 2**20:.2f}"
+        loss_key = next(k for k in row if k.startswith("max_loss_diff"))
+        lines.append(
+            f"| {name} | {row['median_step_s'] * 1e3:.1f} | {row[ref]:.3f} | {row['parameters'] / 2**20:.2f} "
+            f"| {row['gradients'] / 2**20:.2f} | {row['optimizer_states'] / 2**20:.2f} | {comm} | {row[loss_key]:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--systems", nargs="+", default=["ddp", "engine0", "zero_redundancy", "engine1"])
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per system")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--bucket", type=int, default=2_000_000, help="engine reduce_bucket_size (elements)")
+    parser.add_argument("--out", default="runs/bench", help="writes OUT-MODEL.json and OUT-MODEL.md")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    dist.init_process_group("gloo")
+    result = run(args)
+    if dist.get_rank() == 0:
+        out = Path(f"{args.out}-{args.model}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+        table = markdown(result)
+        out.with_suffix(".md").write_text(table)
+        print(table)
+    dist.destroy_process_group()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+if __name__ == "__main__":
+    main()
