@@ -11,7 +11,7 @@ from zero_engine.layout import UnitLayout, plan_units
 SIZE_LISTS = [[1], [5], [7, 3], [1, 1, 1, 1, 1], [91, 88, 84, 14, 5], [0, 4, 0], [13, 1, 2, 30]]
 
 
-@pytest.mark.parametrize("sizes, world_size", itertools.product(SIZE_LISTS, range(1, 9)))
+@pytest.mark.parametrize("sizes, world_size", list(itertools.product(SIZE_LISTS, range(1, 9))))
 def test_shards_cover_every_element_once(sizes: list[int], world_size: int) -> None:
     layout = UnitLayout(sizes, world_size)
     assert layout.padded_numel % world_size == 0

@@ -1,0 +1,41 @@
+"""The multi-process harness itself: failures name the rank, hangs end in a timeout."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from harness import RankFailure, run_on_ranks
+
+
+def rank_and_size(rank: int, world_size: int) -> tuple[int, int, int]:
+    return rank, world_size, dist.get_world_size()
+
+
+def fails_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("deliberate failure on rank one")
+    dist.barrier()  # rank 0 would wait forever for rank 1
+
+
+def hangs_on_rank_zero(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(600)
+
+
+def test_results_come_back_in_rank_order() -> None:
+    assert run_on_ranks(3, rank_and_size) == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
+
+
+def test_a_failing_rank_is_named_with_its_traceback() -> None:
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 of 2 raised:(.|\n)*deliberate failure on rank one"):
+        run_on_ranks(2, fails_on_rank_one, timeout=60)
+    assert time.monotonic() - started < 50, "the harness waited for the blocked rank instead of failing fast"
+
+
+def test_a_hanging_rank_times_out() -> None:
+    with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 8s"):
+        run_on_ranks(2, hangs_on_rank_zero, timeout=8)
