@@ -82,7 +82,7 @@ class EngineSystem:
 
     def memory(self) -> dict[str, int]:
         report = self.engine.memory_report()
-        return {key: report[key] for key in ("parameters", "gradients", "optimizer_states")}
+        return {key: report[key] for key in ("parameters", "gradients", "optimizer_states", "buffers", "peak_gradients")}
 
     def comm_bytes(self) -> int | None:
         return self.engine.comm_report()["total"]["sent"]
@@ -156,15 +156,17 @@ def markdown(result: dict) -> str:
         f"theory for 2x parameter bytes x (N-1)/N: {result['theory_comm_bytes_per_step'] / 2**20:.2f} MiB/step",
         "",
         f"| system | median step (ms) | {ref.replace('_', ' ')} | params MiB | grads MiB | optimizer MiB "
-        "| comm MiB/step | max loss diff |",
-        "|---|---|---|---|---|---|---|---|",
+        "| comm buffers MiB | peak grads MiB | comm MiB/step | max loss diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in result["systems"].items():
-        comm = "n/a" if row["comm_bytes_per_step"] is None else f"{row['comm_bytes_per_step'] / 2**20:.2f}"
+        comm = _mib(row["comm_bytes_per_step"])
         loss_key = next(k for k in row if k.startswith("max_loss_diff"))
+        extra = [_mib(row.get(key)) for key in ("buffers", "peak_gradients")]
         lines.append(
-            f"| {name} | {row['median_step_s'] * 1e3:.1f} | {row[ref]:.3f} | {row['parameters'] / 2**20:.2f} "
-            f"| {row['gradients'] / 2**20:.2f} | {row['optimizer_states'] / 2**20:.2f} | {comm} | {row[loss_key]:.1e} |"
+            f"| {name} | {row['median_step_s'] * 1e3:.1f} | {row[ref]:.3f} | {_mib(row['parameters'])} "
+            f"| {_mib(row['gradients'])} | {_mib(row['optimizer_states'])} | {extra[0]} | {extra[1]} | {comm} "
+            f"| {row[loss_key]:.1e} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -172,7 +174,7 @@ def markdown(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", choices=sorted(PRESETS))
-    parser.add_argument("--systems", nargs="+", default=["ddp", "engine0", "zero_redundancy", "engine1"])
+    parser.add_argument("--systems", nargs="+", default=["ddp", "engine0", "zero_redundancy", "engine1", "engine2"])
     parser.add_argument("--steps", type=int, default=40, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--micro-batch", type=int, default=8)
@@ -190,6 +192,10 @@ def main() -> None:
         out.with_suffix(".md").write_text(table)
         print(table)
     dist.destroy_process_group()
+
+
+def _mib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:.2f}"
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

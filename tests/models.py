@@ -37,6 +37,19 @@ class TrapModel(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+class DeepModel(nn.Module):
+    """Eight equal layers: enough buckets for stage 2's bounded gradient memory to show."""
+
+    def __init__(self, width: int = 16, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
 def make_model(seed: int = 0) -> TrapModel:
     torch.manual_seed(seed)
     return TrapModel()

@@ -8,7 +8,7 @@ import torch
 
 import zero_engine
 from harness import run_on_ranks
-from models import decay_groups, global_batch, make_model, micro_batch
+from models import DeepModel, decay_groups, global_batch, make_model, micro_batch
 from zero_engine.memory import formula_bytes
 
 LR = 0.05
@@ -38,7 +38,7 @@ def checks(rank: int, world_size: int) -> dict:
     out["initial_state"] = engine.full_state_dict()
     engine.close()
 
-    for stage in (0, 1):
+    for stage in (0, 1, 2):
         model = make_model()
         engine = zero_engine.initialize(model, _config(stage, accum=2), param_groups=decay_groups(model))
         # torch.optim creates its state at the first step, so measure at the second.
@@ -54,12 +54,30 @@ def checks(rank: int, world_size: int) -> dict:
             "memory": memory_before_step,
             "comm": engine.comm_report(),
             "unit_numels": [(u.layout.unpadded_numel, u.layout.padded_numel) for u in engine.units],
+            "shard_numel": sum(u.layout.shard_numel for u in engine.units),
+            "largest_param_numel": max(p.numel() for p in model.parameters()),
             "num_optimizer_tensors": len(engine.optimizer.state),
             "psi": _trainable_numel(model),
             "never_stepped": model.unused.numel(),  # torch.optim gives it no state
             "frozen_bytes": sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad),
         }
         engine.close()
+
+    # Stage 2's gradient memory on a model of many buckets: shard + two buckets, not the model.
+    torch.manual_seed(0)
+    deep = DeepModel()
+    engine = zero_engine.initialize(deep, _config(2, bucket=300))
+    for step in range(2):
+        engine.backward(engine(torch.randn(4, 16)))
+        memory = engine.memory_report()
+        engine.step()
+    out["deep"] = {
+        "memory": memory,
+        "psi": _trainable_numel(deep),
+        "largest_unit": max(u.layout.padded_numel for u in engine.units),
+        "num_units": len(engine.units),
+    }
+    engine.close()
 
     # Ranks that use different parameters: odd ranks skip the MLP on even steps.
     model = make_model()
@@ -98,7 +116,7 @@ def test_distributed_behaviour(world_size: int) -> None:
         for name, tensor in result["initial_state"].items():
             assert torch.equal(tensor, rank0[name]), f"{name} differs from rank 0 after initialize"
 
-    for stage in (0, 1):
+    for stage in (0, 1, 2):
         reports = [r[f"stage{stage}"] for r in per_rank]
         psi, units = reports[0]["psi"], reports[0]["unit_numels"]
         padded = sum(p for _, p in units)
@@ -106,11 +124,21 @@ def test_distributed_behaviour(world_size: int) -> None:
         stepped = psi - reports[0]["never_stepped"]
         optimizer_formula = formula_bytes(stepped, stage, n).optimizer_states
         for report in reports:
-            assert report["silent_micro_step_bytes"] == 0, "a non-boundary micro-step communicated"
             memory = report["memory"]
             assert memory["parameters"] == 4 * padded + report["frozen_bytes"]
-            assert memory["gradients"] == 4 * padded
             assert abs(memory["parameters"] - report["frozen_bytes"] - formula.parameters) <= 4 * n * len(units)
+            if stage < 2:
+                assert report["silent_micro_step_bytes"] == 0, "a non-boundary micro-step communicated"
+                assert memory["gradients"] == memory["peak_gradients"] == 4 * padded
+            else:
+                # Only the shard persists; during backward at most two buckets (each sized for
+                # the largest unit) plus autograd's gradient of the parameter being copied.
+                assert memory["gradients"] == 4 * report["shard_numel"]
+                assert abs(memory["gradients"] - formula.gradients) <= 4 * len(units)
+                bucket_bytes = 4 * max(p for _, p in units)
+                bound = memory["gradients"] + 2 * bucket_bytes + 4 * report["largest_param_numel"]
+                assert memory["gradients"] < memory["peak_gradients"] <= bound
+                assert memory["buffers"] == bucket_bytes * 2
             # Adam: exp_avg + exp_avg_sq (8 bytes an element) + a 4-byte step counter per tensor.
             counters = 4 * report["num_optimizer_tensors"]
             assert abs(memory["optimizer_states"] - counters - optimizer_formula) <= 8 * len(units)
@@ -126,9 +154,19 @@ def test_distributed_behaviour(world_size: int) -> None:
                 assert 2 * ring * 4 * padded <= gradient_bytes <= 2 * ring * 4 * padded + 2 * 8 * (psi + 1)
                 assert comm["reduce_scatter"]["sent"] == comm["all_gather"]["sent"] == 0
             else:
-                moved = comm["reduce_scatter"]["sent"] + comm["all_gather"]["sent"]
-                assert abs(moved - 2 * ring * 4 * psi) <= 2 * 4 * n * len(units), (moved, 2 * ring * 4 * psi)
+                # Stage 2 reduce-scatters every micro-step (2 per step here), stage 1 once.
+                scatters = 2 if stage == 2 else 1
+                assert abs(comm["reduce_scatter"]["sent"] - scatters * ring * 4 * psi) <= scatters * 4 * n * len(units)
+                assert abs(comm["all_gather"]["sent"] - ring * 4 * psi) <= 4 * n * len(units)
                 assert comm["all_reduce"]["sent"] < 2 * 8 * (psi + 1), "only the small used-mask all-reduce"
+
+    for result in per_rank:
+        deep = result["deep"]
+        memory, psi, bucket_bytes = deep["memory"], deep["psi"], 4 * deep["largest_unit"]
+        assert deep["num_units"] == 8
+        assert abs(memory["gradients"] - 4 * psi / n) <= 4 * deep["num_units"]
+        assert memory["peak_gradients"] <= memory["gradients"] + 2 * bucket_bytes + 4 * 16 * 16
+        assert memory["peak_gradients"] < 4 * psi, "stage 2 held as much gradient as the whole model"
 
     reference = _divergent_reference(world_size)
     for rank, result in enumerate(per_rank):

@@ -29,6 +29,7 @@ def _config(case: dict) -> dict:
             "stage": case["stage"],
             "reduce_bucket_size": case["bucket"],
             "overlap_comm": case.get("overlap", True),
+            "reduce_scatter_each_micro_step": case.get("each_micro_step", True),
         },
     }
 
@@ -72,10 +73,13 @@ def _check(case: dict, world_size: int, per_rank: list[dict]) -> None:
 
 GRID = [
     {"stage": stage, "accum": accum, "bucket": bucket}
-    for stage, accum, bucket in itertools.product((0, 1), (1, 3), (40, 10**6))
+    for stage, accum, bucket in itertools.product((0, 1, 2), (1, 3), (40, 10**6))
 ] + [
     {"stage": 1, "accum": 2, "bucket": 40, "overlap": False},
+    {"stage": 2, "accum": 2, "bucket": 40, "overlap": False},
+    {"stage": 2, "accum": 3, "bucket": 40, "each_micro_step": False},
     {"stage": 1, "accum": 1, "bucket": 40, "optimizer": "SGD", "clip": 0.05},
+    {"stage": 2, "accum": 2, "bucket": 60, "optimizer": "AdamW", "clip": 0.05},
     {"stage": 0, "accum": 1, "bucket": 40, "optimizer": "Adagrad", "clip": 0.05},
 ]
 

@@ -102,7 +102,9 @@ class ZeroOptimizationConfig(_Section):
     allgather_partitions: bool = Field(True, description="DeepSpeed option; updated shards are always all-gathered, one unit per call.")
     allgather_bucket_size: PositiveCount = Field(2_000_000, description="DeepSpeed option; accepted (shards are gathered per reduce_bucket_size unit).")
     reduce_scatter_each_micro_step: bool = Field(
-        True, description="Stage 2: reduce every micro-step into the gradient shard (False: once per boundary)."
+        True,
+        description="Stage 2: reduce-scatter every micro-step into the gradient shard (memory 4Ψ/N); "
+        "false: accumulate full gradients and reduce once per step (memory 4Ψ, k times less traffic).",
     )
     round_robin_gradients: bool = Field(False, description="DeepSpeed stage 1-2 option; accepted, no effect.")
     offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer offload; not built.")

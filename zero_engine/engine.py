@@ -24,8 +24,7 @@ from .layout import plan_units
 from .memory import MemoryReport, measure_memory
 from .optim import build_optimizer, check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
-from .reducer import GradReducer
-from .stages import Stage, stage_for
+from .stages import Stage, build_reducer, stage_for
 
 
 class _OptimizerTarget(NamedTuple):
@@ -80,9 +79,10 @@ class Engine:
         self.micro_steps = 0
         self._window_opened = False
         self._global_grad_norm: float | None = None
-        self.units = _build_units(model, groups, comm, config.zero_optimization.reduce_bucket_size)
+        zero = config.zero_optimization
+        self.units = _build_units(model, groups, comm, zero.reduce_bucket_size, not stage.streams_gradients(zero))
         self._sync_from_rank0()
-        self.reducer = GradReducer(self.units, comm, stage.reduction, config.zero_optimization.overlap_comm)
+        self.reducer = build_reducer(stage, self.units, comm, zero)
         self._targets, optimizer_groups = self._optimizer_targets(groups)
         self.optimizer = build_optimizer(config.optimizer, stage.level, optimizer_groups)
 
@@ -122,9 +122,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps``; reduces on boundaries."""
         self._open_window()
-        for unit in self.units:
-            unit.attach_grads()  # in case the user set grads to None (zero_grad)
-        self.reducer.pre_backward(reduce=self.is_gradient_accumulation_boundary())
+        self.reducer.pre_backward(boundary=self.is_gradient_accumulation_boundary())
         (loss / self.batch.gradient_accumulation_steps).backward()
         self.reducer.post_backward()
 
@@ -168,7 +166,7 @@ class Engine:
         coefficient = max_norm / (norm + 1e-6)
         if coefficient < 1.0:
             for unit in self.units:
-                self.stage.reduction.kept_grad(unit).mul_(coefficient)
+                self.reducer.kept_grad(unit).mul_(coefficient)
 
     def _update(self, used: torch.Tensor) -> None:
         """Step the optimizer; a parameter no rank used keeps its values and its state."""
@@ -184,8 +182,7 @@ class Engine:
             handle.wait()
 
     def _zero_grads(self) -> None:
-        for unit in self.units:
-            unit.flat_grad.zero_()
+        self.reducer.zero_grads()
         self.reducer.reset_used()
         in_units = {param for unit in self.units for param in unit.params}
         for param in self.module.parameters():
@@ -217,7 +214,7 @@ class Engine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds (see `zero_engine.memory.MemoryReport`)."""
-        return measure_memory(self.module, self.units, self.optimizer)._asdict()
+        return measure_memory(self.module, self.units, self.optimizer, self.reducer)._asdict()
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank sent and received per collective kind in the current optimizer step."""
@@ -241,7 +238,9 @@ class Engine:
         self.reducer.remove_hooks()
 
 
-def _build_units(model: nn.Module, groups: list[ParamGroup], comm: Comm, max_unit_numel: int) -> list[FlatUnit]:
+def _build_units(
+    model: nn.Module, groups: list[ParamGroup], comm: Comm, max_unit_numel: int, full_grads: bool
+) -> list[FlatUnit]:
     """Flat units per param group, listed in expected gradient-arrival order (reverse
     registration, as backward produces them) so the reducer launches them as they fill."""
     position = {param: index for index, param in enumerate(model.parameters())}
@@ -250,7 +249,7 @@ def _build_units(model: nn.Module, groups: list[ParamGroup], comm: Comm, max_uni
         pairs = sorted(zip(group.names, group.params), key=lambda pair: position[pair[1]], reverse=True)
         for indices in plan_units([param.numel() for _, param in pairs], max_unit_numel):
             params, names = [pairs[i][1] for i in indices], [pairs[i][0] for i in indices]
-            unit = FlatUnit(params, names, group_index, comm.rank, comm.world_size)
+            unit = FlatUnit(params, names, group_index, comm.rank, comm.world_size, full_grads=full_grads)
             keyed.append((min(position[p] for p in unit.params), unit))
     keyed.sort(key=lambda item: item[0], reverse=True)
     return [unit for _, unit in keyed]

@@ -23,7 +23,14 @@ class FlatUnit:
     """Parameters of one param group, flattened in order into padded flat buffers."""
 
     def __init__(
-        self, params: Sequence[nn.Parameter], names: Sequence[str], group_index: int, rank: int, world_size: int
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        group_index: int,
+        rank: int,
+        world_size: int,
+        *,
+        full_grads: bool = True,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -32,13 +39,20 @@ class FlatUnit:
         self.layout = UnitLayout([p.numel() for p in self.params], world_size)
         first = self.params[0]
         self.flat_param = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
-        self.flat_grad = torch.zeros_like(self.flat_param)
         with torch.no_grad():
             for index, param in enumerate(self.params):
                 view = self.param_view(index)
                 view.copy_(param.detach())
                 param.data = view
-        self.attach_grads()
+        # Full gradients (stages 0-1): one flat buffer, each .grad a view into it. Sharded
+        # gradients (stage 2): only this rank's shard persists; full ones pass through buckets.
+        self.flat_grad: torch.Tensor | None = None
+        if full_grads:
+            self.flat_grad = torch.zeros_like(self.flat_param)
+            self.sharded_grad = self._shard(self.flat_grad)
+            self.attach_grads()
+        else:
+            self.sharded_grad = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)
 
     def _view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         offset, param = self.layout.param_offsets[index], self.params[index]
@@ -48,25 +62,30 @@ class FlatUnit:
         return self._view(self.flat_param, index)
 
     def grad_view(self, index: int) -> torch.Tensor:
+        if self.flat_grad is None:
+            raise RuntimeError(f"unit of {self.names} keeps no full gradients")
         return self._view(self.flat_grad, index)
 
     def attach_grads(self) -> None:
-        """Point every parameter's ``.grad`` at its slice of ``flat_grad``."""
-        for index, param in enumerate(self.params):
-            param.grad = self.grad_view(index)
+        """Point every parameter's ``.grad`` at its slice of ``flat_grad`` (full gradients only)."""
+        if self.flat_grad is not None:
+            for index, param in enumerate(self.params):
+                param.grad = self.grad_view(index)
 
     def _shard(self, flat: torch.Tensor) -> torch.Tensor:
         start, end = self.layout.shard_range(self.rank)
         return flat[start:end]
 
     @property
+    def grad_bytes(self) -> int:
+        """Persistent gradient storage: the full flat buffer, or just this rank's shard."""
+        held = self.flat_grad if self.flat_grad is not None else self.sharded_grad
+        return held.numel() * held.element_size()
+
+    @property
     def sharded_param(self) -> torch.Tensor:
         """This rank's shard of the parameters: its fp32 master copy."""
         return self._shard(self.flat_param)
-
-    @property
-    def sharded_grad(self) -> torch.Tensor:
-        return self._shard(self.flat_grad)
 
     def segments(self) -> list[ShardSegment]:
         """This rank's pieces of each parameter, as views an optimizer can update in place."""

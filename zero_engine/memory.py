@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .flat_param import FlatUnit
+from .reducer import GradReducer
 
 
 class MemoryReport(NamedTuple):
@@ -29,6 +30,7 @@ class MemoryReport(NamedTuple):
     optimizer_states: int  # optimizer state tensors
     master_parameters: int  # separate fp32 masters (mixed precision only)
     buffers: int  # reusable communication buffers
+    peak_gradients: int  # most gradient storage alive at once during the last backward
 
 
 def formula_bytes(
@@ -58,10 +60,13 @@ def formula_bytes(
         optimizer_states=per_rank(optimizer_bytes, 1),
         master_parameters=per_rank(master_bytes, 1),
         buffers=0,
+        peak_gradients=per_rank(grad_bytes, 2),
     )
 
 
-def measure_memory(module: nn.Module, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer) -> MemoryReport:
+def measure_memory(
+    module: nn.Module, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer, reducer: GradReducer
+) -> MemoryReport:
     """What this rank holds now, counted from the tensors themselves."""
     in_units = {param for unit in units for param in unit.params}
     loose_params = sum(_nbytes(p) for p in module.parameters() if p not in in_units)
@@ -70,10 +75,11 @@ def measure_memory(module: nn.Module, units: Sequence[FlatUnit], optimizer: torc
     )
     return MemoryReport(
         parameters=loose_params + sum(_nbytes(unit.flat_param) for unit in units),
-        gradients=sum(_nbytes(unit.flat_grad) for unit in units),
+        gradients=reducer.persistent_grad_bytes,
         optimizer_states=optimizer_states,
         master_parameters=0,
-        buffers=0,
+        buffers=reducer.buffer_bytes(),
+        peak_gradients=reducer.peak_grad_bytes,
     )
 
 

@@ -1,21 +1,29 @@
 """Gradient reduction during backward, one unit (bucket) at a time.
 
 A post-accumulate-grad hook on every trainable parameter records that it received a gradient
-and counts it towards its unit. On a boundary backward, a unit whose parameters have all
-arrived is reduced asynchronously while backward goes on. Units are launched strictly in their
-list order (the expected arrival order: reverse registration), a ready unit waiting for the
-ones before it, so every rank issues the same collectives in the same order even when ranks
-differ in which parameters they used. Units still incomplete when backward returns (unused
-parameters) are launched then, in order, and everything is awaited.
+and counts it towards its unit. When a unit's parameters have all arrived, its reduction is
+launched asynchronously while backward goes on. Units are launched strictly in list order
+(the expected arrival order: reverse registration), a ready unit waiting for the ones before
+it, so every rank issues the same collectives in the same order even when ranks differ in
+which parameters they used. Units still incomplete when backward returns (parameters unused
+on this rank) are launched then, in order, and everything is awaited.
 
-The stage decides what "reduce" means through a `GradReduction` (all-reduce for stage 0,
-reduce-scatter into the rank's shard for stage 1).
+Two ways to hold gradients, one class each:
+
+- `FullGradReducer` (stages 0-1): every ``.grad`` is a view into the unit's persistent flat
+  gradient buffer; autograd accumulates there across micro-steps and the reduction runs on
+  boundaries only: all-reduce (stage 0) or reduce-scatter into the rank's shard (stage 1).
+- `ShardedGradReducer` (stage 2): only the rank's gradient shard persists. Each gradient is
+  copied into its unit's bucket and freed at once; a complete bucket is reduce-scattered and
+  its slice added into the shard, every micro-step. At most two buckets are alive: one
+  filling, one reducing; a third waits for the oldest reduction.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -24,29 +32,30 @@ from .flat_param import FlatUnit
 
 
 class GradReduction(Protocol):
-    """How a stage reduces one unit's gradients and which part of them it keeps."""
+    """How full-gradient stages reduce one unit and which part of the result they keep."""
 
     def launch(self, unit: FlatUnit, comm: Comm) -> Pending: ...
 
-    def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
-        """The gradients this rank holds averaged after the reduction."""
-        ...
+    def kept_grad(self, unit: FlatUnit) -> torch.Tensor: ...
 
 
 class AllReduceGrads:
     """Stage 0: every rank keeps the full averaged gradient."""
 
     def launch(self, unit: FlatUnit, comm: Comm) -> Pending:
+        assert unit.flat_grad is not None
         return comm.all_reduce_sum(unit.flat_grad)
 
     def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
+        assert unit.flat_grad is not None
         return unit.flat_grad
 
 
 class ReduceScatterGrads:
-    """Stages 1-2: each rank keeps the averaged gradient of its own shard."""
+    """Stage 1: each rank keeps the averaged gradient of its own shard."""
 
     def launch(self, unit: FlatUnit, comm: Comm) -> Pending:
+        assert unit.flat_grad is not None
         return comm.reduce_scatter_sum(unit.flat_grad)
 
     def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
@@ -54,64 +63,64 @@ class ReduceScatterGrads:
 
 
 class GradReducer:
-    """Launches each unit's reduction as soon as its gradients (and its predecessors') are in."""
+    """Hooks, arrival counting and in-order launching; subclasses say what a launch does."""
 
-    def __init__(self, units: Sequence[FlatUnit], comm: Comm, reduction: GradReduction, overlap: bool) -> None:
+    def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool) -> None:
         self.units = list(units)
         self.comm = comm
-        self.reduction = reduction
         self.overlap = overlap
         self.num_params = sum(len(unit.params) for unit in self.units)
         # 1.0 where a parameter received a gradient on this rank since the last optimizer step.
         self.used = torch.zeros(self.num_params, dtype=torch.float32)
+        self.persistent_grad_bytes = sum(unit.grad_bytes for unit in self.units)
+        self.peak_grad_bytes = self.persistent_grad_bytes  # most gradient storage alive in the last backward
         self._arrived = [0] * len(self.units)
         self._reducing = False
         self._next_unit = 0
-        self._pending: list[Pending] = []
         self._handles: list[Any] = []
         index = 0
         for unit_index, unit in enumerate(self.units):
-            for param in unit.params:
-                self._handles.append(param.register_post_accumulate_grad_hook(self._hook(unit_index, index)))
+            for param_index, param in enumerate(unit.params):
+                hook = self._hook(unit_index, param_index, index)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
                 index += 1
 
-    def _hook(self, unit_index: int, param_index: int):
-        def on_grad_accumulated(_param: torch.Tensor) -> None:
-            self.used[param_index] = 1.0
+    def _hook(self, unit_index: int, param_index: int, global_index: int):
+        def on_grad_accumulated(param: torch.Tensor) -> None:
+            self.used[global_index] = 1.0
             if self._reducing:
+                self._accept(self.units[unit_index], unit_index, param_index, param)
                 self._arrived[unit_index] += 1
                 if self.overlap:
                     self._launch_ready_units()
 
         return on_grad_accumulated
 
-    def pre_backward(self, reduce: bool) -> None:
-        """Arm the reducer; with ``reduce`` false, gradients only accumulate locally."""
-        self._reducing = reduce
+    reduces_every_micro_step = False
+
+    def pre_backward(self, boundary: bool) -> None:
+        """Arm the reducer for a backward; off boundaries, full gradients only accumulate."""
+        self._reducing = boundary or self.reduces_every_micro_step
         self._arrived = [0] * len(self.units)
         self._next_unit = 0
+        self.peak_grad_bytes = self.persistent_grad_bytes
 
     def post_backward(self) -> None:
-        """Launch what backward left unreduced, wait for all, and average."""
-        if not self._reducing:
-            return
-        self._launch(len(self.units))
-        for pending in self._pending:
-            pending.wait()
-        self._pending.clear()
-        for unit in self.units:
-            self.reduction.kept_grad(unit).div_(self.comm.world_size)
-        self._reducing = False
+        """Launch what backward left unreduced, then wait and average."""
+        if self._reducing:
+            self._launch_until(len(self.units))
+            self._finish()
+            self._reducing = False
 
     def _launch_ready_units(self) -> None:
         stop = self._next_unit
         while stop < len(self.units) and self._arrived[stop] == len(self.units[stop].params):
             stop += 1
-        self._launch(stop)
+        self._launch_until(stop)
 
-    def _launch(self, stop: int) -> None:
+    def _launch_until(self, stop: int) -> None:
         while self._next_unit < stop:
-            self._pending.append(self.reduction.launch(self.units[self._next_unit], self.comm))
+            self._launch(self._next_unit)
             self._next_unit += 1
 
     def reset_used(self) -> None:
@@ -121,3 +130,142 @@ class GradReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    # -- what a stage's way of holding gradients decides -------------------------------------
+
+    def _accept(self, unit: FlatUnit, unit_index: int, param_index: int, param: torch.Tensor) -> None:
+        """A parameter's gradient has arrived in ``param.grad`` during a reducing backward."""
+
+    def _launch(self, unit_index: int) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
+        """The averaged gradients this rank holds for ``unit`` after a boundary backward."""
+        raise NotImplementedError
+
+    def zero_grads(self) -> None:
+        raise NotImplementedError
+
+    def buffer_bytes(self) -> int:
+        """Reusable communication buffers held between steps."""
+        return 0
+
+
+class FullGradReducer(GradReducer):
+    """Stages 0-1: full flat gradients persist; reduced once per accumulation window."""
+
+    def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool, reduction: GradReduction) -> None:
+        super().__init__(units, comm, overlap)
+        self.reduction = reduction
+        self._pending: list[Pending] = []
+
+    def pre_backward(self, boundary: bool) -> None:
+        for unit in self.units:
+            unit.attach_grads()  # in case user code set the gradients to None (zero_grad)
+        super().pre_backward(boundary)
+
+    def _launch(self, unit_index: int) -> None:
+        self._pending.append(self.reduction.launch(self.units[unit_index], self.comm))
+
+    def _finish(self) -> None:
+        for pending in self._pending:
+            pending.wait()
+        self._pending.clear()
+        for unit in self.units:
+            self.reduction.kept_grad(unit).div_(self.comm.world_size)
+
+    def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
+        return self.reduction.kept_grad(unit)
+
+    def zero_grads(self) -> None:
+        for unit in self.units:
+            assert unit.flat_grad is not None
+            unit.flat_grad.zero_()
+
+
+class _Bucket(NamedTuple):
+    storage: torch.Tensor  # reusable, sized for the largest unit
+    flat: torch.Tensor  # the unit's padded view of it
+
+
+class ShardedGradReducer(GradReducer):
+    """Stage 2: gradients stream through at most two buckets into the rank's shard."""
+
+    MAX_LIVE_BUCKETS = 2
+    reduces_every_micro_step = True
+
+    def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool) -> None:
+        super().__init__(units, comm, overlap)
+        self._bucket_numel = max((unit.layout.padded_numel for unit in self.units), default=0)
+        self._free: list[torch.Tensor] = []  # bucket storage ready for reuse
+        self._filling: dict[int, _Bucket] = {}  # unit index -> its bucket, not yet launched
+        self._in_flight: deque[tuple[FlatUnit, _Bucket, Pending]] = deque()
+        self._num_buckets = 0  # allocated, free or not
+
+    def _accept(self, unit: FlatUnit, unit_index: int, param_index: int, param: torch.Tensor) -> None:
+        if unit_index < self._next_unit:
+            raise RuntimeError(
+                f"parameter {unit.names[param_index]!r} received a second gradient after its bucket was reduced "
+                "(reentrant activation checkpointing?); use torch.utils.checkpoint with use_reentrant=False, "
+                "or zero_optimization.overlap_comm: false"
+            )
+        bucket = self._filling.get(unit_index)
+        if bucket is None:
+            bucket = self._filling[unit_index] = self._acquire(unit)
+        grad = param.grad
+        if grad is None:
+            raise RuntimeError(f"post-accumulate-grad hook of {unit.names[param_index]!r} found no gradient")
+        offset = unit.layout.param_offsets[param_index]
+        bucket.flat[offset : offset + grad.numel()].add_(grad.reshape(-1))
+        self._record_peak(extra=grad.numel() * grad.element_size())
+        param.grad = None  # the full gradient lives only in the bucket now
+
+    def _acquire(self, unit: FlatUnit) -> _Bucket:
+        if self._num_buckets - len(self._free) >= self.MAX_LIVE_BUCKETS and self._in_flight:
+            self._complete_oldest()
+        if self._free:
+            storage = self._free.pop()
+        else:
+            storage = torch.empty(self._bucket_numel, dtype=unit.flat_param.dtype, device=unit.flat_param.device)
+            self._num_buckets += 1
+        flat = storage[: unit.layout.padded_numel]
+        flat.zero_()
+        return _Bucket(storage, flat)
+
+    def _launch(self, unit_index: int) -> None:
+        unit = self.units[unit_index]
+        bucket = self._filling.pop(unit_index, None)
+        if bucket is None:  # no gradient here this backward; other ranks may have some
+            bucket = self._acquire(unit)
+        self._in_flight.append((unit, bucket, self.comm.reduce_scatter_sum(bucket.flat)))
+
+    def _complete_oldest(self) -> None:
+        unit, bucket, pending = self._in_flight.popleft()
+        pending.wait()
+        start, end = unit.layout.shard_range(unit.rank)
+        unit.sharded_grad.add_(bucket.flat[start:end], alpha=1.0 / self.comm.world_size)
+        self._free.append(bucket.storage)
+
+    def _finish(self) -> None:
+        while self._in_flight:
+            self._complete_oldest()
+
+    def _record_peak(self, extra: int) -> None:
+        live = self._num_buckets - len(self._free)
+        element = self.units[0].flat_param.element_size()
+        current = self.persistent_grad_bytes + live * self._bucket_numel * element + extra
+        self.peak_grad_bytes = max(self.peak_grad_bytes, current)
+
+    def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
+        return unit.sharded_grad
+
+    def zero_grads(self) -> None:
+        for unit in self.units:
+            unit.sharded_grad.zero_()
+
+    def buffer_bytes(self) -> int:
+        element = self.units[0].flat_param.element_size() if self.units else 0
+        return self._num_buckets * self._bucket_numel * element

@@ -1,38 +1,54 @@
-"""A ZeRO stage as a small value object: which states are sharded and how gradients reduce.
+"""A ZeRO stage as a small value object: which states are sharded.
 
-The engine looks the stage up once, in `STAGES`, and composes shared machinery from it; no
-``if stage == ...`` elsewhere. Stages 2 and 3 are listed with what is not built yet, so that
-asking for them fails at `initialize` with a clear message.
+The engine looks the stage up once, in `STAGES`, and composes shared machinery from it
+(`build_reducer` picks how gradients are held and reduced); no ``if stage == ...`` elsewhere.
+Stage 3 is listed but not built, so asking for it fails at `initialize` with a clear message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .reducer import AllReduceGrads, GradReduction, ReduceScatterGrads
+from .comm import Comm
+from .config import ZeroOptimizationConfig
+from .flat_param import FlatUnit
+from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads, ShardedGradReducer
 
 
 @dataclass(frozen=True)
 class Stage:
     level: int
     shard_optimizer_state: bool  # the optimizer updates only this rank's pieces, then all-gather
-    reduction: GradReduction | None  # None: this stage is not built yet
+    shard_gradients: bool  # only this rank's gradient shard persists
     summary: str
+    built: bool = True
+
+    def streams_gradients(self, zero: ZeroOptimizationConfig) -> bool:
+        """Gradients pass through buckets into the shard every micro-step (stage 2's default);
+        otherwise full gradients persist and are reduced once per accumulation window."""
+        return self.shard_gradients and zero.reduce_scatter_each_micro_step
 
 
 STAGES: dict[int, Stage] = {
-    0: Stage(0, False, AllReduceGrads(), "replicated data parallelism (all-reduce)"),
-    1: Stage(1, True, ReduceScatterGrads(), "optimizer state sharded (reduce-scatter + all-gather)"),
-    2: Stage(2, True, None, "gradients sharded too"),
-    3: Stage(3, True, None, "parameters sharded too"),
+    0: Stage(0, False, False, "replicated data parallelism (all-reduce)"),
+    1: Stage(1, True, False, "optimizer state sharded (reduce-scatter + all-gather)"),
+    2: Stage(2, True, True, "optimizer state and gradients sharded (reduce-scatter + all-gather)"),
+    3: Stage(3, True, True, "parameters sharded too", built=False),
 }
 
 
 def stage_for(level: int) -> Stage:
     stage = STAGES[level]
-    if stage.reduction is None:
+    if not stage.built:
         raise NotImplementedError(
-            f"zero_optimization.stage = {level} ({stage.summary}) is validated but not built yet; "
-            "use stage 0 or 1"
+            f"zero_optimization.stage = {level} ({stage.summary}) is validated but not built yet; use stage 0, 1 or 2"
         )
     return stage
+
+
+def build_reducer(stage: Stage, units: Sequence[FlatUnit], comm: Comm, zero: ZeroOptimizationConfig) -> GradReducer:
+    if stage.streams_gradients(zero):
+        return ShardedGradReducer(units, comm, zero.overlap_comm)
+    reduction = ReduceScatterGrads() if stage.shard_optimizer_state else AllReduceGrads()
+    return FullGradReducer(units, comm, zero.overlap_comm, reduction)
