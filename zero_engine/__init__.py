@@ -4,8 +4,17 @@
     loss = engine(x, y); engine.backward(loss); engine.step()
 """
 
+from .checkpoint import CheckpointError, load_consolidated
 from .config import ConfigError, ZeroEngineConfig, load_config
 from .engine import Engine, initialize
 
-__all__ = ["ConfigError", "Engine", "ZeroEngineConfig", "initialize", "load_config"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "Engine",
+    "ZeroEngineConfig",
+    "initialize",
+    "load_config",
+    "load_consolidated",
+]
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
 """The ``zero-engine`` console script.
 
-    zero-engine validate CONFIG [--world-size N]   print the resolved config, or its errors
+    zero-engine validate CONFIG [--world-size N]        print the resolved config, or its errors
+    zero-engine consolidate CHECKPOINT OUT [--tag T]     write a plain fp32 state_dict (.pt, .safetensors)
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import json
 import sys
 
+from .checkpoint import load_consolidated, write_state_dict
 from .config import ConfigError, load_config
 from .features import unbuilt_features
 
@@ -32,6 +34,18 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _consolidate(args: argparse.Namespace) -> int:
+    try:
+        state = load_consolidated(args.checkpoint, args.tag)
+        write_state_dict(state, args.out)
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    numel = sum(t.numel() for t in state.values())
+    print(f"wrote {args.out}: {len(state)} tensors, {numel:,} elements")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zero-engine", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -39,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="a .yaml, .yml or .json config file")
     validate.add_argument("--world-size", type=int, default=1, help="ranks to resolve the batch sizes for")
     validate.set_defaults(run=_validate)
+    consolidate = verbs.add_parser("consolidate", help="turn a checkpoint into a plain state_dict file")
+    consolidate.add_argument("checkpoint", help="the directory given to save_checkpoint")
+    consolidate.add_argument("out", help="output file: .pt, or .safetensors (needs the safetensors package)")
+    consolidate.add_argument("--tag", help="which checkpoint (default: the latest)")
+    consolidate.set_defaults(run=_consolidate)
     return parser
 
 

@@ -104,6 +104,18 @@ class Comm:
             works.append(dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True))
         Pending(tuple(works)).wait()
 
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (small, picklable), in rank order; not counted as traffic."""
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
     # -- accounting --------------------------------------------------------------------------
 
     def _count(self, kind: CollectiveKind, full_bytes: int) -> None:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from . import checkpoint
 from .comm import Comm, connect
 from .config import BatchSizes, ZeroEngineConfig, load_config
 from .features import refuse_unbuilt_features
@@ -27,12 +28,14 @@ from .param_groups import ParamGroup, resolve_param_groups
 from .stages import Stage, build_reducer, stage_for
 
 
-class _OptimizerTarget(NamedTuple):
-    """A tensor the optimizer steps, the gradient view it reads, and its parameter's index."""
+class OptimizerTarget(NamedTuple):
+    """A tensor the optimizer steps: a whole parameter (stage 0) or this rank's piece of one."""
 
     tensor: torch.Tensor
-    grad: torch.Tensor
-    param_index: int
+    grad: torch.Tensor  # the gradient view it reads
+    param_index: int  # across all units, as in the reducer's used-mask
+    name: str  # the parameter's name
+    param_offset: int  # where the tensor starts in the flattened parameter
 
 
 def initialize(
@@ -83,24 +86,27 @@ class Engine:
         self.units = _build_units(model, groups, comm, zero.reduce_bucket_size, not stage.streams_gradients(zero))
         self._sync_from_rank0()
         self.reducer = build_reducer(stage, self.units, comm, zero)
-        self._targets, optimizer_groups = self._optimizer_targets(groups)
+        self.optimizer_targets, optimizer_groups = self._plan_optimizer_targets(groups)
         self.optimizer = build_optimizer(config.optimizer, stage.level, optimizer_groups)
 
     # -- construction --------------------------------------------------------------------------
 
-    def _optimizer_targets(self, groups: list[ParamGroup]) -> tuple[list[_OptimizerTarget], list[dict[str, Any]]]:
+    def _plan_optimizer_targets(self, groups: list[ParamGroup]) -> tuple[list[OptimizerTarget], list[dict[str, Any]]]:
         """What the optimizer steps: whole parameters (stage 0) or this rank's pieces."""
-        targets: list[_OptimizerTarget] = []
+        targets: list[OptimizerTarget] = []
         per_group: list[list[torch.Tensor]] = [[] for _ in groups]
         first_index = 0
         for unit in self.units:
             if self.stage.shard_optimizer_state:
                 for segment in unit.segments():
-                    targets.append(_OptimizerTarget(segment.tensor, segment.grad, first_index + segment.piece.param_index))
+                    piece = segment.piece
+                    targets.append(OptimizerTarget(
+                        segment.tensor, segment.grad, first_index + piece.param_index, segment.name, piece.param_offset
+                    ))
                     per_group[unit.group_index].append(segment.tensor)
             else:
                 for index, param in enumerate(unit.params):
-                    targets.append(_OptimizerTarget(param, unit.grad_view(index), first_index + index))
+                    targets.append(OptimizerTarget(param, unit.grad_view(index), first_index + index, unit.names[index], 0))
                     per_group[unit.group_index].append(param)
             first_index += len(unit.params)
         return targets, [dict(group.options, params=tensors) for group, tensors in zip(groups, per_group)]
@@ -170,10 +176,10 @@ class Engine:
 
     def _update(self, used: torch.Tensor) -> None:
         """Step the optimizer; a parameter no rank used keeps its values and its state."""
-        for target in self._targets:
+        for target in self.optimizer_targets:
             target.tensor.grad = target.grad if used[target.param_index] else None
         self.optimizer.step()
-        for target in self._targets:
+        for target in self.optimizer_targets:
             target.tensor.grad = target.grad
 
     def _gather_params(self) -> None:
@@ -227,11 +233,26 @@ class Engine:
         """The L2 norm of the whole averaged gradient at the last optimizer step."""
         return self._global_grad_norm
 
-    def save_checkpoint(self, directory: str | Path, tag: str | None = None, client_state: Any = None) -> None:
-        raise NotImplementedError("checkpoints are not built yet (see the checkpoint issue); use full_state_dict()")
+    def save_checkpoint(self, directory: str | Path, tag: str | None = None, client_state: Any = None) -> Path:
+        """Save everything needed to resume, at any stage and world size (collective).
 
-    def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> Any:
-        raise NotImplementedError("checkpoints are not built yet (see the checkpoint issue)")
+        ``tag`` defaults to ``global_step{N}``; ``client_state`` is anything
+        ``torch.load(weights_only=True)`` can read back (tensors, numbers, strings, containers).
+        """
+        return checkpoint.save(self, directory, tag, client_state)
+
+    def load_checkpoint(
+        self,
+        directory: str | Path,
+        tag: str | None = None,
+        *,
+        strict: bool = True,
+        load_optimizer_states: bool = True,
+    ) -> Any:
+        """Resume from ``directory`` (tag: the latest); returns the saved ``client_state``."""
+        return checkpoint.load(
+            self, directory, tag, strict=strict, load_optimizer_states=load_optimizer_states
+        )
 
     def close(self) -> None:
         """Remove the engine's gradient hooks from the model's parameters."""

@@ -1,0 +1,273 @@
+"""Checkpoints: resume across stages and world sizes, atomic saves, safe and strict loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zero_engine
+from harness import RankFailure, run_on_ranks
+from models import decay_groups, make_model, micro_batch, train_reference
+from zero_engine import CheckpointError
+from zero_engine.cli import main as cli_main
+
+LR, GLOBAL_BATCH, FIRST, SECOND = 0.05, 12, 3, 3
+# The global batch stays 12 at every world size: (micro-batch, accumulation) per world size.
+SETUPS = {1: (4, 3), 2: (3, 2), 3: (2, 2), 4: (3, 1)}
+
+
+def _config(stage: int, world_size: int) -> dict:
+    micro, accum = SETUPS[world_size]
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50},
+    }
+
+
+def _train(engine, rank: int, world_size: int, steps: range) -> list[list[float]]:
+    micro, accum = SETUPS[world_size]
+    losses = []
+    for step in steps:
+        window = []
+        for m in range(accum):
+            loss = engine(*micro_batch(step, m, rank, world_size, micro, accum))
+            engine.backward(loss)
+            engine.step()
+            window.append(loss.item())
+        losses.append(window)
+    return losses
+
+
+def resume_jobs(rank: int, world_size: int, jobs: list[tuple[str, int, str]]) -> list[dict]:
+    """("save", stage, dir): train the first steps and save. ("load", stage, dir): resume."""
+    results = []
+    for kind, stage, directory in jobs:
+        model = make_model(seed=1 if kind == "load" else 0)  # a resumed model starts elsewhere
+        engine = zero_engine.initialize(model, _config(stage, world_size), param_groups=decay_groups(model))
+        if kind == "save":
+            losses = _train(engine, rank, world_size, range(FIRST))
+            engine.save_checkpoint(directory, client_state={"note": "first", "step": FIRST})
+            results.append({"losses": losses})
+        else:
+            client = engine.load_checkpoint(directory)
+            assert client == {"note": "first", "step": FIRST}, client
+            assert engine.global_step == FIRST
+            losses = _train(engine, rank, world_size, range(FIRST, FIRST + SECOND))
+            results.append({"losses": losses, "state": engine.full_state_dict()})
+        engine.close()
+    return results
+
+
+def _global_means(per_rank: list[dict]) -> list[float]:
+    steps = len(per_rank[0]["losses"])
+    means = []
+    for step in range(steps):
+        window = [loss for result in per_rank for loss in result["losses"][step]]
+        means.append(sum(window) / len(window))
+    return means
+
+
+def test_resume_at_another_stage_and_world_size(tmp_path: Path) -> None:
+    # (stage, world size) saved -> (stage, world size) resumed.
+    pairs = {"a": ((2, 4), (1, 2)), "b": ((0, 1), (2, 3)), "c": ((2, 2), (2, 4)), "d": ((1, 3), (0, 1))}
+    d = {key: str(tmp_path / key) for key in pairs}
+    plan = [
+        (4, [("save", 2, d["a"])]),
+        (1, [("save", 0, d["b"])]),
+        (2, [("load", 1, d["a"]), ("save", 2, d["c"])]),
+        (3, [("load", 2, d["b"]), ("save", 1, d["d"])]),
+        (4, [("load", 2, d["c"])]),
+        (1, [("load", 0, d["d"])]),
+    ]
+    outcome: dict[tuple[str, str], list[dict]] = {}
+    for world_size, jobs in plan:
+        per_rank = run_on_ranks(world_size, resume_jobs, jobs)
+        for index, (kind, _, directory) in enumerate(jobs):
+            outcome[(kind, Path(directory).name)] = [r[index] for r in per_rank]
+
+    ref_losses, ref_state, _ = train_reference(FIRST + SECOND, GLOBAL_BATCH, lr=LR)
+    for key, (saved, resumed) in pairs.items():
+        before = _global_means(outcome[("save", key)])
+        after = _global_means(outcome[("load", key)])
+        assert before + after == pytest.approx(ref_losses, abs=2e-5), f"{saved} -> {resumed}"
+        for rank, result in enumerate(outcome[("load", key)]):
+            for name, ref in ref_state.items():
+                diff = (result["state"][name] - ref).abs().max().item()
+                assert diff <= 2e-5, f"{saved} -> {resumed}, rank {rank}: {name} differs by {diff}"
+
+
+def save_then_die(rank: int, world_size: int, directory: str) -> None:
+    model = make_model()
+    engine = zero_engine.initialize(model, _config(1, world_size))
+    _train(engine, rank, world_size, range(1))
+    engine.save_checkpoint(directory)
+    _train(engine, rank, world_size, range(1, 2))
+    if rank == 1:
+        from zero_engine import checkpoint
+
+        def write_half_then_die(path: Path, payload: object) -> None:
+            with open(path, "wb") as handle:
+                handle.write(b"PK\x03\x04 half a file")
+                handle.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        checkpoint._write = write_half_then_die
+    engine.save_checkpoint(directory)
+
+
+def resume_after_kill(rank: int, world_size: int, directory: str) -> dict:
+    model = make_model(seed=5)
+    engine = zero_engine.initialize(model, _config(2, world_size))
+    engine.load_checkpoint(directory)
+    step = engine.global_step
+    loaded = engine.full_state_dict()
+    _train(engine, rank, world_size, range(step, step + 1))
+    engine.save_checkpoint(directory)  # a later save works and clears the leftovers
+    return {"step": step, "loaded": loaded}
+
+
+def test_a_rank_killed_mid_save_loses_nothing(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    # Either the harness sees rank 1 die first, or rank 0 sees its peer vanish mid-collective.
+    with pytest.raises(RankFailure, match="rank 1 died|rank 0 of 2 raised(.|\n)*Connection reset"):
+        run_on_ranks(2, save_then_die, directory)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step1"
+    assert (tmp_path / "ckpt" / ".tmp-global_step2").exists(), "the kill did not interrupt a save"
+    first = zero_engine.load_consolidated(directory)
+    results = run_on_ranks(2, resume_after_kill, directory)
+    assert [r["step"] for r in results] == [1, 1]
+    for name, value in first.items():
+        assert torch.equal(results[0]["loaded"][name], value)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+    assert not (tmp_path / "ckpt" / ".tmp-global_step2").exists()
+    zero_engine.load_consolidated(directory)
+
+
+# -- one process ---------------------------------------------------------------------------------
+
+
+def _trained_engine(stage: int = 1, steps: int = 2, model: nn.Module | None = None):
+    model = model or make_model()
+    engine = zero_engine.initialize(model, _config(stage, 1))
+    _train(engine, 0, 1, range(steps))
+    return engine
+
+
+def test_corrupted_or_truncated_files_are_named(tmp_path: Path) -> None:
+    engine = _trained_engine()
+    path = engine.save_checkpoint(tmp_path, tag="good")
+    rank_file = path / "rank00000.pt"
+    original = rank_file.read_bytes()
+
+    rank_file.write_bytes(original[: len(original) // 2])
+    with pytest.raises(CheckpointError, match=r"rank00000.pt: \d+ bytes, the manifest says \d+ \(truncated\?\)"):
+        engine.load_checkpoint(tmp_path)
+
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0xFF
+    rank_file.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="rank00000.pt: checksum does not match the manifest"):
+        engine.load_checkpoint(tmp_path)
+
+    rank_file.write_bytes(original)
+    (path / "extra.pt").unlink()
+    with pytest.raises(CheckpointError, match="extra.pt: listed in the manifest but missing"):
+        zero_engine.load_consolidated(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no 'latest' file"):
+        engine.load_checkpoint(tmp_path / "nowhere")
+
+
+class Renamed(nn.Module):
+    """The trap model with one parameter renamed and another re-shaped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = make_model()
+        self.embed, self.frozen, self.norm, self.fc2, self.head = base.embed, base.frozen, base.norm, base.fc2, base.head
+        self.first = base.fc1  # renamed: fc1 -> first
+        self.unused = nn.Parameter(torch.zeros(2, 5))  # re-shaped: (1, 5) -> (2, 5)
+        self.register_buffer("temperature", torch.tensor(1.5))
+
+
+def test_a_checkpoint_that_does_not_fit_lists_the_mismatches(tmp_path: Path) -> None:
+    engine = _trained_engine()
+    engine.save_checkpoint(tmp_path)
+    other = zero_engine.initialize(Renamed(), _config(1, 1))
+    with pytest.raises(CheckpointError) as info:
+        other.load_checkpoint(tmp_path)
+    message = str(info.value)
+    assert "missing: first.bias, first.weight" in message
+    assert "unexpected: fc1.bias, fc1.weight" in message
+    assert "re-shaped: unused (checkpoint [1, 5], model [2, 5])" in message
+    with pytest.warns(UserWarning, match="loaded what matches"):
+        other.load_checkpoint(tmp_path, strict=False)
+    assert torch.equal(other.module.embed.weight, engine.module.embed.weight)
+    assert torch.equal(other.module.unused, torch.zeros(2, 5))
+
+
+def test_fine_tuning_can_skip_optimizer_state(tmp_path: Path) -> None:
+    engine = _trained_engine()
+    engine.save_checkpoint(tmp_path)
+    fresh = zero_engine.initialize(make_model(seed=3), _config(1, 1))
+    fresh.load_checkpoint(tmp_path, load_optimizer_states=False)
+    assert len(fresh.optimizer.state) == 0
+    assert torch.equal(fresh.module.fc1.weight, engine.module.fc1.weight)
+    resumed = zero_engine.initialize(make_model(seed=3), _config(1, 1))
+    resumed.load_checkpoint(tmp_path)
+    assert len(resumed.optimizer.state) == len(engine.optimizer.state)
+
+
+def test_rng_state_is_restored(tmp_path: Path) -> None:
+    engine = _trained_engine()
+    engine.save_checkpoint(tmp_path)
+    expected = torch.rand(4)
+    torch.rand(100)
+    engine.load_checkpoint(tmp_path)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_saving_inside_an_accumulation_window_is_refused(tmp_path: Path) -> None:
+    engine = zero_engine.initialize(make_model(), _config(1, 1))  # accumulation 3
+    engine.backward(engine(*micro_batch(0, 0, 0, 1, 4, 3)))
+    engine.step()
+    with pytest.raises(RuntimeError, match=r"micro-step 1 of 3"):
+        engine.save_checkpoint(tmp_path)
+    assert not any(tmp_path.iterdir()), "a refused save left files behind"
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_consolidate_round_trip_into_a_fresh_model(tmp_path: Path, suffix: str) -> None:
+    engine = _trained_engine(stage=2)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / f"model{suffix}"
+    assert cli_main(["consolidate", str(tmp_path / "ckpt"), str(out)]) == 0
+    if suffix == ".pt":
+        state = torch.load(out, weights_only=True)
+    else:
+        from safetensors.torch import load_file
+
+        state = load_file(out)
+    fresh = make_model(seed=7)
+    fresh.load_state_dict(state, strict=True)
+    expected = engine.full_state_dict()
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert fresh.head.weight is fresh.embed.weight
+
+
+def test_manifest_documents_the_checkpoint(tmp_path: Path) -> None:
+    engine = _trained_engine()
+    path = engine.save_checkpoint(tmp_path, tag="t1")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == "zero_engine/1" and manifest["global_step"] == 2
+    assert manifest["params"]["embed.weight"]["aliases"] == ["embed.weight", "head.weight"]
+    assert set(manifest["files"]) == {"rank00000.pt", "extra.pt"}
+    assert (tmp_path / "latest").read_text() == "t1"

@@ -1,0 +1,450 @@
+"""Checkpoints: one format for every stage and world size, written atomically, read safely.
+
+Format (``docs/checkpoint-format.md``): a checkpoint is a directory ``DIR/TAG`` holding
+
+- ``rank{r}.pt`` from every rank: its *pieces*, one per parameter range it owns
+  (``name``, ``start``, ``numel`` in the flattened parameter), each with the fp32 master
+  values and the optimizer state of that range, plus the rank's RNG states. Ranks own
+  1/N of every unit at every stage (stage 0 too), so saving is parallel and balanced.
+- ``extra.pt`` from rank 0: what is not sharded (frozen parameters, buffers, parameters
+  outside every param group), the engine's counters, the optimizer's param-group options,
+  and the user's ``client_state``.
+- ``manifest.json``: format version, shapes and aliases of every trainable parameter, the
+  config, and every file with its size and SHA-256.
+
+Nothing in it depends on the stage, the world size or the bucket size: loading assembles
+each range a rank needs from whichever saved pieces cover it. ``DIR/latest`` names the newest
+tag.
+
+Atomicity: every rank writes into ``DIR/.tmp-TAG`` and fsyncs; once all ranks have reported
+their files' checksums, rank 0 writes the manifest, renames the directory into place, and
+only then replaces ``latest`` (write, fsync, ``os.replace``). A process killed at any point
+leaves the previous checkpoint and ``latest`` untouched.
+
+Safety: every file is checked against the manifest before use, and read with
+``torch.load(weights_only=True)``: loading never runs code from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+FORMAT = "zero_engine/1"
+MANIFEST, EXTRA, LATEST = "manifest.json", "extra.pt", "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file or parameters at fault."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def save(engine: Engine, directory: str | Path, tag: str | None = None, client_state: Any = None) -> Path:
+    """Write a checkpoint of ``engine`` under ``directory``; returns its path. Collective."""
+    if engine.micro_steps % engine.batch.gradient_accumulation_steps:
+        raise RuntimeError(
+            f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "
+            f"{engine.micro_steps % engine.batch.gradient_accumulation_steps} of "
+            f"{engine.batch.gradient_accumulation_steps}): call it after engine.step() on a boundary"
+        )
+    tag = tag or f"global_step{engine.global_step}"
+    if "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain name")
+    root = Path(directory)
+    staging = root / f".tmp-{tag}"
+    comm = engine.comm
+    if comm.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+        staging.mkdir(parents=True)
+    comm.barrier()
+    written = {rank_file(comm.rank): _write(staging / rank_file(comm.rank), _rank_payload(engine))}
+    if comm.rank == 0:
+        written[EXTRA] = _write(staging / EXTRA, _extra_payload(engine, client_state))
+    files: dict[str, dict[str, int | str]] = {}
+    for rank_files in comm.all_gather_object(written):
+        files.update(rank_files)
+    if comm.rank == 0:
+        manifest = _manifest(engine, tag, files)
+        _write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
+        _publish(root, staging, tag)
+    comm.barrier()
+    return root / tag
+
+
+def _rank_payload(engine: Engine) -> dict[str, Any]:
+    targets: dict[str, list[Any]] = defaultdict(list)
+    for target in engine.optimizer_targets:
+        targets[target.name].append(target)
+    pieces = []
+    for unit in engine.units:
+        for piece in unit.layout.segments(unit.rank):
+            name = unit.names[piece.param_index]
+            start, numel = piece.param_offset, piece.numel
+            master = unit.sharded_param[piece.shard_offset : piece.shard_offset + numel]
+            state = {}
+            for target in targets[name]:  # the optimizer tensor holding element `start`
+                if target.param_offset <= start < target.param_offset + target.tensor.numel():
+                    state = _slice_state(engine.optimizer.state.get(target.tensor, {}), target, start, numel)
+            # clone: torch.save of a view would write the whole flat buffer behind it
+            pieces.append({"name": name, "start": start, "numel": numel, "master": master.clone(), "state": state})
+    return {"pieces": pieces, "rng": _rng_state()}
+
+
+def _slice_state(state: dict[str, Any], target: Any, start: int, numel: int) -> dict[str, Any]:
+    """The part of one optimizer tensor's state that covers ``[start, start + numel)``."""
+    sliced = {}
+    offset = start - target.param_offset
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape == target.tensor.shape:
+            sliced[key] = value.reshape(-1)[offset : offset + numel].clone()
+        elif torch.is_tensor(value) and value.dim() > 0:
+            if start == target.param_offset:  # not elementwise (stage 0 only): saved whole, once
+                sliced[key] = value.clone()
+        else:
+            sliced[key] = value.clone() if torch.is_tensor(value) else value
+    return sliced
+
+
+def _extra_payload(engine: Engine, client_state: Any) -> dict[str, Any]:
+    sharded = _sharded_names(engine)
+    return {
+        "module": {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items() if k not in sharded},
+        "global_step": engine.global_step,
+        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
+        "client_state": client_state,
+    }
+
+
+def _sharded_names(engine: Engine) -> set[str]:
+    """Every name (aliases included) of the parameters stored as pieces."""
+    in_units = {param for unit in engine.units for param in unit.params}
+    return {name for name, param in engine.module.named_parameters(remove_duplicate=False) if param in in_units}
+
+
+def _manifest(engine: Engine, tag: str, files: dict[str, Any]) -> dict[str, Any]:
+    aliases: dict[int, list[str]] = defaultdict(list)
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        aliases[id(param)].append(name)
+    params = {
+        name: {"shape": list(param.shape), "aliases": aliases[id(param)]}
+        for unit in engine.units
+        for name, param in zip(unit.names, unit.params)
+    }
+    return {
+        "format": FORMAT,
+        "tag": tag,
+        "global_step": engine.global_step,
+        "stage": engine.stage.level,
+        "world_size": engine.comm.world_size,
+        "config": engine.config.model_dump(mode="json"),
+        "params": params,
+        "files": files,
+    }
+
+
+def _write(path: Path, payload: Any) -> dict[str, int | str]:
+    with open(path, "wb") as handle:
+        torch.save(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _publish(root: Path, staging: Path, tag: str) -> None:
+    """Move the finished checkpoint into place, then point ``latest`` at it, each atomically."""
+    _fsync_dir(staging)
+    final = root / tag
+    if final.exists():  # re-saving a tag: the old one goes only once the new one is complete
+        retired = root / f".old-{tag}"
+        shutil.rmtree(retired, ignore_errors=True)
+        os.rename(final, retired)
+        os.rename(staging, final)
+        shutil.rmtree(retired)
+    else:
+        os.rename(staging, final)
+    _fsync_dir(root)
+    _write_text(root / f".{LATEST}.tmp", tag)
+    os.replace(root / f".{LATEST}.tmp", root / LATEST)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), **_cuda_rng_state()}
+
+
+def _cuda_rng_state() -> dict[str, Any]:
+    """CUDA only: the generator of every visible device."""
+    return {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class Checkpoint(NamedTuple):
+    path: Path
+    manifest: dict[str, Any]
+
+
+def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint:
+    """Resolve ``tag`` (default: ``latest``) and verify every file against the manifest."""
+    root = Path(directory)
+    if tag is None:
+        pointer = root / LATEST
+        if not pointer.is_file():
+            raise FileNotFoundError(f"{pointer}: no 'latest' file; is {root} a checkpoint directory?")
+        tag = pointer.read_text().strip()
+    path = root / tag
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{manifest_path}: missing; {path} is not a complete checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{manifest_path}: corrupted ({err})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in the manifest but missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated?)")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"{file}: checksum does not match the manifest (corrupted)")
+    return Checkpoint(path, manifest)
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+class PieceIndex:
+    """Every saved piece of every parameter, to assemble any range from."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.pieces: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.rng: list[dict[str, Any]] = []
+        for rank in range(checkpoint.manifest["world_size"]):
+            payload = _load(checkpoint.path / rank_file(rank))
+            self.rng.append(payload["rng"])
+            for piece in payload["pieces"]:
+                self.pieces[piece["name"]].append(piece)
+
+    def covering(self, name: str, start: int, numel: int) -> list[dict[str, Any]]:
+        return [p for p in self.pieces[name] if p["start"] < start + numel and start < p["start"] + p["numel"]]
+
+    def assemble(self, name: str, start: int, numel: int, key: str | None = None) -> torch.Tensor | None:
+        """Elements ``[start, start + numel)`` of parameter ``name``: its master values, or
+        state ``key`` (None when no covering piece has that state)."""
+        out: torch.Tensor | None = None
+        covered = 0
+        for piece in self.covering(name, start, numel):
+            values = piece["master"] if key is None else piece["state"].get(key)
+            if values is None:
+                continue
+            if out is None:
+                out = torch.empty(numel, dtype=values.dtype)
+            lo, hi = max(start, piece["start"]), min(start + numel, piece["start"] + piece["numel"])
+            out[lo - start : hi - start] = values[lo - piece["start"] : hi - piece["start"]]
+            covered += hi - lo
+        if out is not None and covered != numel:
+            raise CheckpointError(f"parameter {name!r}: saved pieces cover {covered} of elements [{start}, {start + numel})")
+        return out
+
+
+def load(
+    engine: Engine,
+    directory: str | Path,
+    tag: str | None = None,
+    *,
+    strict: bool = True,
+    load_optimizer_states: bool = True,
+) -> Any:
+    """Restore ``engine`` from a checkpoint saved at any stage and world size; returns the
+    saved ``client_state``."""
+    checkpoint = open_checkpoint(directory, tag)
+    index = PieceIndex(checkpoint)
+    extra = _load(checkpoint.path / EXTRA)
+    _check_fit(engine, checkpoint, extra, strict)
+    saved = checkpoint.manifest["params"]
+    with torch.no_grad():
+        for unit in engine.units:
+            for i, (name, param) in enumerate(zip(unit.names, unit.params)):
+                if name in saved and list(param.shape) == saved[name]["shape"]:
+                    unit.param_view(i).copy_(index.assemble(name, 0, param.numel()).view(param.shape))
+        module_state = engine.module.state_dict()
+        for name, value in extra["module"].items():
+            if name in module_state and module_state[name].shape == value.shape:
+                module_state[name].copy_(value)
+    if load_optimizer_states:
+        _load_optimizer(engine, index, extra, saved)
+    engine.global_step = extra["global_step"]
+    engine.micro_steps = engine.global_step * engine.batch.gradient_accumulation_steps
+    if engine.comm.rank < len(index.rng):
+        _restore_rng(index.rng[engine.comm.rank])
+    return extra["client_state"]
+
+
+def _load_optimizer(engine: Engine, index: PieceIndex, extra: dict[str, Any], saved: dict[str, Any]) -> None:
+    groups = extra["param_groups"]
+    if len(groups) != len(engine.optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint has {len(groups)} optimizer param groups, the engine {len(engine.optimizer.param_groups)}:"
+            " pass the same param_groups, or load with load_optimizer_states=False"
+        )
+    for group, options in zip(engine.optimizer.param_groups, groups):
+        group.update(options)
+    engine.optimizer.state.clear()
+    for target in engine.optimizer_targets:
+        if target.name not in saved or saved[target.name]["shape"] != list(_param_shape(engine, target.name)):
+            continue
+        numel = target.tensor.numel()
+        pieces = index.covering(target.name, target.param_offset, numel)
+        keys = {key for piece in pieces for key in piece["state"]}
+        state: dict[str, Any] = {}
+        for key in keys:
+            sample = next(p["state"][key] for p in pieces if key in p["state"])
+            if _is_elementwise(pieces, key):
+                values = index.assemble(target.name, target.param_offset, numel, key)
+                assert values is not None
+                state[key] = values.view(target.tensor.shape).to(target.tensor.device)
+            elif torch.is_tensor(sample):  # a scalar (step), or saved whole (stage 0 only)
+                state[key] = sample.clone().to(target.tensor.device)
+            else:
+                state[key] = sample
+        if state:
+            engine.optimizer.state[target.tensor] = state
+
+
+def _is_elementwise(pieces: list[dict[str, Any]], key: str) -> bool:
+    """Saved as slices of the pieces' ranges (rather than a scalar or a whole tensor)."""
+    values = [(p["state"][key], p["numel"]) for p in pieces if key in p["state"]]
+    return all(torch.is_tensor(v) and v.dim() == 1 and v.numel() == numel for v, numel in values)
+
+
+def _param_shape(engine: Engine, name: str) -> torch.Size:
+    for unit in engine.units:
+        if name in unit.names:
+            return unit.params[unit.names.index(name)].shape
+    raise KeyError(name)
+
+
+def _check_fit(engine: Engine, checkpoint: Checkpoint, extra: dict[str, Any], strict: bool) -> None:
+    """Missing, unexpected and re-shaped entries, all listed at once."""
+    ours = {name: list(param.shape) for unit in engine.units for name, param in zip(unit.names, unit.params)}
+    sharded = _sharded_names(engine)
+    ours.update({k: list(v.shape) for k, v in engine.module.state_dict().items() if k not in sharded})
+    theirs = {name: entry["shape"] for name, entry in checkpoint.manifest["params"].items()}
+    theirs.update({k: list(v.shape) for k, v in extra["module"].items()})
+    missing = sorted(set(ours) - set(theirs))
+    unexpected = sorted(set(theirs) - set(ours))
+    reshaped = sorted(f"{k} (checkpoint {theirs[k]}, model {ours[k]})" for k in set(ours) & set(theirs) if ours[k] != theirs[k])
+    problems = [
+        f"{label}: {', '.join(items)}"
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("re-shaped", reshaped))
+        if items
+    ]
+    if not problems:
+        return
+    message = f"{checkpoint.path} does not fit the model: " + "; ".join(problems)
+    if strict:
+        raise CheckpointError(message + ". Load with strict=False to take what matches.")
+    warnings.warn(message + "; loaded what matches", stacklevel=3)
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+# ---------------------------------------------------------------------------------------------
+# Consolidation: a plain state_dict, in one process
+
+
+def load_consolidated(directory: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's full model as a plain fp32 ``state_dict`` (every alias of a tied
+    parameter included), without torch.distributed."""
+    checkpoint = open_checkpoint(directory, tag)
+    index = PieceIndex(checkpoint)
+    extra = _load(checkpoint.path / EXTRA)
+    state: dict[str, torch.Tensor] = {}
+    for name, entry in checkpoint.manifest["params"].items():
+        numel = 1
+        for dim in entry["shape"]:
+            numel *= dim
+        full = index.assemble(name, 0, numel)
+        if full is None:
+            raise CheckpointError(f"parameter {name!r}: no saved values")
+        for alias in entry["aliases"]:
+            state[alias] = full.view(entry["shape"]).to(torch.float32)
+    for name, value in extra["module"].items():
+        state[name] = value.clone()
+    return state
+
+
+def write_state_dict(state: dict[str, torch.Tensor], out: str | Path) -> None:
+    """Save ``state`` as ``.pt``, or ``.safetensors`` when that package is installed."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.tmp")
+    if out.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise RuntimeError("writing .safetensors needs the safetensors package: pip install safetensors") from None
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, str(staging))  # no shared storage
+    elif out.suffix == ".pt":
+        torch.save(state, staging)
+    else:
+        raise ValueError(f"{out}: unknown suffix {out.suffix!r}; use .pt or .safetensors")
+    os.replace(staging, out)
