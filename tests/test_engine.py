@@ -59,10 +59,6 @@ def test_full_state_dict_has_every_key_on_cpu_fp32() -> None:
 @pytest.mark.parametrize(
     "sections, fragment",
     [
-        ({"fp16": {"enabled": True}}, "fp16.enabled = true"),
-        ({"bf16": {"enabled": True}}, "bf16.enabled = true"),
-        ({"scheduler": {"type": "WarmupLR"}}, "scheduler.type = 'WarmupLR'"),
-        ({"communication_data_type": "bf16"}, "communication_data_type = 'bf16'"),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device = 'cpu'"),
         ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage = 3"),
         ({"optimizer": {"type": "Adafactor", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 1}},

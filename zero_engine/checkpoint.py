@@ -99,7 +99,7 @@ def _rank_payload(engine: Engine) -> dict[str, Any]:
         for piece in unit.layout.segments(unit.rank):
             name = unit.names[piece.param_index]
             start, numel = piece.param_offset, piece.numel
-            master = unit.sharded_param[piece.shard_offset : piece.shard_offset + numel]
+            master = unit.master_of_shard[piece.shard_offset : piece.shard_offset + numel]
             state = {}
             for target in targets[name]:  # the optimizer tensor holding element `start`
                 if target.param_offset <= start < target.param_offset + target.tensor.numel():
@@ -125,11 +125,13 @@ def _slice_state(state: dict[str, Any], target: Any, start: int, numel: int) -> 
 
 
 def _extra_payload(engine: Engine, client_state: Any) -> dict[str, Any]:
-    sharded = _sharded_names(engine)
     return {
-        "module": {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items() if k not in sharded},
+        "module": {k: v.detach().cpu().clone() for k, v in engine.unsharded_state().items()},
         "global_step": engine.global_step,
+        "skipped_steps": engine.skipped_steps,
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "client_state": client_state,
     }
 
@@ -315,14 +317,16 @@ def load(
         for unit in engine.units:
             for i, (name, param) in enumerate(zip(unit.names, unit.params)):
                 if name in saved and list(param.shape) == saved[name]["shape"]:
-                    unit.param_view(i).copy_(index.assemble(name, 0, param.numel()).view(param.shape))
-        module_state = engine.module.state_dict()
-        for name, value in extra["module"].items():
-            if name in module_state and module_state[name].shape == value.shape:
-                module_state[name].copy_(value)
+                    unit.load_full(i, index.assemble(name, 0, param.numel()))
+    engine.load_unsharded_state(extra["module"])
     if load_optimizer_states:
         _load_optimizer(engine, index, extra, saved)
+        if engine.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if engine.loss_scaler is not None and extra["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(extra["loss_scaler"])
     engine.global_step = extra["global_step"]
+    engine.skipped_steps = extra["skipped_steps"]
     engine.micro_steps = engine.global_step * engine.batch.gradient_accumulation_steps
     if engine.comm.rank < len(index.rng):
         _restore_rng(index.rng[engine.comm.rank])

@@ -158,6 +158,14 @@ class ZeroEngineConfig(_Section):
     def _check_cross_fields(self) -> ZeroEngineConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true: enable at most one")
+        low = self.communication_data_type
+        if low in ("fp16", "bf16") and not getattr(self, low).enabled:
+            raise ValueError(
+                f"communication_data_type = {low!r} reduces in {low}, which needs {low}.enabled = true "
+                "(gradients are computed in the compute dtype)"
+            )
+        if self.scheduler is not None:
+            check_scheduler(self.scheduler)
         check_optimizer(self.optimizer)
         return self
 
@@ -246,6 +254,23 @@ def check_optimizer(section: OptimizerConfig) -> None:
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)
             ):
                 raise ValueError(f"{path} = {value!r}: must be two numbers in [0, 1)")
+
+
+def check_scheduler(section: SchedulerConfig) -> None:
+    """The scheduler exists and takes these keywords (the optimizer is supplied by the engine)."""
+    from .schedules import scheduler_class
+
+    cls = scheduler_class(section.type)
+    signature = inspect.signature(cls.__init__).parameters
+    accepted = [k for k in signature if k not in ("self", "optimizer")]
+    for key in accepted:
+        if signature[key].default is inspect.Parameter.empty and key not in section.params:
+            raise ValueError(f"scheduler.params.{key}: required by {cls.__name__}")
+    for key, value in section.params.items():
+        if key not in accepted:
+            raise ValueError(
+                f"scheduler.params.{key} = {value!r}: {cls.__name__} takes no keyword {key!r}{_suggest(key, accepted)}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------

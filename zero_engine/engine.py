@@ -1,14 +1,16 @@
-"""The training-loop surface: forward, backward, step, and reports.
+"""The training-loop surface: forward, backward, step, state and reports.
 
 The engine owns no offset arithmetic and no collective calls of its own: units (`FlatUnit`)
-hold the flat buffers, the `GradReducer` reduces gradients during backward, and the stage
-(`Stage`) says what is sharded. ``step()`` runs in four phases on accumulation boundaries:
-agree on which parameters were used and on the gradient norm, clip, update this rank's part,
-and gather the updated parameters when the optimizer state is sharded.
+hold the flat buffers and masters, the `GradReducer` reduces gradients during backward, and
+the stage (`Stage`) says what is sharded. ``step()`` runs on accumulation boundaries in named
+phases: agree on which parameters were used and on the gradient norm (and so on fp16
+overflow), unscale and clip, update this rank's masters, gather the updated parameters.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -20,22 +22,33 @@ from . import checkpoint
 from .comm import Comm, connect
 from .config import BatchSizes, ZeroEngineConfig, load_config
 from .features import refuse_unbuilt_features
-from .flat_param import FlatUnit
+from .flat_param import FlatUnit, OwnedPiece
 from .layout import plan_units
-from .memory import MemoryReport, measure_memory
+from .memory import measure_memory
 from .optim import build_optimizer, check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
+from .precision import Precision, build_loss_scaler
+from .schedules import build_scheduler
 from .stages import Stage, build_reducer, stage_for
+
+logger = logging.getLogger("zero_engine")
 
 
 class OptimizerTarget(NamedTuple):
-    """A tensor the optimizer steps: a whole parameter (stage 0) or this rank's piece of one."""
+    """A tensor the optimizer steps: the fp32 master of one parameter's owned piece."""
 
     tensor: torch.Tensor
-    grad: torch.Tensor  # the gradient view it reads
+    unit_index: int
+    piece: OwnedPiece
     param_index: int  # across all units, as in the reducer's used-mask
-    name: str  # the parameter's name
-    param_offset: int  # where the tensor starts in the flattened parameter
+
+    @property
+    def name(self) -> str:
+        return self.piece.name
+
+    @property
+    def param_offset(self) -> int:
+        return self.piece.param_offset
 
 
 def initialize(
@@ -54,11 +67,12 @@ def initialize(
     refuse_unbuilt_features(config)
     stage = stage_for(config.zero_optimization.stage)
     optimizer_cls = check_optimizer_for_stage(config.optimizer, stage.level)
+    precision = Precision.from_config(config)
     groups = resolve_param_groups(model, param_groups, optimizer_cls)
-    _check_params(model)
+    _check_params(model, precision)
     comm = connect(config.comm, _model_device(model))
     batch = config.batch_sizes(comm.world_size)
-    return Engine(model, config, comm, stage, batch, groups)
+    return Engine(model, config, comm, stage, batch, groups, precision)
 
 
 class Engine:
@@ -72,64 +86,76 @@ class Engine:
         stage: Stage,
         batch: BatchSizes,
         groups: list[ParamGroup],
+        precision: Precision,
     ) -> None:
         self.module = model
         self.config = config
         self.comm = comm
         self.stage = stage
         self.batch = batch
+        self.precision = precision
         self.global_step = 0
         self.micro_steps = 0
+        self.skipped_steps = 0
         self._window_opened = False
         self._global_grad_norm: float | None = None
         zero = config.zero_optimization
-        self.units = _build_units(model, groups, comm, zero.reduce_bucket_size, not stage.streams_gradients(zero))
         self._sync_from_rank0()
-        self.reducer = build_reducer(stage, self.units, comm, zero)
+        self.units = _build_units(model, groups, comm, stage, zero, precision.compute_dtype)
+        self.unsharded_masters = self._cast_unsharded_params()
+        self.reducer = build_reducer(stage, self.units, comm, zero, precision.reduce_dtype)
         self.optimizer_targets, optimizer_groups = self._plan_optimizer_targets(groups)
         self.optimizer = build_optimizer(config.optimizer, stage.level, optimizer_groups)
+        self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
+        self.loss_scaler = build_loss_scaler(config)
 
     # -- construction --------------------------------------------------------------------------
 
+    def _sync_from_rank0(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers."""
+        self.comm.broadcast([p.data for p in self.module.parameters()] + list(self.module.buffers()), src=0)
+
+    def _cast_unsharded_params(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Parameters outside every unit (frozen ones) compute in the compute dtype too; their
+        fp32 values are kept for state dicts and checkpoints (mixed precision only)."""
+        if not self.precision.mixed:
+            return {}
+        in_units = {param for unit in self.units for param in unit.params}
+        masters = {}
+        for param in self.module.parameters():
+            if param not in in_units:
+                masters[param] = param.detach().to(torch.float32, copy=True)
+                param.data = param.data.to(self.precision.compute_dtype)
+        return masters
+
     def _plan_optimizer_targets(self, groups: list[ParamGroup]) -> tuple[list[OptimizerTarget], list[dict[str, Any]]]:
-        """What the optimizer steps: whole parameters (stage 0) or this rank's pieces."""
+        """The optimizer steps views of the fp32 masters: whole parameters at stage 0, this
+        rank's pieces when optimizer state is sharded."""
         targets: list[OptimizerTarget] = []
         per_group: list[list[torch.Tensor]] = [[] for _ in groups]
         first_index = 0
-        for unit in self.units:
-            if self.stage.shard_optimizer_state:
-                for segment in unit.segments():
-                    piece = segment.piece
-                    targets.append(OptimizerTarget(
-                        segment.tensor, segment.grad, first_index + piece.param_index, segment.name, piece.param_offset
-                    ))
-                    per_group[unit.group_index].append(segment.tensor)
-            else:
-                for index, param in enumerate(unit.params):
-                    targets.append(OptimizerTarget(param, unit.grad_view(index), first_index + index, unit.names[index], 0))
-                    per_group[unit.group_index].append(param)
+        for unit_index, unit in enumerate(self.units):
+            for piece in unit.owned_pieces():
+                view = unit.master[piece.owned_offset : piece.owned_offset + piece.numel].view(piece.shape)
+                targets.append(OptimizerTarget(view, unit_index, piece, first_index + piece.param_index))
+                per_group[unit.group_index].append(view)
             first_index += len(unit.params)
         return targets, [dict(group.options, params=tensors) for group, tensors in zip(groups, per_group)]
-
-    def _sync_from_rank0(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers."""
-        in_units = {param for unit in self.units for param in unit.params}
-        tensors = [unit.flat_param for unit in self.units]
-        tensors += [p.data for p in self.module.parameters() if p not in in_units]
-        tensors += list(self.module.buffers())
-        self.comm.broadcast(tensors, src=0)
 
     # -- the training loop -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._open_window()
+        if self.precision.mixed:
+            args, kwargs = _cast_floats((args, kwargs), self.precision.compute_dtype)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss / gradient_accumulation_steps``; reduces on boundaries."""
+        """Backward of ``loss * loss_scale / gradient_accumulation_steps``; reduces as the
+        stage says (on boundaries, or every micro-step at stage 2)."""
         self._open_window()
         self.reducer.pre_backward(boundary=self.is_gradient_accumulation_boundary())
-        (loss / self.batch.gradient_accumulation_steps).backward()
+        (loss * (self.loss_scale / self.batch.gradient_accumulation_steps)).backward()
         self.reducer.post_backward()
 
     def step(self) -> None:
@@ -138,12 +164,18 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        used, norm = self._agree_on_used_params_and_norm()
-        self._global_grad_norm = norm
-        self._clip_gradients(norm)
-        self._update(used)
-        if self.stage.shard_optimizer_state:
-            self._gather_params()
+        used, squares = self._agree_on_used_params_and_norm()
+        self._global_grad_norm = math.sqrt(squares) / self.loss_scale
+        if self.loss_scaler is not None and not math.isfinite(squares):
+            self._skip_step()
+        else:
+            self._update(used, self._gradient_multiplier())
+            if self.stage.shard_optimizer_state:
+                self._gather_params()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(overflow=False)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         self._zero_grads()
         self.global_step += 1
         self._window_opened = False
@@ -152,35 +184,64 @@ class Engine:
         """Whether the current micro-batch is the last of its accumulation window."""
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale; 1.0 without fp16."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
     # -- the phases of step() --------------------------------------------------------------------
 
     def _agree_on_used_params_and_norm(self) -> tuple[torch.Tensor, float]:
         """One small all-reduce: which parameters got a gradient on any rank, and the squared
-        gradient norm summed over every rank's shard (identical on every rank)."""
+        (still scaled) gradient norm summed over every rank's shard, so identical everywhere:
+        non-finite on every rank when any rank's gradients overflowed."""
         squares = sum(
             (unit.sharded_grad.double().pow(2).sum() for unit in self.units), torch.zeros((), dtype=torch.float64)
         )
         packed = torch.cat([self.reducer.used.double(), squares.view(1)])
         self.comm.all_reduce_sum(packed).wait()
-        return packed[:-1] > 0, packed[-1].sqrt().item()
+        return packed[:-1] > 0, packed[-1].item()
 
-    def _clip_gradients(self, norm: float) -> None:
-        """As ``torch.nn.utils.clip_grad_norm_``: scale by max_norm / (norm + 1e-6) when below 1."""
+    def _gradient_multiplier(self) -> float:
+        """Unscale, then clip as ``torch.nn.utils.clip_grad_norm_`` does: by
+        max_norm / (norm + 1e-6) when that is below 1."""
+        multiplier = 1.0 / self.loss_scale
         max_norm = self.config.gradient_clipping
-        if max_norm <= 0:
-            return
-        coefficient = max_norm / (norm + 1e-6)
-        if coefficient < 1.0:
-            for unit in self.units:
-                self.reducer.kept_grad(unit).mul_(coefficient)
+        if max_norm > 0 and self._global_grad_norm is not None:
+            multiplier *= min(1.0, max_norm / (self._global_grad_norm + 1e-6))
+        return multiplier
 
-    def _update(self, used: torch.Tensor) -> None:
-        """Step the optimizer; a parameter no rank used keeps its values and its state."""
+    def _update(self, used: torch.Tensor, multiplier: float) -> None:
+        """Step the optimizer on fp32 gradients of the owned range; a parameter no rank used
+        keeps its values and its state."""
+        owned_grads = []
+        for unit in self.units:
+            kept = self.reducer.kept_grad(unit)
+            grad = kept if kept.dtype == torch.float32 else kept.float()
+            if multiplier != 1.0:
+                grad.mul_(multiplier)
+            owned_grads.append(grad)
         for target in self.optimizer_targets:
-            target.tensor.grad = target.grad if used[target.param_index] else None
+            piece = target.piece
+            grad = owned_grads[target.unit_index][piece.owned_offset : piece.owned_offset + piece.numel]
+            target.tensor.grad = grad.view(piece.shape) if used[target.param_index] else None
         self.optimizer.step()
         for target in self.optimizer_targets:
-            target.tensor.grad = target.grad
+            target.tensor.grad = None
+        for unit in self.units:
+            unit.publish_master()
+
+    def _skip_step(self) -> None:
+        """fp16 overflow on some rank: every rank leaves parameters and state untouched."""
+        assert self.loss_scaler is not None
+        scale = self.loss_scaler.scale
+        self.loss_scaler.update(overflow=True)
+        self.skipped_steps += 1
+        if self.comm.rank == 0:
+            logger.info(
+                "step %d skipped: fp16 gradient overflow; loss scale %g -> %g (%d skipped so far)",
+                self.global_step, scale, self.loss_scaler.scale, self.skipped_steps,
+            )
 
     def _gather_params(self) -> None:
         pending = [self.comm.all_gather(unit.flat_param) for unit in self.units]
@@ -211,12 +272,60 @@ class Engine:
         return self.train(False)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The complete module state on CPU (parameters in fp32), same keys as ``state_dict()``."""
-        param_names = {name for name, _ in self.module.named_parameters(remove_duplicate=False)}
-        return {
-            name: tensor.detach().to("cpu", torch.float32 if name in param_names else tensor.dtype, copy=True)
-            for name, tensor in self.module.state_dict().items()
-        }
+        """The complete module state on CPU, same keys as ``state_dict()``, parameters as their
+        fp32 masters. Under mixed precision with sharded masters this gathers (call it on every
+        rank)."""
+        values: dict[nn.Parameter, torch.Tensor] = dict(self.unsharded_masters)
+        for unit in self.units:
+            full = self._full_master(unit)
+            for index, param in enumerate(unit.params):
+                offset = unit.layout.param_offsets[index]
+                values[param] = full[offset : offset + param.numel()].view(param.shape)
+        by_name = dict(self.module.named_parameters(remove_duplicate=False))
+        state = {}
+        for name, tensor in self.module.state_dict().items():
+            source = values.get(by_name[name], tensor) if name in by_name else tensor
+            dtype = torch.float32 if name in by_name else tensor.dtype
+            state[name] = source.detach().to("cpu", dtype, copy=True)
+        return state
+
+    def unsharded_state(self) -> dict[str, torch.Tensor]:
+        """State-dict entries that live outside the units (frozen parameters as their fp32
+        values, buffers), for checkpoints."""
+        in_units = {param for unit in self.units for param in unit.params}
+        by_name = dict(self.module.named_parameters(remove_duplicate=False))
+        state = {}
+        for name, tensor in self.module.state_dict().items():
+            param = by_name.get(name)
+            if param is not None and param in in_units:
+                continue
+            state[name] = self.unsharded_masters.get(param, tensor) if param is not None else tensor
+        return state
+
+    def load_unsharded_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy saved frozen parameters and buffers in (entries that fit, by name and shape)."""
+        by_name = dict(self.module.named_parameters(remove_duplicate=False))
+        ours = self.module.state_dict()
+        with torch.no_grad():
+            for name, value in state.items():
+                if name not in ours or ours[name].shape != value.shape:
+                    continue
+                ours[name].copy_(value)
+                master = self.unsharded_masters.get(by_name.get(name))  # type: ignore[arg-type]
+                if master is not None:
+                    master.copy_(value)
+
+    def _full_master(self, unit: FlatUnit) -> torch.Tensor:
+        """The unit's fp32 master values over the whole flat buffer."""
+        if unit.master_is_param:
+            return unit.flat_param
+        if not unit.shard_master:
+            return unit.master
+        full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=unit.master.device)
+        start, end = unit.owned_range
+        full[start:end] = unit.master
+        self.comm.all_gather(full).wait()
+        return full
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds (see `zero_engine.memory.MemoryReport`)."""
@@ -230,7 +339,8 @@ class Engine:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The L2 norm of the whole averaged gradient at the last optimizer step."""
+        """The L2 norm of the whole averaged, unscaled gradient at the last optimizer step
+        (before clipping)."""
         return self._global_grad_norm
 
     def save_checkpoint(self, directory: str | Path, tag: str | None = None, client_state: Any = None) -> Path:
@@ -250,9 +360,7 @@ class Engine:
         load_optimizer_states: bool = True,
     ) -> Any:
         """Resume from ``directory`` (tag: the latest); returns the saved ``client_state``."""
-        return checkpoint.load(
-            self, directory, tag, strict=strict, load_optimizer_states=load_optimizer_states
-        )
+        return checkpoint.load(self, directory, tag, strict=strict, load_optimizer_states=load_optimizer_states)
 
     def close(self) -> None:
         """Remove the engine's gradient hooks from the model's parameters."""
@@ -260,7 +368,7 @@ class Engine:
 
 
 def _build_units(
-    model: nn.Module, groups: list[ParamGroup], comm: Comm, max_unit_numel: int, full_grads: bool
+    model: nn.Module, groups: list[ParamGroup], comm: Comm, stage: Stage, zero: Any, compute_dtype: torch.dtype
 ) -> list[FlatUnit]:
     """Flat units per param group, listed in expected gradient-arrival order (reverse
     registration, as backward produces them) so the reducer launches them as they fill."""
@@ -268,12 +376,31 @@ def _build_units(
     keyed: list[tuple[int, FlatUnit]] = []
     for group_index, group in enumerate(groups):
         pairs = sorted(zip(group.names, group.params), key=lambda pair: position[pair[1]], reverse=True)
-        for indices in plan_units([param.numel() for _, param in pairs], max_unit_numel):
-            params, names = [pairs[i][1] for i in indices], [pairs[i][0] for i in indices]
-            unit = FlatUnit(params, names, group_index, comm.rank, comm.world_size, full_grads=full_grads)
+        for indices in plan_units([param.numel() for _, param in pairs], zero.reduce_bucket_size):
+            unit = FlatUnit(
+                [pairs[i][1] for i in indices],
+                [pairs[i][0] for i in indices],
+                group_index,
+                comm.rank,
+                comm.world_size,
+                compute_dtype=compute_dtype,
+                shard_master=stage.shard_optimizer_state,
+                full_grads=not stage.streams_gradients(zero),
+            )
             keyed.append((min(position[p] for p in unit.params), unit))
     keyed.sort(key=lambda item: item[0], reverse=True)
     return [unit for _, unit in keyed]
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors in nested tuples, lists and dicts, cast to ``dtype``."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -282,13 +409,17 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_params(model: nn.Module) -> None:
+def _check_params(model: nn.Module, precision: Precision) -> None:
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; move it to one")
     for name, param in model.named_parameters():
-        if param.requires_grad and param.dtype != torch.float32:
+        if not param.requires_grad:
+            continue
+        if not param.is_floating_point():
+            raise TypeError(f"parameter {name!r} is {param.dtype}: trainable parameters must be floating point")
+        if not precision.mixed and param.dtype != torch.float32:
             raise NotImplementedError(
-                f"parameter {name!r} is {param.dtype}: trainable parameters must be float32 "
-                "(bf16/fp16 compute comes through the fp16/bf16 config sections)"
+                f"parameter {name!r} is {param.dtype}: without fp16/bf16 enabled, trainable parameters must be "
+                "float32 (enable bf16 or fp16 in the config to compute in low precision with fp32 masters)"
             )

@@ -13,14 +13,6 @@ def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
     """Key paths of the switched-on features this version cannot run."""
     zero = config.zero_optimization
     found = []
-    if config.fp16.enabled:
-        found.append("fp16.enabled = true (fp16 mixed precision)")
-    if config.bf16.enabled:
-        found.append("bf16.enabled = true (bf16 mixed precision)")
-    if config.communication_data_type not in (None, "fp32"):
-        found.append(f"communication_data_type = {config.communication_data_type!r} (only fp32 reductions)")
-    if config.scheduler is not None:
-        found.append(f"scheduler.type = {config.scheduler.type!r} (learning-rate schedules)")
     for key in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, key)
         if offload is not None and offload.device != "none":

@@ -1,9 +1,12 @@
 """A unit: parameters stored in one flat buffer, their gradients in another.
 
-Each parameter's ``.data`` and ``.grad`` become views into the unit's flat buffers, so a
-collective moves a whole unit in one call and the optimizer updates a rank's shard in place:
-in fp32 the rank's slice of ``flat_param`` *is* its master copy, with no second fp32 copy.
-Autograd accumulates into an existing ``.grad`` in place, which keeps the views intact.
+Each parameter's ``.data`` and ``.grad`` become views into the unit's flat buffers (in the
+compute dtype), so a collective moves a whole unit in one call. The optimizer updates the
+fp32 *master* of the range this rank owns: its shard when optimizer state is sharded, the
+whole unit at stage 0. In fp32 training the master is a view of ``flat_param`` itself (no
+second copy); under mixed precision it is a separate fp32 tensor, and the updated master is
+cast back into ``flat_param`` after each step. Autograd accumulates into an existing
+``.grad`` in place, which keeps the gradient views intact.
 
 The engine never does offset arithmetic itself; it asks the unit for views.
 """
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layout import Segment, UnitLayout
+from .layout import UnitLayout
 
 
 class FlatUnit:
@@ -30,6 +33,8 @@ class FlatUnit:
         rank: int,
         world_size: int,
         *,
+        compute_dtype: torch.dtype = torch.float32,
+        shard_master: bool = True,
         full_grads: bool = True,
     ) -> None:
         self.params = list(params)
@@ -37,13 +42,18 @@ class FlatUnit:
         self.group_index = group_index  # the optimizer param group its parameters belong to
         self.rank = rank
         self.layout = UnitLayout([p.numel() for p in self.params], world_size)
-        first = self.params[0]
-        self.flat_param = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            for index, param in enumerate(self.params):
-                view = self.param_view(index)
-                view.copy_(param.detach())
-                param.data = view
+        device = self.params[0].device
+        # Masters start from the parameters' own values, before any cast to the compute dtype.
+        full_fp32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+        for index, param in enumerate(self.params):
+            self._view(full_fp32, index).copy_(param.detach())
+        self.shard_master = shard_master
+        self.owned_range = self.layout.shard_range(rank) if shard_master else (0, self.layout.padded_numel)
+        self.flat_param = full_fp32 if compute_dtype == torch.float32 else full_fp32.to(compute_dtype)
+        start, end = self.owned_range
+        self.master = self.flat_param[start:end] if self.master_is_param else full_fp32[start:end].clone()
+        for index, param in enumerate(self.params):
+            param.data = self.param_view(index)
         # Full gradients (stages 0-1): one flat buffer, each .grad a view into it. Sharded
         # gradients (stage 2): only this rank's shard persists; full ones pass through buckets.
         self.flat_grad: torch.Tensor | None = None
@@ -52,7 +62,11 @@ class FlatUnit:
             self.sharded_grad = self._shard(self.flat_grad)
             self.attach_grads()
         else:
-            self.sharded_grad = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)
+            self.sharded_grad = torch.zeros(self.layout.shard_numel, dtype=compute_dtype, device=device)
+
+    @property
+    def master_is_param(self) -> bool:
+        return self.flat_param.dtype == torch.float32
 
     def _view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         offset, param = self.layout.param_offsets[index], self.params[index]
@@ -77,34 +91,62 @@ class FlatUnit:
         return flat[start:end]
 
     @property
+    def sharded_param(self) -> torch.Tensor:
+        return self._shard(self.flat_param)
+
+    @property
+    def master_of_shard(self) -> torch.Tensor:
+        """The fp32 master values of this rank's shard (what a checkpoint saves)."""
+        start, end = self.layout.shard_range(self.rank)
+        return self.master[start - self.owned_range[0] : end - self.owned_range[0]]
+
+    @property
     def grad_bytes(self) -> int:
         """Persistent gradient storage: the full flat buffer, or just this rank's shard."""
         held = self.flat_grad if self.flat_grad is not None else self.sharded_grad
         return held.numel() * held.element_size()
 
     @property
-    def sharded_param(self) -> torch.Tensor:
-        """This rank's shard of the parameters: its fp32 master copy."""
-        return self._shard(self.flat_param)
+    def master_bytes(self) -> int:
+        """A separate fp32 master (mixed precision); 0 when the master is the parameter."""
+        return 0 if self.master_is_param else self.master.numel() * self.master.element_size()
 
-    def segments(self) -> list[ShardSegment]:
-        """This rank's pieces of each parameter, as views an optimizer can update in place."""
-        return [
-            ShardSegment(self, piece, self.sharded_param[piece.shard_offset : piece.shard_offset + piece.numel],
-                         self.sharded_grad[piece.shard_offset : piece.shard_offset + piece.numel])
-            for piece in self.layout.segments(self.rank)
-        ]
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """What the optimizer steps in this unit: the parameters' pieces in the owned range,
+        shaped like their parameters when a piece is a whole parameter at stage 0."""
+        start, end = self.owned_range
+        pieces = []
+        for index, (offset, numel) in enumerate(zip(self.layout.param_offsets, self.layout.param_numels)):
+            lo, hi = max(offset, start), min(offset + numel, end)
+            if lo < hi:
+                shape = torch.Size([hi - lo]) if self.shard_master else self.params[index].shape
+                pieces.append(OwnedPiece(index, self.names[index], lo - offset, lo - start, hi - lo, shape))
+        return pieces
+
+    def publish_master(self) -> None:
+        """Cast the updated fp32 master into the compute copy (mixed precision only)."""
+        if not self.master_is_param:
+            start, end = self.owned_range
+            self.flat_param[start:end].copy_(self.master)
+
+    def load_full(self, index: int, values: torch.Tensor) -> None:
+        """Set parameter ``index`` from full fp32 values: compute copy and owned master."""
+        self.param_view(index).copy_(values.view(self.params[index].shape))
+        if not self.master_is_param:
+            offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
+            start, end = self.owned_range
+            lo, hi = max(offset, start), min(offset + numel, end)
+            if lo < hi:
+                self.master[lo - start : hi - start].copy_(values.reshape(-1)[lo - offset : hi - offset])
 
 
-@dataclass
-class ShardSegment:
-    """One parameter's piece in this rank's shard: the tensor the sharded optimizer steps."""
+@dataclass(frozen=True)
+class OwnedPiece:
+    """One parameter's piece in the range this rank's optimizer updates."""
 
-    unit: FlatUnit
-    piece: Segment
-    tensor: torch.Tensor
-    grad: torch.Tensor
-
-    @property
-    def name(self) -> str:
-        return self.unit.names[self.piece.param_index]
+    param_index: int  # within the unit
+    name: str
+    param_offset: int  # first element of the piece, in the flattened parameter
+    owned_offset: int  # where the piece starts within the owned range
+    numel: int
+    shape: torch.Size  # the optimizer tensor's shape

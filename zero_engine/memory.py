@@ -69,7 +69,7 @@ def measure_memory(
 ) -> MemoryReport:
     """What this rank holds now, counted from the tensors themselves."""
     in_units = {param for unit in units for param in unit.params}
-    loose_params = sum(_nbytes(p) for p in module.parameters() if p not in in_units)
+    loose_params = sum(_nbytes(p) for p in module.parameters() if p not in in_units)  # frozen, compute copies
     optimizer_states = sum(
         _nbytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
     )
@@ -77,7 +77,7 @@ def measure_memory(
         parameters=loose_params + sum(_nbytes(unit.flat_param) for unit in units),
         gradients=reducer.persistent_grad_bytes,
         optimizer_states=optimizer_states,
-        master_parameters=0,
+        master_parameters=sum(unit.master_bytes for unit in units),
         buffers=reducer.buffer_bytes(),
         peak_gradients=reducer.peak_grad_bytes,
     )

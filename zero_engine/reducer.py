@@ -32,43 +32,42 @@ from .flat_param import FlatUnit
 
 
 class GradReduction(Protocol):
-    """How full-gradient stages reduce one unit and which part of the result they keep."""
+    """How full-gradient stages reduce one unit's flat gradients and which part they keep."""
 
-    def launch(self, unit: FlatUnit, comm: Comm) -> Pending: ...
+    def launch(self, flat: torch.Tensor, comm: Comm) -> Pending: ...
 
-    def kept_grad(self, unit: FlatUnit) -> torch.Tensor: ...
+    def kept(self, flat: torch.Tensor, unit: FlatUnit) -> torch.Tensor: ...
 
 
 class AllReduceGrads:
     """Stage 0: every rank keeps the full averaged gradient."""
 
-    def launch(self, unit: FlatUnit, comm: Comm) -> Pending:
-        assert unit.flat_grad is not None
-        return comm.all_reduce_sum(unit.flat_grad)
+    def launch(self, flat: torch.Tensor, comm: Comm) -> Pending:
+        return comm.all_reduce_sum(flat)
 
-    def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
-        assert unit.flat_grad is not None
-        return unit.flat_grad
+    def kept(self, flat: torch.Tensor, unit: FlatUnit) -> torch.Tensor:
+        return flat
 
 
 class ReduceScatterGrads:
     """Stage 1: each rank keeps the averaged gradient of its own shard."""
 
-    def launch(self, unit: FlatUnit, comm: Comm) -> Pending:
-        assert unit.flat_grad is not None
-        return comm.reduce_scatter_sum(unit.flat_grad)
+    def launch(self, flat: torch.Tensor, comm: Comm) -> Pending:
+        return comm.reduce_scatter_sum(flat)
 
-    def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.sharded_grad
+    def kept(self, flat: torch.Tensor, unit: FlatUnit) -> torch.Tensor:
+        start, end = unit.layout.shard_range(unit.rank)
+        return flat[start:end]
 
 
 class GradReducer:
     """Hooks, arrival counting and in-order launching; subclasses say what a launch does."""
 
-    def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool) -> None:
+    def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool, reduce_dtype: torch.dtype) -> None:
         self.units = list(units)
         self.comm = comm
         self.overlap = overlap
+        self.reduce_dtype = reduce_dtype  # gradients are summed in this dtype (fp32 by default)
         self.num_params = sum(len(unit.params) for unit in self.units)
         # 1.0 where a parameter received a gradient on this rank since the last optimizer step.
         self.used = torch.zeros(self.num_params, dtype=torch.float32)
@@ -155,12 +154,15 @@ class GradReducer:
 
 
 class FullGradReducer(GradReducer):
-    """Stages 0-1: full flat gradients persist; reduced once per accumulation window."""
+    """Stages 0-1: full flat gradients persist; reduced once per accumulation window, through
+    a temporary copy when the reduction dtype differs from the compute dtype."""
 
-    def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool, reduction: GradReduction) -> None:
-        super().__init__(units, comm, overlap)
+    def __init__(
+        self, units: Sequence[FlatUnit], comm: Comm, overlap: bool, reduce_dtype: torch.dtype, reduction: GradReduction
+    ) -> None:
+        super().__init__(units, comm, overlap, reduce_dtype)
         self.reduction = reduction
-        self._pending: list[Pending] = []
+        self._pending: list[tuple[FlatUnit, torch.Tensor, Pending]] = []
 
     def pre_backward(self, boundary: bool) -> None:
         for unit in self.units:
@@ -168,22 +170,32 @@ class FullGradReducer(GradReducer):
         super().pre_backward(boundary)
 
     def _launch(self, unit_index: int) -> None:
-        self._pending.append(self.reduction.launch(self.units[unit_index], self.comm))
+        unit = self.units[unit_index]
+        flat = _full_grad(unit)
+        if flat.dtype != self.reduce_dtype:
+            flat = flat.to(self.reduce_dtype)
+        self._pending.append((unit, flat, self.reduction.launch(flat, self.comm)))
 
     def _finish(self) -> None:
-        for pending in self._pending:
+        for unit, flat, pending in self._pending:
             pending.wait()
+            averaged = self.reduction.kept(flat, unit).div_(self.comm.world_size)
+            if flat is not unit.flat_grad:
+                self.kept_grad(unit).copy_(averaged)
         self._pending.clear()
-        for unit in self.units:
-            self.reduction.kept_grad(unit).div_(self.comm.world_size)
 
     def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return self.reduction.kept_grad(unit)
+        return self.reduction.kept(_full_grad(unit), unit)
 
     def zero_grads(self) -> None:
         for unit in self.units:
-            assert unit.flat_grad is not None
-            unit.flat_grad.zero_()
+            _full_grad(unit).zero_()
+
+
+def _full_grad(unit: FlatUnit) -> torch.Tensor:
+    if unit.flat_grad is None:
+        raise RuntimeError(f"unit of {unit.names} keeps no full gradients; it belongs to a sharded-gradient reducer")
+    return unit.flat_grad
 
 
 class _Bucket(NamedTuple):
@@ -197,8 +209,8 @@ class ShardedGradReducer(GradReducer):
     MAX_LIVE_BUCKETS = 2
     reduces_every_micro_step = True
 
-    def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool) -> None:
-        super().__init__(units, comm, overlap)
+    def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool, reduce_dtype: torch.dtype) -> None:
+        super().__init__(units, comm, overlap, reduce_dtype)
         self._bucket_numel = max((unit.layout.padded_numel for unit in self.units), default=0)
         self._free: list[torch.Tensor] = []  # bucket storage ready for reuse
         self._filling: dict[int, _Bucket] = {}  # unit index -> its bucket, not yet launched
@@ -229,7 +241,7 @@ class ShardedGradReducer(GradReducer):
         if self._free:
             storage = self._free.pop()
         else:
-            storage = torch.empty(self._bucket_numel, dtype=unit.flat_param.dtype, device=unit.flat_param.device)
+            storage = torch.empty(self._bucket_numel, dtype=self.reduce_dtype, device=unit.flat_param.device)
             self._num_buckets += 1
         flat = storage[: unit.layout.padded_numel]
         flat.zero_()
@@ -255,8 +267,7 @@ class ShardedGradReducer(GradReducer):
 
     def _record_peak(self, extra: int) -> None:
         live = self._num_buckets - len(self._free)
-        element = self.units[0].flat_param.element_size()
-        current = self.persistent_grad_bytes + live * self._bucket_numel * element + extra
+        current = self.persistent_grad_bytes + live * self._bucket_bytes() + extra
         self.peak_grad_bytes = max(self.peak_grad_bytes, current)
 
     def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
@@ -266,6 +277,8 @@ class ShardedGradReducer(GradReducer):
         for unit in self.units:
             unit.sharded_grad.zero_()
 
+    def _bucket_bytes(self) -> int:
+        return self._bucket_numel * torch.empty((), dtype=self.reduce_dtype).element_size()
+
     def buffer_bytes(self) -> int:
-        element = self.units[0].flat_param.element_size() if self.units else 0
-        return self._num_buckets * self._bucket_numel * element
+        return self._num_buckets * self._bucket_bytes()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from .comm import Comm
 from .config import ZeroOptimizationConfig
 from .flat_param import FlatUnit
@@ -47,8 +49,10 @@ def stage_for(level: int) -> Stage:
     return stage
 
 
-def build_reducer(stage: Stage, units: Sequence[FlatUnit], comm: Comm, zero: ZeroOptimizationConfig) -> GradReducer:
+def build_reducer(
+    stage: Stage, units: Sequence[FlatUnit], comm: Comm, zero: ZeroOptimizationConfig, reduce_dtype: torch.dtype
+) -> GradReducer:
     if stage.streams_gradients(zero):
-        return ShardedGradReducer(units, comm, zero.overlap_comm)
+        return ShardedGradReducer(units, comm, zero.overlap_comm, reduce_dtype)
     reduction = ReduceScatterGrads() if stage.shard_optimizer_state else AllReduceGrads()
-    return FullGradReducer(units, comm, zero.overlap_comm, reduction)
+    return FullGradReducer(units, comm, zero.overlap_comm, reduce_dtype, reduction)

@@ -1,0 +1,109 @@
+"""Mixed precision: which dtype computes, which reduces, and fp16's dynamic loss scale.
+
+Compute copies of the parameters (what forward and backward see) are bf16 or fp16; the
+optimizer updates fp32 masters held only for the range a rank owns. Gradients are reduced
+in fp32 unless ``communication_data_type`` says otherwise. With fp16, the loss is multiplied by
+a scale before backward and the gradients divided by it before the update; a non-finite
+gradient on any rank makes every rank skip the step (the engine agrees on it through the
+same small all-reduce that carries the gradient norm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ZeroEngineConfig
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+    @classmethod
+    def from_config(cls, config: ZeroEngineConfig) -> Precision:
+        compute = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else torch.float32
+        return cls(compute, _DTYPES[config.communication_data_type or "fp32"])
+
+
+class LossScaler:
+    """DeepSpeed's loss scaling: static when ``loss_scale > 0``, else dynamic.
+
+    Dynamic: start at ``2**initial_scale_power``; after an overflow, spend one unit of
+    hysteresis, or when none is left halve the scale (not below ``min_loss_scale``); after
+    ``loss_scale_window`` steps without overflow, double it (and refill the hysteresis).
+    """
+
+    def __init__(
+        self,
+        static_scale: float = 0.0,
+        initial_scale_power: int = 16,
+        window: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        consecutive_hysteresis: bool = False,
+    ) -> None:
+        self.dynamic = static_scale == 0
+        self.scale = 2.0**initial_scale_power if self.dynamic else float(static_scale)
+        self.window = window
+        self.hysteresis = hysteresis
+        self.remaining_hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.iteration = 0
+        self.last_overflow = -1
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.hysteresis == 1 or self.remaining_hysteresis == 1:
+                self.scale = max(self.scale / 2, self.min_scale)
+            else:
+                self.remaining_hysteresis -= 1
+            self.last_overflow = self.iteration
+        else:
+            if self.consecutive_hysteresis:
+                self.remaining_hysteresis = self.hysteresis
+            if (self.iteration - self.last_overflow) % self.window == 0:
+                if not self.consecutive_hysteresis:
+                    self.remaining_hysteresis = self.hysteresis
+                self.scale *= 2
+        self.iteration += 1
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {
+            "scale": self.scale,
+            "remaining_hysteresis": self.remaining_hysteresis,
+            "iteration": self.iteration,
+            "last_overflow": self.last_overflow,
+        }
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self.remaining_hysteresis = int(state["remaining_hysteresis"])
+        self.iteration = int(state["iteration"])
+        self.last_overflow = int(state["last_overflow"])
+
+
+def build_loss_scaler(config: ZeroEngineConfig) -> LossScaler | None:
+    """A scaler for fp16; None (a scale of 1, never skipping) otherwise."""
+    fp16 = config.fp16
+    if not fp16.enabled:
+        return None
+    return LossScaler(
+        fp16.loss_scale,
+        fp16.initial_scale_power,
+        fp16.loss_scale_window,
+        fp16.hysteresis,
+        fp16.min_loss_scale,
+        fp16.consecutive_hysteresis,
+    )

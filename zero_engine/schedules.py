@@ -1,0 +1,166 @@
+"""Learning-rate schedules: DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, or any
+``torch.optim.lr_scheduler`` class by name. The engine steps the schedule once per optimizer
+step (never per micro-step, never on a skipped fp16 step).
+
+The DeepSpeed schedules set the learning rate of optimizer step ``t`` (``t`` = steps taken so
+far, starting at 0) from their documented formulas:
+
+- WarmupLR: ``min + (max - min) * g(t)`` during warm-up, then ``max``, where ``g`` is
+  ``log(t + 1) / log(warmup_num_steps)`` (``warmup_type: log``) or ``t / warmup_num_steps``
+  (``linear``).
+- WarmupDecayLR: the same warm-up, then ``max * (total - t) / (total - warmup)`` down to 0
+  (precisely ``min + (max - min) * gamma``, gamma decaying linearly to 0).
+- WarmupCosineLR: a ratio of each group's initial rate: warm-up from ``warmup_min_ratio`` to
+  1, then ``cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * s / (total - warmup))) / 2``
+  with ``s = t - warmup + 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+
+class _DeepSpeedSchedule:
+    """Common machinery: a step counter and per-group rates computed from it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_num_steps: int, warmup_type: str) -> None:
+        if warmup_type not in ("log", "linear"):
+            raise ValueError(f"scheduler.params.warmup_type = {warmup_type!r}: must be 'log' or 'linear'")
+        self.optimizer = optimizer
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = warmup_type
+        self.last_batch_iteration = 0
+        self._apply()
+
+    def _warmup(self, t: int) -> float:
+        if self.warmup_type == "log":
+            return math.log(t + 1) / math.log(self.warmup_num_steps)
+        return t / self.warmup_num_steps
+
+    def rates(self, t: int) -> list[float]:
+        raise NotImplementedError
+
+    def _apply(self) -> None:
+        for group, rate in zip(self.optimizer.param_groups, self.rates(self.last_batch_iteration)):
+            group["lr"] = rate
+
+    def step(self) -> None:
+        self.last_batch_iteration += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_batch_iteration = int(state["last_batch_iteration"])
+        self._apply()
+
+
+def _per_group(optimizer: torch.optim.Optimizer, value: float | list[float], name: str) -> list[float]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(optimizer.param_groups):
+            raise ValueError(f"scheduler.params.{name}: {len(value)} values for {len(optimizer.param_groups)} groups")
+        return [float(v) for v in value]
+    return [float(value)] * len(optimizer.param_groups)
+
+
+class WarmupLR(_DeepSpeedSchedule):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_min_lr: float | list[float] = 0.0,
+        warmup_max_lr: float | list[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+    ) -> None:
+        self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
+        self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
+        super().__init__(optimizer, warmup_num_steps, warmup_type)
+
+    def gamma(self, t: int) -> float:
+        return self._warmup(t) if t < self.warmup_num_steps else 1.0
+
+    def rates(self, t: int) -> list[float]:
+        gamma = self.gamma(t)
+        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
+
+
+class WarmupDecayLR(WarmupLR):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_num_steps: int,
+        warmup_min_lr: float | list[float] = 0.0,
+        warmup_max_lr: float | list[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+    ) -> None:
+        self.total_num_steps = total_num_steps
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type)
+
+    def gamma(self, t: int) -> float:
+        if t < self.warmup_num_steps:
+            return self._warmup(t)
+        return max(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+
+class WarmupCosineLR(_DeepSpeedSchedule):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = "log",
+    ) -> None:
+        self.total_num_steps = total_num_steps
+        self.warmup_min_ratio = warmup_min_ratio
+        self.cos_min_ratio = cos_min_ratio
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        super().__init__(optimizer, warmup_num_steps, warmup_type)
+
+    def ratio(self, t: int) -> float:
+        if t < self.warmup_num_steps:
+            return self.warmup_min_ratio + self._warmup(t) * (1.0 - self.warmup_min_ratio)
+        progress = (t - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps)
+        cosine = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def rates(self, t: int) -> list[float]:
+        return [base * self.ratio(t) for base in self.base_lrs]
+
+
+DEEPSPEED_SCHEDULES: dict[str, type] = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR)}
+# Need a metric or are not step-based; the engine cannot drive them.
+UNSUPPORTED = {"ReduceLROnPlateau", "LRScheduler"}
+
+
+def scheduler_class(name: str) -> type:
+    """A DeepSpeed schedule or a torch.optim.lr_scheduler class, case-insensitively."""
+    known = dict(DEEPSPEED_SCHEDULES)
+    known.update(
+        {
+            cls_name: cls
+            for cls_name, cls in vars(torch.optim.lr_scheduler).items()
+            if isinstance(cls, type) and issubclass(cls, LRScheduler) and cls_name not in UNSUPPORTED
+        }
+    )
+    by_lower = {key.lower(): cls for key, cls in known.items()}
+    if name.lower() in by_lower:
+        return by_lower[name.lower()]
+    from .config import _suggest
+
+    extra = " (it needs a metric the engine does not have)" if name == "ReduceLROnPlateau" else ""
+    raise ValueError(f"scheduler.type = {name!r} is not a supported schedule{extra}{_suggest(name, sorted(known))}")
+
+
+def build_scheduler(section: Any, optimizer: torch.optim.Optimizer) -> Any:
+    return scheduler_class(section.type)(optimizer, **section.params)
