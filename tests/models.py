@@ -97,3 +97,46 @@ def train_reference(
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def train_reference_policy(
+    steps: int,
+    world_size: int,
+    micro_size: int,
+    accum: int,
+    dtype: torch.dtype,
+    clip: float = 0.0,
+    loss_scale: float = 1.0,
+    lr: float = 0.01,
+    eps: float = 1e-8,
+) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """One process, the engine's precision policy done by hand: a compute copy in ``dtype``,
+    fp32 masters updated by torch.optim, the loss scaled by ``loss_scale`` and unscaled before
+    clipping. Each (micro-step, rank) chunk runs separately, as on the ranks, so the low-
+    precision gradients are the same chunks the engine sums."""
+    master = make_model()
+    compute = make_model().to(dtype)
+    opt = torch.optim.AdamW(decay_groups(master), lr=lr, eps=eps)
+    masters = [p for p in master.parameters() if p.requires_grad]
+    losses, norms = [], []
+    for step in range(steps):
+        window = []
+        for micro in range(accum):
+            for rank in range(world_size):
+                loss = compute(*micro_batch(step, micro, rank, world_size, micro_size, accum))
+                (loss * (loss_scale / (accum * world_size))).backward()
+                window.append(loss.item())
+        for m, c in zip(master.parameters(), compute.parameters()):
+            if m.requires_grad and c.grad is not None:
+                m.grad = c.grad.float() / loss_scale
+        grads = [p for p in masters if p.grad is not None]
+        total = torch.nn.utils.clip_grad_norm_(grads, clip if clip > 0 else float("inf"))
+        norms.append(total.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        compute.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, c in zip(master.parameters(), compute.parameters()):
+                c.copy_(m)
+        losses.append(sum(window) / len(window))
+    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}, norms

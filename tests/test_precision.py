@@ -1,0 +1,328 @@
+"""Mixed precision, clipping, accumulation and schedules at every stage, against a
+single-process reference that applies the same policy."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import zero_engine
+from harness import run_on_ranks
+from models import make_model, micro_batch, train_reference_policy, decay_groups
+from zero_engine.memory import formula_bytes
+from zero_engine.precision import LossScaler
+
+STEPS, MICRO, LR, STATIC_SCALE = 4, 2, 0.01, 256.0
+# Adam's eps well above low-precision gradient noise: with the default 1e-8, an element whose
+# gradient nearly cancels can flip sign between two equally valid roundings and move by 2 x lr,
+# which says nothing about the engine. With 1e-3 the update is linear in such tiny gradients.
+EPS = 1e-3
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Max abs difference of the fp32 masters from the reference after STEPS steps, per dtype, and
+# relative difference of the gradient norms. fp32: summation order only (as in the parity
+# tests). bf16 keeps 8 significant bits: gradients summed across ranks in fp32 and rounded once
+# differ from the reference's bf16 accumulation by ~2**-8 relative, and the compute copy is
+# re-rounded every step; fp16 keeps 11 bits. Worst cases measured over the full grid (stages
+# 0-2 x dtypes x accumulation {1, 4} x clipping {off, 1.0} at 1-4 ranks): fp32 1.2e-7 / 1.1e-7,
+# bf16 2.9e-3 / 3.6e-3, fp16 3.1e-4 / 3.2e-4. Tolerances are about 3x those: for bf16 that is
+# ~2.5 units in the last place of a master value near 1.
+TOLERANCE = {"fp32": 2e-5, "bf16": 1e-2, "fp16": 1e-3}
+NORM_TOLERANCE = {"fp32": 1e-5, "bf16": 1.5e-2, "fp16": 1e-3}
+# Losses are compute-dtype numbers (fp16 spacing near 5 is 2**-8), so relative: 2 units in the
+# last place of the loss's own dtype.
+LOSS_TOLERANCE = {"fp32": 1e-6, "bf16": 2 * 2**-8, "fp16": 2 * 2**-11}
+
+
+def _config(case: dict) -> dict:
+    dtype = case["dtype"]
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": case["accum"],
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS}},
+        "gradient_clipping": case["clip"],
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "loss_scale": STATIC_SCALE},
+        "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": 60},
+    }
+
+
+def precision_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Train every case through the engine on this rank's share of each global batch."""
+    results = []
+    for case in cases:
+        model = make_model()
+        engine = zero_engine.initialize(model, _config(case), param_groups=decay_groups(model))
+        losses, norms = [], []
+        for step in range(STEPS):
+            window = []
+            for micro in range(case["accum"]):
+                loss = engine(*micro_batch(step, micro, rank, world_size, MICRO, case["accum"]))
+                engine.backward(loss)
+                engine.step()
+                window.append(loss.item())
+            losses.append(sum(window) / len(window))
+            norms.append(engine.get_global_grad_norm())
+        results.append({
+            "losses": losses, "norms": norms, "state": engine.full_state_dict(),
+            "skipped": engine.skipped_steps, "memory": engine.memory_report(),
+        })
+        engine.close()
+    return results
+
+
+def _check(case: dict, world_size: int, per_rank: list[dict]) -> None:
+    dtype = DTYPES[case["dtype"]]
+    scale = STATIC_SCALE if case["dtype"] == "fp16" else 1.0
+    ref_losses, ref_state, ref_norms = train_reference_policy(
+        STEPS, world_size, MICRO, case["accum"], dtype, case["clip"], scale, LR, EPS
+    )
+    tol = TOLERANCE[case["dtype"]]
+    losses = [sum(r["losses"][s] for r in per_rank) / world_size for s in range(STEPS)]
+    assert losses == pytest.approx(ref_losses, rel=LOSS_TOLERANCE[case["dtype"]]), case
+    for rank, result in enumerate(per_rank):
+        assert result["skipped"] == 0
+        assert result["norms"] == pytest.approx(ref_norms, rel=NORM_TOLERANCE[case["dtype"]]), (case, rank)
+        for name, ref in ref_state.items():
+            got = result["state"][name]
+            assert got.dtype == ref.dtype, f"{name}: full_state_dict must hold fp32 masters"
+            diff = (got - ref).abs().max().item()
+            assert diff <= tol, f"{case} rank {rank}: {name} differs by {diff} (tolerance {tol})"
+
+
+FULL_GRID = [
+    {"stage": s, "dtype": d, "accum": a, "clip": c}
+    for s, d, a, c in itertools.product((0, 1, 2), ("fp32", "bf16", "fp16"), (1, 4), (0.0, 1.0))
+]
+# Every stage and every dtype at least once, with and without accumulation and clipping.
+CI_GRID = [
+    {"stage": 0, "dtype": "bf16", "accum": 4, "clip": 1.0},
+    {"stage": 0, "dtype": "fp16", "accum": 1, "clip": 0.0},
+    {"stage": 1, "dtype": "fp16", "accum": 4, "clip": 1.0},
+    {"stage": 1, "dtype": "bf16", "accum": 1, "clip": 0.0},
+    {"stage": 2, "dtype": "bf16", "accum": 4, "clip": 1.0},
+    {"stage": 2, "dtype": "fp16", "accum": 1, "clip": 1.0},
+    {"stage": 2, "dtype": "fp32", "accum": 4, "clip": 1.0},
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mixed_precision_matches_the_policy_reference(world_size: int) -> None:
+    per_rank = run_on_ranks(world_size, precision_grid, CI_GRID)
+    for index, case in enumerate(CI_GRID):
+        _check(case, world_size, [r[index] for r in per_rank])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_full_precision_grid(world_size: int) -> None:
+    per_rank = run_on_ranks(world_size, precision_grid, FULL_GRID, timeout=900)
+    for index, case in enumerate(FULL_GRID):
+        _check(case, world_size, [r[index] for r in per_rank])
+
+
+# -- fp16 overflow on one rank -------------------------------------------------------------------
+
+
+def overflow_on_one_rank(rank: int, world_size: int, stage: int) -> dict:
+    """Rank 1 poisons one gradient element that rank 0 owns after the reduction, on step 1."""
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 10,
+                                                     "warmup_type": "linear"}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6},
+    }
+    model = make_model()
+    engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
+    target = engine.units[0].params[0]  # its element 0 sits in rank 0's shard of unit 0
+    poison = {"armed": False}
+
+    def inject(grad: torch.Tensor) -> torch.Tensor:
+        if poison["armed"] and rank == 1:
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+        return grad
+
+    target.register_hook(inject)
+
+    def train_step(step: int) -> None:
+        engine.backward(engine(*micro_batch(step, 0, rank, world_size, MICRO, 1)))
+        engine.step()
+
+    train_step(0)
+    before = {
+        "state": engine.full_state_dict(),
+        "optimizer": {id(t): {k: v.clone() for k, v in s.items()} for t, s in engine.optimizer.state.items()},
+        "scale": engine.loss_scale,
+        "lr": engine.get_lr(),
+    }
+    poison["armed"] = True
+    train_step(1)
+    poison["armed"] = False
+    after_skip = {
+        "state": engine.full_state_dict(),
+        "optimizer": {id(t): {k: v.clone() for k, v in s.items()} for t, s in engine.optimizer.state.items()},
+        "scale": engine.loss_scale,
+        "lr": engine.get_lr(),
+        "skipped": engine.skipped_steps,
+    }
+    train_step(2)
+    return {
+        "before": before,
+        "after_skip": after_skip,
+        "after_clean": {"state": engine.full_state_dict(), "lr": engine.get_lr(), "scale": engine.loss_scale},
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fp16_overflow_on_one_rank_skips_everywhere(stage: int) -> None:
+    for rank, result in enumerate(run_on_ranks(2, overflow_on_one_rank, stage)):
+        before, skipped, clean = result["before"], result["after_skip"], result["after_clean"]
+        assert skipped["skipped"] == 1, f"rank {rank} did not skip"
+        for name, value in before["state"].items():
+            assert torch.equal(skipped["state"][name], value), f"rank {rank}: {name} changed on a skipped step"
+        assert skipped["optimizer"].keys() == before["optimizer"].keys()
+        for key, state in before["optimizer"].items():
+            for field, value in state.items():
+                assert torch.equal(skipped["optimizer"][key][field], value), f"rank {rank}: optimizer {field} changed"
+        assert skipped["scale"] == before["scale"] / 2 == 128.0
+        assert skipped["lr"] == before["lr"], "the scheduler advanced on a skipped step"
+        assert clean["lr"] != skipped["lr"], "the scheduler did not advance on the next clean step"
+        assert clean["scale"] == 128.0
+        assert any(not torch.equal(clean["state"][k], v) for k, v in skipped["state"].items()), "no update after"
+
+
+# -- one process: scaler, schedules, memory, low-precision models ------------------------------------
+
+
+def test_dynamic_loss_scale_follows_deepspeed() -> None:
+    scaler = LossScaler(initial_scale_power=4, window=3, hysteresis=2, min_scale=2.0)
+    assert scaler.scale == 16
+    scaler.update(overflow=True)  # spends hysteresis
+    assert scaler.scale == 16
+    scaler.update(overflow=True)  # none left: halve
+    assert scaler.scale == 8
+    for _ in range(3):
+        scaler.update(overflow=False)
+    assert scaler.scale == 16, "three clean steps after the last overflow double the scale"
+    for _ in range(5):
+        scaler.update(overflow=True)
+    assert scaler.scale == 2.0, "never below min_loss_scale"
+    static = LossScaler(static_scale=128.0)
+    static.update(overflow=True)
+    assert static.scale == 128.0
+
+
+def _lrs_over(config_scheduler: dict, steps: int, accum: int = 1, lr: float = 0.1) -> list[float]:
+    engine = zero_engine.initialize(make_model(), {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": accum,
+        "optimizer": {"type": "SGD", "params": {"lr": lr}},
+        "scheduler": config_scheduler,
+        "zero_optimization": {"stage": 1},
+    })
+    rates = []
+    for step in range(steps):
+        rates.append(engine.get_lr()[0])
+        for micro in range(accum):
+            engine.backward(engine(*micro_batch(step, micro, 0, 1, MICRO, accum)))
+            engine.step()
+    return rates
+
+
+def _warmup(t: int, warmup: int, kind: str) -> float:
+    warmup = max(2, warmup)
+    return math.log(t + 1) / math.log(warmup) if kind == "log" else t / warmup
+
+
+@pytest.mark.parametrize("kind", ["log", "linear"])
+def test_warmup_schedules_follow_their_formulas(kind: str) -> None:
+    lo, hi, warm, total = 0.01, 0.1, 5, 20
+    params = {"warmup_min_lr": lo, "warmup_max_lr": hi, "warmup_num_steps": warm, "warmup_type": kind}
+    rates = _lrs_over({"type": "WarmupLR", "params": params}, 20, accum=2)
+    expected = [lo + (hi - lo) * (_warmup(t, warm, kind) if t < warm else 1.0) for t in range(20)]
+    assert rates == pytest.approx(expected)
+
+    rates = _lrs_over({"type": "WarmupDecayLR", "params": {**params, "total_num_steps": total}}, 20)
+    decay = [max(0.0, (total - t) / (total - warm)) for t in range(20)]
+    expected = [lo + (hi - lo) * (_warmup(t, warm, kind) if t < warm else decay[t]) for t in range(20)]
+    assert rates == pytest.approx(expected)
+
+    cosine = {"total_num_steps": total, "warmup_num_steps": warm, "warmup_min_ratio": 0.1,
+              "cos_min_ratio": 0.05, "warmup_type": kind}
+    rates = _lrs_over({"type": "WarmupCosineLR", "params": cosine}, 20, lr=0.2)
+
+    def ratio(t: int) -> float:
+        if t < warm:
+            return 0.1 + _warmup(t, warm, kind) * 0.9
+        return 0.05 + 0.95 * (1 + math.cos(math.pi * (t - warm + 1) / (total - warm))) / 2
+
+    assert rates == pytest.approx([0.2 * ratio(t) for t in range(20)])
+
+
+def test_torch_schedulers_step_once_per_optimizer_step() -> None:
+    rates = _lrs_over({"type": "StepLR", "params": {"step_size": 3, "gamma": 0.5}}, 20, accum=3)
+    assert rates == pytest.approx([0.1 * 0.5 ** (t // 3) for t in range(20)])
+
+
+def test_scheduler_config_errors() -> None:
+    with pytest.raises(zero_engine.ConfigError, match="scheduler.params.total_num_steps: required by WarmupDecayLR"):
+        zero_engine.load_config({"scheduler": {"type": "WarmupDecayLR"}})
+    with pytest.raises(zero_engine.ConfigError, match="ReduceLROnPlateau.*needs a metric"):
+        zero_engine.load_config({"scheduler": {"type": "ReduceLROnPlateau"}})
+    with pytest.raises(zero_engine.ConfigError, match="communication_data_type = 'bf16'.*needs bf16.enabled"):
+        zero_engine.load_config({"communication_data_type": "bf16"})
+
+
+def test_a_bf16_model_still_gets_fp32_masters() -> None:
+    model = make_model().to(torch.bfloat16)
+    values = {k: v.float() for k, v in model.state_dict().items()}
+    engine = zero_engine.initialize(model, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}})
+    state = engine.full_state_dict()
+    assert all(state[k].dtype == torch.float32 for k, _ in model.named_parameters())
+    assert all(torch.equal(state[k], values[k]) for k in values if k != "temperature")
+    assert all(unit.master.dtype == torch.float32 for unit in engine.units)
+    engine.backward(engine(*micro_batch(0, 0, 0, 1, MICRO, 1)))
+    engine.step()
+    assert engine.module.fc1.weight.dtype == torch.bfloat16
+
+
+def mixed_memory(rank: int, world_size: int) -> list[dict]:
+    results = []
+    for stage in (0, 1, 2):
+        torch.manual_seed(0)
+        from models import DeepModel
+
+        model = DeepModel()
+        engine = zero_engine.initialize(model, {
+            "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300},
+        })
+        for _ in range(2):  # torch.optim creates its state at the first step
+            engine.backward(engine(torch.randn(4, 16)))
+            memory = engine.memory_report()
+            engine.step()
+        psi = sum(p.numel() for p in model.parameters())
+        results.append({"stage": stage, "memory": memory, "psi": psi, "units": len(engine.units),
+                        "tensors": len(engine.optimizer.state), "comm": engine.comm_report()})
+        engine.close()
+    return results
+
+
+def test_mixed_precision_memory_follows_the_zero_paper() -> None:
+    n = 2
+    for result in run_on_ranks(n, mixed_memory)[0]:
+        stage, memory, psi, units = result["stage"], result["memory"], result["psi"], result["units"]
+        formula = formula_bytes(psi, stage, n, param_bytes=2, grad_bytes=2, optimizer_bytes=8, master_bytes=4)
+        padding = 4 * n * units  # at most n-1 padding elements per unit, 4 bytes at most each
+        assert abs(memory["parameters"] - formula.parameters) <= padding, stage
+        assert abs(memory["gradients"] - formula.gradients) <= padding, stage
+        assert abs(memory["master_parameters"] - formula.master_parameters) <= padding, stage
+        counters = 4 * result["tensors"]  # Adam's per-tensor step counters
+        assert abs(memory["optimizer_states"] - counters - formula.optimizer_states) <= 2 * padding, stage
+        if stage >= 1:  # the all-gather moves bf16 compute copies: half the fp32 bytes
+            assert abs(result["comm"]["all_gather"]["sent"] - (n - 1) / n * 2 * psi) <= padding
