@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
             now = time.perf_counter()
             tokens = engine.config.steps_per_print * engine.batch.train_batch_size * model.config.context
             memory = engine.memory_report()
-            log(f"step {step:4d}  loss {statistics.mean(losses[-accum * 10:]):.3f}  "
+            log(f"step {step:4d}  loss {statistics.mean(losses[-accum * 10:]):.3f}  lr {engine.get_lr()[0]:.2e}  "
                 f"grad norm {engine.get_global_grad_norm():.2f}  {tokens / (now - last):,.0f} tokens/s  "
                 f"rank-0 MB: params {memory['parameters'] / 2**20:.1f}  grads {memory['gradients'] / 2**20:.1f}  "
                 f"optimizer {memory['optimizer_states'] / 2**20:.1f}")

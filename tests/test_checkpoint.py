@@ -271,3 +271,27 @@ def test_manifest_documents_the_checkpoint(tmp_path: Path) -> None:
     assert manifest["params"]["embed.weight"]["aliases"] == ["embed.weight", "head.weight"]
     assert set(manifest["files"]) == {"rank00000.pt", "extra.pt"}
     assert (tmp_path / "latest").read_text() == "t1"
+
+
+def test_scheduler_loss_scale_and_fp32_masters_survive_a_round_trip(tmp_path: Path) -> None:
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "fp16": {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 10}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine = zero_engine.initialize(make_model(), config)
+    for step in range(3):
+        engine.backward(engine(*micro_batch(step, 0, 0, 1, 4, 1)))
+        engine.step()
+    engine.save_checkpoint(tmp_path)
+    resumed = zero_engine.initialize(make_model(seed=9), {**config, "zero_optimization": {"stage": 0}})
+    resumed.load_checkpoint(tmp_path)
+    assert resumed.loss_scale == engine.loss_scale == 2.0**11, "the scale grew once in 3 clean steps (window 2)"
+    assert resumed.get_lr() == engine.get_lr()
+    assert resumed.lr_scheduler.last_batch_iteration == 3
+    saved, loaded = engine.full_state_dict(), resumed.full_state_dict()
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), f"{name}: fp32 masters must round-trip exactly"
+    assert zero_engine.load_consolidated(tmp_path)["fc1.weight"].dtype == torch.float32
