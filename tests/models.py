@@ -78,6 +78,24 @@ def micro_batch(step: int, micro: int, rank: int, world_size: int, micro_size: i
     return tokens[start : start + micro_size], targets[start : start + micro_size]
 
 
+def train_engine(
+    engine: Any, rank: int, world_size: int, steps: range, micro_size: int, accum: int
+) -> tuple[list[list[float]], list[float | None]]:
+    """Train ``engine`` on this rank's share of each global batch: the losses of every
+    micro-step, grouped per optimizer step, and the gradient norm of every step."""
+    losses, norms = [], []
+    for step in steps:
+        window = []
+        for micro in range(accum):
+            loss = engine(*micro_batch(step, micro, rank, world_size, micro_size, accum))
+            engine.backward(loss)
+            engine.step()
+            window.append(loss.item())
+        losses.append(window)
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
 def train_reference(
     steps: int, global_size: int, optimizer: str = "AdamW", lr: float = 0.05, clip: float = 0.0
 ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:

@@ -13,7 +13,7 @@ from torch import nn
 
 import zero_engine
 from harness import RankFailure, run_on_ranks
-from models import decay_groups, make_model, micro_batch, train_reference
+from models import decay_groups, make_model, micro_batch, train_engine, train_reference
 from zero_engine import CheckpointError
 from zero_engine.cli import main as cli_main
 
@@ -34,16 +34,7 @@ def _config(stage: int, world_size: int) -> dict:
 
 def _train(engine, rank: int, world_size: int, steps: range) -> list[list[float]]:
     micro, accum = SETUPS[world_size]
-    losses = []
-    for step in steps:
-        window = []
-        for m in range(accum):
-            loss = engine(*micro_batch(step, m, rank, world_size, micro, accum))
-            engine.backward(loss)
-            engine.step()
-            window.append(loss.item())
-        losses.append(window)
-    return losses
+    return train_engine(engine, rank, world_size, steps, micro, accum)[0]
 
 
 def resume_jobs(rank: int, world_size: int, jobs: list[tuple[str, int, str]]) -> list[dict]:

@@ -14,7 +14,7 @@ import torch
 
 import zero_engine
 from harness import run_on_ranks
-from models import decay_groups, make_model, micro_batch, train_reference
+from models import decay_groups, make_model, train_engine, train_reference
 
 STEPS, MICRO, LR, TOL = 4, 2, 0.05, 2e-5
 
@@ -40,14 +40,7 @@ def train_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         model = make_model()
         engine = zero_engine.initialize(model, _config(case), param_groups=decay_groups(model))
-        losses, norms = [], []
-        for step in range(STEPS):
-            for micro in range(case["accum"]):
-                loss = engine(*micro_batch(step, micro, rank, world_size, MICRO, case["accum"]))
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            norms.append(engine.get_global_grad_norm())
+        losses, norms = train_engine(engine, rank, world_size, range(STEPS), MICRO, case["accum"])
         results.append({"losses": losses, "norms": norms, "state": engine.full_state_dict()})
         engine.close()
     return results
@@ -59,7 +52,7 @@ def _check(case: dict, world_size: int, per_rank: list[dict]) -> None:
         STEPS, MICRO * accum * world_size, case.get("optimizer", "AdamW"), LR, case.get("clip", 0.0)
     )
     for step in range(STEPS):
-        window = [r["losses"][step * accum + m] for r in per_rank for m in range(accum)]
+        window = [loss for r in per_rank for loss in r["losses"][step]]
         assert sum(window) / len(window) == pytest.approx(ref_losses[step], abs=TOL), (case, step)
     for rank, result in enumerate(per_rank):
         assert result["norms"] == pytest.approx(ref_norms, abs=1e-4), (case, rank)

@@ -11,7 +11,7 @@ import torch
 
 import zero_engine
 from harness import run_on_ranks
-from models import make_model, micro_batch, train_reference_policy, decay_groups
+from models import decay_groups, make_model, micro_batch, train_engine, train_reference_policy
 from zero_engine.memory import formula_bytes
 from zero_engine.precision import LossScaler
 
@@ -55,16 +55,8 @@ def precision_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         model = make_model()
         engine = zero_engine.initialize(model, _config(case), param_groups=decay_groups(model))
-        losses, norms = [], []
-        for step in range(STEPS):
-            window = []
-            for micro in range(case["accum"]):
-                loss = engine(*micro_batch(step, micro, rank, world_size, MICRO, case["accum"]))
-                engine.backward(loss)
-                engine.step()
-                window.append(loss.item())
-            losses.append(sum(window) / len(window))
-            norms.append(engine.get_global_grad_norm())
+        windows, norms = train_engine(engine, rank, world_size, range(STEPS), MICRO, case["accum"])
+        losses = [sum(window) / len(window) for window in windows]
         results.append({
             "losses": losses, "norms": norms, "state": engine.full_state_dict(),
             "skipped": engine.skipped_steps, "memory": engine.memory_report(),

@@ -73,26 +73,27 @@ class Comm:
         if self.world_size == 1:
             return DONE
         self._count(CollectiveKind.REDUCE_SCATTER, _bytes(flat))
-        shards = self._shards(flat)
         if self.backend == "gloo":
-            return Pending(tuple(
-                dist.reduce(shard, dst=self._global_rank(r), group=self.group, async_op=True)
-                for r, shard in enumerate(shards)
-            ))
-        return Pending((_reduce_scatter_tensor(shards[self.rank], flat, group=self.group, async_op=True),))
+            return self._shard_by_shard(dist.reduce, flat, "dst")
+        shard = self._shards(flat)[self.rank]
+        return Pending((_reduce_scatter_tensor(shard, flat, group=self.group, async_op=True),))
 
     def all_gather(self, flat: torch.Tensor) -> Pending:
         """Fill every shard of ``flat`` with its owner's values."""
         if self.world_size == 1:
             return DONE
         self._count(CollectiveKind.ALL_GATHER, _bytes(flat))
-        shards = self._shards(flat)
         if self.backend == "gloo":
-            return Pending(tuple(
-                dist.broadcast(shard, src=self._global_rank(r), group=self.group, async_op=True)
-                for r, shard in enumerate(shards)
-            ))
-        return Pending((_all_gather_into_tensor(flat, shards[self.rank], group=self.group, async_op=True),))
+            return self._shard_by_shard(dist.broadcast, flat, "src")
+        shard = self._shards(flat)[self.rank]
+        return Pending((_all_gather_into_tensor(flat, shard, group=self.group, async_op=True),))
+
+    def _shard_by_shard(self, collective: Any, flat: torch.Tensor, peer: str) -> Pending:
+        """gloo: one rooted collective per shard, rooted at the shard's owner, all in flight."""
+        return Pending(tuple(
+            collective(shard, **{peer: self._global_rank(owner)}, group=self.group, async_op=True)
+            for owner, shard in enumerate(self._shards(flat))
+        ))
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values, synchronously."""
