@@ -67,7 +67,7 @@ def checks(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     deep = DeepModel()
     engine = zero_engine.initialize(deep, _config(2, bucket=300))
-    for step in range(2):
+    for _ in range(2):
         engine.backward(engine(torch.randn(4, 16)))
         memory = engine.memory_report()
         engine.step()

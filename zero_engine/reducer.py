@@ -63,6 +63,8 @@ class ReduceScatterGrads:
 class GradReducer:
     """Hooks, arrival counting and in-order launching; subclasses say what a launch does."""
 
+    reduces_every_micro_step = False  # full gradients accumulate locally between boundaries
+
     def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool, reduce_dtype: torch.dtype) -> None:
         self.units = list(units)
         self.comm = comm
@@ -94,8 +96,6 @@ class GradReducer:
                     self._launch_ready_units()
 
         return on_grad_accumulated
-
-    reduces_every_micro_step = False
 
     def pre_backward(self, boundary: bool) -> None:
         """Arm the reducer for a backward; off boundaries, full gradients only accumulate."""
