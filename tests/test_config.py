@@ -152,3 +152,14 @@ def test_docs_list_every_key() -> None:
 
     text = DOC.read_text()
     assert render(text) == text, "docs/config.md is stale: run python scripts/make_config_docs.py"
+
+
+def test_cli_estimate_prints_the_formula(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
+    assert cli_main(["estimate", str(config), "--params", "1e9", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    # 2Ψ + 14Ψ/N at stage 2 in mixed precision with Adam: 2 + 3.5 = 5.5 GB for a billion.
+    total_gib = float(out.split("total")[1].split()[0])
+    assert total_gib == pytest.approx(5.5e9 / 2**30, abs=1e-3)
+    assert "two gradient buckets" in out

@@ -1,6 +1,7 @@
 """The ``zero-engine`` console script.
 
     zero-engine validate CONFIG [--world-size N]        print the resolved config, or its errors
+    zero-engine estimate CONFIG --params N [--world-size N]   per-rank model-state bytes by the formula
     zero-engine consolidate CHECKPOINT OUT [--tag T]     write a plain fp32 state_dict (.pt, .safetensors)
 """
 
@@ -13,6 +14,7 @@ import sys
 from .checkpoint import load_consolidated, write_state_dict
 from .config import ConfigError, load_config
 from .features import unbuilt_features
+from .memory import estimate_from_config
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -31,6 +33,27 @@ def _validate(args: argparse.Namespace) -> int:
     print(json.dumps(resolved, indent=2))
     for feature in unbuilt_features(config):
         print(f"warning: not built yet, initialize will refuse: {feature}", file=sys.stderr)
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        report = estimate_from_config(config, int(float(args.params)), args.world_size)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    zero = config.zero_optimization
+    dtype = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
+    print(f"stage {zero.stage}, {dtype}, {config.optimizer.type}, {args.world_size} rank(s), "
+          f"{int(float(args.params)):,} trainable parameters; per rank, without padding and activations:")
+    for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
+        print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
+    total = report.parameters + report.gradients + report.optimizer_states + report.master_parameters
+    print(f"  {'total':18s} {total / 2**30:10.3f} GiB")
+    if zero.stage == 2:
+        print(f"  + during backward up to two gradient buckets: "
+              f"{2 * zero.reduce_bucket_size * 4 / 2**30:.3f} GiB (reduce_bucket_size)")
     return 0
 
 
@@ -53,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="a .yaml, .yml or .json config file")
     validate.add_argument("--world-size", type=int, default=1, help="ranks to resolve the batch sizes for")
     validate.set_defaults(run=_validate)
+    estimate = verbs.add_parser("estimate", help="per-rank model-state memory by the ZeRO formula")
+    estimate.add_argument("config", help="a .yaml, .yml or .json config file")
+    estimate.add_argument("--params", required=True, help="trainable parameters, e.g. 7e9")
+    estimate.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    estimate.set_defaults(run=_estimate)
     consolidate = verbs.add_parser("consolidate", help="turn a checkpoint into a plain state_dict file")
     consolidate.add_argument("checkpoint", help="the directory given to save_checkpoint")
     consolidate.add_argument("out", help="output file: .pt, or .safetensors (needs the safetensors package)")

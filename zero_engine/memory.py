@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .config import ZeroEngineConfig
 from .flat_param import FlatUnit
 from .reducer import GradReducer
 
@@ -61,6 +62,34 @@ def formula_bytes(
         master_parameters=per_rank(master_bytes, 1),
         buffers=0,
         peak_gradients=per_rank(grad_bytes, 2),
+    )
+
+
+def optimizer_bytes_per_param(name: str, params: dict) -> int:
+    """fp32 optimizer state per parameter for the common torch optimizers (elementwise state)."""
+    kind = name.lower()
+    if kind in ("adam", "adamw", "adamax", "nadam", "radam", "adadelta"):
+        return 8 + (4 if params.get("amsgrad") else 0)
+    if kind == "sgd":
+        return 4 if params.get("momentum", 0) else 0
+    if kind == "rmsprop":
+        return 4 + (4 if params.get("momentum", 0) else 0) + (4 if params.get("centered") else 0)
+    if kind in ("adagrad", "rprop", "asgd"):
+        return 8 if kind == "rprop" else 4
+    raise ValueError(f"no per-parameter state size known for optimizer {name!r}")
+
+
+def estimate_from_config(config: ZeroEngineConfig, num_params: int, world_size: int) -> MemoryReport:
+    """The formula for a config: its stage, precision and optimizer."""
+    mixed = config.fp16.enabled or config.bf16.enabled
+    return formula_bytes(
+        num_params,
+        config.zero_optimization.stage,
+        world_size,
+        param_bytes=2 if mixed else 4,
+        grad_bytes=2 if mixed else 4,
+        optimizer_bytes=optimizer_bytes_per_param(config.optimizer.type, config.optimizer.params),
+        master_bytes=4 if mixed else 0,
     )
 
 
