@@ -39,3 +39,16 @@ def test_a_failing_rank_is_named_with_its_traceback() -> None:
 def test_a_hanging_rank_times_out() -> None:
     with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 8s"):
         run_on_ranks(2, hangs_on_rank_zero, timeout=8)
+
+
+def numpy_available(rank: int, world_size: int) -> bool:
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_ranks_run_without_numpy() -> None:
+    """The engine's dependencies do not include numpy, so rank processes must not rely on it."""
+    assert run_on_ranks(2, numpy_available) == [False, False]

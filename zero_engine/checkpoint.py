@@ -80,7 +80,7 @@ def save(engine: Engine, directory: str | Path, tag: str | None = None, client_s
     if comm.rank == 0:
         written[EXTRA] = _write(staging / EXTRA, _extra_payload(engine, client_state))
     files: dict[str, dict[str, int | str]] = {}
-    for rank_files in comm.all_gather_object(written):
+    for rank_files in comm.all_gather_json(written):
         files.update(rank_files)
     if comm.rank == 0:
         manifest = _manifest(engine, tag, files)

@@ -19,6 +19,7 @@ each), the lower bound that NCCL reaches and that the ZeRO paper's analysis uses
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from collections.abc import Sequence
 from enum import Enum
@@ -109,13 +110,22 @@ class Comm:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (small, picklable), in rank order; not counted as traffic."""
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (small, JSON-serialisable), in rank order; not counted as traffic.
+
+        Carried in byte tensors rather than by ``all_gather_object``, which needs numpy.
+        """
         if self.world_size == 1:
             return [obj]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
-        return gathered
+        payload = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.group)
+        longest = max(int(size.item()) for size in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded, group=self.group)
+        return [json.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(gathered, sizes)]
 
     # -- accounting --------------------------------------------------------------------------
 
