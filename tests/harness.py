@@ -19,9 +19,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-if multiprocessing.parent_process() is not None:
+_RANK_PROCESS = "ZERO_ENGINE_TEST_RANK_PROCESS"
+if os.environ.get(_RANK_PROCESS):
     # Rank processes run without numpy, as on a machine with only the engine's dependencies
-    # (torch does not require numpy; torch.distributed's *_object collectives do).
+    # (torch does not require numpy; torch.distributed's *_object collectives do). This runs
+    # before the child imports torch, which would otherwise bind numpy for good.
     sys.modules.setdefault("numpy", None)  # type: ignore[arg-type]
 
 import torch  # noqa: E402
@@ -46,8 +48,12 @@ def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: f
             context.Process(target=_worker, args=(rank, world_size, rendezvous, fn, args, outbox), daemon=True)
             for rank in range(world_size)
         ]
-        for proc in procs:
-            proc.start()
+        os.environ[_RANK_PROCESS] = "1"  # inherited by the children only
+        try:
+            for proc in procs:
+                proc.start()
+        finally:
+            del os.environ[_RANK_PROCESS]
         deadline = time.monotonic() + timeout
         try:
             while len(results) < world_size:
