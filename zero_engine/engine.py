@@ -102,6 +102,9 @@ class Engine:
         zero = config.zero_optimization
         self._sync_from_rank0()
         self.units = _build_units(model, groups, comm, stage, zero, precision.compute_dtype)
+        in_units = {param for unit in self.units for param in unit.params}
+        # Parameters outside every unit: frozen ones, and any left out of param_groups.
+        self.loose_params = [param for param in model.parameters() if param not in in_units]
         self.unsharded_masters = self._cast_unsharded_params()
         self.reducer = build_reducer(stage, self.units, comm, zero, precision.reduce_dtype)
         self.optimizer_targets, optimizer_groups = self._plan_optimizer_targets(groups)
@@ -120,12 +123,10 @@ class Engine:
         fp32 values are kept for state dicts and checkpoints (mixed precision only)."""
         if not self.precision.mixed:
             return {}
-        in_units = {param for unit in self.units for param in unit.params}
         masters = {}
-        for param in self.module.parameters():
-            if param not in in_units:
-                masters[param] = param.detach().to(torch.float32, copy=True)
-                param.data = param.data.to(self.precision.compute_dtype)
+        for param in self.loose_params:
+            masters[param] = param.detach().to(torch.float32, copy=True)
+            param.data = param.data.to(self.precision.compute_dtype)
         return masters
 
     def _plan_optimizer_targets(self, groups: list[ParamGroup]) -> tuple[list[OptimizerTarget], list[dict[str, Any]]]:
@@ -251,10 +252,8 @@ class Engine:
     def _zero_grads(self) -> None:
         self.reducer.zero_grads()
         self.reducer.reset_used()
-        in_units = {param for unit in self.units for param in unit.params}
-        for param in self.module.parameters():
-            if param not in in_units:
-                param.grad = None
+        for param in self.loose_params:
+            param.grad = None
 
     def _open_window(self) -> None:
         """The communication report covers one optimizer step, from its first micro-batch."""
@@ -292,12 +291,12 @@ class Engine:
     def unsharded_state(self) -> dict[str, torch.Tensor]:
         """State-dict entries that live outside the units (frozen parameters as their fp32
         values, buffers), for checkpoints."""
-        in_units = {param for unit in self.units for param in unit.params}
+        loose = set(self.loose_params)
         by_name = dict(self.module.named_parameters(remove_duplicate=False))
         state = {}
         for name, tensor in self.module.state_dict().items():
             param = by_name.get(name)
-            if param is not None and param in in_units:
+            if param is not None and param not in loose:
                 continue
             state[name] = self.unsharded_masters.get(param, tensor) if param is not None else tensor
         return state
