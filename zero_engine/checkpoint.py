@@ -136,10 +136,9 @@ def _extra_payload(engine: Engine, client_state: Any) -> dict[str, Any]:
     }
 
 
-def _sharded_names(engine: Engine) -> set[str]:
-    """Every name (aliases included) of the parameters stored as pieces."""
-    in_units = {param for unit in engine.units for param in unit.params}
-    return {name for name, param in engine.module.named_parameters(remove_duplicate=False) if param in in_units}
+def _piece_shapes(engine: Engine) -> dict[str, list[int]]:
+    """Shape of every parameter stored as pieces, by its name."""
+    return {name: list(param.shape) for unit in engine.units for name, param in zip(unit.names, unit.params)}
 
 
 def _manifest(engine: Engine, tag: str, files: dict[str, Any]) -> dict[str, Any]:
@@ -313,14 +312,15 @@ def load(
     extra = _load(checkpoint.path / EXTRA)
     _check_fit(engine, checkpoint, extra, strict)
     saved = checkpoint.manifest["params"]
+    fitting = {name for name, shape in _piece_shapes(engine).items() if name in saved and saved[name]["shape"] == shape}
     with torch.no_grad():
         for unit in engine.units:
             for i, (name, param) in enumerate(zip(unit.names, unit.params)):
-                if name in saved and list(param.shape) == saved[name]["shape"]:
+                if name in fitting:
                     unit.load_full(i, index.assemble(name, 0, param.numel()))
     engine.load_unsharded_state(extra["module"])
     if load_optimizer_states:
-        _load_optimizer(engine, index, extra, saved)
+        _load_optimizer(engine, index, extra, fitting)
         if engine.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         if engine.loss_scaler is not None and extra["loss_scaler"] is not None:
@@ -333,7 +333,8 @@ def load(
     return extra["client_state"]
 
 
-def _load_optimizer(engine: Engine, index: PieceIndex, extra: dict[str, Any], saved: dict[str, Any]) -> None:
+def _load_optimizer(engine: Engine, index: PieceIndex, extra: dict[str, Any], fitting: set[str]) -> None:
+    """Group options, and the state of every piece whose parameter fits the checkpoint."""
     groups = extra["param_groups"]
     if len(groups) != len(engine.optimizer.param_groups):
         raise CheckpointError(
@@ -344,7 +345,7 @@ def _load_optimizer(engine: Engine, index: PieceIndex, extra: dict[str, Any], sa
         group.update(options)
     engine.optimizer.state.clear()
     for target in engine.optimizer_targets:
-        if target.name not in saved or saved[target.name]["shape"] != list(_param_shape(engine, target.name)):
+        if target.name not in fitting:
             continue
         numel = target.tensor.numel()
         pieces = index.covering(target.name, target.param_offset, numel)
@@ -370,18 +371,10 @@ def _is_elementwise(pieces: list[dict[str, Any]], key: str) -> bool:
     return all(torch.is_tensor(v) and v.dim() == 1 and v.numel() == numel for v, numel in values)
 
 
-def _param_shape(engine: Engine, name: str) -> torch.Size:
-    for unit in engine.units:
-        if name in unit.names:
-            return unit.params[unit.names.index(name)].shape
-    raise KeyError(name)
-
-
 def _check_fit(engine: Engine, checkpoint: Checkpoint, extra: dict[str, Any], strict: bool) -> None:
     """Missing, unexpected and re-shaped entries, all listed at once."""
-    ours = {name: list(param.shape) for unit in engine.units for name, param in zip(unit.names, unit.params)}
-    sharded = _sharded_names(engine)
-    ours.update({k: list(v.shape) for k, v in engine.module.state_dict().items() if k not in sharded})
+    ours = _piece_shapes(engine)
+    ours.update({k: list(v.shape) for k, v in engine.unsharded_state().items()})
     theirs = {name: entry["shape"] for name, entry in checkpoint.manifest["params"].items()}
     theirs.update({k: list(v.shape) for k, v in extra["module"].items()})
     missing = sorted(set(ours) - set(theirs))

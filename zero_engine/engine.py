@@ -328,7 +328,7 @@ class Engine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds (see `zero_engine.memory.MemoryReport`)."""
-        return measure_memory(self.module, self.units, self.optimizer, self.reducer)._asdict()
+        return measure_memory(self.loose_params, self.units, self.optimizer, self.reducer)._asdict()
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank sent and received per collective kind in the current optimizer step."""

@@ -91,10 +91,6 @@ class FlatUnit:
         return flat[start:end]
 
     @property
-    def sharded_param(self) -> torch.Tensor:
-        return self._shard(self.flat_param)
-
-    @property
     def master_of_shard(self) -> torch.Tensor:
         """The fp32 master values of this rank's shard (what a checkpoint saves)."""
         start, end = self.layout.shard_range(self.rank)

@@ -74,8 +74,10 @@ def optimizer_bytes_per_param(name: str, params: dict) -> int:
         return 4 if params.get("momentum", 0) else 0
     if kind == "rmsprop":
         return 4 + (4 if params.get("momentum", 0) else 0) + (4 if params.get("centered") else 0)
-    if kind in ("adagrad", "rprop", "asgd"):
-        return 8 if kind == "rprop" else 4
+    if kind == "rprop":  # previous gradient and step size
+        return 8
+    if kind in ("adagrad", "asgd"):  # sum of squares; averaged parameter
+        return 4
     raise ValueError(f"no per-parameter state size known for optimizer {name!r}")
 
 
@@ -94,16 +96,18 @@ def estimate_from_config(config: ZeroEngineConfig, num_params: int, world_size: 
 
 
 def measure_memory(
-    module: nn.Module, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer, reducer: GradReducer
+    loose_params: Sequence[nn.Parameter],
+    units: Sequence[FlatUnit],
+    optimizer: torch.optim.Optimizer,
+    reducer: GradReducer,
 ) -> MemoryReport:
-    """What this rank holds now, counted from the tensors themselves."""
-    in_units = {param for unit in units for param in unit.params}
-    loose_params = sum(_nbytes(p) for p in module.parameters() if p not in in_units)  # frozen, compute copies
+    """What this rank holds now, counted from the tensors themselves. ``loose_params`` are the
+    parameters outside every unit (frozen ones), counted as they are stored."""
     optimizer_states = sum(
         _nbytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
     )
     return MemoryReport(
-        parameters=loose_params + sum(_nbytes(unit.flat_param) for unit in units),
+        parameters=sum(_nbytes(p) for p in loose_params) + sum(_nbytes(unit.flat_param) for unit in units),
         gradients=reducer.persistent_grad_bytes,
         optimizer_states=optimizer_states,
         master_parameters=sum(unit.master_bytes for unit in units),
