@@ -13,10 +13,12 @@ VOCAB, DIM, HIDDEN, SEQ = 13, 7, 11, 5
 
 class TrapModel(nn.Module):
     """Tied input/output embeddings, a frozen layer, a parameter never used in forward,
-    a buffer, and parameter sizes that divide by no world size above 1."""
+    a buffer, and parameter sizes that divide by no world size above 1. ``mlp_calls=2`` runs
+    the norm/fc1/fc2 block twice in one forward (a module called twice)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mlp_calls: int = 1) -> None:
         super().__init__()
+        self.mlp_calls = mlp_calls
         self.embed = nn.Embedding(VOCAB, DIM)
         self.frozen = nn.Linear(DIM, DIM)
         self.frozen.requires_grad_(False)
@@ -31,7 +33,7 @@ class TrapModel(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, skip_mlp: bool = False) -> torch.Tensor:
         h = self.embed(tokens)
         h = h + self.frozen(h)
-        if not skip_mlp:  # a rank that skips leaves norm/fc1/fc2 without gradients
+        for _ in range(0 if skip_mlp else self.mlp_calls):  # skipping leaves norm/fc1/fc2 without gradients
             h = h + self.fc2(torch.tanh(self.fc1(self.norm(h))))
         logits = self.head(h) / self.temperature
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
@@ -50,9 +52,9 @@ class DeepModel(nn.Module):
         return x.pow(2).mean()
 
 
-def make_model(seed: int = 0) -> TrapModel:
+def make_model(seed: int = 0, **options: Any) -> TrapModel:
     torch.manual_seed(seed)
-    return TrapModel()
+    return TrapModel(**options)
 
 
 def decay_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict[str, Any]]:
@@ -78,11 +80,16 @@ def micro_batch(step: int, micro: int, rank: int, world_size: int, micro_size: i
     return tokens[start : start + micro_size], targets[start : start + micro_size]
 
 
+EVAL_BATCH = global_batch(-1, 6)
+
+
 def train_engine(
-    engine: Any, rank: int, world_size: int, steps: range, micro_size: int, accum: int
+    engine: Any, rank: int, world_size: int, steps: range, micro_size: int, accum: int,
+    eval_losses: list[float] | None = None,
 ) -> tuple[list[list[float]], list[float | None]]:
     """Train ``engine`` on this rank's share of each global batch: the losses of every
-    micro-step, grouped per optimizer step, and the gradient norm of every step."""
+    micro-step, grouped per optimizer step, and the gradient norm of every step. With
+    ``eval_losses``, evaluates `EVAL_BATCH` after every step (eval mode, no_grad) into it."""
     losses, norms = [], []
     for step in steps:
         window = []
@@ -93,14 +100,26 @@ def train_engine(
             window.append(loss.item())
         losses.append(window)
         norms.append(engine.get_global_grad_norm())
+        if eval_losses is not None:
+            eval_losses.append(_evaluate(engine))
     return losses, norms
 
 
+def _evaluate(model: Any) -> float:
+    model.eval()
+    with torch.no_grad():
+        loss = model(*EVAL_BATCH).item()
+    model.train()
+    return loss
+
+
 def train_reference(
-    steps: int, global_size: int, optimizer: str = "AdamW", lr: float = 0.05, clip: float = 0.0
+    steps: int, global_size: int, optimizer: str = "AdamW", lr: float = 0.05, clip: float = 0.0,
+    eval_losses: list[float] | None = None, **options: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
-    """One process, torch.optim, the full global batch: (losses, final state, grad norms)."""
-    model = make_model()
+    """One process, torch.optim, the full global batch: (losses, final state, grad norms).
+    ``eval_losses`` as in `train_engine`; ``options`` go to the model."""
+    model = make_model(**options)
     cls = getattr(torch.optim, optimizer)
     opt = cls(decay_groups(model), lr=lr)
     losses, norms = [], []
@@ -114,6 +133,8 @@ def train_reference(
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if eval_losses is not None:
+            eval_losses.append(_evaluate(model))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 

@@ -138,7 +138,7 @@ def _extra_payload(engine: Engine, client_state: Any) -> dict[str, Any]:
 
 def _piece_shapes(engine: Engine) -> dict[str, list[int]]:
     """Shape of every parameter stored as pieces, by its name."""
-    return {name: list(param.shape) for unit in engine.units for name, param in zip(unit.names, unit.params)}
+    return {name: list(shape) for unit in engine.units for name, shape in zip(unit.names, unit.shapes)}
 
 
 def _manifest(engine: Engine, tag: str, files: dict[str, Any]) -> dict[str, Any]:
@@ -146,9 +146,9 @@ def _manifest(engine: Engine, tag: str, files: dict[str, Any]) -> dict[str, Any]
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         aliases[id(param)].append(name)
     params = {
-        name: {"shape": list(param.shape), "aliases": aliases[id(param)]}
+        name: {"shape": list(shape), "aliases": aliases[id(param)]}
         for unit in engine.units
-        for name, param in zip(unit.names, unit.params)
+        for name, param, shape in zip(unit.names, unit.params, unit.shapes)
     }
     return {
         "format": FORMAT,
@@ -315,9 +315,9 @@ def load(
     fitting = {name for name, shape in _piece_shapes(engine).items() if name in saved and saved[name]["shape"] == shape}
     with torch.no_grad():
         for unit in engine.units:
-            for i, (name, param) in enumerate(zip(unit.names, unit.params)):
+            for i, (name, numel) in enumerate(zip(unit.names, unit.layout.param_numels)):
                 if name in fitting:
-                    unit.load_full(i, index.assemble(name, 0, param.numel()))
+                    unit.load_full(i, index.assemble(name, 0, numel))
     engine.load_unsharded_state(extra["module"])
     if load_optimizer_states:
         _load_optimizer(engine, index, extra, fitting)

@@ -36,6 +36,7 @@ class CollectiveKind(str, Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
+    GATHER = "gather"
 
 
 class Pending(NamedTuple):
@@ -95,6 +96,18 @@ class Comm:
             collective(shard, **{peer: self._global_rank(owner)}, group=self.group, async_op=True)
             for owner, shard in enumerate(self._shards(flat))
         ))
+
+    def gather(self, flat: torch.Tensor, dst: int = 0) -> Pending:
+        """Fill every shard of ``flat`` on rank ``dst`` alone with its owner's values (state
+        export onto one rank); other ranks' buffers are left as they are."""
+        if self.world_size == 1:
+            return DONE
+        self._count(CollectiveKind.GATHER, _bytes(flat))
+        shards = self._shards(flat)
+        own = shards[self.rank].clone()  # the input must not alias the destination on dst
+        targets = shards if self.rank == dst else None
+        work = dist.gather(own, gather_list=targets, dst=self._global_rank(dst), group=self.group, async_op=True)
+        return Pending((work,))
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values, synchronously."""
@@ -165,10 +178,11 @@ _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_g
 
 
 def connect(config: CommConfig, device: torch.device) -> Comm:
-    """The engine's `Comm`: an existing default group, a new one from torchrun's environment,
-    or world size 1 without ``torch.distributed`` when neither exists."""
+    """The engine's `Comm`: a group of its own beside the caller's default group (so its
+    collectives time out after ``comm.timeout_s`` whatever the caller chose), a new default
+    group from torchrun's environment, or world size 1 without ``torch.distributed``."""
     if dist.is_available() and dist.is_initialized():
-        return Comm(dist.get_rank(), dist.get_world_size(), dist.get_backend())
+        return Comm(dist.get_rank(), dist.get_world_size(), dist.get_backend(), _own_group(config.timeout_s))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return Comm(0, 1, "none")
     backend = choose_backend(config.backend, device)
@@ -176,6 +190,18 @@ def connect(config: CommConfig, device: torch.device) -> Comm:
         _bind_cuda_device()
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=config.timeout_s))
     return Comm(dist.get_rank(), dist.get_world_size(), backend)
+
+
+_OWN_GROUPS: dict[tuple[int, float], Any] = {}
+
+
+def _own_group(timeout_s: float) -> Any:
+    """One group over all ranks per default group and timeout (``new_group`` is collective, so
+    engines created in the same order on every rank share it)."""
+    key = (id(dist.group.WORLD), timeout_s)
+    if key not in _OWN_GROUPS:
+        _OWN_GROUPS[key] = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    return _OWN_GROUPS[key]
 
 
 def choose_backend(requested: str, device: torch.device) -> str:

@@ -23,13 +23,14 @@ from .comm import Comm, connect
 from .config import BatchSizes, ZeroEngineConfig, load_config
 from .features import refuse_unbuilt_features
 from .flat_param import FlatUnit, OwnedPiece
-from .layout import plan_units
 from .memory import measure_memory
 from .optim import build_optimizer, check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
 from .precision import Precision, build_loss_scaler
 from .schedules import build_scheduler
 from .stages import Stage, build_reducer, stage_for
+from .tree import map_tensors
+from .units import build_units
 
 logger = logging.getLogger("zero_engine")
 
@@ -101,12 +102,15 @@ class Engine:
         self._global_grad_norm: float | None = None
         zero = config.zero_optimization
         self._sync_from_rank0()
-        self.units = _build_units(model, groups, comm, stage, zero, precision.compute_dtype)
+        if stage.shard_parameters and not zero.reduce_scatter_each_micro_step and comm.rank == 0:
+            logger.warning("zero_optimization.reduce_scatter_each_micro_step: false has no effect at stage 3")
+        self.units, self.gatherer = build_units(model, groups, comm, stage, zero, precision.compute_dtype)
         in_units = {param for unit in self.units for param in unit.params}
         # Parameters outside every unit: frozen ones, and any left out of param_groups.
         self.loose_params = [param for param in model.parameters() if param not in in_units]
         self.unsharded_masters = self._cast_unsharded_params()
         self.reducer = build_reducer(stage, self.units, comm, zero, precision.reduce_dtype)
+        self.reducer.on_unit_complete = self.gatherer.unit_complete
         self.optimizer_targets, optimizer_groups = self._plan_optimizer_targets(groups)
         self.optimizer = build_optimizer(config.optimizer, stage.level, optimizer_groups)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
@@ -139,7 +143,7 @@ class Engine:
             for piece in unit.owned_pieces():
                 view = unit.master[piece.owned_offset : piece.owned_offset + piece.numel].view(piece.shape)
                 targets.append(OptimizerTarget(view, unit_index, piece, first_index + piece.param_index))
-                per_group[unit.group_index].append(view)
+                per_group[unit.group_indices[piece.param_index]].append(view)
             first_index += len(unit.params)
         return targets, [dict(group.options, params=tensors) for group, tensors in zip(groups, per_group)]
 
@@ -148,16 +152,18 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._open_window()
         if self.precision.mixed:
-            args, kwargs = _cast_floats((args, kwargs), self.precision.compute_dtype)
+            args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss * loss_scale / gradient_accumulation_steps``; reduces as the
         stage says (on boundaries, or every micro-step at stage 2)."""
         self._open_window()
+        self.gatherer.begin_backward()
         self.reducer.pre_backward(boundary=self.is_gradient_accumulation_boundary())
         (loss * (self.loss_scale / self.batch.gradient_accumulation_steps)).backward()
         self.reducer.post_backward()
+        self.gatherer.end_backward()
 
     def step(self) -> None:
         """Call after every micro-batch; updates only on accumulation boundaries."""
@@ -189,6 +195,9 @@ class Engine:
     def loss_scale(self) -> float:
         """The current fp16 loss scale; 1.0 without fp16."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def _to_compute_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.precision.compute_dtype) if tensor.is_floating_point() else tensor
 
     # -- the phases of step() --------------------------------------------------------------------
 
@@ -245,7 +254,8 @@ class Engine:
             )
 
     def _gather_params(self) -> None:
-        pending = [self.comm.all_gather(unit.flat_param) for unit in self.units]
+        """Whole parameters get every rank's update; stage 3 units stay sharded until used."""
+        pending = [self.comm.all_gather(unit.flat_param) for unit in self.units if not unit.sharded_params]
         for handle in pending:
             handle.wait()
 
@@ -270,16 +280,23 @@ class Engine:
     def eval(self) -> Engine:
         return self.train(False)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The complete module state on CPU, same keys as ``state_dict()``, parameters as their
-        fp32 masters. Under mixed precision with sharded masters this gathers (call it on every
-        rank)."""
-        values: dict[nn.Parameter, torch.Tensor] = dict(self.unsharded_masters)
+        fp32 masters. Collective when masters are sharded: call it on every rank.
+
+        ``rank0_only=True`` gathers onto rank 0 alone, one unit at a time, so exporting never
+        needs the full model on any other rank; the other ranks get an empty dict.
+        """
+        keep = not rank0_only or self.comm.rank == 0
+        values: dict[nn.Parameter, torch.Tensor] = {}
         for unit in self.units:
-            full = self._full_master(unit)
-            for index, param in enumerate(unit.params):
-                offset = unit.layout.param_offsets[index]
-                values[param] = full[offset : offset + param.numel()].view(param.shape)
+            full = self._full_master(unit, rank0_only)
+            if keep:
+                for index, param in enumerate(unit.params):
+                    values[param] = unit.view_of(full, index).to("cpu", copy=True)
+        if not keep:
+            return {}
+        values.update(self.unsharded_masters)
         by_name = dict(self.module.named_parameters(remove_duplicate=False))
         state = {}
         for name, tensor in self.module.state_dict().items():
@@ -314,21 +331,23 @@ class Engine:
                 if master is not None:
                     master.copy_(value)
 
-    def _full_master(self, unit: FlatUnit) -> torch.Tensor:
-        """The unit's fp32 master values over the whole flat buffer."""
-        if unit.master_is_param:
-            return unit.flat_param
+    def _full_master(self, unit: FlatUnit, rank0_only: bool = False) -> torch.Tensor:
+        """The unit's fp32 master values over the whole flat buffer (on rank 0 alone with
+        ``rank0_only``, when they must be gathered)."""
         if not unit.shard_master:
             return unit.master
-        full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=unit.master.device)
+        if unit.master_is_param and not unit.sharded_params:
+            return unit.flat_param  # stages 1-2 in fp32: the whole buffer is up to date
+        full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
         start, end = unit.owned_range
         full[start:end] = unit.master
-        self.comm.all_gather(full).wait()
+        (self.comm.gather(full) if rank0_only else self.comm.all_gather(full)).wait()
         return full
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds (see `zero_engine.memory.MemoryReport`)."""
-        return measure_memory(self.loose_params, self.units, self.optimizer, self.reducer)._asdict()
+        report = measure_memory(self.loose_params, self.units, self.optimizer, self.reducer, self.gatherer.peaks())
+        return report._asdict()
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank sent and received per collective kind in the current optimizer step."""
@@ -362,44 +381,9 @@ class Engine:
         return checkpoint.load(self, directory, tag, strict=strict, load_optimizer_states=load_optimizer_states)
 
     def close(self) -> None:
-        """Remove the engine's gradient hooks from the model's parameters."""
+        """Remove the engine's hooks from the model's parameters and modules."""
         self.reducer.remove_hooks()
-
-
-def _build_units(
-    model: nn.Module, groups: list[ParamGroup], comm: Comm, stage: Stage, zero: Any, compute_dtype: torch.dtype
-) -> list[FlatUnit]:
-    """Flat units per param group, listed in expected gradient-arrival order (reverse
-    registration, as backward produces them) so the reducer launches them as they fill."""
-    position = {param: index for index, param in enumerate(model.parameters())}
-    keyed: list[tuple[int, FlatUnit]] = []
-    for group_index, group in enumerate(groups):
-        pairs = sorted(zip(group.names, group.params), key=lambda pair: position[pair[1]], reverse=True)
-        for indices in plan_units([param.numel() for _, param in pairs], zero.reduce_bucket_size):
-            unit = FlatUnit(
-                [pairs[i][1] for i in indices],
-                [pairs[i][0] for i in indices],
-                group_index,
-                comm.rank,
-                comm.world_size,
-                compute_dtype=compute_dtype,
-                shard_master=stage.shard_optimizer_state,
-                full_grads=not stage.streams_gradients(zero),
-            )
-            keyed.append((min(position[p] for p in unit.params), unit))
-    keyed.sort(key=lambda item: item[0], reverse=True)
-    return [unit for _, unit in keyed]
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """Floating-point tensors in nested tuples, lists and dicts, cast to ``dtype``."""
-    if torch.is_tensor(value):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
+        self.gatherer.remove_hooks()
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -8,6 +8,9 @@ second copy); under mixed precision it is a separate fp32 tensor, and the update
 cast back into ``flat_param`` after each step. Autograd accumulates into an existing
 ``.grad`` in place, which keeps the gradient views intact.
 
+At stage 3, a `ShardedFlatUnit` keeps only this rank's shard between uses: the full buffer
+exists while the unit is gathered, and the parameters are empty tensors otherwise.
+
 The engine never does offset arithmetic itself; it asks the unit for views.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,13 +27,15 @@ from .layout import UnitLayout
 
 
 class FlatUnit:
-    """Parameters of one param group, flattened in order into padded flat buffers."""
+    """Parameters flattened in order into padded flat buffers (whole between steps)."""
+
+    sharded_params = False  # stage 3 units hold only their shard between uses
 
     def __init__(
         self,
         params: Sequence[nn.Parameter],
         names: Sequence[str],
-        group_index: int,
+        group_indices: Sequence[int],
         rank: int,
         world_size: int,
         *,
@@ -38,15 +44,17 @@ class FlatUnit:
         full_grads: bool = True,
     ) -> None:
         self.params = list(params)
+        self.shapes = [param.shape for param in self.params]  # stage 3 empties the parameters
         self.names = list(names)
-        self.group_index = group_index  # the optimizer param group its parameters belong to
+        self.group_indices = list(group_indices)  # each parameter's optimizer param group
         self.rank = rank
         self.layout = UnitLayout([p.numel() for p in self.params], world_size)
-        device = self.params[0].device
+        self.device = device = self.params[0].device
+        self.compute_dtype = compute_dtype
         # Masters start from the parameters' own values, before any cast to the compute dtype.
         full_fp32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
         for index, param in enumerate(self.params):
-            self._view(full_fp32, index).copy_(param.detach())
+            self.view_of(full_fp32, index).copy_(param.detach())
         self.shard_master = shard_master
         self.owned_range = self.layout.shard_range(rank) if shard_master else (0, self.layout.padded_numel)
         self.flat_param = full_fp32 if compute_dtype == torch.float32 else full_fp32.to(compute_dtype)
@@ -66,19 +74,20 @@ class FlatUnit:
 
     @property
     def master_is_param(self) -> bool:
-        return self.flat_param.dtype == torch.float32
+        return self.compute_dtype == torch.float32
 
-    def _view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        offset, param = self.layout.param_offsets[index], self.params[index]
-        return flat[offset : offset + param.numel()].view(param.shape)
+    def view_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s elements of any full flat buffer of this unit, shaped."""
+        offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
+        return flat[offset : offset + numel].view(self.shapes[index])
 
     def param_view(self, index: int) -> torch.Tensor:
-        return self._view(self.flat_param, index)
+        return self.view_of(self.flat_param, index)
 
     def grad_view(self, index: int) -> torch.Tensor:
         if self.flat_grad is None:
             raise RuntimeError(f"unit of {self.names} keeps no full gradients")
-        return self._view(self.flat_grad, index)
+        return self.view_of(self.flat_grad, index)
 
     def attach_grads(self) -> None:
         """Point every parameter's ``.grad`` at its slice of ``flat_grad`` (full gradients only)."""
@@ -103,6 +112,11 @@ class FlatUnit:
         return held.numel() * held.element_size()
 
     @property
+    def param_bytes(self) -> int:
+        """Persistent parameter storage: the whole flat buffer (stages 0-2)."""
+        return _nbytes(self.flat_param)
+
+    @property
     def master_bytes(self) -> int:
         """A separate fp32 master (mixed precision); 0 when the master is the parameter."""
         return 0 if self.master_is_param else self.master.numel() * self.master.element_size()
@@ -115,7 +129,7 @@ class FlatUnit:
         for index, (offset, numel) in enumerate(zip(self.layout.param_offsets, self.layout.param_numels)):
             lo, hi = max(offset, start), min(offset + numel, end)
             if lo < hi:
-                shape = torch.Size([hi - lo]) if self.shard_master else self.params[index].shape
+                shape = torch.Size([hi - lo]) if self.shard_master else self.shapes[index]
                 pieces.append(OwnedPiece(index, self.names[index], lo - offset, lo - start, hi - lo, shape))
         return pieces
 
@@ -127,13 +141,100 @@ class FlatUnit:
 
     def load_full(self, index: int, values: torch.Tensor) -> None:
         """Set parameter ``index`` from full fp32 values: compute copy and owned master."""
-        self.param_view(index).copy_(values.view(self.params[index].shape))
+        self.param_view(index).copy_(values.view(self.shapes[index]))
         if not self.master_is_param:
             offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
             start, end = self.owned_range
             lo, hi = max(offset, start), min(offset + numel, end)
             if lo < hi:
                 self.master[lo - start : hi - start].copy_(values.reshape(-1)[lo - offset : hi - offset])
+
+
+class ShardedFlatUnit(FlatUnit):
+    """Stage 3: the unit's parameters exist in full only while it is gathered.
+
+    Between uses the rank holds ``param_shard`` (its shard in the compute dtype; in fp32 the
+    master itself) and every parameter is an empty tensor, as DeepSpeed leaves them, so a use
+    outside the engine's hooks fails on a shape instead of reading stale values. `begin_gather`
+    allocates the full buffer, points the parameters at it and starts the all-gather; `free`
+    drops it. Autograd keeps working across a free and a new gather because it saved the
+    parameter objects, whose ``.data`` points at the new buffer by the time backward runs.
+    """
+
+    sharded_params = True
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        group_indices: Sequence[int],
+        rank: int,
+        world_size: int,
+        *,
+        label: str,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(
+            params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, shard_master=True,
+            full_grads=False,
+        )
+        self.label = label  # the module path the unit stands for, for messages
+        start, end = self.owned_range
+        if self.master_is_param:  # the master was a view of the full buffer; own it now
+            self.master = self.master.clone()
+            self.param_shard = self.master
+        else:
+            self.param_shard = self.flat_param[start:end].clone()
+        self._empty = torch.empty(0, dtype=compute_dtype, device=self.device)
+        self.free()
+
+    @property
+    def gathered(self) -> bool:
+        return self.flat_param is not None
+
+    def begin_gather(self, comm: Any) -> Any:
+        """Allocate the full buffer, point the parameters at it, start filling it; returns the
+        collective's `Pending` (values are valid after its ``wait``)."""
+        flat = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+        start, end = self.owned_range
+        flat[start:end].copy_(self.param_shard)
+        self.flat_param = flat
+        for index, param in enumerate(self.params):
+            param.data = self.param_view(index)
+        return comm.all_gather(flat)
+
+    def free(self) -> None:
+        for param in self.params:
+            param.data = self._empty
+        self.flat_param = None  # type: ignore[assignment]
+
+    @property
+    def param_bytes(self) -> int:
+        return _nbytes(self.param_shard)
+
+    @property
+    def gathered_bytes(self) -> int:
+        """The full buffer's size while gathered."""
+        return self.layout.padded_numel * self._empty.element_size()
+
+    def publish_master(self) -> None:
+        if not self.master_is_param:
+            self.param_shard.copy_(self.master)
+
+    def load_full(self, index: int, values: torch.Tensor) -> None:
+        offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
+        start, end = self.owned_range
+        lo, hi = max(offset, start), min(offset + numel, end)
+        if lo < hi:
+            piece = values.reshape(-1)[lo - offset : hi - offset]
+            self.master[lo - start : hi - start].copy_(piece)
+            self.param_shard[lo - start : hi - start].copy_(piece)
+        if self.gathered:
+            self.param_view(index).copy_(values.view(self.shapes[index]))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 @dataclass(frozen=True)

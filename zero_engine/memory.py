@@ -32,6 +32,8 @@ class MemoryReport(NamedTuple):
     master_parameters: int  # separate fp32 masters (mixed precision only)
     buffers: int  # reusable communication buffers
     peak_gradients: int  # most gradient storage alive at once during the last backward
+    peak_gathered_forward: int = 0  # stage 3: most gathered (full) unit parameters alive in the last forward
+    peak_gathered_backward: int = 0  # stage 3: the same in the last backward
 
 
 def formula_bytes(
@@ -100,19 +102,23 @@ def measure_memory(
     units: Sequence[FlatUnit],
     optimizer: torch.optim.Optimizer,
     reducer: GradReducer,
+    gathered_peaks: tuple[int, int] = (0, 0),
 ) -> MemoryReport:
     """What this rank holds now, counted from the tensors themselves. ``loose_params`` are the
-    parameters outside every unit (frozen ones), counted as they are stored."""
+    parameters outside every unit (frozen ones), counted as they are stored; stage 3 units
+    count their shard (gathered copies are transient and reported as peaks)."""
     optimizer_states = sum(
         _nbytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
     )
     return MemoryReport(
-        parameters=sum(_nbytes(p) for p in loose_params) + sum(_nbytes(unit.flat_param) for unit in units),
+        parameters=sum(_nbytes(p) for p in loose_params) + sum(unit.param_bytes for unit in units),
         gradients=reducer.persistent_grad_bytes,
         optimizer_states=optimizer_states,
         master_parameters=sum(unit.master_bytes for unit in units),
         buffers=reducer.buffer_bytes(),
         peak_gradients=reducer.peak_grad_bytes,
+        peak_gathered_forward=gathered_peaks[0],
+        peak_gathered_backward=gathered_peaks[1],
     )
 
 

@@ -22,7 +22,7 @@ Two ways to hold gradients, one class each:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -78,6 +78,9 @@ class GradReducer:
         self._arrived = [0] * len(self.units)
         self._reducing = False
         self._next_unit = 0
+        # Told when all of a unit's parameters have their gradient in a reducing backward
+        # (stage 3 frees the unit's gathered parameters then).
+        self.on_unit_complete: Callable[[FlatUnit], None] | None = None
         self._handles: list[Any] = []
         index = 0
         for unit_index, unit in enumerate(self.units):
@@ -94,6 +97,8 @@ class GradReducer:
                 self._arrived[unit_index] += 1
                 if self.overlap:
                     self._launch_ready_units()
+                if self.on_unit_complete is not None and self._arrived[unit_index] == len(self.units[unit_index].params):
+                    self.on_unit_complete(self.units[unit_index])
 
         return on_grad_accumulated
 
@@ -241,7 +246,7 @@ class ShardedGradReducer(GradReducer):
         if self._free:
             storage = self._free.pop()
         else:
-            storage = torch.empty(self._bucket_numel, dtype=self.reduce_dtype, device=unit.flat_param.device)
+            storage = torch.empty(self._bucket_numel, dtype=self.reduce_dtype, device=unit.device)
             self._num_buckets += 1
         flat = storage[: unit.layout.padded_numel]
         flat.zero_()

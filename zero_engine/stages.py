@@ -2,7 +2,8 @@
 
 The engine looks the stage up once, in `STAGES`, and composes shared machinery from it
 (`build_reducer` picks how gradients are held and reduced); no ``if stage == ...`` elsewhere.
-Stage 3 is listed but not built, so asking for it fails at `initialize` with a clear message.
+Stage 3 adds sharded parameters: units become modules (`zero_engine.units`) whose parameters
+are gathered around their use (`zero_engine.gatherer`).
 """
 
 from __future__ import annotations
@@ -23,30 +24,26 @@ class Stage:
     level: int
     shard_optimizer_state: bool  # the optimizer updates only this rank's pieces, then all-gather
     shard_gradients: bool  # only this rank's gradient shard persists
+    shard_parameters: bool  # parameters exist in full only while their unit is gathered
     summary: str
-    built: bool = True
 
     def streams_gradients(self, zero: ZeroOptimizationConfig) -> bool:
-        """Gradients pass through buckets into the shard every micro-step (stage 2's default);
+        """Gradients pass through buckets into the shard every micro-step (stage 2's default,
+        always at stage 3, where no full gradient can persist because no full parameter does);
         otherwise full gradients persist and are reduced once per accumulation window."""
-        return self.shard_gradients and zero.reduce_scatter_each_micro_step
+        return self.shard_parameters or (self.shard_gradients and zero.reduce_scatter_each_micro_step)
 
 
 STAGES: dict[int, Stage] = {
-    0: Stage(0, False, False, "replicated data parallelism (all-reduce)"),
-    1: Stage(1, True, False, "optimizer state sharded (reduce-scatter + all-gather)"),
-    2: Stage(2, True, True, "optimizer state and gradients sharded (reduce-scatter + all-gather)"),
-    3: Stage(3, True, True, "parameters sharded too", built=False),
+    0: Stage(0, False, False, False, "replicated data parallelism (all-reduce)"),
+    1: Stage(1, True, False, False, "optimizer state sharded (reduce-scatter + all-gather)"),
+    2: Stage(2, True, True, False, "optimizer state and gradients sharded (reduce-scatter + all-gather)"),
+    3: Stage(3, True, True, True, "parameters sharded too (all-gather per unit in forward and backward, reduce-scatter)"),
 }
 
 
 def stage_for(level: int) -> Stage:
-    stage = STAGES[level]
-    if not stage.built:
-        raise NotImplementedError(
-            f"zero_optimization.stage = {level} ({stage.summary}) is validated but not built yet; use stage 0, 1 or 2"
-        )
-    return stage
+    return STAGES[level]
 
 
 def build_reducer(

@@ -1,0 +1,238 @@
+"""Stage 3: gather each unit's parameters around the modules that use them, free them after.
+
+Forward: a unit module's pre-hook gathers the units it needs (counted, so nested and tied
+uses share one gather) and starts the all-gather of the next unit in the order recorded by
+the previous forward; its post-hook releases them, and a unit nobody holds is freed. The
+post-hook also puts a hook on the module's output tensors: the first gradient that reaches
+one of them, at the start of the module's backward, gathers its units again (and prefetches
+the next in reverse forward order). A unit is freed in backward once all of its parameters
+have received their gradient (the reducer says so): every operation that needed its values
+has then run. Whatever is still gathered when backward returns (unused parameters) is freed.
+
+Every gather is preceded by a tiny all-reduce of unit ids, so ranks that run different
+modules (a data-dependent branch) fail at once with an error naming each rank's unit,
+instead of hanging or filling one unit with another's values.
+
+Prefetching runs one unit ahead, bounded by ``stage3_prefetch_bucket_size`` (a larger unit is
+not prefetched) and ``stage3_max_live_parameters`` (no prefetch that would exceed it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm import Comm, Pending
+from .flat_param import FlatUnit, ShardedFlatUnit
+from .tree import iter_tensors
+
+
+class DivergedRanksError(RuntimeError):
+    """Ranks are about to gather different units: their forward passes took different paths."""
+
+
+class ResidentParams:
+    """Stages 0-2: parameters are always whole; nothing to gather."""
+
+    def begin_backward(self) -> None: ...
+
+    def end_backward(self) -> None: ...
+
+    def unit_complete(self, unit: FlatUnit) -> None: ...
+
+    def remove_hooks(self) -> None: ...
+
+    def peaks(self) -> tuple[int, int]:
+        return 0, 0
+
+
+class ParamGatherer(ResidentParams):
+    """Gathers and frees `ShardedFlatUnit` s around the forward and backward of their modules."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        units: Sequence[ShardedFlatUnit],
+        hooked: Sequence[tuple[nn.Module, tuple[int, ...]]],
+        comm: Comm,
+        prefetch_numel: int,
+        max_live_numel: int,
+    ) -> None:
+        self.units = list(units)
+        self.comm = comm
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self._index = {id(unit): index for index, unit in enumerate(self.units)}
+        self._refs = [0] * len(self.units)  # forward holders of each unit
+        self._pending: dict[int, Pending] = {}  # gathers in flight
+        self._held_for_backward: set[int] = set()
+        self._order: list[int] = []  # this forward's units, in first-use order
+        self._recorded: list[int] = []  # the last complete forward's order, for prefetching
+        self._forward_depth = 0  # calls of the root module in progress
+        self.peak_forward_bytes = 0
+        self.peak_backward_bytes = 0
+        # The root's outer hooks bracket every forward, whoever calls the model: registered
+        # first (pre) and last (post), so they run around the unit hooks of the root itself.
+        self._handles = [root.register_forward_pre_hook(self._enter_root)]
+        for module, needs in hooked:
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, needs)))
+            self._handles.append(
+                module.register_forward_hook(functools.partial(self._post_forward, needs), always_call=True)
+            )
+        self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
+
+    # -- a whole forward ---------------------------------------------------------------------
+
+    def _enter_root(self, module: nn.Module, args: Any) -> None:
+        if self._forward_depth == 0:
+            if any(self._refs) or self._held_for_backward or self._pending:
+                self._release_all()  # a backward raised half-way, or no backward came
+            self._order = []
+            self.peak_forward_bytes = self._live_bytes()
+        self._forward_depth += 1
+
+    def _exit_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Runs even when the forward raised (``always_call``): every unit hook has released
+        its units by then, so a failed forward leaves nothing gathered."""
+        self._forward_depth = max(0, self._forward_depth - 1)
+        if self._forward_depth == 0:
+            if self._order:
+                self._recorded = self._order
+            self._free_unheld()
+
+    def _release_all(self) -> None:
+        self._refs = [0] * len(self.units)
+        self._held_for_backward.clear()
+        self._free_unheld()
+
+    # -- called by the engine around backward ------------------------------------------------
+
+    def begin_backward(self) -> None:
+        self.peak_backward_bytes = self._live_bytes()
+
+    def end_backward(self) -> None:
+        self._held_for_backward.clear()
+        self._free_unheld()
+
+    def unit_complete(self, unit: FlatUnit) -> None:
+        """Every parameter of ``unit`` has its gradient: its values are needed no more."""
+        index = self._index.get(id(unit))
+        if index is not None and index in self._held_for_backward:
+            self._held_for_backward.discard(index)
+            if not self._refs[index]:
+                self._free(index)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def peaks(self) -> tuple[int, int]:
+        """Most gathered-parameter bytes alive in the last forward and the last backward."""
+        return self.peak_forward_bytes, self.peak_backward_bytes
+
+    # -- module hooks ----------------------------------------------------------------------------
+
+    def _pre_forward(self, needs: tuple[int, ...], module: nn.Module, args: Any) -> None:
+        for index in needs:
+            self._refs[index] += 1
+            self._ensure_gathered(index)
+            if index not in self._order:
+                self._order.append(index)
+        self._prefetch_after(needs, self._recorded)
+
+    def _post_forward(self, needs: tuple[int, ...], module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            hook = functools.partial(self._pre_backward, needs)
+            for tensor in iter_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(hook)
+        for index in needs:
+            self._refs[index] = max(0, self._refs[index] - 1)
+            if not self._refs[index] and index not in self._held_for_backward:
+                self._free(index)
+
+    def _pre_backward(self, needs: tuple[int, ...], grad: torch.Tensor) -> None:
+        for index in needs:
+            if index not in self._held_for_backward:
+                self._held_for_backward.add(index)
+                self._ensure_gathered(index)
+        self._prefetch_after(needs, self._recorded[::-1])
+
+    # -- gathering -------------------------------------------------------------------------------
+
+    def _ensure_gathered(self, index: int) -> None:
+        if not self.units[index].gathered:
+            self._launch(index)
+        pending = self._pending.pop(index, None)
+        if pending is not None:
+            pending.wait()
+
+    def _prefetch_after(self, needs: tuple[int, ...], order: list[int]) -> None:
+        """Start gathering the unit that followed ``needs`` in ``order``, if it fits."""
+        positions = [order.index(index) for index in needs if index in order]
+        if not positions or max(positions) + 1 >= len(order):
+            return
+        following = order[max(positions) + 1]
+        unit = self.units[following]
+        if unit.gathered or unit.layout.padded_numel > self.prefetch_numel:
+            return
+        if self._live_numel() + unit.layout.padded_numel > self.max_live_numel:
+            return
+        self._launch(following)
+
+    def _launch(self, index: int) -> None:
+        self._check_same_unit(index)
+        self._pending[index] = self.units[index].begin_gather(self.comm)
+        self._note_peak()
+
+    def _check_same_unit(self, index: int) -> None:
+        """All ranks must be about to gather the same unit; say which rank runs what if not."""
+        if self.comm.world_size == 1:
+            return
+        ids = torch.zeros(self.comm.world_size, dtype=torch.int64, device=self.units[index].device)
+        ids[self.comm.rank] = index + 1
+        self.comm.all_reduce_sum(ids).wait()
+        if bool((ids != index + 1).any()):
+            per_rank = ", ".join(
+                f"rank {rank} gathers {self._describe(int(value) - 1)}" for rank, value in enumerate(ids.tolist())
+            )
+            raise DivergedRanksError(
+                f"stage 3 ranks diverged: {per_rank}. Every rank must run the same modules in the same order "
+                "(a data-dependent branch or a skipped module on one rank?)"
+            )
+
+    def _describe(self, index: int) -> str:
+        if 0 <= index < len(self.units):
+            return f"unit {self.units[index].label!r}"
+        return f"an unknown unit ({index})"
+
+    def _free(self, index: int) -> None:
+        pending = self._pending.pop(index, None)
+        if pending is not None:
+            pending.wait()
+        self.units[index].free()
+
+    def _free_unheld(self) -> None:
+        for index, unit in enumerate(self.units):
+            if unit.gathered and not self._refs[index] and index not in self._held_for_backward:
+                self._free(index)
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    def _live_numel(self) -> int:
+        return sum(unit.layout.padded_numel for unit in self.units if unit.gathered)
+
+    def _live_bytes(self) -> int:
+        return sum(unit.gathered_bytes for unit in self.units if unit.gathered)
+
+    def _note_peak(self) -> None:
+        live = self._live_bytes()
+        if self._forward_depth:
+            self.peak_forward_bytes = max(self.peak_forward_bytes, live)
+        else:
+            self.peak_backward_bytes = max(self.peak_backward_bytes, live)

@@ -1,0 +1,125 @@
+"""Stage 3: which modules become units, which parameters each unit owns, what each needs.
+
+A *unit module* is the model itself (the root) and every submodule picked by the wrap policy:
+its class named in ``stage3_wrap_modules``, or, without that list, every module whose not yet
+wrapped trainable parameters reach ``min_unit_numel`` elements (bottom-up, like FSDP's
+size-based policy). A unit owns the trainable parameters registered in its part of the tree
+(its subtree minus nested unit modules). A parameter registered twice (tied weights) is owned
+by the unit that registers it first, in ``named_parameters`` order, and *used* by every unit
+that registers it: an output head tied to the input embedding needs the embedding's unit
+gathered while it runs. Parameters below ``persistence_threshold`` elements are not sharded:
+they stay resident on every rank (saves many tiny collectives), and are returned apart.
+
+Pure module-tree logic: no tensors are allocated and nothing is communicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .param_groups import ParamGroup
+
+
+@dataclass
+class ModuleUnitPlan:
+    """One unit module: the sharded parameters it owns and every parameter it uses."""
+
+    path: str  # the module's path in the model, "" for the root
+    module: nn.Module
+    names: list[str] = field(default_factory=list)
+    params: list[nn.Parameter] = field(default_factory=list)
+    group_indices: list[int] = field(default_factory=list)
+    uses: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.path or "<root>"
+
+
+@dataclass
+class ResidentParam:
+    name: str
+    param: nn.Parameter
+    group_index: int
+
+
+def plan_module_units(
+    model: nn.Module,
+    groups: Sequence[ParamGroup],
+    wrap_classes: Sequence[str] | None,
+    min_unit_numel: int,
+    persistence_threshold: int,
+) -> tuple[list[ModuleUnitPlan], list[ResidentParam]]:
+    """Unit plans in module order (root first) and the parameters that stay resident."""
+    in_group = {param: (index, name) for index, group in enumerate(groups) for name, param in zip(group.names, group.params)}
+    sharded = {param for param in in_group if param.numel() >= persistence_threshold}
+    if wrap_classes:
+        unit_modules = _modules_of_classes(model, wrap_classes)
+    else:
+        unit_modules = _modules_by_size(model, sharded, min_unit_numel)
+    plans: dict[int, ModuleUnitPlan] = {id(model): ModuleUnitPlan("", model)}
+    for path, module in model.named_modules():
+        if module in unit_modules and id(module) not in plans:
+            plans[id(module)] = ModuleUnitPlan(path, module)
+    owner: dict[nn.Parameter, ModuleUnitPlan] = {}
+
+    def walk(module: nn.Module, plan: ModuleUnitPlan, stack: tuple[int, ...]) -> None:
+        if id(module) in stack:  # a module containing itself: nothing new below
+            return
+        plan = plans.get(id(module), plan)
+        for param in module._parameters.values():
+            if param is None:
+                continue
+            if all(param is not used for used in plan.uses):
+                plan.uses.append(param)
+            if param in sharded and param not in owner:
+                owner[param] = plan
+                group_index, name = in_group[param]
+                plan.names.append(name)
+                plan.params.append(param)
+                plan.group_indices.append(group_index)
+        for child in module._modules.values():
+            if child is not None:
+                walk(child, plan, stack + (id(module),))
+
+    walk(model, plans[id(model)], ())
+    resident = [
+        ResidentParam(name, param, group_index)
+        for param, (group_index, name) in in_group.items()
+        if param not in sharded
+    ]
+    return list(plans.values()), resident
+
+
+def _modules_of_classes(model: nn.Module, wrap_classes: Sequence[str]) -> set[nn.Module]:
+    present = {type(module).__name__ for module in model.modules()}
+    missing = [name for name in wrap_classes if name not in present]
+    if missing:
+        raise ValueError(
+            f"zero_optimization.stage3_wrap_modules: no module of class {missing} in the model; "
+            f"classes present: {sorted(present)}"
+        )
+    return {module for module in model.modules() if type(module).__name__ in wrap_classes and module is not model}
+
+
+def _modules_by_size(model: nn.Module, sharded: set[nn.Parameter], min_unit_numel: int) -> set[nn.Module]:
+    """Bottom-up: a module whose unwrapped sharded parameters reach the limit becomes a unit."""
+    chosen: set[nn.Module] = set()
+    counted: set[nn.Parameter] = set()
+
+    def remaining(module: nn.Module) -> int:
+        total = sum(remaining(child) for child in module.children())
+        for param in module._parameters.values():
+            if param is not None and param in sharded and param not in counted:
+                counted.add(param)
+                total += param.numel()
+        if total >= min_unit_numel and module is not model:
+            chosen.add(module)
+            return 0
+        return total
+
+    remaining(model)
+    return chosen

@@ -1,0 +1,99 @@
+"""The engine's units, as the stage says, listed in expected gradient-arrival order.
+
+Stages 0-2: buckets of ``reduce_bucket_size`` elements per param group (`plan_units`), whole
+parameters always present. Stage 3: one `ShardedFlatUnit` per unit module
+(`plan_module_units`), plus buckets of the small parameters that stay resident, and the
+`ParamGatherer` that gathers the sharded units around their modules.
+
+Units are listed in reverse registration order, as backward produces gradients, so the
+reducer launches them as they fill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .comm import Comm
+from .config import ZeroOptimizationConfig
+from .flat_param import FlatUnit, ShardedFlatUnit
+from .gatherer import ParamGatherer, ResidentParams
+from .layout import plan_units
+from .module_units import plan_module_units
+from .param_groups import ParamGroup
+from .stages import Stage
+
+
+def build_units(
+    model: nn.Module,
+    groups: list[ParamGroup],
+    comm: Comm,
+    stage: Stage,
+    zero: ZeroOptimizationConfig,
+    compute_dtype: torch.dtype,
+) -> tuple[list[FlatUnit], ResidentParams]:
+    """All units in reducer order, and what gathers them (nothing below stage 3)."""
+    position = {param: index for index, param in enumerate(model.parameters())}
+    if not stage.shard_parameters:
+        named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
+        units = _bucketed_units(named, position, comm, stage, zero, compute_dtype)
+        return _in_arrival_order(units, position), ResidentParams()
+    plans, resident = plan_module_units(
+        model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
+    )
+    sharded = [
+        ShardedFlatUnit(
+            plan.params, plan.names, plan.group_indices, comm.rank, comm.world_size, label=plan.label,
+            compute_dtype=compute_dtype,
+        )
+        for plan in plans
+        if plan.params
+    ]
+    index_of = {param: index for index, unit in enumerate(sharded) for param in unit.params}
+    hooked = []
+    for plan in plans:
+        needs = tuple(sorted({index_of[param] for param in plan.uses if param in index_of}))
+        if needs:
+            hooked.append((plan.module, needs))
+    gatherer = ParamGatherer(
+        model, sharded, hooked, comm, zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters
+    )
+    per_group: list[list[tuple[str, nn.Parameter, int]]] = [[] for _ in groups]
+    for item in resident:
+        per_group[item.group_index].append((item.name, item.param, item.group_index))
+    resident_units = _bucketed_units(per_group, position, comm, stage, zero, compute_dtype)
+    return _in_arrival_order([*sharded, *resident_units], position), gatherer
+
+
+def _bucketed_units(
+    named: Sequence[Sequence[tuple[str, nn.Parameter, int]]],
+    position: dict[nn.Parameter, int],
+    comm: Comm,
+    stage: Stage,
+    zero: ZeroOptimizationConfig,
+    compute_dtype: torch.dtype,
+) -> list[FlatUnit]:
+    """Whole-parameter units of at most ``reduce_bucket_size`` elements, per param group."""
+    units = []
+    for triples in named:
+        ordered = sorted(triples, key=lambda triple: position[triple[1]], reverse=True)
+        for indices in plan_units([ordered[i][1].numel() for i in range(len(ordered))], zero.reduce_bucket_size):
+            units.append(
+                FlatUnit(
+                    [ordered[i][1] for i in indices],
+                    [ordered[i][0] for i in indices],
+                    [ordered[i][2] for i in indices],
+                    comm.rank,
+                    comm.world_size,
+                    compute_dtype=compute_dtype,
+                    shard_master=stage.shard_optimizer_state,
+                    full_grads=not stage.streams_gradients(zero),
+                )
+            )
+    return units
+
+
+def _in_arrival_order(units: list[FlatUnit], position: dict[nn.Parameter, int]) -> list[FlatUnit]:
+    return sorted(units, key=lambda unit: min(position[param] for param in unit.params), reverse=True)
