@@ -40,15 +40,19 @@ class TrapModel(nn.Module):
 
 
 class DeepModel(nn.Module):
-    """Eight equal layers: enough buckets for stage 2's bounded gradient memory to show."""
+    """Eight equal layers: enough buckets (or stage 3 units) for bounded memory to show.
+    ``skip`` leaves one layer out (a rank that diverges); ``fail_at`` raises inside one."""
 
     def __init__(self, width: int = 16, depth: int = 8) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
+    def forward(self, x: torch.Tensor, skip: int = -1, fail_at: int = -1) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            if index == fail_at:
+                raise ValueError(f"failing inside layer {index} on purpose")
+            if index != skip:
+                x = torch.tanh(layer(x))
         return x.pow(2).mean()
 
 

@@ -28,7 +28,8 @@ def _config(stage: int, world_size: int) -> dict:
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50},
+        # At stage 3 the size policy makes embed, fc1 and fc2 units of their own.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, "stage3_param_persistence_threshold": 0},
     }
 
 
@@ -68,14 +69,14 @@ def _global_means(per_rank: list[dict]) -> list[float]:
 
 def test_resume_at_another_stage_and_world_size(tmp_path: Path) -> None:
     # (stage, world size) saved -> (stage, world size) resumed.
-    pairs = {"a": ((2, 4), (1, 2)), "b": ((0, 1), (2, 3)), "c": ((2, 2), (2, 4)), "d": ((1, 3), (0, 1))}
+    pairs = {"a": ((3, 4), (1, 2)), "b": ((0, 1), (2, 3)), "c": ((2, 2), (3, 4)), "d": ((1, 3), (0, 1))}
     d = {key: str(tmp_path / key) for key in pairs}
     plan = [
-        (4, [("save", 2, d["a"])]),
+        (4, [("save", 3, d["a"])]),
         (1, [("save", 0, d["b"])]),
         (2, [("load", 1, d["a"]), ("save", 2, d["c"])]),
         (3, [("load", 2, d["b"]), ("save", 1, d["d"])]),
-        (4, [("load", 2, d["c"])]),
+        (4, [("load", 3, d["c"])]),
         (1, [("load", 0, d["d"])]),
     ]
     outcome: dict[tuple[str, str], list[dict]] = {}

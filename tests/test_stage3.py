@@ -94,3 +94,179 @@ def test_stage3_matches_single_process(world_size: int) -> None:
     assert per_rank[0][2]["units"] == ["<root>", "fc1", "fc2"]  # biases resident, embed in the root
     assert per_rank[0][3]["units"] == ["<root>", "embed", "fc1", "fc2"]
     assert per_rank[0][4]["units"] == ["<root>"]
+
+
+# -- memory, communication, export, failures, structured inputs: one spawn per world size --------
+
+WIDTH = 16
+
+
+def _deep_config(**zero: object) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {
+            "stage": 3, "stage3_wrap_modules": ["Linear"], "stage3_param_persistence_threshold": 0, **zero,
+        },
+    }
+
+
+def _deep_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _deep_engine(**zero: object):
+    from models import DeepModel
+
+    torch.manual_seed(0)
+    return zero_engine.initialize(DeepModel(WIDTH), _deep_config(**zero))
+
+
+def _deep_steps(engine, rank: int, steps: range, **forward: object) -> None:
+    for step in steps:
+        engine.backward(engine(_deep_batch(step, rank), **forward))
+        engine.step()
+
+
+def behaviour(rank: int, world_size: int) -> dict:
+    out: dict = {}
+
+    # Memory and traffic on 8 units, measured in the second step (optimizer state exists).
+    for name, zero in {"default": {}, "live_limit": {"stage3_max_live_parameters": WIDTH * WIDTH + WIDTH}}.items():
+        engine = _deep_engine(**zero)
+        _deep_steps(engine, rank, range(1))
+        engine.backward(engine(_deep_batch(1, rank)))
+        memory = engine.memory_report()
+        gathered_after_backward = [unit.gathered for unit in engine.gatherer.units]
+        engine.step()
+        out[name] = {
+            "memory": memory,
+            "comm": engine.comm_report(),
+            "gathered_after_backward": gathered_after_backward,
+            "padded": [unit.layout.padded_numel for unit in engine.gatherer.units],
+            "optimizer_tensors": len(engine.optimizer.state),
+        }
+        engine.close()
+
+    # Export: every rank, or rank 0 alone.
+    engine = _deep_engine()
+    _deep_steps(engine, rank, range(2))
+    out["full"] = engine.full_state_dict()
+    engine.comm.reset_report()
+    out["rank0"] = engine.full_state_dict(rank0_only=True)
+    out["rank0_comm"] = engine.comm_report()
+    engine.close()
+
+    # A forward that raises leaves nothing gathered, and training goes on as if it never ran.
+    engine = _deep_engine()
+    _deep_steps(engine, rank, range(2))
+    try:
+        engine(_deep_batch(99, rank), fail_at=5)
+    except ValueError as error:
+        out["raised"] = str(error)
+    out["gathered_after_failure"] = [unit.gathered for unit in engine.gatherer.units]
+    engine.eval()
+    with torch.no_grad():  # an evaluation in between, then training again
+        engine(_deep_batch(98, rank))
+    engine.train()
+    _deep_steps(engine, rank, range(2, 4))
+    out["after_failure"] = engine.full_state_dict()
+    engine.close()
+    engine = _deep_engine()
+    _deep_steps(engine, rank, range(4))
+    out["without_failure"] = engine.full_state_dict()
+    engine.close()
+
+    # Structured inputs and outputs: stage 3 gives what stage 0 gives.
+    from structured import StructuredModel, structured_batch
+
+    losses = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = StructuredModel()
+        config = _deep_config(stage3_wrap_modules=["StructuredBlock"])
+        config["zero_optimization"]["stage"] = stage
+        engine = zero_engine.initialize(model, config)
+        trace = []
+        for step in range(3):
+            batch, cache = structured_batch(step, rank)
+            output = engine(batch, cache=cache, scale=0.5)
+            assert output.cache is cache, "a non-tensor member must pass through untouched"
+            engine.backward(output.loss)
+            engine.step()
+            trace.append(output.loss.item())
+        losses[stage] = trace
+        engine.close()
+    out["structured"] = losses
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stage3_memory_traffic_export_and_failures(world_size: int) -> None:
+    per_rank = run_on_ranks(world_size, behaviour)
+    psi = 8 * (WIDTH * WIDTH + WIDTH)
+    for rank, out in enumerate(per_rank):
+        default = out["default"]
+        unit_bytes = [4 * padded for padded in default["padded"]]
+        assert len(unit_bytes) == 8
+        memory = default["memory"]
+        # Parameters, gradients and optimizer state: the stage 0 total / N, up to padding and
+        # AdamW's per-tensor step counters.
+        held = memory["parameters"] + memory["gradients"] + memory["optimizer_states"]
+        padding = sum(unit_bytes) // 4 - psi
+        assert memory["parameters"] == memory["gradients"] == sum(unit_bytes) // world_size
+        assert 0 <= held - 16 * psi / world_size <= 16 * padding / world_size + 8 * default["optimizer_tensors"]
+        assert not any(default["gathered_after_backward"]), "units stayed gathered after backward"
+        # Forward holds the running unit and the prefetched next one; a live limit of one unit
+        # stops prefetching.
+        largest_two = sum(sorted(unit_bytes)[-2:])
+        assert memory["peak_gathered_forward"] == largest_two
+        assert out["live_limit"]["memory"]["peak_gathered_forward"] == max(unit_bytes)
+        assert 0 < memory["peak_gathered_backward"] <= largest_two + max(unit_bytes)
+        # Traffic: all-gather in forward and backward, reduce-scatter of gradients.
+        comm, share = default["comm"], (world_size - 1) / world_size
+        assert comm["all_gather"]["sent"] == 2 * sum(unit_bytes) * share
+        assert comm["reduce_scatter"]["sent"] == sum(unit_bytes) * share
+        assert 3 * 4 * psi * share <= comm["total"]["sent"] <= 1.05 * 3 * sum(unit_bytes) * share
+        # Export.
+        if rank == 0:
+            assert out["rank0"].keys() == out["full"].keys()
+            assert all(torch.equal(out["rank0"][k], out["full"][k]) for k in out["full"])
+        else:
+            assert out["rank0"] == {}
+        assert out["rank0_comm"]["gather"]["sent"] > 0 and out["rank0_comm"]["all_gather"]["sent"] == 0
+        # Failure and recovery.
+        assert out["raised"] == "failing inside layer 5 on purpose"
+        assert not any(out["gathered_after_failure"])
+        for name, value in out["without_failure"].items():
+            assert torch.equal(out["after_failure"][name], value), name
+        assert out["structured"][3] == pytest.approx(out["structured"][0], abs=1e-5)
+
+
+def diverge(rank: int, world_size: int, skip_step: int) -> str:
+    """The last rank leaves out one of eight identical layers at ``skip_step``."""
+    from models import DeepModel
+
+    torch.manual_seed(0)
+    config = {**_deep_config(), "comm": {"timeout_s": 30}}  # a hang would become a timeout error
+    engine = zero_engine.initialize(DeepModel(WIDTH), config)
+    try:
+        for step in range(skip_step + 1):
+            skip = 2 if step == skip_step and rank == world_size - 1 else -1
+            engine.backward(engine(_deep_batch(step, rank), skip=skip))
+            engine.step()
+    except zero_engine.DivergedRanksError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("skip_step", [0, 1])
+def test_diverging_ranks_fail_by_name_instead_of_hanging(skip_step: int) -> None:
+    # Step 0 has no recorded order (no prefetch): the forward gathers diverge. Step 1 prefetches
+    # the recorded next layer on every rank, so the forwards still agree and the backward's
+    # prefetches are where the ranks part.
+    messages = run_on_ranks(3, diverge, skip_step, timeout=120)
+    assert len(set(messages)) == 1, messages
+    message = messages[0]
+    assert message.startswith("stage 3 ranks diverged: rank 0 gathers unit 'layers."), message
+    assert "rank 2 gathers unit 'layers." in message

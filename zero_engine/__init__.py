@@ -7,10 +7,12 @@
 from .checkpoint import CheckpointError, load_consolidated
 from .config import ConfigError, ZeroEngineConfig, load_config
 from .engine import Engine, initialize
+from .gatherer import DivergedRanksError
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "DivergedRanksError",
     "Engine",
     "ZeroEngineConfig",
     "initialize",
