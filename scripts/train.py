@@ -43,13 +43,14 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     torch.manual_seed(args.seed)
     model = GPT(PRESETS[args.model])
+    num_params = sum(p.numel() for p in model.parameters())  # before stage 3 shards them
     engine = zero_engine.initialize(model, args.config, param_groups=decay_groups(model))
     rank, world = engine.comm.rank, engine.comm.world_size
     micro, accum = engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps
     data = TextBatches(load_corpus(), model.config.context)
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"zero_engine stage {engine.stage.level} on {world} rank(s) ({engine.comm.backend}); "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; global batch "
+        f"{num_params / 1e6:.2f}M parameters; global batch "
         f"{engine.batch.train_batch_size} x {model.config.context} tokens; unigram baseline "
         f"{data.unigram_loss():.3f} nats")
 

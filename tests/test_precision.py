@@ -45,7 +45,8 @@ def _config(case: dict) -> dict:
         "gradient_clipping": case["clip"],
         "bf16": {"enabled": dtype == "bf16"},
         "fp16": {"enabled": dtype == "fp16", "loss_scale": STATIC_SCALE},
-        "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": 60},
+        # Stage 3: embed, fc1 and fc2 become units of their own (size policy), nothing resident.
+        "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": 60, "stage3_param_persistence_threshold": 0},
     }
 
 
@@ -86,7 +87,7 @@ def _check(case: dict, world_size: int, per_rank: list[dict]) -> None:
 
 FULL_GRID = [
     {"stage": s, "dtype": d, "accum": a, "clip": c}
-    for s, d, a, c in itertools.product((0, 1, 2), ("fp32", "bf16", "fp16"), (1, 4), (0.0, 1.0))
+    for s, d, a, c in itertools.product((0, 1, 2, 3), ("fp32", "bf16", "fp16"), (1, 4), (0.0, 1.0))
 ]
 # Every stage and every dtype at least once, with and without accumulation and clipping.
 CI_GRID = [
@@ -97,6 +98,8 @@ CI_GRID = [
     {"stage": 2, "dtype": "bf16", "accum": 4, "clip": 1.0},
     {"stage": 2, "dtype": "fp16", "accum": 1, "clip": 1.0},
     {"stage": 2, "dtype": "fp32", "accum": 4, "clip": 1.0},
+    {"stage": 3, "dtype": "bf16", "accum": 4, "clip": 1.0},
+    {"stage": 3, "dtype": "fp16", "accum": 1, "clip": 1.0},
 ]
 
 
@@ -126,11 +129,15 @@ def overflow_on_one_rank(rank: int, world_size: int, stage: int) -> dict:
         "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 10,
                                                      "warmup_type": "linear"}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6, "stage3_param_persistence_threshold": 0},
     }
     model = make_model()
     engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
-    target = engine.units[0].params[0]  # its element 0 sits in rank 0's shard of unit 0
+    unit = engine.units[0]
+    target = next(  # a used parameter whose element 0 sits in rank 0's shard of unit 0
+        param for param, offset in zip(unit.params, unit.layout.param_offsets)
+        if offset < unit.layout.shard_numel and param is not model.unused
+    )
     poison = {"armed": False}
 
     def inject(grad: torch.Tensor) -> torch.Tensor:
@@ -170,7 +177,7 @@ def overflow_on_one_rank(rank: int, world_size: int, stage: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_overflow_on_one_rank_skips_everywhere(stage: int) -> None:
     for rank, result in enumerate(run_on_ranks(2, overflow_on_one_rank, stage)):
         before, skipped, clean = result["before"], result["after_skip"], result["after_clean"]
@@ -285,20 +292,21 @@ def test_a_bf16_model_still_gets_fp32_masters() -> None:
 
 def mixed_memory(rank: int, world_size: int) -> list[dict]:
     results = []
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         torch.manual_seed(0)
         from models import DeepModel
 
         model = DeepModel()
+        psi = sum(p.numel() for p in model.parameters())  # before stage 3 empties them
         engine = zero_engine.initialize(model, {
             "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_wrap_modules": ["Linear"],
+                                  "stage3_param_persistence_threshold": 0},
         })
         for _ in range(2):  # torch.optim creates its state at the first step
             engine.backward(engine(torch.randn(4, 16)))
             memory = engine.memory_report()
             engine.step()
-        psi = sum(p.numel() for p in model.parameters())
         results.append({"stage": stage, "memory": memory, "psi": psi, "units": len(engine.units),
                         "tensors": len(engine.optimizer.state), "comm": engine.comm_report()})
         engine.close()
@@ -316,5 +324,6 @@ def test_mixed_precision_memory_follows_the_zero_paper() -> None:
         assert abs(memory["master_parameters"] - formula.master_parameters) <= padding, stage
         counters = 4 * result["tensors"]  # Adam's per-tensor step counters
         assert abs(memory["optimizer_states"] - counters - formula.optimizer_states) <= 2 * padding, stage
-        if stage >= 1:  # the all-gather moves bf16 compute copies: half the fp32 bytes
-            assert abs(result["comm"]["all_gather"]["sent"] - (n - 1) / n * 2 * psi) <= padding
+        if stage >= 1:  # the all-gather moves bf16 compute copies: half the fp32 bytes (twice at stage 3)
+            gathers = 2 if stage == 3 else 1
+            assert abs(result["comm"]["all_gather"]["sent"] - gathers * (n - 1) / n * 2 * psi) <= gathers * padding

@@ -1,4 +1,4 @@
-"""The README's main job under a real torchrun (env:// rendezvous), a few steps, both stages."""
+"""The README's main job under a real torchrun (env:// rendezvous), a few steps, every stage."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("config", ["zero0.yaml", "zero1.yaml", "zero2.yaml"])
+@pytest.mark.parametrize("config", ["zero0.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml"])
 def test_train_script_under_torchrun(config: str) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

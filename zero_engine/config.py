@@ -97,25 +97,44 @@ class ZeroOptimizationConfig(_Section):
     contiguous_gradients: bool = Field(True, description="Gradients live in one flat buffer (always true here).")
     reduce_scatter: bool = Field(True, description="DeepSpeed option; stages 1-2 always reduce-scatter (fastest primitive per backend).")
     reduce_bucket_size: PositiveCount = Field(
-        2_000_000, description="Elements per gradient-reduction bucket (and per shard unit at stages 1-2)."
+        2_000_000, description="Elements per gradient-reduction bucket (and per shard unit at stages 1-2; at stage 3 "
+        "without stage3_wrap_modules, the parameter count that makes a module a unit)."
     )
     allgather_partitions: bool = Field(True, description="DeepSpeed option; updated shards are always all-gathered, one unit per call.")
     allgather_bucket_size: PositiveCount = Field(2_000_000, description="DeepSpeed option; accepted (shards are gathered per reduce_bucket_size unit).")
     reduce_scatter_each_micro_step: bool = Field(
         True,
         description="Stage 2: reduce-scatter every micro-step into the gradient shard (memory 4Ψ/N); "
-        "false: accumulate full gradients and reduce once per step (memory 4Ψ, k times less traffic).",
+        "false: accumulate full gradients and reduce once per step (memory 4Ψ, k times less traffic). "
+        "Stage 3 always reduce-scatters every micro-step.",
     )
     round_robin_gradients: bool = Field(False, description="DeepSpeed stage 1-2 option; accepted, no effect.")
     offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer offload; not built.")
     offload_param: OffloadConfig | None = Field(None, description="Parameter offload; not built.")
     sub_group_size: PositiveCount = Field(1_000_000_000, description="DeepSpeed stage 3 optimizer sub-groups.")
-    stage3_prefetch_bucket_size: Count = Field(50_000_000, description="Elements gathered ahead of use.")
-    stage3_param_persistence_threshold: Count = Field(100_000, description="Smaller parameters stay unsharded.")
-    stage3_max_live_parameters: Count = Field(1_000_000_000, description="Upper bound on gathered elements.")
-    stage3_max_reuse_distance: Count = Field(1_000_000_000, description="Keep a gathered unit this close to reuse.")
-    stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Gather full weights at save.")
-    stage3_wrap_modules: list[str] | None = Field(None, description="Class names that become stage 3 units.")
+    stage3_prefetch_bucket_size: Count = Field(
+        50_000_000, description="Stage 3: the next unit (in recorded order) is gathered ahead of use if it has at most this many elements."
+    )
+    stage3_param_persistence_threshold: Count = Field(
+        100_000,
+        description="Stage 3: trainable parameters with fewer elements stay whole on every rank "
+        "(their gradients and optimizer state are still sharded, as at stage 2).",
+    )
+    stage3_max_live_parameters: Count = Field(
+        1_000_000_000, description="Stage 3: no prefetch may raise the gathered elements above this (units in use are always gathered)."
+    )
+    stage3_max_reuse_distance: Count = Field(
+        1_000_000_000, description="DeepSpeed option; accepted, no effect (a unit is freed after each use and gathered again)."
+    )
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="DeepSpeed option; accepted, no effect: checkpoints hold fp32 masters at every stage, "
+        "and full_state_dict() gathers them."
+    )
+    stage3_wrap_modules: list[str] | None = Field(
+        None,
+        description="Stage 3: class names whose modules become units (e.g. [Block]); unset: every module whose "
+        "not yet wrapped parameters reach reduce_bucket_size elements. The rest form the root unit.",
+    )
     ignore_unused_parameters: bool = Field(True, description="DeepSpeed option; parameters without gradients are always allowed.")
     elastic_checkpoint: bool = Field(False, description="DeepSpeed option; checkpoints here are always elastic.")
     load_from_fp32_weights: bool = Field(True, description="DeepSpeed option; masters always load from fp32.")
