@@ -4,8 +4,14 @@
 
 Every system trains its own copy of the same GPT on the same batches; their steps alternate
 (in a rotating order) so that the machine's noise hits all of them alike, and only ratios of
-medians inside one job are reported. Baselines: DistributedDataParallel with AdamW, and DDP
-with torch's ZeroRedundancyOptimizer. Writes JSON and a markdown table.
+medians inside one job are reported. Baselines: DistributedDataParallel with AdamW, DDP
+with torch's ZeroRedundancyOptimizer, and FSDP2 (``fully_shard`` on every Block, then the
+root: the same units as the engine's stage 3). Writes JSON and a markdown table.
+
+Peak RSS cannot be told apart between systems sharing a process, so ``--rss`` runs ONE system
+per job and reports each rank's peak resident set above what it was before the model existed:
+
+    for s in ddp fsdp2 engine3; do torchrun --nproc_per_node=2 scripts/bench.py --rss --systems $s; done
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -65,12 +72,49 @@ class TorchSystem:
         return None  # not instrumented; theory: all-reduce 2(N-1)/N x gradient bytes (+ broadcasts for ZeRO)
 
 
+class FSDP2System:
+    """PyTorch's FSDP2: ``fully_shard`` on each Block and on the root, AdamW on the DTensors."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        self.model = fully_shard(model)
+        self.optimizer = torch.optim.AdamW(decay_groups(model, WEIGHT_DECAY), lr=LR)
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = self.model(tokens, targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def memory(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        return {
+            "parameters": sum(_nbytes(_local(p)) for p in params),
+            "gradients": 0,  # freed by zero_grad(set_to_none=True); sharded (4Ψ/N) while they exist
+            "optimizer_states": sum(
+                _nbytes(_local(t)) for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+            ),
+        }
+
+    def comm_bytes(self) -> int | None:
+        return None  # not instrumented; theory: 3 x parameter bytes x (N-1)/N
+
+
 class EngineSystem:
     def __init__(self, model: nn.Module, stage: int, bucket: int) -> None:
         config = {
             "train_micro_batch_size_per_gpu": 1,  # batches are handed in directly
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
+            # The stage 3 keys are ignored below stage 3. Blocks are units, as FSDP2's above;
+            # every parameter is sharded, as FSDP2 does.
+            "zero_optimization": {
+                "stage": stage, "reduce_bucket_size": bucket, "stage3_wrap_modules": ["Block"],
+                "stage3_param_persistence_threshold": 0,
+            },
         }
         self.engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
 
@@ -82,25 +126,28 @@ class EngineSystem:
 
     def memory(self) -> dict[str, int]:
         report = self.engine.memory_report()
-        return {key: report[key] for key in ("parameters", "gradients", "optimizer_states", "buffers", "peak_gradients")}
+        keys = ("parameters", "gradients", "optimizer_states", "buffers", "peak_gradients", "peak_gathered_forward")
+        return {key: report[key] for key in keys}
 
     def comm_bytes(self) -> int | None:
         return self.engine.comm_report()["total"]["sent"]
 
 
 def build_systems(names: list[str], model_config, bucket: int) -> dict[str, Callable]:
-    """``ddp``, ``zero_redundancy``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B elements)."""
+    """``ddp``, ``zero_redundancy``, ``fsdp2``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B elements)."""
     systems = {}
     for name in names:
         torch.manual_seed(0)
         model = GPT(model_config)
         if name in ("ddp", "zero_redundancy"):
             systems[name] = TorchSystem(model, sharded_optimizer=name == "zero_redundancy")
+        elif name == "fsdp2":
+            systems[name] = FSDP2System(model)
         elif name.startswith("engine"):
             stage, _, size = name.removeprefix("engine").partition("@")
             systems[name] = EngineSystem(model, int(stage), int(float(size)) if size else bucket)
         else:
-            raise SystemExit(f"unknown system {name!r}: ddp, zero_redundancy, engineS or engineS@BUCKET")
+            raise SystemExit(f"unknown system {name!r}: ddp, zero_redundancy, fsdp2, engineS or engineS@BUCKET")
     return systems
 
 
@@ -148,24 +195,46 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def peak_rss(args: argparse.Namespace) -> dict:
+    """One system alone: each rank's peak resident set above its level before the model."""
+    (name,) = args.systems
+    model_config = PRESETS[args.model]
+    data = TextBatches(load_corpus(), model_config.context)
+    before = _max_rss_bytes()
+    system = build_systems([name], model_config, args.bucket)[name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(args.warmup + args.steps):
+        system.train_step(*data.rank_batch(step, 0, rank, world, args.micro_batch, 1))
+    grown = torch.tensor([_max_rss_bytes() - before], dtype=torch.int64)
+    per_rank = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(per_rank, grown)
+    return {"model": args.model, "system": name, "steps": args.warmup + args.steps,
+            "micro_batch": args.micro_batch, "peak_rss_growth_bytes_per_rank": [int(t.item()) for t in per_rank]}
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def markdown(result: dict) -> str:
     ref = next(k for k in next(iter(result["systems"].values())) if k.startswith("ratio_to_"))
     lines = [
         f"{result['model']} GPT, {result['num_params'] / 1e6:.2f}M parameters, {result['world_size']} ranks "
         f"({result['backend']}), micro-batch {result['micro_batch']}, median of {result['steps_timed']} steps; "
-        f"theory for 2x parameter bytes x (N-1)/N: {result['theory_comm_bytes_per_step'] / 2**20:.2f} MiB/step",
+        f"theory for 2x parameter bytes x (N-1)/N: {result['theory_comm_bytes_per_step'] / 2**20:.2f} MiB/step "
+        "(stages 0-2; stage 3 and FSDP2 move 3x)",
         "",
         f"| system | median step (ms) | {ref.replace('_', ' ')} | params MiB | grads MiB | optimizer MiB "
-        "| comm buffers MiB | peak grads MiB | comm MiB/step | max loss diff |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| comm buffers MiB | peak grads MiB | peak gathered params MiB | comm MiB/step | max loss diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in result["systems"].items():
         comm = _mib(row["comm_bytes_per_step"])
         loss_key = next(k for k in row if k.startswith("max_loss_diff"))
-        extra = [_mib(row.get(key)) for key in ("buffers", "peak_gradients")]
+        extra = [_mib(row.get(key)) for key in ("buffers", "peak_gradients", "peak_gathered_forward")]
         lines.append(
             f"| {name} | {row['median_step_s'] * 1e3:.1f} | {row[ref]:.3f} | {_mib(row['parameters'])} "
-            f"| {_mib(row['gradients'])} | {_mib(row['optimizer_states'])} | {extra[0]} | {extra[1]} | {comm} "
+            f"| {_mib(row['gradients'])} | {_mib(row['optimizer_states'])} | {' | '.join(extra)} | {comm} "
             f"| {row[loss_key]:.1e} |"
         )
     return "\n".join(lines) + "\n"
@@ -174,15 +243,24 @@ def markdown(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", choices=sorted(PRESETS))
-    parser.add_argument("--systems", nargs="+", default=["ddp", "engine0", "zero_redundancy", "engine1", "engine2"])
+    parser.add_argument(
+        "--systems", nargs="+", default=["ddp", "engine0", "zero_redundancy", "engine1", "engine2", "fsdp2", "engine3"]
+    )
     parser.add_argument("--steps", type=int, default=40, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--bucket", type=int, default=2_000_000, help="engine reduce_bucket_size (elements)")
     parser.add_argument("--out", default="runs/bench", help="writes OUT-MODEL.json and OUT-MODEL.md")
+    parser.add_argument("--rss", action="store_true", help="peak RSS of the one system in --systems")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("gloo")
+    if args.rss:
+        result = peak_rss(args)
+        if dist.get_rank() == 0:
+            print(json.dumps(result))
+        dist.destroy_process_group()
+        return
     result = run(args)
     if dist.get_rank() == 0:
         out = Path(f"{args.out}-{args.model}")
@@ -196,6 +274,11 @@ def main() -> None:
 
 def _mib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:.2f}"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (FSDP2); any other tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

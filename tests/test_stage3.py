@@ -177,6 +177,26 @@ def behaviour(rank: int, world_size: int) -> dict:
     out["without_failure"] = engine.full_state_dict()
     engine.close()
 
+    # The order changes on every rank alike (layers skipped, an evaluation in between): the
+    # prefetches and proposals guess wrong, gather in vain, and the result is still stage 0's.
+    changing = {}
+    for stage in (0, 3):
+        from models import DeepModel
+
+        torch.manual_seed(0)
+        config = _deep_config()
+        config["zero_optimization"]["stage"] = stage
+        engine = zero_engine.initialize(DeepModel(WIDTH), config)
+        for step, skip in enumerate([-1, 2, 5, -1, 2]):
+            engine.backward(engine(_deep_batch(step, rank), skip=skip))
+            engine.step()
+            if step == 2:
+                with torch.no_grad():
+                    engine(_deep_batch(50, rank), skip=7)
+        changing[stage] = engine.full_state_dict()
+        engine.close()
+    out["changing_order"] = changing
+
     # Structured inputs and outputs: stage 3 gives what stage 0 gives.
     from structured import StructuredModel, structured_batch
 
@@ -241,15 +261,21 @@ def test_stage3_memory_traffic_export_and_failures(world_size: int) -> None:
         for name, value in out["without_failure"].items():
             assert torch.equal(out["after_failure"][name], value), name
         assert out["structured"][3] == pytest.approx(out["structured"][0], abs=1e-5)
+        for name, value in out["changing_order"][0].items():
+            assert (out["changing_order"][3][name] - value).abs().max().item() <= TOL, name
 
 
-def diverge(rank: int, world_size: int, skip_step: int) -> str:
-    """The last rank leaves out one of eight identical layers at ``skip_step``."""
+def diverge(rank: int, world_size: int, skip_step: int, uneven: bool) -> str:
+    """The last rank leaves out layer 2 of eight at ``skip_step``. ``uneven``: the layer after
+    it is smaller, so the two ranks' next gathers would not even have the same size."""
     from models import DeepModel
 
     torch.manual_seed(0)
+    model = DeepModel(WIDTH)
+    if uneven:
+        model.layers[3] = torch.nn.Linear(WIDTH, WIDTH, bias=False)
     config = {**_deep_config(), "comm": {"timeout_s": 30}}  # a hang would become a timeout error
-    engine = zero_engine.initialize(DeepModel(WIDTH), config)
+    engine = zero_engine.initialize(model, config)
     try:
         for step in range(skip_step + 1):
             skip = 2 if step == skip_step and rank == world_size - 1 else -1
@@ -260,12 +286,13 @@ def diverge(rank: int, world_size: int, skip_step: int) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("skip_step", [0, 1])
-def test_diverging_ranks_fail_by_name_instead_of_hanging(skip_step: int) -> None:
+@pytest.mark.parametrize("skip_step, uneven", [(0, False), (1, False), (0, True)])
+def test_diverging_ranks_fail_by_name_instead_of_hanging(skip_step: int, uneven: bool) -> None:
     # Step 0 has no recorded order (no prefetch): the forward gathers diverge. Step 1 prefetches
     # the recorded next layer on every rank, so the forwards still agree and the backward's
-    # prefetches are where the ranks part.
-    messages = run_on_ranks(3, diverge, skip_step, timeout=120)
+    # prefetches are where the ranks part. Uneven sizes would abort gloo's transport if the
+    # gathers were ever launched.
+    messages = run_on_ranks(3, diverge, skip_step, uneven, timeout=120)
     assert len(set(messages)) == 1, messages
     message = messages[0]
     assert message.startswith("stage 3 ranks diverged: rank 0 gathers unit 'layers."), message

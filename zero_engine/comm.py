@@ -52,14 +52,28 @@ class Pending(NamedTuple):
 DONE = Pending()
 
 
+class EachRank(NamedTuple):
+    """Every rank's small integer, summed into its own slot; `values` waits for them."""
+
+    slots: torch.Tensor
+    pending: Pending
+
+    def values(self) -> list[int]:
+        self.pending.wait()
+        return self.slots.tolist()
+
+
 class Comm:
     """A process group with a backend-specific choice of primitives and a byte counter."""
 
-    def __init__(self, rank: int, world_size: int, backend: str, group: Any = None) -> None:
+    def __init__(self, rank: int, world_size: int, backend: str, group: Any = None, control_group: Any = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.group = group
+        # Small synchronous agreements go through a group of their own, so they never wait
+        # behind the data collectives in flight on ``group``.
+        self.control_group = control_group
         self._bytes = {kind: 0 for kind in CollectiveKind}
 
     # -- collectives -------------------------------------------------------------------------
@@ -123,6 +137,14 @@ class Comm:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
+    def each_rank(self, value: int) -> EachRank:
+        """Start collecting every rank's ``value`` (control traffic, not counted)."""
+        slots = torch.zeros(self.world_size, dtype=torch.int64)
+        slots[self.rank] = value
+        if self.world_size == 1:
+            return EachRank(slots, DONE)
+        return EachRank(slots, Pending((dist.all_reduce(slots, group=self.control_group, async_op=True),)))
+
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (small, JSON-serialisable), in rank order; not counted as traffic.
 
@@ -182,23 +204,24 @@ def connect(config: CommConfig, device: torch.device) -> Comm:
     collectives time out after ``comm.timeout_s`` whatever the caller chose), a new default
     group from torchrun's environment, or world size 1 without ``torch.distributed``."""
     if dist.is_available() and dist.is_initialized():
-        return Comm(dist.get_rank(), dist.get_world_size(), dist.get_backend(), _own_group(config.timeout_s))
+        group, control = _own_group(config.timeout_s, "data"), _own_group(config.timeout_s, "control")
+        return Comm(dist.get_rank(), dist.get_world_size(), dist.get_backend(), group, control)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return Comm(0, 1, "none")
     backend = choose_backend(config.backend, device)
     if backend == "nccl":
         _bind_cuda_device()
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=config.timeout_s))
-    return Comm(dist.get_rank(), dist.get_world_size(), backend)
+    return Comm(dist.get_rank(), dist.get_world_size(), backend, None, _own_group(config.timeout_s, "control"))
 
 
-_OWN_GROUPS: dict[tuple[int, float], Any] = {}
+_OWN_GROUPS: dict[tuple[int, float, str], Any] = {}
 
 
-def _own_group(timeout_s: float) -> Any:
-    """One group over all ranks per default group and timeout (``new_group`` is collective, so
-    engines created in the same order on every rank share it)."""
-    key = (id(dist.group.WORLD), timeout_s)
+def _own_group(timeout_s: float, role: str) -> Any:
+    """One group over all ranks per default group, timeout and role (``new_group`` is
+    collective, so engines created in the same order on every rank share it)."""
+    key = (id(dist.group.WORLD), timeout_s, role)
     if key not in _OWN_GROUPS:
         _OWN_GROUPS[key] = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     return _OWN_GROUPS[key]

@@ -194,14 +194,15 @@ class ShardedFlatUnit(FlatUnit):
 
     def begin_gather(self, comm: Any) -> Any:
         """Allocate the full buffer, point the parameters at it, start filling it; returns the
-        collective's `Pending` (values are valid after its ``wait``)."""
-        flat = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+        collective's `Pending` (values are valid after its ``wait``). A unit already gathered
+        is gathered again in place (same values): the ranks agreed on that collective."""
+        if self.flat_param is None:
+            self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+            for index, param in enumerate(self.params):
+                param.data = self.param_view(index)
         start, end = self.owned_range
-        flat[start:end].copy_(self.param_shard)
-        self.flat_param = flat
-        for index, param in enumerate(self.params):
-            param.data = self.param_view(index)
-        return comm.all_gather(flat)
+        self.flat_param[start:end].copy_(self.param_shard)
+        return comm.all_gather(self.flat_param)
 
     def free(self) -> None:
         for param in self.params:

@@ -9,9 +9,15 @@ the next in reverse forward order). A unit is freed in backward once all of its 
 have received their gradient (the reducer says so): every operation that needed its values
 has then run. Whatever is still gathered when backward returns (unused parameters) is freed.
 
-Every gather is preceded by a tiny all-reduce of unit ids, so ranks that run different
-modules (a data-dependent branch) fail at once with an error naming each rank's unit,
-instead of hanging or filling one unit with another's values.
+Every gather is agreed on first: the ranks exchange its unit id (`Comm.each_rank`, a tiny
+all-reduce on a control group of its own, so it never waits behind data collectives in
+flight), and ranks that run different modules (a data-dependent branch) fail with an error
+naming each rank's unit, instead of hanging, aborting in the transport on mismatched sizes or
+filling one unit with another's values. Agreeing synchronously before every gather stalls
+every rank at every gather (about 8% of a step here, see ``docs/benchmarks.md``), so each
+prefetch also proposes the unit it expects to prefetch next; that agreement completes in the
+background and the next prefetch launches without waiting. See `_gather` for why proposals
+that turn out wrong still keep every rank's gathers in the same order.
 
 Prefetching runs one unit ahead, bounded by ``stage3_prefetch_bucket_size`` (a larger unit is
 not prefetched) and ``stage3_max_live_parameters`` (no prefetch that would exceed it).
@@ -20,13 +26,14 @@ not prefetched) and ``stage3_max_live_parameters`` (no prefetch that would excee
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .comm import Comm, Pending
+from .comm import Comm, EachRank, Pending
 from .flat_param import FlatUnit, ShardedFlatUnit
 from .tree import iter_tensors
 
@@ -69,6 +76,9 @@ class ParamGatherer(ResidentParams):
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
         self._refs = [0] * len(self.units)  # forward holders of each unit
         self._pending: dict[int, Pending] = {}  # gathers in flight
+        self._proposals: deque[tuple[int, EachRank]] = deque()  # agreements in flight
+        self._agreed: deque[int] = deque()  # agreed on by every rank, not launched yet
+        self._diverged = False
         self._held_for_backward: set[int] = set()
         self._order: list[int] = []  # this forward's units, in first-use order
         self._recorded: list[int] = []  # the last complete forward's order, for prefetching
@@ -77,6 +87,7 @@ class ParamGatherer(ResidentParams):
         self.peak_backward_bytes = 0
         # The root's outer hooks bracket every forward, whoever calls the model: registered
         # first (pre) and last (post), so they run around the unit hooks of the root itself.
+        self._root_needs = next((needs for module, needs in hooked if module is root), ())
         self._handles = [root.register_forward_pre_hook(self._enter_root)]
         for module, needs in hooked:
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, needs)))
@@ -102,11 +113,15 @@ class ParamGatherer(ResidentParams):
         if self._forward_depth == 0:
             if self._order:
                 self._recorded = self._order
+            self._flush_agreed()
             self._free_unheld()
+            backward_follows = any(t.requires_grad for t in iter_tensors(output))
+            self._propose_next_pass(backward_follows)
 
     def _release_all(self) -> None:
         self._refs = [0] * len(self.units)
         self._held_for_backward.clear()
+        self._flush_agreed()
         self._free_unheld()
 
     # -- called by the engine around backward ------------------------------------------------
@@ -116,7 +131,9 @@ class ParamGatherer(ResidentParams):
 
     def end_backward(self) -> None:
         self._held_for_backward.clear()
+        self._flush_agreed()
         self._free_unheld()
+        self._propose_next_pass(backward_follows=False)
 
     def unit_complete(self, unit: FlatUnit) -> None:
         """Every parameter of ``unit`` has its gradient: its values are needed no more."""
@@ -167,13 +184,19 @@ class ParamGatherer(ResidentParams):
 
     def _ensure_gathered(self, index: int) -> None:
         if not self.units[index].gathered:
-            self._launch(index)
+            self._gather(index)
+        self._complete(index)
+
+    def _complete(self, index: int) -> None:
+        """Wait for the unit's gather, if one is in flight (not after a divergence, when the
+        other ranks may never send)."""
         pending = self._pending.pop(index, None)
-        if pending is not None:
+        if pending is not None and not self._diverged:
             pending.wait()
 
     def _prefetch_after(self, needs: tuple[int, ...], order: list[int]) -> None:
-        """Start gathering the unit that followed ``needs`` in ``order``, if it fits."""
+        """Start gathering the unit that followed ``needs`` in ``order``, if it fits, and
+        propose the one after it for the next prefetch."""
         positions = [order.index(index) for index in needs if index in order]
         if not positions or max(positions) + 1 >= len(order):
             return
@@ -183,23 +206,77 @@ class ParamGatherer(ResidentParams):
             return
         if self._live_numel() + unit.layout.padded_numel > self.max_live_numel:
             return
-        self._launch(following)
+        self._gather(following)
+        if max(positions) + 2 < len(order):
+            self._propose(order[max(positions) + 2])
 
-    def _launch(self, index: int) -> None:
-        self._check_same_unit(index)
-        self._pending[index] = self.units[index].begin_gather(self.comm)
+    # -- agreeing on every gather ----------------------------------------------------------------
+    #
+    # Invariant: every agreement whose values match on all ranks puts its unit at the end of
+    # ``_agreed``, and gathers are launched only from the head of ``_agreed``, each agreed unit
+    # exactly once. So every rank launches the same gathers in the same order, whatever it
+    # needs: a rank that needs another unit first launches the agreed ones before it.
+
+    def _gather(self, index: int) -> None:
+        self._resolve_proposals()
+        if index not in self._agreed:
+            self._verify(index, self.comm.each_rank(index))  # unpredicted: agree now
+            self._agreed.append(index)
+        while self._agreed:
+            head = self._agreed.popleft()
+            self._start_gather(head)
+            if head == index:
+                return
+
+    def _propose(self, index: int) -> None:
+        """Start agreeing on ``index`` as a coming gather, without waiting."""
+        if self.units[index].gathered or index in self._agreed or any(i == index for i, _ in self._proposals):
+            return
+        self._proposals.append((index, self.comm.each_rank(index)))
+
+    def _propose_next_pass(self, backward_follows: bool) -> None:
+        """Propose the first gathers of the pass expected next, so it starts without waiting:
+        a backward starts at the root's output and runs the recorded order backwards; a
+        forward runs it forwards. A wrong guess costs a wasted gather, never a wrong one."""
+        if self._diverged:
+            return
+        if backward_follows:
+            expected = [*self._root_needs, *reversed(self._recorded)]
+        else:
+            expected = list(self._recorded)
+        for index in dict.fromkeys(expected[:3] if backward_follows else expected[:2]):
+            self._propose(index)
+
+    def _resolve_proposals(self) -> None:
+        while self._proposals:
+            index, agreement = self._proposals.popleft()
+            self._verify(index, agreement)
+            self._agreed.append(index)
+
+    def _flush_agreed(self) -> None:
+        """End of a pass: agreed gathers nobody needed are still launched (the other ranks
+        launch them too), then freed with everything else."""
+        if self._diverged:
+            self._proposals.clear()
+            self._agreed.clear()
+            return
+        self._resolve_proposals()
+        while self._agreed:
+            self._start_gather(self._agreed.popleft())
+
+    def _start_gather(self, index: int) -> None:
+        pending = self.units[index].begin_gather(self.comm)
+        earlier = self._pending.get(index)
+        self._pending[index] = pending if earlier is None else Pending(earlier.works + pending.works)
         self._note_peak()
 
-    def _check_same_unit(self, index: int) -> None:
-        """All ranks must be about to gather the same unit; say which rank runs what if not."""
-        if self.comm.world_size == 1:
-            return
-        ids = torch.zeros(self.comm.world_size, dtype=torch.int64, device=self.units[index].device)
-        ids[self.comm.rank] = index + 1
-        self.comm.all_reduce_sum(ids).wait()
-        if bool((ids != index + 1).any()):
+    def _verify(self, index: int, agreement: EachRank) -> None:
+        """Every rank must have put the same unit in this agreement; say who runs what if not."""
+        per_rank_units = agreement.values()
+        if any(other != index for other in per_rank_units):
+            self._diverged = True
             per_rank = ", ".join(
-                f"rank {rank} gathers {self._describe(int(value) - 1)}" for rank, value in enumerate(ids.tolist())
+                f"rank {rank} gathers {self._describe(other)}" for rank, other in enumerate(per_rank_units)
             )
             raise DivergedRanksError(
                 f"stage 3 ranks diverged: {per_rank}. Every rank must run the same modules in the same order "
@@ -212,9 +289,7 @@ class ParamGatherer(ResidentParams):
         return f"an unknown unit ({index})"
 
     def _free(self, index: int) -> None:
-        pending = self._pending.pop(index, None)
-        if pending is not None:
-            pending.wait()
+        self._complete(index)
         self.units[index].free()
 
     def _free_unheld(self) -> None:
