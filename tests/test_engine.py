@@ -121,3 +121,35 @@ def test_user_zero_grad_does_not_break_the_flat_gradients() -> None:
     engine.backward(engine(*micro_batch(0, 0, 0, 1, 2, 1)))
     unit_grads = torch.cat([unit.flat_grad for unit in engine.units])
     assert unit_grads.abs().sum() > 0, "gradients went around the flat buffer"
+
+
+STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_wrap_modules": ["Linear"]}
+
+
+def test_stage3_wrap_class_missing_from_the_model_is_named_at_initialize() -> None:
+    with pytest.raises(ValueError) as info:
+        zero_engine.initialize(make_model(), _with(zero_optimization={**STAGE3, "stage3_wrap_modules": ["Block"]}))
+    message = str(info.value)
+    assert "stage3_wrap_modules" in message and "'Block'" in message and "'Linear'" in message
+
+
+def test_stage3_sets_no_attributes_on_parameters_and_empties_them_between_uses() -> None:
+    model = make_model()
+    engine = zero_engine.initialize(model, _with(zero_optimization=STAGE3))
+    assert all(vars(param) == {} for param in model.parameters()), "the engine set attributes on a Parameter"
+    assert model.fc1.weight.shape == (0,) and model.frozen.weight.shape == (7, 7)  # frozen: whole
+    engine.backward(engine(*micro_batch(0, 0, 0, 1, 2, 1)))
+    engine.step()
+    assert model.fc1.weight.shape == (0,), "a unit stayed gathered after the step"
+    assert engine.full_state_dict()["fc1.weight"].shape == (11, 7)
+    engine.close()
+    assert not model._forward_hooks and not model.fc1._forward_pre_hooks, "close() left module hooks"
+
+
+def test_stage3_memory_is_the_formula_at_world_size_one() -> None:
+    model = make_model()
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine = zero_engine.initialize(model, _with(zero_optimization=STAGE3))
+    report = engine.memory_report()
+    frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    assert report["parameters"] - frozen == report["gradients"] == 4 * psi

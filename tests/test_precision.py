@@ -46,7 +46,9 @@ def _config(case: dict) -> dict:
         "bf16": {"enabled": dtype == "bf16"},
         "fp16": {"enabled": dtype == "fp16", "loss_scale": STATIC_SCALE},
         # Stage 3: embed, fc1 and fc2 become units of their own (size policy), nothing resident.
-        "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": 60, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": case["stage"], "reduce_bucket_size": 60, "stage3_param_persistence_threshold": 0,
+        },
     }
 
 

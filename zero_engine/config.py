@@ -111,9 +111,13 @@ class ZeroOptimizationConfig(_Section):
     round_robin_gradients: bool = Field(False, description="DeepSpeed stage 1-2 option; accepted, no effect.")
     offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer offload; not built.")
     offload_param: OffloadConfig | None = Field(None, description="Parameter offload; not built.")
-    sub_group_size: PositiveCount = Field(1_000_000_000, description="DeepSpeed stage 3 optimizer sub-groups.")
+    sub_group_size: PositiveCount = Field(
+        1_000_000_000, description="DeepSpeed stage 3 option (optimizer sub-groups); accepted, no effect."
+    )
     stage3_prefetch_bucket_size: Count = Field(
-        50_000_000, description="Stage 3: the next unit (in recorded order) is gathered ahead of use if it has at most this many elements."
+        50_000_000,
+        description="Stage 3: the next unit (in recorded order) is gathered ahead of use if it has at most this "
+        "many elements.",
     )
     stage3_param_persistence_threshold: Count = Field(
         100_000,
@@ -121,10 +125,13 @@ class ZeroOptimizationConfig(_Section):
         "(their gradients and optimizer state are still sharded, as at stage 2).",
     )
     stage3_max_live_parameters: Count = Field(
-        1_000_000_000, description="Stage 3: no prefetch may raise the gathered elements above this (units in use are always gathered)."
+        1_000_000_000,
+        description="Stage 3: no prefetch may raise the gathered elements above this (units in use are always "
+        "gathered).",
     )
     stage3_max_reuse_distance: Count = Field(
-        1_000_000_000, description="DeepSpeed option; accepted, no effect (a unit is freed after each use and gathered again)."
+        1_000_000_000,
+        description="DeepSpeed option; accepted, no effect (a unit is freed after each use and gathered again).",
     )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="DeepSpeed option; accepted, no effect: checkpoints hold fp32 masters at every stage, "

@@ -54,7 +54,9 @@ def plan_module_units(
     persistence_threshold: int,
 ) -> tuple[list[ModuleUnitPlan], list[ResidentParam]]:
     """Unit plans in module order (root first) and the parameters that stay resident."""
-    in_group = {param: (index, name) for index, group in enumerate(groups) for name, param in zip(group.names, group.params)}
+    in_group = {
+        param: (index, name) for index, group in enumerate(groups) for name, param in zip(group.names, group.params)
+    }
     sharded = {param for param in in_group if param.numel() >= persistence_threshold}
     if wrap_classes:
         unit_modules = _modules_of_classes(model, wrap_classes)

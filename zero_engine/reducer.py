@@ -97,8 +97,9 @@ class GradReducer:
                 self._arrived[unit_index] += 1
                 if self.overlap:
                     self._launch_ready_units()
-                if self.on_unit_complete is not None and self._arrived[unit_index] == len(self.units[unit_index].params):
-                    self.on_unit_complete(self.units[unit_index])
+                unit = self.units[unit_index]
+                if self.on_unit_complete is not None and self._arrived[unit_index] == len(unit.params):
+                    self.on_unit_complete(unit)
 
         return on_grad_accumulated
 

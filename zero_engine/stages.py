@@ -38,7 +38,7 @@ STAGES: dict[int, Stage] = {
     0: Stage(0, False, False, False, "replicated data parallelism (all-reduce)"),
     1: Stage(1, True, False, False, "optimizer state sharded (reduce-scatter + all-gather)"),
     2: Stage(2, True, True, False, "optimizer state and gradients sharded (reduce-scatter + all-gather)"),
-    3: Stage(3, True, True, True, "parameters sharded too (all-gather per unit in forward and backward, reduce-scatter)"),
+    3: Stage(3, True, True, True, "parameters sharded too (all-gather per unit in forward and backward)"),
 }
 
 
