@@ -71,8 +71,8 @@ class Comm:
         self.world_size = world_size
         self.backend = backend
         self.group = group
-        # Small synchronous agreements go through a group of their own, so they never wait
-        # behind the data collectives in flight on ``group``.
+        # Agreements between ranks (`each_rank`) go through a group of their own, so they never
+        # wait behind the data collectives in flight on ``group``.
         self.control_group = control_group
         self._bytes = {kind: 0 for kind in CollectiveKind}
 

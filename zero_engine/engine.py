@@ -157,7 +157,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss * loss_scale / gradient_accumulation_steps``; reduces as the
-        stage says (on boundaries, or every micro-step at stage 2)."""
+        stage says (on boundaries, or every micro-step at stages 2-3)."""
         self._open_window()
         self.gatherer.begin_backward()
         self.reducer.pre_backward(boundary=self.is_gradient_accumulation_boundary())
