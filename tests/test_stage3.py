@@ -14,7 +14,8 @@ import torch
 
 import zero_engine
 from harness import run_on_ranks
-from models import decay_groups, make_model, train_engine, train_reference
+from models import DeepModel, decay_groups, make_model, train_engine, train_reference
+from structured import StructuredModel, structured_batch
 
 STEPS, MICRO, LR, TOL = 4, 2, 0.05, 2e-5
 WRAP_LEAVES = ["Embedding", "Linear", "LayerNorm"]
@@ -116,8 +117,6 @@ def _deep_batch(step: int, rank: int) -> torch.Tensor:
 
 
 def _deep_engine(**zero: object):
-    from models import DeepModel
-
     torch.manual_seed(0)
     return zero_engine.initialize(DeepModel(WIDTH), _deep_config(**zero))
 
@@ -181,8 +180,6 @@ def behaviour(rank: int, world_size: int) -> dict:
     # prefetches and proposals guess wrong, gather in vain, and the result is still stage 0's.
     changing = {}
     for stage in (0, 3):
-        from models import DeepModel
-
         torch.manual_seed(0)
         config = _deep_config()
         config["zero_optimization"]["stage"] = stage
@@ -198,8 +195,6 @@ def behaviour(rank: int, world_size: int) -> dict:
     out["changing_order"] = changing
 
     # Structured inputs and outputs: stage 3 gives what stage 0 gives.
-    from structured import StructuredModel, structured_batch
-
     losses = {}
     for stage in (0, 3):
         torch.manual_seed(0)
@@ -268,8 +263,6 @@ def test_stage3_memory_traffic_export_and_failures(world_size: int) -> None:
 def diverge(rank: int, world_size: int, skip_step: int, uneven: bool) -> str:
     """The last rank leaves out layer 2 of eight at ``skip_step``. ``uneven``: the layer after
     it is smaller, so the two ranks' next gathers would not even have the same size."""
-    from models import DeepModel
-
     torch.manual_seed(0)
     model = DeepModel(WIDTH)
     if uneven:
