@@ -43,6 +43,8 @@ LR, WEIGHT_DECAY = 1e-3, 0.1
 class TorchSystem:
     """DDP with a torch optimizer (plain AdamW, or ZeroRedundancyOptimizer over AdamW)."""
 
+    free_grads = False  # DDP keeps its gradient storage between steps
+
     def __init__(self, model: nn.Module, sharded_optimizer: bool) -> None:
         self.model = DistributedDataParallel(model)
         groups = decay_groups(model, WEIGHT_DECAY)
@@ -56,7 +58,7 @@ class TorchSystem:
         loss = self.model(tokens, targets)
         loss.backward()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad(set_to_none=self.free_grads)
         return loss.item()
 
     def memory(self) -> dict[str, int]:
@@ -72,23 +74,18 @@ class TorchSystem:
         return None  # not instrumented; theory: all-reduce 2(N-1)/N x gradient bytes (+ broadcasts for ZeRO)
 
 
-class FSDP2System:
+class FSDP2System(TorchSystem):
     """PyTorch's FSDP2: ``fully_shard`` on each Block and on the root, AdamW on the DTensors."""
 
-    def __init__(self, model: nn.Module) -> None:
+    free_grads = True  # as FSDP2's examples do
+
+    def __init__(self, model: nn.Module) -> None:  # replaces DDP's set-up entirely
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block)
         self.model = fully_shard(model)
         self.optimizer = torch.optim.AdamW(decay_groups(model, WEIGHT_DECAY), lr=LR)
-
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = self.model(tokens, targets)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
 
     def memory(self) -> dict[str, int]:
         params = list(self.model.parameters())
