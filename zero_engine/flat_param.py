@@ -124,14 +124,31 @@ class FlatUnit:
     def owned_pieces(self) -> list[OwnedPiece]:
         """What the optimizer steps in this unit: the parameters' pieces in the owned range,
         shaped like their parameters when a piece is a whole parameter at stage 0."""
-        start, end = self.owned_range
         pieces = []
-        for index, (offset, numel) in enumerate(zip(self.layout.param_offsets, self.layout.param_numels)):
-            lo, hi = max(offset, start), min(offset + numel, end)
-            if lo < hi:
-                shape = torch.Size([hi - lo]) if self.shard_master else self.shapes[index]
-                pieces.append(OwnedPiece(index, self.names[index], lo - offset, lo - start, hi - lo, shape))
+        for index in range(len(self.params)):
+            owned = self._owned_part(index)
+            if owned is not None:
+                param_offset, owned_offset, numel = owned
+                shape = torch.Size([numel]) if self.shard_master else self.shapes[index]
+                pieces.append(OwnedPiece(index, self.names[index], param_offset, owned_offset, numel, shape))
         return pieces
+
+    def _owned_part(self, index: int) -> tuple[int, int, int] | None:
+        """Parameter ``index``'s intersection with the owned range: (offset in the flattened
+        parameter, offset in the owned range, length), or None when it lies outside."""
+        offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
+        start, end = self.owned_range
+        lo, hi = max(offset, start), min(offset + numel, end)
+        return (lo - offset, lo - start, hi - lo) if lo < hi else None
+
+    def _owned_values(self, index: int, values: torch.Tensor) -> tuple[slice, torch.Tensor] | None:
+        """Where parameter ``index``'s owned part sits in the owned range, and its elements of
+        the full ``values``."""
+        owned = self._owned_part(index)
+        if owned is None:
+            return None
+        param_offset, owned_offset, numel = owned
+        return slice(owned_offset, owned_offset + numel), values.reshape(-1)[param_offset : param_offset + numel]
 
     def publish_master(self) -> None:
         """Cast the updated fp32 master into the compute copy (mixed precision only)."""
@@ -142,12 +159,10 @@ class FlatUnit:
     def load_full(self, index: int, values: torch.Tensor) -> None:
         """Set parameter ``index`` from full fp32 values: compute copy and owned master."""
         self.param_view(index).copy_(values.view(self.shapes[index]))
-        if not self.master_is_param:
-            offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
-            start, end = self.owned_range
-            lo, hi = max(offset, start), min(offset + numel, end)
-            if lo < hi:
-                self.master[lo - start : hi - start].copy_(values.reshape(-1)[lo - offset : hi - offset])
+        owned = self._owned_values(index, values)
+        if owned is not None and not self.master_is_param:
+            where, piece = owned
+            self.master[where].copy_(piece)
 
 
 class ShardedFlatUnit(FlatUnit):
@@ -223,13 +238,11 @@ class ShardedFlatUnit(FlatUnit):
             self.param_shard.copy_(self.master)
 
     def load_full(self, index: int, values: torch.Tensor) -> None:
-        offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
-        start, end = self.owned_range
-        lo, hi = max(offset, start), min(offset + numel, end)
-        if lo < hi:
-            piece = values.reshape(-1)[lo - offset : hi - offset]
-            self.master[lo - start : hi - start].copy_(piece)
-            self.param_shard[lo - start : hi - start].copy_(piece)
+        owned = self._owned_values(index, values)
+        if owned is not None:
+            where, piece = owned
+            self.master[where].copy_(piece)
+            self.param_shard[where].copy_(piece)
         if self.gathered:
             self.param_view(index).copy_(values.view(self.shapes[index]))
 
