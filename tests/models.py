@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 VOCAB, DIM, HIDDEN, SEQ = 13, 7, 11, 5
 
@@ -41,17 +42,25 @@ class TrapModel(nn.Module):
 
 class DeepModel(nn.Module):
     """Eight equal layers: enough buckets (or stage 3 units) for bounded memory to show.
-    ``skip`` leaves one layer out (a rank that diverges); ``fail_at`` raises inside one."""
+    ``skip`` leaves one layer out (a rank that diverges); ``fail_at`` raises inside one.
+    ``checkpointing`` ("reentrant" or "non_reentrant") recomputes every layer in backward,
+    wrapped around the layer's call as Hugging Face's ``gradient_checkpointing_enable`` does."""
 
-    def __init__(self, width: int = 16, depth: int = 8) -> None:
+    def __init__(self, width: int = 16, depth: int = 8, checkpointing: str | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.checkpointing = checkpointing
 
     def forward(self, x: torch.Tensor, skip: int = -1, fail_at: int = -1) -> torch.Tensor:
         for index, layer in enumerate(self.layers):
             if index == fail_at:
                 raise ValueError(f"failing inside layer {index} on purpose")
-            if index != skip:
+            if index == skip:
+                continue
+            if self.checkpointing and index > 0:  # reentrant needs an input that requires grad
+                reentrant = self.checkpointing == "reentrant"
+                x = torch.tanh(checkpoint(layer.__call__, x, use_reentrant=reentrant))
+            else:
                 x = torch.tanh(layer(x))
         return x.pow(2).mean()
 

@@ -150,6 +150,11 @@ def test_stage3_memory_is_the_formula_at_world_size_one() -> None:
     model = make_model()
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     engine = zero_engine.initialize(model, _with(zero_optimization=STAGE3))
-    report = engine.memory_report()
     frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
-    assert report["parameters"] - frozen == report["gradients"] == 4 * psi
+    # Gradients exist from the backward to the step, as with FSDP2's zero_grad(set_to_none=True).
+    report = engine.memory_report()
+    assert report["parameters"] - frozen == 4 * psi and report["gradients"] == 0
+    engine.backward(engine(*micro_batch(0, 0, 0, 1, 2, 1)))
+    assert engine.memory_report()["gradients"] == 4 * psi
+    engine.step()
+    assert engine.memory_report()["gradients"] == 0

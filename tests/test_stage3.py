@@ -194,6 +194,19 @@ def behaviour(rank: int, world_size: int) -> dict:
         engine.close()
     out["changing_order"] = changing
 
+    # Activation checkpointing, reentrant or not: layers recomputed in backward gather again
+    # (their storage was freed after the forward) and train as stage 0 without checkpointing.
+    checkpointed = {}
+    for stage, mode in ((0, None), (3, "reentrant"), (3, "non_reentrant")):
+        torch.manual_seed(0)
+        config = _deep_config()
+        config["zero_optimization"]["stage"] = stage
+        engine = zero_engine.initialize(DeepModel(WIDTH, checkpointing=mode), config)
+        _deep_steps(engine, rank, range(3))
+        checkpointed[mode] = engine.full_state_dict()
+        engine.close()
+    out["checkpointing"] = checkpointed
+
     # Structured inputs and outputs: stage 3 gives what stage 0 gives.
     losses = {}
     for stage in (0, 3):
@@ -258,6 +271,9 @@ def test_stage3_memory_traffic_export_and_failures(world_size: int) -> None:
         assert out["structured"][3] == pytest.approx(out["structured"][0], abs=1e-5)
         for name, value in out["changing_order"][0].items():
             assert (out["changing_order"][3][name] - value).abs().max().item() <= TOL, name
+        for mode in ("reentrant", "non_reentrant"):
+            for name, value in out["checkpointing"][None].items():
+                assert (out["checkpointing"][mode][name] - value).abs().max().item() <= TOL, (mode, name)
 
 
 def diverge(rank: int, world_size: int, skip_step: int, uneven: bool) -> str:

@@ -205,9 +205,7 @@ class Engine:
         """One small all-reduce: which parameters got a gradient on any rank, and the squared
         (still scaled) gradient norm summed over every rank's shard, so identical everywhere:
         non-finite on every rank when any rank's gradients overflowed."""
-        squares = sum(
-            (unit.sharded_grad.double().pow(2).sum() for unit in self.units), torch.zeros((), dtype=torch.float64)
-        )
+        squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units])
         packed = torch.cat([self.reducer.used.double(), squares.view(1)])
         self.comm.all_reduce_sum(packed).wait()
         return packed[:-1] > 0, packed[-1].item()
@@ -384,6 +382,15 @@ class Engine:
         """Remove the engine's hooks from the model's parameters and modules."""
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm over all ``grads`` in float64: each tensor's norm in fp32 (no copy of
+    fp32 gradients; the old ``grad.double().pow(2)`` made two per shard at every step)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads])
+    return norms.double().pow(2).sum()
 
 
 def _model_device(model: nn.Module) -> torch.device:

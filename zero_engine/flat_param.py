@@ -8,8 +8,8 @@ second copy); under mixed precision it is a separate fp32 tensor, and the update
 cast back into ``flat_param`` after each step. Autograd accumulates into an existing
 ``.grad`` in place, which keeps the gradient views intact.
 
-At stage 3, a `ShardedFlatUnit` keeps only this rank's shard between uses: the full buffer
-exists while the unit is gathered, and the parameters are empty tensors otherwise.
+At stage 3, a `ShardedFlatUnit` keeps only this rank's shard between uses: the full buffer's
+storage exists while the unit is gathered, and the parameters are empty tensors otherwise.
 
 The engine never does offset arithmetic itself; it asks the unit for views.
 """
@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
 
 import torch
 from torch import nn
 
+from .comm import DONE, Comm, Pending
 from .layout import UnitLayout
 
 
@@ -65,12 +66,13 @@ class FlatUnit:
         # Full gradients (stages 0-1): one flat buffer, each .grad a view into it. Sharded
         # gradients (stage 2): only this rank's shard persists; full ones pass through buckets.
         self.flat_grad: torch.Tensor | None = None
+        self.sharded_grad: torch.Tensor | None = None  # None while released (stage 3 between steps)
         if full_grads:
             self.flat_grad = torch.zeros_like(self.flat_param)
             self.sharded_grad = self._shard(self.flat_grad)
             self.attach_grads()
         else:
-            self.sharded_grad = torch.zeros(self.layout.shard_numel, dtype=compute_dtype, device=device)
+            self.grad_shard()
 
     @property
     def master_is_param(self) -> bool:
@@ -95,6 +97,17 @@ class FlatUnit:
             for index, param in enumerate(self.params):
                 param.grad = self.grad_view(index)
 
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's gradient shard, allocated (zeros) if it was released."""
+        if self.sharded_grad is None:
+            self.sharded_grad = torch.zeros(self.layout.shard_numel, dtype=self.compute_dtype, device=self.device)
+        return self.sharded_grad
+
+    def release_grad_shard(self) -> None:
+        """Drop the gradient shard (sharded gradients only); `grad_shard` makes a new one."""
+        if self.flat_grad is None:
+            self.sharded_grad = None
+
     def _shard(self, flat: torch.Tensor) -> torch.Tensor:
         start, end = self.layout.shard_range(self.rank)
         return flat[start:end]
@@ -107,9 +120,9 @@ class FlatUnit:
 
     @property
     def grad_bytes(self) -> int:
-        """Persistent gradient storage: the full flat buffer, or just this rank's shard."""
+        """Gradient storage held now: the full flat buffer, or just this rank's shard."""
         held = self.flat_grad if self.flat_grad is not None else self.sharded_grad
-        return held.numel() * held.element_size()
+        return 0 if held is None else _nbytes(held)
 
     @property
     def param_bytes(self) -> int:
@@ -165,15 +178,27 @@ class FlatUnit:
             self.master[where].copy_(piece)
 
 
+class ShardedState(Enum):
+    """Where a stage 3 unit's full buffer is in its lifecycle (moved only by the unit)."""
+
+    SHARDED = "sharded"  # the full buffer has no storage; the parameters are empty tensors
+    GATHERING = "gathering"  # storage allocated, the all-gather filling it is in flight
+    GATHERED = "gathered"  # the full values are valid; the parameters are views of them
+
+
 class ShardedFlatUnit(FlatUnit):
     """Stage 3: the unit's parameters exist in full only while it is gathered.
 
     Between uses the rank holds ``param_shard`` (its shard in the compute dtype; in fp32 the
-    master itself) and every parameter is an empty tensor, as DeepSpeed leaves them, so a use
-    outside the engine's hooks fails on a shape instead of reading stale values. `begin_gather`
-    allocates the full buffer, points the parameters at it and starts the all-gather; `free`
-    drops it. Autograd keeps working across a free and a new gather because it saved the
-    parameter objects, whose ``.data`` points at the new buffer by the time backward runs.
+    master itself). The full buffer ``flat_param`` is one tensor for the unit's whole life;
+    resharding frees its *storage* (``resize_(0)``) and gathering allocates it again in place.
+    That matters because autograd saves the weights a forward used (or views of them, as
+    ``F.linear`` saves ``weight.t()``) for the backward: those saved tensors share the buffer's
+    storage, so between forward and backward they hold no bytes, and the backward computes with
+    the values its own gather put back (see note "Freeing storage, not tensors" in
+    ``docs/architecture.md``). The parameters themselves are empty tensors between uses, as
+    DeepSpeed leaves them, so a use outside the engine's hooks fails on a shape instead of
+    reading freed memory.
     """
 
     sharded_params = True
@@ -201,28 +226,48 @@ class ShardedFlatUnit(FlatUnit):
         else:
             self.param_shard = self.flat_param[start:end].clone()
         self._empty = torch.empty(0, dtype=compute_dtype, device=self.device)
-        self.free()
+        self.unsharded_bytes = self.flat_param.untyped_storage().nbytes()
+        self.state = ShardedState.GATHERED
+        self._pending: Pending = DONE  # the all-gather in flight while GATHERING
+        self.reshard()
 
     @property
     def gathered(self) -> bool:
-        return self.flat_param is not None
+        """The full buffer holds storage (its values are valid once `finish_gather` ran)."""
+        return self.state is not ShardedState.SHARDED
 
-    def begin_gather(self, comm: Any) -> Any:
-        """Allocate the full buffer, point the parameters at it, start filling it; returns the
-        collective's `Pending` (values are valid after its ``wait``). A unit already gathered
-        is gathered again in place (same values): the ranks agreed on that collective."""
-        if self.flat_param is None:
-            self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+    def begin_gather(self, comm: Comm) -> None:
+        """Allocate the full buffer's storage, point the parameters at it and start filling it
+        from every rank's shard. A unit already gathered is gathered again in place (same
+        values): the ranks agreed on that collective, so it must be issued."""
+        if self.state is ShardedState.SHARDED:
+            _allocate_storage(self.flat_param, self.unsharded_bytes)
             for index, param in enumerate(self.params):
                 param.data = self.param_view(index)
         start, end = self.owned_range
         self.flat_param[start:end].copy_(self.param_shard)
-        return comm.all_gather(self.flat_param)
+        self._pending = Pending(self._pending.works + comm.all_gather(self.flat_param).works)
+        self.state = ShardedState.GATHERING
 
-    def free(self) -> None:
+    def finish_gather(self, wait: bool = True) -> None:
+        """Wait for the gather in flight, if any (``wait=False`` after ranks diverged, when the
+        others may never send: the buffer is then given up, see `reshard`)."""
+        if self.state is ShardedState.GATHERING and wait:
+            self._pending.wait()
+            self._pending = DONE
+            self.state = ShardedState.GATHERED
+
+    def reshard(self) -> None:
+        """Free the full buffer's storage and leave the parameters empty. A gather still in
+        flight (ranks diverged) keeps writing into the old buffer, so that one is abandoned to
+        the collective rather than freed under it."""
         for param in self.params:
             param.data = self._empty
-        self.flat_param = None  # type: ignore[assignment]
+        if self.state is ShardedState.GATHERING:
+            self.flat_param = torch.empty_like(self.flat_param)
+            self._pending = DONE
+        _free_storage(self.flat_param)
+        self.state = ShardedState.SHARDED
 
     @property
     def param_bytes(self) -> int:
@@ -230,8 +275,8 @@ class ShardedFlatUnit(FlatUnit):
 
     @property
     def gathered_bytes(self) -> int:
-        """The full buffer's size while gathered."""
-        return self.layout.padded_numel * self._empty.element_size()
+        """What the full buffer's storage holds now: the whole unit while gathered, else 0."""
+        return self.flat_param.untyped_storage().nbytes()
 
     def publish_master(self) -> None:
         if not self.master_is_param:
@@ -245,6 +290,16 @@ class ShardedFlatUnit(FlatUnit):
             self.param_shard[where].copy_(piece)
         if self.gathered:
             self.param_view(index).copy_(values.view(self.shapes[index]))
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(0)
+
+
+def _allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    storage = tensor.untyped_storage()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -28,12 +28,13 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .comm import Comm, EachRank, Pending
+from .comm import Comm, EachRank
 from .flat_param import FlatUnit, ShardedFlatUnit
 from .tree import iter_tensors
 
@@ -74,12 +75,10 @@ class ParamGatherer(ResidentParams):
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
-        self._refs = [0] * len(self.units)  # forward holders of each unit
-        self._pending: dict[int, Pending] = {}  # gathers in flight
+        self._holds = [_Holds() for _ in self.units]
         self._proposals: deque[tuple[int, EachRank]] = deque()  # agreements in flight
         self._agreed: deque[int] = deque()  # agreed on by every rank, not launched yet
         self._diverged = False
-        self._held_for_backward: set[int] = set()
         self._order: list[int] = []  # this forward's units, in first-use order
         self._recorded: list[int] = []  # the last complete forward's order, for prefetching
         self._forward_depth = 0  # calls of the root module in progress
@@ -100,7 +99,7 @@ class ParamGatherer(ResidentParams):
 
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         if self._forward_depth == 0:
-            if any(self._refs) or self._held_for_backward or self._pending:
+            if any(unit.gathered for unit in self.units):
                 self._release_all()  # a backward raised half-way, or no backward came
             self._order = []
             self.peak_forward_bytes = self._live_bytes()
@@ -119,8 +118,7 @@ class ParamGatherer(ResidentParams):
             self._propose_next_pass(backward_follows)
 
     def _release_all(self) -> None:
-        self._refs = [0] * len(self.units)
-        self._held_for_backward.clear()
+        self._holds = [_Holds() for _ in self.units]
         self._flush_agreed()
         self._free_unheld()
 
@@ -130,7 +128,8 @@ class ParamGatherer(ResidentParams):
         self.peak_backward_bytes = self._live_bytes()
 
     def end_backward(self) -> None:
-        self._held_for_backward.clear()
+        for holds in self._holds:
+            holds.backward = False
         self._flush_agreed()
         self._free_unheld()
         self._propose_next_pass(backward_follows=False)
@@ -138,10 +137,10 @@ class ParamGatherer(ResidentParams):
     def unit_complete(self, unit: FlatUnit) -> None:
         """Every parameter of ``unit`` has its gradient: its values are needed no more."""
         index = self._index.get(id(unit))
-        if index is not None and index in self._held_for_backward:
-            self._held_for_backward.discard(index)
-            if not self._refs[index]:
-                self._free(index)
+        if index is not None and self._holds[index].backward:
+            self._holds[index].backward = False
+            if not self._holds[index].held:
+                self._reshard(index)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -156,7 +155,7 @@ class ParamGatherer(ResidentParams):
 
     def _pre_forward(self, needs: tuple[int, ...], module: nn.Module, args: Any) -> None:
         for index in needs:
-            self._refs[index] += 1
+            self._holds[index].forward += 1
             self._ensure_gathered(index)
             if index not in self._order:
                 self._order.append(index)
@@ -169,14 +168,14 @@ class ParamGatherer(ResidentParams):
                 if tensor.requires_grad:
                     tensor.register_hook(hook)
         for index in needs:
-            self._refs[index] = max(0, self._refs[index] - 1)
-            if not self._refs[index] and index not in self._held_for_backward:
-                self._free(index)
+            self._holds[index].forward = max(0, self._holds[index].forward - 1)
+            if not self._holds[index].held:
+                self._reshard(index)
 
     def _pre_backward(self, needs: tuple[int, ...], grad: torch.Tensor) -> None:
         for index in needs:
-            if index not in self._held_for_backward:
-                self._held_for_backward.add(index)
+            if not self._holds[index].backward:
+                self._holds[index].backward = True
                 self._ensure_gathered(index)
         self._prefetch_after(needs, self._recorded[::-1])
 
@@ -190,9 +189,7 @@ class ParamGatherer(ResidentParams):
     def _complete(self, index: int) -> None:
         """Wait for the unit's gather, if one is in flight (not after a divergence, when the
         other ranks may never send)."""
-        pending = self._pending.pop(index, None)
-        if pending is not None and not self._diverged:
-            pending.wait()
+        self.units[index].finish_gather(wait=not self._diverged)
 
     def _prefetch_after(self, needs: tuple[int, ...], order: list[int]) -> None:
         """Start gathering the unit that followed ``needs`` in ``order``, if it fits, and
@@ -265,9 +262,7 @@ class ParamGatherer(ResidentParams):
             self._start_gather(self._agreed.popleft())
 
     def _start_gather(self, index: int) -> None:
-        pending = self.units[index].begin_gather(self.comm)
-        earlier = self._pending.get(index)
-        self._pending[index] = pending if earlier is None else Pending(earlier.works + pending.works)
+        self.units[index].begin_gather(self.comm)
         self._note_peak()
 
     def _verify(self, index: int, agreement: EachRank) -> None:
@@ -288,14 +283,14 @@ class ParamGatherer(ResidentParams):
             return f"unit {self.units[index].label!r}"
         return f"an unknown unit ({index})"
 
-    def _free(self, index: int) -> None:
+    def _reshard(self, index: int) -> None:
         self._complete(index)
-        self.units[index].free()
+        self.units[index].reshard()
 
     def _free_unheld(self) -> None:
         for index, unit in enumerate(self.units):
-            if unit.gathered and not self._refs[index] and index not in self._held_for_backward:
-                self._free(index)
+            if unit.gathered and not self._holds[index].held:
+                self._reshard(index)
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -311,3 +306,16 @@ class ParamGatherer(ResidentParams):
             self.peak_forward_bytes = max(self.peak_forward_bytes, live)
         else:
             self.peak_backward_bytes = max(self.peak_backward_bytes, live)
+
+
+@dataclass
+class _Holds:
+    """Who needs a unit gathered: modules running their forward (counted: nested and tied
+    uses share one gather), and its backward until every parameter has its gradient."""
+
+    forward: int = 0
+    backward: bool = False
+
+    @property
+    def held(self) -> bool:
+        return self.forward > 0 or self.backward

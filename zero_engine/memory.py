@@ -27,7 +27,7 @@ class MemoryReport(NamedTuple):
     """Bytes of each kind of model state on one rank."""
 
     parameters: int  # persistent parameter storage, frozen ones included
-    gradients: int  # persistent gradient storage
+    gradients: int  # gradient storage held now (stage 3: from the backward to the step)
     optimizer_states: int  # optimizer state tensors
     master_parameters: int  # separate fp32 masters (mixed precision only)
     buffers: int  # reusable communication buffers
@@ -112,7 +112,7 @@ def measure_memory(
     )
     return MemoryReport(
         parameters=sum(_nbytes(p) for p in loose_params) + sum(unit.param_bytes for unit in units),
-        gradients=reducer.persistent_grad_bytes,
+        gradients=reducer.held_grad_bytes(),
         optimizer_states=optimizer_states,
         master_parameters=sum(unit.master_bytes for unit in units),
         buffers=reducer.buffer_bytes(),

@@ -73,8 +73,7 @@ class GradReducer:
         self.num_params = sum(len(unit.params) for unit in self.units)
         # 1.0 where a parameter received a gradient on this rank since the last optimizer step.
         self.used = torch.zeros(self.num_params, dtype=torch.float32)
-        self.persistent_grad_bytes = sum(unit.grad_bytes for unit in self.units)
-        self.peak_grad_bytes = self.persistent_grad_bytes  # most gradient storage alive in the last backward
+        self.peak_grad_bytes = self.held_grad_bytes()  # most gradient storage alive in the last backward
         self._arrived = [0] * len(self.units)
         self._reducing = False
         self._next_unit = 0
@@ -108,7 +107,7 @@ class GradReducer:
         self._reducing = boundary or self.reduces_every_micro_step
         self._arrived = [0] * len(self.units)
         self._next_unit = 0
-        self.peak_grad_bytes = self.persistent_grad_bytes
+        self.peak_grad_bytes = self.held_grad_bytes()
 
     def post_backward(self) -> None:
         """Launch what backward left unreduced, then wait and average."""
@@ -127,6 +126,10 @@ class GradReducer:
         while self._next_unit < stop:
             self._launch(self._next_unit)
             self._next_unit += 1
+
+    def held_grad_bytes(self) -> int:
+        """Gradient storage the units hold now (full buffers or shards)."""
+        return sum(unit.grad_bytes for unit in self.units)
 
     def reset_used(self) -> None:
         self.used.zero_()
@@ -150,6 +153,11 @@ class GradReducer:
     def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
         """The averaged gradients this rank holds for ``unit`` after a boundary backward."""
         raise NotImplementedError
+
+    def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
+        """This rank's shard of ``unit``'s averaged gradient (each element on one rank only,
+        for norms summed over ranks)."""
+        return unit.grad_shard()
 
     def zero_grads(self) -> None:
         raise NotImplementedError
@@ -210,18 +218,37 @@ class _Bucket(NamedTuple):
 
 
 class ShardedGradReducer(GradReducer):
-    """Stage 2: gradients stream through at most two buckets into the rank's shard."""
+    """Stages 2-3: gradients stream through at most ``max_live_buckets`` buckets into the
+    rank's shard. With ``release_after_step`` (stage 3) the shards and the buckets exist only
+    from the backward to the optimizer step."""
 
-    MAX_LIVE_BUCKETS = 2
     reduces_every_micro_step = True
 
-    def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool, reduce_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        units: Sequence[FlatUnit],
+        comm: Comm,
+        overlap: bool,
+        reduce_dtype: torch.dtype,
+        *,
+        max_live_buckets: int = 2,
+        release_after_step: bool = False,
+    ) -> None:
         super().__init__(units, comm, overlap, reduce_dtype)
+        self.max_live_buckets = max_live_buckets
+        self.release_after_step = release_after_step
+        if release_after_step:
+            for unit in self.units:
+                unit.release_grad_shard()
+        self._shard_bytes = self.held_grad_bytes()  # kept up to date: the peak is taken per parameter
+        # Pooled buckets are sized for the largest unit and reused; released ones (stage 3) are
+        # sized for their unit and freed as soon as their reduction completes.
         self._bucket_numel = max((unit.layout.padded_numel for unit in self.units), default=0)
-        self._free: list[torch.Tensor] = []  # bucket storage ready for reuse
+        self._free: list[torch.Tensor] = []  # pooled bucket storage ready for reuse
         self._filling: dict[int, _Bucket] = {}  # unit index -> its bucket, not yet launched
         self._in_flight: deque[tuple[FlatUnit, _Bucket, Pending]] = deque()
-        self._num_buckets = 0  # allocated, free or not
+        self._num_live = 0  # buckets filling or reducing
+        self._live_bytes = 0
 
     def _accept(self, unit: FlatUnit, unit_index: int, param_index: int, param: torch.Tensor) -> None:
         if unit_index < self._next_unit:
@@ -242,13 +269,15 @@ class ShardedGradReducer(GradReducer):
         param.grad = None  # the full gradient lives only in the bucket now
 
     def _acquire(self, unit: FlatUnit) -> _Bucket:
-        if self._num_buckets - len(self._free) >= self.MAX_LIVE_BUCKETS and self._in_flight:
+        if self._num_live >= self.max_live_buckets and self._in_flight:
             self._complete_oldest()
         if self._free:
             storage = self._free.pop()
         else:
-            storage = torch.empty(self._bucket_numel, dtype=self.reduce_dtype, device=unit.device)
-            self._num_buckets += 1
+            numel = unit.layout.padded_numel if self.release_after_step else self._bucket_numel
+            storage = torch.empty(numel, dtype=self.reduce_dtype, device=unit.device)
+        self._num_live += 1
+        self._live_bytes += _nbytes(storage)
         flat = storage[: unit.layout.padded_numel]
         flat.zero_()
         return _Bucket(storage, flat)
@@ -264,27 +293,43 @@ class ShardedGradReducer(GradReducer):
         unit, bucket, pending = self._in_flight.popleft()
         pending.wait()
         start, end = unit.layout.shard_range(unit.rank)
-        unit.sharded_grad.add_(bucket.flat[start:end], alpha=1.0 / self.comm.world_size)
-        self._free.append(bucket.storage)
+        self.kept_grad(unit).add_(bucket.flat[start:end], alpha=1.0 / self.comm.world_size)
+        self._num_live -= 1
+        self._live_bytes -= _nbytes(bucket.storage)
+        if not self.release_after_step:
+            self._free.append(bucket.storage)
 
     def _finish(self) -> None:
         while self._in_flight:
             self._complete_oldest()
 
     def _record_peak(self, extra: int) -> None:
-        live = self._num_buckets - len(self._free)
-        current = self.persistent_grad_bytes + live * self._bucket_bytes() + extra
+        current = self._shard_bytes + self._live_bytes + extra
         self.peak_grad_bytes = max(self.peak_grad_bytes, current)
 
+    def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
+        return self.kept_grad(unit)
+
     def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.sharded_grad
+        if unit.sharded_grad is None:
+            self._shard_bytes += unit.layout.shard_numel * _element_size(unit.compute_dtype)
+        return unit.grad_shard()
 
     def zero_grads(self) -> None:
         for unit in self.units:
-            unit.sharded_grad.zero_()
-
-    def _bucket_bytes(self) -> int:
-        return self._bucket_numel * torch.empty((), dtype=self.reduce_dtype).element_size()
+            if self.release_after_step:
+                unit.release_grad_shard()
+            elif unit.sharded_grad is not None:
+                unit.sharded_grad.zero_()
+        self._shard_bytes = self.held_grad_bytes()
 
     def buffer_bytes(self) -> int:
-        return self._num_buckets * self._bucket_bytes()
+        return self._live_bytes + sum(_nbytes(storage) for storage in self._free)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

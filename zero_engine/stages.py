@@ -33,6 +33,20 @@ class Stage:
         otherwise full gradients persist and are reduced once per accumulation window."""
         return self.shard_parameters or (self.shard_gradients and zero.reduce_scatter_each_micro_step)
 
+    @property
+    def releases_gradients(self) -> bool:
+        """Gradient shards and buckets exist only from a window's backward to its optimizer
+        step (as FSDP2's ``zero_grad(set_to_none=True)``): at stage 3 the forward and the
+        backward hold gathered units, and the step's high-water mark must not hold both."""
+        return self.shard_parameters
+
+    @property
+    def live_grad_buckets(self) -> int:
+        """Gradient buckets alive at once in backward: one filling while one reduces at stage 2;
+        at stage 3 the running and the prefetched unit take that room, so a bucket waits for the
+        previous reduction (see "Stage 3 memory" in ``docs/architecture.md``)."""
+        return 1 if self.shard_parameters else 2
+
 
 STAGES: dict[int, Stage] = {
     0: Stage(0, False, False, False, "replicated data parallelism (all-reduce)"),
@@ -50,6 +64,9 @@ def build_reducer(
     stage: Stage, units: Sequence[FlatUnit], comm: Comm, zero: ZeroOptimizationConfig, reduce_dtype: torch.dtype
 ) -> GradReducer:
     if stage.streams_gradients(zero):
-        return ShardedGradReducer(units, comm, zero.overlap_comm, reduce_dtype)
+        return ShardedGradReducer(
+            units, comm, zero.overlap_comm, reduce_dtype,
+            max_live_buckets=stage.live_grad_buckets, release_after_step=stage.releases_gradients,
+        )
     reduction = ReduceScatterGrads() if stage.shard_optimizer_state else AllReduceGrads()
     return FullGradReducer(units, comm, zero.overlap_comm, reduce_dtype, reduction)
