@@ -293,7 +293,12 @@ class ShardedGradReducer(GradReducer):
         unit, bucket, pending = self._in_flight.popleft()
         pending.wait()
         start, end = unit.layout.shard_range(unit.rank)
-        self.kept_grad(unit).add_(bucket.flat[start:end], alpha=1.0 / self.comm.world_size)
+        reduced = bucket.flat[start:end]
+        if unit.sharded_grad is None:  # released: the first reduction makes the shard, no zeros pass
+            unit.sharded_grad = torch.mul(reduced, 1.0 / self.comm.world_size).to(unit.compute_dtype)
+            self._shard_bytes += _nbytes(unit.sharded_grad)
+        else:
+            unit.sharded_grad.add_(reduced, alpha=1.0 / self.comm.world_size)
         self._num_live -= 1
         self._live_bytes -= _nbytes(bucket.storage)
         if not self.release_after_step:
