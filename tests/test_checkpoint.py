@@ -128,8 +128,9 @@ def resume_after_kill(rank: int, world_size: int, directory: str) -> dict:
 
 def test_a_rank_killed_mid_save_loses_nothing(tmp_path: Path) -> None:
     directory = str(tmp_path / "ckpt")
-    # Either the harness sees rank 1 die first, or rank 0 sees its peer vanish mid-collective.
-    with pytest.raises(RankFailure, match="rank 1 died|rank 0 of 2 raised(.|\n)*Connection reset"):
+    # Either the harness sees rank 1 die first, or rank 0 sees its peer vanish mid-collective
+    # (gloo says "Connection reset" or "Connection closed by peer", depending on timing).
+    with pytest.raises(RankFailure, match="rank 1 died|rank 0 of 2 raised(.|\n)*Connection (reset|closed by peer)"):
         run_on_ranks(2, save_then_die, directory)
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step1"
     assert (tmp_path / "ckpt" / ".tmp-global_step2").exists(), "the kill did not interrupt a save"
