@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from .comm import Comm, Pending
-from .flat_param import FlatUnit
+from .flat_param import FlatUnit, _nbytes
 
 
 class GradReduction(Protocol):
@@ -317,7 +317,7 @@ class ShardedGradReducer(GradReducer):
 
     def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
         if unit.sharded_grad is None:
-            self._shard_bytes += unit.layout.shard_numel * _element_size(unit.compute_dtype)
+            self._shard_bytes += unit.layout.shard_numel * unit.compute_dtype.itemsize
         return unit.grad_shard()
 
     def zero_grads(self) -> None:
@@ -331,10 +331,3 @@ class ShardedGradReducer(GradReducer):
     def buffer_bytes(self) -> int:
         return self._live_bytes + sum(_nbytes(storage) for storage in self._free)
 
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
