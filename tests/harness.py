@@ -1,8 +1,10 @@
 """Run a function on N ranks in real processes, with gloo over a file rendezvous.
 
 Spawning is the slow part (each process imports torch), so tests pass a whole grid of cases
-to one call. Rank processes cannot import numpy, which the engine must not need. A rank that raises is reported with its traceback and the others are killed at
-once; ranks that do not finish within the timeout fail the test instead of hanging it.
+to one call. Rank processes cannot import numpy, which the engine must not need (unless a test
+of a library that needs it, such as transformers, says ``allow_numpy=True``). A rank that
+raises is reported with its traceback and the others are killed at once; ranks that do not
+finish within the timeout fail the test instead of hanging it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 _RANK_PROCESS = "ZERO_ENGINE_TEST_RANK_PROCESS"
-if os.environ.get(_RANK_PROCESS):
+if os.environ.get(_RANK_PROCESS) == "no-numpy":
     # Rank processes run without numpy, as on a machine with only the engine's dependencies
     # (torch does not require numpy; torch.distributed's *_object collectives do). This runs
     # before the child imports torch, which would otherwise bind numpy for good.
@@ -34,7 +36,9 @@ class RankFailure(AssertionError):
     """One or more ranks raised, died or timed out."""
 
 
-def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_on_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0, allow_numpy: bool = False
+) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; returns the ranks' results in rank order.
 
     ``fn`` must be importable (a module-level function) and return something picklable.
@@ -48,7 +52,7 @@ def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: f
             context.Process(target=_worker, args=(rank, world_size, rendezvous, fn, args, outbox), daemon=True)
             for rank in range(world_size)
         ]
-        os.environ[_RANK_PROCESS] = "1"  # inherited by the children only
+        os.environ[_RANK_PROCESS] = "numpy" if allow_numpy else "no-numpy"  # inherited by the children only
         try:
             for proc in procs:
                 proc.start()

@@ -40,6 +40,16 @@ class TrapModel(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+def init_trap_model(module: nn.Module) -> None:
+    """``param_init_fn`` for a `TrapModel` built on the meta device: the root's own tensors as
+    its constructor sets them, every other module by its ``reset_parameters()``."""
+    if isinstance(module, TrapModel):
+        nn.init.normal_(module.unused)
+        module.temperature.fill_(1.5)
+    else:
+        module.reset_parameters()
+
+
 class DeepModel(nn.Module):
     """Eight equal layers: enough buckets (or stage 3 units) for bounded memory to show.
     ``skip`` leaves one layer out (a rank that diverges); ``fail_at`` raises inside one.
@@ -128,11 +138,14 @@ def _evaluate(model: Any) -> float:
 
 def train_reference(
     steps: int, global_size: int, optimizer: str = "AdamW", lr: float = 0.05, clip: float = 0.0,
-    eval_losses: list[float] | None = None, **options: Any,
+    eval_losses: list[float] | None = None, initial: dict[str, torch.Tensor] | None = None, **options: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     """One process, torch.optim, the full global batch: (losses, final state, grad norms).
-    ``eval_losses`` as in `train_engine`; ``options`` go to the model."""
+    ``eval_losses`` as in `train_engine`; ``initial`` replaces the seeded initial state;
+    ``options`` go to the model."""
     model = make_model(**options)
+    if initial is not None:
+        model.load_state_dict(initial)
     cls = getattr(torch.optim, optimizer)
     opt = cls(decay_groups(model), lr=lr)
     losses, norms = [], []

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from safetensors.torch import save_file
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -313,11 +314,12 @@ def load(
     _check_fit(engine, checkpoint, extra, strict)
     saved = checkpoint.manifest["params"]
     fitting = {name for name, shape in _piece_shapes(engine).items() if name in saved and saved[name]["shape"] == shape}
-    with torch.no_grad():
+    with torch.no_grad():  # each rank assembles only the elements it keeps
         for unit in engine.units:
-            for i, (name, numel) in enumerate(zip(unit.names, unit.layout.param_numels)):
-                if name in fitting:
-                    unit.load_full(i, index.assemble(name, 0, numel))
+            for i, name in enumerate(unit.names):
+                kept = unit.kept_range(i)
+                if name in fitting and kept is not None:
+                    unit.load_kept(i, index.assemble(name, *kept))
     engine.load_unsharded_state(extra["module"])
     if load_optimizer_states:
         _load_optimizer(engine, index, extra, fitting)
@@ -380,17 +382,22 @@ def _check_fit(engine: Engine, checkpoint: Checkpoint, extra: dict[str, Any], st
     missing = sorted(set(ours) - set(theirs))
     unexpected = sorted(set(theirs) - set(ours))
     reshaped = sorted(f"{k} (checkpoint {theirs[k]}, model {ours[k]})" for k in set(ours) & set(theirs) if ours[k] != theirs[k])
+    message = misfit_message(str(checkpoint.path), missing, unexpected, reshaped)
+    if message is None:
+        return
+    if strict:
+        raise CheckpointError(message + ". Load with strict=False to take what matches.")
+    warnings.warn(message + "; loaded what matches", stacklevel=3)
+
+
+def misfit_message(source: str, missing: list[str], unexpected: list[str], reshaped: list[str]) -> str | None:
+    """What does not fit, all listed at once (None when everything fits)."""
     problems = [
         f"{label}: {', '.join(items)}"
         for label, items in (("missing", missing), ("unexpected", unexpected), ("re-shaped", reshaped))
         if items
     ]
-    if not problems:
-        return
-    message = f"{checkpoint.path} does not fit the model: " + "; ".join(problems)
-    if strict:
-        raise CheckpointError(message + ". Load with strict=False to take what matches.")
-    warnings.warn(message + "; loaded what matches", stacklevel=3)
+    return f"{source} does not fit the model: " + "; ".join(problems) if problems else None
 
 
 def _restore_rng(state: dict[str, Any]) -> None:
@@ -430,15 +437,11 @@ def load_consolidated(directory: str | Path, tag: str | None = None) -> dict[str
 
 
 def write_state_dict(state: dict[str, torch.Tensor], out: str | Path) -> None:
-    """Save ``state`` as ``.pt``, or ``.safetensors`` when that package is installed."""
+    """Save ``state`` as ``.pt`` or ``.safetensors``, by the suffix of ``out``."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.tmp")
     if out.suffix == ".safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            raise RuntimeError("writing .safetensors needs the safetensors package: pip install safetensors") from None
         save_file({k: v.contiguous().clone() for k, v in state.items()}, str(staging))  # no shared storage
     elif out.suffix == ".pt":
         torch.save(state, staging)

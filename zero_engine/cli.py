@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.set_defaults(run=_estimate)
     consolidate = verbs.add_parser("consolidate", help="turn a checkpoint into a plain state_dict file")
     consolidate.add_argument("checkpoint", help="the directory given to save_checkpoint")
-    consolidate.add_argument("out", help="output file: .pt, or .safetensors (needs the safetensors package)")
+    consolidate.add_argument("out", help="output file: .pt or .safetensors")
     consolidate.add_argument("--tag", help="which checkpoint (default: the latest)")
     consolidate.set_defaults(run=_consolidate)
     return parser

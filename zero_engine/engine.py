@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,6 +21,7 @@ from torch import nn
 from . import checkpoint
 from .comm import Comm, connect
 from .config import BatchSizes, ZeroEngineConfig, load_config
+from .deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .features import refuse_unbuilt_features
 from .flat_param import FlatUnit, OwnedPiece
 from .memory import measure_memory
@@ -31,6 +32,7 @@ from .schedules import build_scheduler
 from .stages import Stage, build_reducer, stage_for
 from .tree import map_tensors
 from .units import build_units
+from .weights import WeightsSource, load_weights, match_weights, open_weights
 
 logger = logging.getLogger("zero_engine")
 
@@ -57,12 +59,21 @@ def initialize(
     config: str | Path | dict[str, Any] | ZeroEngineConfig,
     *,
     param_groups: Iterable[Any] | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    weights: WeightsSource | None = None,
 ) -> Engine:
     """Wrap ``model`` for ZeRO training as ``config`` (path, dict or `ZeroEngineConfig`) says.
 
     Starts a process group from torchrun's environment if none exists (world size 1 without
     one), broadcasts rank 0's parameters and buffers, and checks everything that could fail
     later: unbuilt features, the optimizer for the stage, the batch arithmetic.
+
+    A model built on the meta device is materialized here, one unit at a time at stage 3
+    (`zero_engine.deferred_init`): each module initialized by ``param_init_fn(module)`` or its
+    own ``reset_parameters()``, identically at every stage and world size. ``weights`` (a
+    safetensors file, a Hugging Face directory, a torch state dict file, a checkpoint
+    directory, or a state dict) sets the values it holds, each rank reading only what it
+    keeps (`zero_engine.weights`).
     """
     config = load_config(config)
     refuse_unbuilt_features(config)
@@ -71,9 +82,22 @@ def initialize(
     precision = Precision.from_config(config)
     groups = resolve_param_groups(model, param_groups, optimizer_cls)
     _check_params(model, precision)
-    comm = connect(config.comm, _model_device(model))
+    weights_file = open_weights(weights) if weights is not None else None
+    file_names = match_weights(model, weights_file) if weights_file is not None else {}
+    device = materialization_device(model)
+    comm = connect(config.comm, device)
+    deferred = None
+    if has_meta_tensors(model):
+        base_seed = comm.each_rank(draw_base_seed() if comm.rank == 0 else 0).values()[0]
+        deferred = DeferredInit(model, device, base_seed, param_init_fn, provided=set(file_names))
+    elif param_init_fn is not None and comm.rank == 0:
+        logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
     batch = config.batch_sizes(comm.world_size)
-    return Engine(model, config, comm, stage, batch, groups, precision)
+    engine = Engine(model, config, comm, stage, batch, groups, precision, device=device, deferred=deferred)
+    if weights_file is not None:
+        load_weights(engine, weights_file, file_names)
+        weights_file.close()
+    return engine
 
 
 class Engine:
@@ -88,6 +112,9 @@ class Engine:
         batch: BatchSizes,
         groups: list[ParamGroup],
         precision: Precision,
+        *,
+        device: torch.device | None = None,
+        deferred: DeferredInit | None = None,
     ) -> None:
         self.module = model
         self.config = config
@@ -104,7 +131,9 @@ class Engine:
         self._sync_from_rank0()
         if stage.shard_parameters and not zero.reduce_scatter_each_micro_step and comm.rank == 0:
             logger.warning("zero_optimization.reduce_scatter_each_micro_step: false has no effect at stage 3")
-        self.units, self.gatherer = build_units(model, groups, comm, stage, zero, precision.compute_dtype)
+        self.units, self.gatherer = build_units(
+            model, groups, comm, stage, zero, precision.compute_dtype, device or _model_device(model), deferred
+        )
         in_units = {param for unit in self.units for param in unit.params}
         # Parameters outside every unit: frozen ones, and any left out of param_groups.
         self.loose_params = [param for param in model.parameters() if param not in in_units]
@@ -119,8 +148,10 @@ class Engine:
     # -- construction --------------------------------------------------------------------------
 
     def _sync_from_rank0(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers."""
-        self.comm.broadcast([p.data for p in self.module.parameters()] + list(self.module.buffers()), src=0)
+        """Every rank starts from rank 0's parameters and buffers (those on the meta device
+        are initialized identically on every rank instead)."""
+        tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
+        self.comm.broadcast([t for t in tensors if not t.is_meta], src=0)
 
     def _cast_unsharded_params(self) -> dict[nn.Parameter, torch.Tensor]:
         """Parameters outside every unit (frozen ones) compute in the compute dtype too; their
@@ -400,7 +431,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _check_params(model: nn.Module, precision: Precision) -> None:
-    devices = {p.device for p in model.parameters()}
+    devices = {p.device for p in model.parameters() if not p.is_meta}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; move it to one")
     for name, param in model.named_parameters():

@@ -11,12 +11,17 @@ cast back into ``flat_param`` after each step. Autograd accumulates into an exis
 At stage 3, a `ShardedFlatUnit` keeps only this rank's shard between uses: the full buffer's
 storage exists while the unit is gathered, and the parameters are empty tensors otherwise.
 
+A unit can be built from parameters still on the meta device (a model too big to build
+whole): they become views of the fp32 flat buffer first, and the ``materialize`` callback
+initializes them there, in place, before the masters and shards are taken from it. So a
+unit's values exist once, in the buffer, while the unit is made.
+
 The engine never does offset arithmetic itself; it asks the unit for views.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -43,6 +48,8 @@ class FlatUnit:
         compute_dtype: torch.dtype = torch.float32,
         shard_master: bool = True,
         full_grads: bool = True,
+        device: torch.device | None = None,
+        materialize: Callable[[], None] | None = None,
     ) -> None:
         self.params = list(params)
         self.shapes = [param.shape for param in self.params]  # stage 3 empties the parameters
@@ -50,12 +57,17 @@ class FlatUnit:
         self.group_indices = list(group_indices)  # each parameter's optimizer param group
         self.rank = rank
         self.layout = UnitLayout([p.numel() for p in self.params], world_size)
-        self.device = device = self.params[0].device
+        self.device = device = device or self.params[0].device
         self.compute_dtype = compute_dtype
         # Masters start from the parameters' own values, before any cast to the compute dtype.
         full_fp32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
         for index, param in enumerate(self.params):
-            self.view_of(full_fp32, index).copy_(param.detach())
+            if param.is_meta:
+                _point_meta_param(param, self.view_of(full_fp32, index), self.names[index], materialize)
+            else:
+                self.view_of(full_fp32, index).copy_(param.detach())
+        if materialize is not None:
+            materialize()  # fills the (former meta) parameters' views of full_fp32 in place
         self.shard_master = shard_master
         self.owned_range = self.layout.shard_range(rank) if shard_master else (0, self.layout.padded_numel)
         self.flat_param = full_fp32 if compute_dtype == torch.float32 else full_fp32.to(compute_dtype)
@@ -169,6 +181,15 @@ class FlatUnit:
             start, end = self.owned_range
             self.flat_param[start:end].copy_(self.master)
 
+    def kept_range(self, index: int) -> tuple[int, int] | None:
+        """The elements of parameter ``index`` (flattened) that this rank keeps, as
+        ``(start, numel)``: the whole parameter below stage 3, None when it keeps none."""
+        return 0, self.layout.param_numels[index]
+
+    def load_kept(self, index: int, values: torch.Tensor) -> None:
+        """Set the kept elements of parameter ``index`` (``values``: fp32, `kept_range`)."""
+        self.load_full(index, values)
+
     def load_full(self, index: int, values: torch.Tensor) -> None:
         """Set parameter ``index`` from full fp32 values: compute copy and owned master."""
         self.param_view(index).copy_(values.view(self.shapes[index]))
@@ -213,10 +234,12 @@ class ShardedFlatUnit(FlatUnit):
         *,
         label: str,
         compute_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        materialize: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(
             params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, shard_master=True,
-            full_grads=False,
+            full_grads=False, device=device, materialize=materialize,
         )
         self.label = label  # the module path the unit stands for, for messages
         start, end = self.owned_range
@@ -282,6 +305,21 @@ class ShardedFlatUnit(FlatUnit):
         if not self.master_is_param:
             self.param_shard.copy_(self.master)
 
+    def kept_range(self, index: int) -> tuple[int, int] | None:
+        owned = self._owned_part(index)
+        return None if owned is None else (owned[0], owned[2])
+
+    def load_kept(self, index: int, values: torch.Tensor) -> None:
+        owned = self._owned_part(index)
+        if owned is None:
+            return
+        if self.gathered:
+            raise RuntimeError(f"unit {self.label}: loading a shard while the unit is gathered (mid-step?)")
+        where = slice(owned[1], owned[1] + owned[2])
+        self.master[where].copy_(values)
+        if self.param_shard is not self.master:
+            self.param_shard[where].copy_(values)
+
     def load_full(self, index: int, values: torch.Tensor) -> None:
         owned = self._owned_values(index, values)
         if owned is not None:
@@ -290,6 +328,22 @@ class ShardedFlatUnit(FlatUnit):
             self.param_shard[where].copy_(piece)
         if self.gathered:
             self.param_view(index).copy_(values.view(self.shapes[index]))
+
+
+def _point_meta_param(
+    param: nn.Parameter, view: torch.Tensor, name: str, materialize: Callable[[], None] | None
+) -> None:
+    """Make a meta-device parameter a view of its unit's buffer, keeping the Parameter object
+    (optimizer groups, tied modules and user code hold it): ``.data =`` cannot leave meta.
+    The parameter aliases the buffer through ``set_``, not as a view: a view would share the
+    buffer's version counter with every other parameter of the unit, and autograd would then
+    see one parameter's in-place update as a change to all of them."""
+    if materialize is None:
+        raise ValueError(f"parameter {name!r} is on the meta device and nothing initializes it")
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    with torch.no_grad():
+        alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+    torch.utils.swap_tensors(param, nn.Parameter(alias, requires_grad=param.requires_grad))
 
 
 def _free_storage(tensor: torch.Tensor) -> None:

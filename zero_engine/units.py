@@ -5,19 +5,24 @@ parameters always present. Stage 3: one `ShardedFlatUnit` per unit module
 (`plan_module_units`), plus buckets of the small parameters that stay resident, and the
 `ParamGatherer` that gathers the sharded units around their modules.
 
+A model on the meta device is materialized here too (`DeferredInit`): at stage 3 each unit's
+modules as the unit is made, so only one unit is ever whole; below stage 3 the whole model
+first, as those stages keep it whole anyway.
+
 Units are listed in reverse registration order, as backward produces gradients, so the
 reducer launches them as they fill.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from .comm import Comm
 from .config import ZeroOptimizationConfig
+from .deferred_init import DeferredInit
 from .flat_param import FlatUnit, ShardedFlatUnit
 from .gatherer import ParamGatherer, ResidentParams
 from .layout import plan_units
@@ -33,10 +38,14 @@ def build_units(
     stage: Stage,
     zero: ZeroOptimizationConfig,
     compute_dtype: torch.dtype,
+    device: torch.device,
+    deferred: DeferredInit | None = None,
 ) -> tuple[list[FlatUnit], ResidentParams]:
     """All units in reducer order, and what gathers them (nothing below stage 3)."""
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
+        if deferred is not None:
+            deferred.materialize_all()
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
         units = _bucketed_units(named, position, comm, stage, zero, compute_dtype)
         return _in_arrival_order(units, position), ResidentParams()
@@ -46,11 +55,13 @@ def build_units(
     sharded = [
         ShardedFlatUnit(
             plan.params, plan.names, plan.group_indices, comm.rank, comm.world_size, label=plan.label,
-            compute_dtype=compute_dtype,
+            compute_dtype=compute_dtype, device=device, materialize=_materializer(deferred, plan.params),
         )
         for plan in plans
         if plan.params
     ]
+    if deferred is not None:  # what no sharded unit took: buffers, frozen and small parameters
+        deferred.materialize_all()
     index_of = {param: index for index, unit in enumerate(sharded) for param in unit.params}
     hooked = []
     for plan in plans:
@@ -65,6 +76,13 @@ def build_units(
         per_group[item.group_index].append((item.name, item.param, item.group_index))
     resident_units = _bucketed_units(per_group, position, comm, stage, zero, compute_dtype)
     return _in_arrival_order([*sharded, *resident_units], position), gatherer
+
+
+def _materializer(deferred: DeferredInit | None, params: list[nn.Parameter]) -> Callable[[], None] | None:
+    """What initializes a stage 3 unit's meta parameters once they are views of its buffer."""
+    if deferred is None:
+        return None
+    return lambda: deferred.materialize_owners(params)
 
 
 def _bucketed_units(

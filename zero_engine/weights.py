@@ -1,0 +1,230 @@
+"""Pretrained weights read range by range: each rank reads only the elements it keeps.
+
+``initialize(..., weights=SOURCE)`` takes a ``.safetensors`` file, a Hugging Face model
+directory (``model.safetensors``, sharded ``model.safetensors.index.json``, or
+``pytorch_model.bin``), a torch state dict file, a ``save_checkpoint`` directory (or one tag of
+it), or an in-memory state dict. Every source answers one question, `WeightsFile.read`: elements
+``[start, start + numel)`` of the flattened tensor ``name``. Safetensors files are read by row
+slices without loading the file (``safe_open(...).get_slice``), torch files are memory-mapped,
+checkpoints assemble the range from their saved pieces; so at stage 3 no rank reads more than
+its shards (plus a partial row at each end) and whatever stays whole everywhere (buffers,
+frozen parameters).
+
+Names are ``model.state_dict()``'s. A tied parameter is satisfied by any of its names (Hugging
+Face files store ``lm_head.weight`` once, or not at all when tied to the embedding). Missing,
+unexpected and re-shaped names fail at `initialize`, listed as `load_checkpoint` lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .checkpoint import EXTRA, LATEST, MANIFEST, CheckpointError, PieceIndex, misfit_message, open_checkpoint
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class WeightsFile:
+    """Named tensors to read element ranges from; counts the bytes it read (for tests)."""
+
+    def __init__(self, label: str, shapes: dict[str, list[int]]) -> None:
+        self.label = label
+        self.shapes = shapes
+        self.bytes_read = 0
+
+    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of the flattened tensor ``name``, as stored."""
+        values = self._read(name, start, numel)
+        self.bytes_read += values.numel() * values.element_size()
+        return values
+
+    def _read(self, name: str, start: int, numel: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release open files (safetensors handles, memory maps)."""
+
+
+WeightsSource = str | Path | Mapping[str, torch.Tensor] | WeightsFile
+
+
+class StateDictWeights(WeightsFile):
+    """A state dict in memory, or a torch file memory-mapped (read with ``weights_only``)."""
+
+    def __init__(self, label: str, tensors: Mapping[str, Any]) -> None:
+        bad = sorted(name for name, value in tensors.items() if not torch.is_tensor(value))
+        if bad:
+            raise CheckpointError(f"{label}: not a state dict of tensors (entries {bad[:5]} are not tensors)")
+        super().__init__(label, {name: list(value.shape) for name, value in tensors.items()})
+        self.tensors = tensors
+
+    @classmethod
+    def from_file(cls, path: Path) -> StateDictWeights:
+        try:
+            tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(tensors, Mapping):
+            raise CheckpointError(f"{path}: holds a {type(tensors).__name__}, not a state dict")
+        return cls(str(path), tensors)
+
+    def _read(self, name: str, start: int, numel: int) -> torch.Tensor:
+        return self.tensors[name].reshape(-1)[start : start + numel]
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+class SafetensorsWeights(WeightsFile):
+    """One or several ``.safetensors`` files, read by slices of rows."""
+
+    def __init__(self, label: str, file_of: dict[str, Path]) -> None:
+        self._handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in set(file_of.values())}
+        self._file_of = file_of
+        shapes = {}
+        for name, path in file_of.items():
+            if name not in self._handles[path].keys():
+                raise CheckpointError(f"{label}: the index lists {name!r} in {path.name}, which does not hold it")
+            shapes[name] = list(self._handles[path].get_slice(name).get_shape())
+        super().__init__(label, shapes)
+
+    @classmethod
+    def from_file(cls, path: Path) -> SafetensorsWeights:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            names = list(handle.keys())
+        return cls(str(path), {name: path for name in names})
+
+    @classmethod
+    def from_index(cls, index: Path) -> SafetensorsWeights:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise CheckpointError(f"{index}: not a safetensors index ({err!r})") from None
+        missing = sorted({file for file in weight_map.values() if not (index.parent / file).is_file()})
+        if missing:
+            raise CheckpointError(f"{index}: lists shard files that are missing: {missing}")
+        return cls(str(index), {name: index.parent / file for name, file in weight_map.items()})
+
+    def _read(self, name: str, start: int, numel: int) -> torch.Tensor:
+        handle = self._handles[self._file_of[name]]
+        shape = self.shapes[name]
+        if len(shape) <= 1:
+            if not shape:
+                return handle.get_tensor(name).reshape(-1)[start : start + numel]
+            return handle.get_slice(name)[start : start + numel]
+        row = math.prod(shape[1:])
+        first, last = start // row, -(-(start + numel) // row)  # the rows that cover the range
+        rows = handle.get_slice(name)[first:last].reshape(-1)
+        offset = start - first * row
+        return rows[offset : offset + numel]
+
+    def close(self) -> None:
+        self._handles = {}
+
+
+class CheckpointWeights(WeightsFile):
+    """The model in a ``save_checkpoint`` directory: parameters from their saved pieces."""
+
+    def __init__(self, directory: Path, tag: str | None) -> None:
+        checkpoint = open_checkpoint(directory, tag)
+        self._index = PieceIndex(checkpoint)
+        self._module = torch.load(checkpoint.path / EXTRA, map_location="cpu", weights_only=True, mmap=True)["module"]
+        self._canonical = {}
+        shapes = {}
+        for name, entry in checkpoint.manifest["params"].items():
+            for alias in entry["aliases"]:
+                self._canonical[alias] = name
+                shapes[alias] = entry["shape"]
+        shapes.update({name: list(value.shape) for name, value in self._module.items()})
+        super().__init__(str(checkpoint.path), shapes)
+
+    def _read(self, name: str, start: int, numel: int) -> torch.Tensor:
+        if name in self._canonical:
+            values = self._index.assemble(self._canonical[name], start, numel)
+            if values is None:
+                raise CheckpointError(f"{self.label}: parameter {name!r} has no saved values")
+            return values
+        return self._module[name].reshape(-1)[start : start + numel]
+
+
+def open_weights(source: WeightsSource) -> WeightsFile:
+    """The `WeightsFile` for any accepted ``weights=`` source (one already open is used as is:
+    a reader for another format subclasses `WeightsFile`)."""
+    if isinstance(source, WeightsFile):
+        return source
+    if isinstance(source, Mapping):
+        return StateDictWeights("weights (state dict)", source)
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"weights: {path} does not exist")
+    if path.is_dir():
+        if (path / LATEST).is_file():
+            return CheckpointWeights(path, None)
+        if (path / MANIFEST).is_file():
+            return CheckpointWeights(path.parent, path.name)
+        if (path / "model.safetensors.index.json").is_file():
+            return SafetensorsWeights.from_index(path / "model.safetensors.index.json")
+        if (path / "model.safetensors").is_file():
+            return SafetensorsWeights.from_file(path / "model.safetensors")
+        if (path / "pytorch_model.bin").is_file():
+            return StateDictWeights.from_file(path / "pytorch_model.bin")
+        raise FileNotFoundError(
+            f"weights: {path} holds no model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+            "nor a checkpoint ('latest' or manifest.json)"
+        )
+    if path.suffix == ".safetensors":
+        return SafetensorsWeights.from_file(path)
+    return StateDictWeights.from_file(path)
+
+
+def match_weights(model: nn.Module, weights: WeightsFile) -> dict[int, str]:
+    """For every tensor of ``model.state_dict()``, the name the file holds it under (any alias
+    of a tied parameter), by ``id`` of the tensor. Raises listing every misfit at once."""
+    aliases: dict[int, list[str]] = defaultdict(list)
+    tensors = model.state_dict(keep_vars=True)
+    for name, tensor in tensors.items():
+        aliases[id(tensor)].append(name)
+    found: dict[int, str] = {}
+    missing, reshaped = [], []
+    for key, names in aliases.items():
+        present = [name for name in names if name in weights.shapes]
+        if not present:
+            missing.append(names[0])
+            continue
+        found[key] = present[0]
+        expected = list(tensors[names[0]].shape)
+        reshaped += [f"{n} (file {weights.shapes[n]}, model {expected})" for n in present if weights.shapes[n] != expected]
+    unexpected = sorted(set(weights.shapes) - set(tensors))
+    message = misfit_message(weights.label, sorted(missing), unexpected, sorted(reshaped))
+    if message:
+        raise CheckpointError(message)
+    return found
+
+
+def load_weights(engine: Engine, weights: WeightsFile, file_names: dict[int, str]) -> None:
+    """Copy the file's values into the engine: each unit's kept range of each parameter, in
+    fp32 (the masters' dtype), and the whole of what stays outside units."""
+    with torch.no_grad():
+        for unit in engine.units:
+            for index, param in enumerate(unit.params):
+                kept = unit.kept_range(index)
+                if kept is not None:
+                    values = weights.read(file_names[id(param)], *kept)
+                    unit.load_kept(index, values.to(unit.device, torch.float32))
+        in_units = {id(param) for unit in engine.units for param in unit.params}
+        outside = {
+            name: weights.read(file_names[id(tensor)], 0, tensor.numel()).view(tensor.shape)
+            for name, tensor in engine.module.state_dict(keep_vars=True).items()
+            if id(tensor) not in in_units
+        }
+        engine.load_unsharded_state(outside)
