@@ -221,3 +221,60 @@ def test_stage3_memory_as_the_process_holds_it(world_size: int, monkeypatch: pyt
         # ...and live storage as live: stage 2's whole buffers, less the first weight, which
         # autograd does not save (the input needs no gradient).
         assert stage2["saved_after_forward"] >= PARAM_BYTES - WIDTH * WIDTH * 4 - SLACK
+
+
+# -- start-up: building and initializing the model --------------------------------------------
+
+START_UP = ("meta", "meta_weights", "eager")
+
+
+def _start_up(system: str, weights: str, depth: int = DEPTH) -> zero_engine.Engine:
+    torch.manual_seed(0)
+    if system == "eager":
+        return zero_engine.initialize(Tower(depth), _config(3))
+    with torch.device("meta"):
+        model = Tower(depth)
+    return zero_engine.initialize(model, _config(3), weights=weights if system == "meta_weights" else None)
+
+
+def measure_start_up(rank: int, world_size: int, weights: str, small_weights: str) -> dict[str, dict[str, int]]:
+    """Each way of starting: the resident set's peak and level from before the model is built
+    to after `initialize` returns."""
+    for system in START_UP:  # page in every code path (and the file reader) before any baseline
+        engine = _start_up(system, small_weights, depth=2)
+        engine(torch.randn(BATCH, WIDTH)).backward()
+        engine.close()
+        del engine
+    results = {}
+    for system in START_UP:
+        gc.collect()
+        before = resident_bytes()
+        reset_peak_resident()
+        engine = _start_up(system, weights)
+        results[system] = {"peak": peak_resident_bytes() - before, "after": resident_bytes() - before}
+        engine.close()
+        del engine
+    return results
+
+
+def test_stage3_start_up_from_meta_holds_shards_and_one_unit(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model built on the meta device never exists whole on a rank: from before it is built
+    to after `initialize`, a rank's peak is its parameter shard plus one unit being initialized
+    (or read), where building it whole first costs the whole model."""
+    from safetensors.torch import save_file
+
+    world_size = 4
+    torch.manual_seed(1)
+    save_file(Tower().state_dict(), str(tmp_path / "tower.safetensors"))
+    save_file(Tower(2).state_dict(), str(tmp_path / "small.safetensors"))
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    per_rank = run_on_ranks(
+        world_size, measure_start_up, str(tmp_path / "tower.safetensors"), str(tmp_path / "small.safetensors"),
+        timeout=300,
+    )
+    shard = PARAM_BYTES / world_size
+    for rank, results in enumerate(per_rank):
+        for system in ("meta", "meta_weights"):
+            assert results[system]["peak"] <= shard + UNIT_BYTES + SLACK, (rank, system, results)
+            assert abs(results[system]["after"] - shard) <= SLACK, (rank, system, results)
+        assert results["eager"]["peak"] >= PARAM_BYTES, (rank, results)

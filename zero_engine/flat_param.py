@@ -77,13 +77,14 @@ class FlatUnit:
             param.data = self.param_view(index)
         # Full gradients (stages 0-1): one flat buffer, each .grad a view into it. Sharded
         # gradients (stage 2): only this rank's shard persists; full ones pass through buckets.
+        # Stage 3 starts with none: its first reduction makes the shard.
         self.flat_grad: torch.Tensor | None = None
         self.sharded_grad: torch.Tensor | None = None  # None while released (stage 3 between steps)
         if full_grads:
             self.flat_grad = torch.zeros_like(self.flat_param)
             self.sharded_grad = self._shard(self.flat_grad)
             self.attach_grads()
-        else:
+        elif not self.sharded_params:
             self.grad_shard()
 
     @property
