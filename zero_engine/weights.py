@@ -4,11 +4,12 @@
 directory (``model.safetensors``, sharded ``model.safetensors.index.json``, or
 ``pytorch_model.bin``), a torch state dict file, a ``save_checkpoint`` directory (or one tag of
 it), or an in-memory state dict. Every source answers one question, `WeightsFile.read`: elements
-``[start, start + numel)`` of the flattened tensor ``name``. Safetensors files are read by row
-slices without loading the file (``safe_open(...).get_slice``), torch files are memory-mapped,
-checkpoints assemble the range from their saved pieces; so at stage 3 no rank reads more than
-its shards (plus a partial row at each end) and whatever stays whole everywhere (buffers,
-frozen parameters).
+``[start, start + numel)`` of the flattened tensor ``name``. Safetensors files are read range by
+range with ``pread`` (`SafetensorsFile`), torch files are memory-mapped, checkpoints assemble
+the range from their saved pieces; so at stage 3 no rank reads more than its shards and
+whatever stays whole everywhere (buffers, frozen parameters). Safetensors is the format for
+models near a rank's memory: a memory-mapped torch file keeps the pages around each read
+resident until it is closed.
 
 Names are ``model.state_dict()``'s. A tied parameter is satisfied by any of its names (Hugging
 Face files store ``lm_head.weight`` once, or not at all when tied to the embedding). Missing,
@@ -18,17 +19,16 @@ unexpected and re-shaped names fail at `initialize`, listed as `load_checkpoint`
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from .checkpoint import EXTRA, LATEST, MANIFEST, CheckpointError, PieceIndex, misfit_message, open_checkpoint
+from .safetensors_reader import SafetensorsFile
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -86,22 +86,21 @@ class StateDictWeights(WeightsFile):
 
 
 class SafetensorsWeights(WeightsFile):
-    """One or several ``.safetensors`` files, read by slices of rows."""
+    """One or several ``.safetensors`` files (`SafetensorsFile`: exact ranges, no memory map)."""
 
     def __init__(self, label: str, file_of: dict[str, Path]) -> None:
-        self._handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in set(file_of.values())}
-        self._file_of = file_of
-        shapes = {}
-        for name, path in file_of.items():
-            if name not in self._handles[path].keys():
-                raise CheckpointError(f"{label}: the index lists {name!r} in {path.name}, which does not hold it")
-            shapes[name] = list(self._handles[path].get_slice(name).get_shape())
-        super().__init__(label, shapes)
+        self._files = {path: SafetensorsFile(path) for path in set(file_of.values())}
+        self._file_of = {name: self._files[path] for name, path in file_of.items()}
+        for name, file in self._file_of.items():
+            if name not in file.entries:
+                raise CheckpointError(f"{label}: the index lists {name!r} in {file.path.name}, which does not hold it")
+        super().__init__(label, {name: file.shape(name) for name, file in self._file_of.items()})
 
     @classmethod
     def from_file(cls, path: Path) -> SafetensorsWeights:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            names = list(handle.keys())
+        file = SafetensorsFile(path)
+        names = list(file.entries)
+        file.close()
         return cls(str(path), {name: path for name in names})
 
     @classmethod
@@ -116,20 +115,11 @@ class SafetensorsWeights(WeightsFile):
         return cls(str(index), {name: index.parent / file for name, file in weight_map.items()})
 
     def _read(self, name: str, start: int, numel: int) -> torch.Tensor:
-        handle = self._handles[self._file_of[name]]
-        shape = self.shapes[name]
-        if len(shape) <= 1:
-            if not shape:
-                return handle.get_tensor(name).reshape(-1)[start : start + numel]
-            return handle.get_slice(name)[start : start + numel]
-        row = math.prod(shape[1:])
-        first, last = start // row, -(-(start + numel) // row)  # the rows that cover the range
-        rows = handle.get_slice(name)[first:last].reshape(-1)
-        offset = start - first * row
-        return rows[offset : offset + numel]
+        return self._file_of[name].read(name, start, numel)
 
     def close(self) -> None:
-        self._handles = {}
+        for file in self._files.values():
+            file.close()
 
 
 class CheckpointWeights(WeightsFile):
