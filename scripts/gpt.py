@@ -22,6 +22,7 @@ PRESETS = {
     "tiny": GPTConfig(dim=128, num_layers=4, num_heads=4),  # ~0.8M parameters: the README's main job
     "small": GPTConfig(dim=240, num_layers=5, num_heads=6),  # ~3.6M parameters
     "medium": GPTConfig(dim=512, num_layers=8, num_heads=8),  # ~25M parameters
+    "large": GPTConfig(dim=768, num_layers=8, num_heads=12),  # ~57M parameters: scripts/big_model.py
 }
 
 
@@ -57,14 +58,7 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(config.dim)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.head.weight = self.embed.weight
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        self.apply(init_weights)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         positions = torch.arange(tokens.size(1), device=tokens.device)
@@ -75,6 +69,17 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialization for one module; also the ``param_init_fn`` of a GPT built on the
+    meta device (there LayerNorm, whose constructor set nothing, takes its own defaults)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        module.reset_parameters()
 
 
 def decay_groups(model: nn.Module, weight_decay: float | None = None) -> list[dict]:
