@@ -7,24 +7,52 @@
 set after a step above the level before the model was built ("steady"), a step's resident
 high-water mark above that level, the growth over a forward and its peak, the storage behind
 the tensors autograd saved in the forward, and the engine's own figures beside them.
+
+    MALLOC_MMAP_THRESHOLD_=65536 torchrun --standalone --nproc_per_node=4 scripts/stage3_memory.py --start-up
+
+Start-up instead: the resident peak and level from before the model is built to after
+`initialize` returns, for a meta build, a meta build reading a safetensors file, an eager
+build, and FSDP2's meta recipe (``fully_shard``, ``to_empty``, ``reset_parameters``).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+import tempfile
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_stage3_memory import SYSTEMS, measure  # noqa: E402
+from test_stage3_memory import SYSTEMS, Tower, measure, measure_start_up  # noqa: E402
 
 MiB = 2**20
 
 
+def start_up_rows(rank: int, world: int) -> list[str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(1)
+        save_file(Tower().state_dict(), f"{tmp}/tower.safetensors")
+        save_file(Tower(2).state_dict(), f"{tmp}/small.safetensors")
+        results = measure_start_up(rank, world, f"{tmp}/tower.safetensors", f"{tmp}/small.safetensors")
+    rows = ["| rank | start-up | peak | after |", "|---|---|---|---|"]
+    rows += [f"| {rank} | {name} | {r['peak'] / MiB:.1f} | {r['after'] / MiB:.1f} |" for name, r in results.items()]
+    return rows
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--start-up", action="store_true", help="measure building and initializing instead")
+    args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.start_up:
+        _print_in_rank_order(start_up_rows(rank, world), rank, world)
+        dist.destroy_process_group()
+        return
     results = measure(rank, world, list(SYSTEMS))
     rows = [
         "| rank | system | steady | step high-water | forward growth | forward peak | saved after forward "
@@ -44,11 +72,16 @@ def main() -> None:
             f"| {r['forward_growth'] / MiB:.1f} | {r['forward_peak'] / MiB:.1f} | {r['saved_after_forward'] / MiB:.1f} "
             f"| {persistent} | {gathered} |"
         )
+    _print_in_rank_order(rows, rank, world)
+    dist.destroy_process_group()
+
+
+def _print_in_rank_order(rows: list[str], rank: int, world: int) -> None:
+    """One table: rank 0 prints the header, every rank its rows, in turn."""
     for turn in range(world):
         if turn == rank:
             print("\n".join(rows if rank == 0 else rows[2:]), flush=True)
         dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
