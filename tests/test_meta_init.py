@@ -95,6 +95,13 @@ def init_grid(rank: int, world_size: int) -> dict:
         out["losses"].append(losses)
         out["trained"].append(engine.full_state_dict())
         engine.close()
+    out["bf16"] = []  # mixed precision: the fp32 masters take the initial values exactly
+    for stage in (1, 3):
+        model = _meta_trap_model()
+        config = dict(_config({"stage": stage, "stage3_param_persistence_threshold": 0}), bf16={"enabled": True})
+        engine = zero_engine.initialize(model, config, param_init_fn=init_trap_model)
+        out["bf16"].append(engine.full_state_dict())
+        engine.close()
     with torch.device("meta"):
         tied = TiedWithBias()
     engine = zero_engine.initialize(tied, _config({"stage": 3, "stage3_param_persistence_threshold": 0}))
@@ -122,6 +129,8 @@ def test_meta_init_is_the_same_model_at_every_stage_and_world_size(world_size: i
             for name, value in ref_trained.items():
                 diff = (trained[name] - value).abs().max().item()
                 assert diff <= TOL, f"{case} rank {rank}: trained {name} differs by {diff}"
+        for state in result["bf16"]:
+            assert all(torch.equal(state[name], value) for name, value in expected.items()), "bf16 initial state"
         tied = result["tied"]
         assert tied["head.weight"].abs().max() > 1 / 16**0.5, "the head's uniform init overwrote the tied embedding"
         assert torch.equal(tied["head.weight"], tied["embed.weight"])
@@ -319,3 +328,26 @@ def test_hugging_face_gpt2_from_meta_with_its_saved_weights(world_size: int, gpt
         for step in range(STEPS):
             mean = sum(results[stage]["losses"][step] for results in per_rank) / world_size
             assert mean == pytest.approx(ref_losses[step], abs=TOL), (stage, step)
+
+
+def test_unreadable_weights_fail_naming_the_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nothing-here does not exist"):
+        open_weights(tmp_path / "nothing-here")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no model.safetensors"):
+        open_weights(tmp_path / "empty")
+    save_file({"w": torch.ones(64)}, str(tmp_path / "cut.safetensors"))
+    data = (tmp_path / "cut.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-8])
+    with pytest.raises(CheckpointError, match=r"cut.safetensors: tensor 'w' ends past the end of the file"):
+        open_weights(tmp_path / "cut.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="junk.safetensors: not a safetensors file"):
+        open_weights(tmp_path / "junk.safetensors")
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "gone.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"shard files that are missing: \['gone.safetensors'\]"):
+        open_weights(tmp_path / "index")
+    torch.save([torch.ones(2)], tmp_path / "list.pt")
+    with pytest.raises(CheckpointError, match="list.pt: holds a list, not a state dict"):
+        open_weights(tmp_path / "list.pt")
