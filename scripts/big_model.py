@@ -34,7 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_engine  # noqa: E402
 from gpt import GPT, PRESETS, decay_groups, init_weights  # noqa: E402
 from stdlib_text import TextBatches, load_corpus  # noqa: E402
-from zero_engine.process_memory import peak_resident_bytes, reset_peak_resident, resident_bytes  # noqa: E402
+from zero_engine.process_memory import (  # noqa: E402
+    data_bytes,
+    peak_resident_bytes,
+    reset_peak_resident,
+    resident_bytes,
+)
 
 MiB = 2**20
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "zero3_large.yaml"
@@ -46,17 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="large", choices=sorted(PRESETS), help="GPT size preset")
     parser.add_argument("--budget-mib", type=float, default=450.0, help="per-rank limit on private memory above the start")
     parser.add_argument("--build", default="meta", choices=("meta", "eager"), help="how the model is built")
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
     return parser.parse_args(argv)
-
-
-def data_bytes() -> int:
-    """The process's private writable memory (``VmData``): what ``RLIMIT_DATA`` caps."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmData:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmData line")
 
 
 def limit_heap(budget: int) -> int:

@@ -83,20 +83,23 @@ def initialize(
     groups = resolve_param_groups(model, param_groups, optimizer_cls)
     _check_params(model, precision)
     weights_file = open_weights(weights) if weights is not None else None
-    file_names = match_weights(model, weights_file) if weights_file is not None else {}
-    device = materialization_device(model)
-    comm = connect(config.comm, device)
-    deferred = None
-    if has_meta_tensors(model):
-        base_seed = comm.each_rank(draw_base_seed() if comm.rank == 0 else 0).values()[0]
-        deferred = DeferredInit(model, device, base_seed, param_init_fn, provided=set(file_names))
-    elif param_init_fn is not None and comm.rank == 0:
-        logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
-    batch = config.batch_sizes(comm.world_size)
-    engine = Engine(model, config, comm, stage, batch, groups, precision, device=device, deferred=deferred)
-    if weights_file is not None:
-        load_weights(engine, weights_file, file_names)
-        weights_file.close()
+    try:
+        file_names = match_weights(model, weights_file) if weights_file is not None else {}
+        device = materialization_device(model)
+        comm = connect(config.comm, device)
+        deferred = None
+        if has_meta_tensors(model):
+            base_seed = comm.each_rank(draw_base_seed() if comm.rank == 0 else 0).values()[0]
+            deferred = DeferredInit(model, device, base_seed, param_init_fn, provided=set(file_names))
+        elif param_init_fn is not None and comm.rank == 0:
+            logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
+        batch = config.batch_sizes(comm.world_size)
+        engine = Engine(model, config, comm, stage, batch, groups, precision, device=device, deferred=deferred)
+        if weights_file is not None:
+            load_weights(engine, weights_file, file_names)
+    finally:
+        if weights_file is not None:
+            weights_file.close()
     return engine
 
 

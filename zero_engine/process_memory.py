@@ -5,9 +5,10 @@ holds also includes what autograd saved for backward, allocator slack and librar
 probes read the truth:
 
 - `resident_bytes` / `peak_resident_bytes` / `reset_peak_resident`: the resident set and its
-  high-water mark (``VmHWM``) from ``/proc`` (Linux). Freed large tensors leave the resident
-  set only when glibc returns them to the kernel: run with ``MALLOC_MMAP_THRESHOLD_=65536``
-  (set before the process starts) so that every tensor above 64 KiB is its own mapping.
+  high-water mark (``VmHWM``) from ``/proc`` (Linux); `data_bytes`, what ``RLIMIT_DATA``
+  caps. Freed large tensors leave the resident set only when glibc returns them to the
+  kernel: run with ``MALLOC_MMAP_THRESHOLD_=65536`` (set before the process starts) so that
+  every tensor above 64 KiB is its own mapping.
 - `SavedTensorMeter`: the bytes held by the storages of every tensor autograd saved in a
   block of code, read when asked, so storage freed after saving counts as freed. It sees
   exactly what a forward keeps alive for its backward, with no allocator noise.
@@ -33,11 +34,21 @@ def resident_bytes() -> int:
 
 def peak_resident_bytes() -> int:
     """The resident set's high-water mark since the process started or `reset_peak_resident`."""
+    return _status_bytes("VmHWM")
+
+
+def data_bytes() -> int:
+    """The process's private writable address space (``VmData``: heap, anonymous maps, thread
+    stacks, touched or not): what ``RLIMIT_DATA`` caps."""
+    return _status_bytes("VmData")
+
+
+def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
+    raise RuntimeError(f"/proc/self/status has no {field} line")
 
 
 def reset_peak_resident() -> None:
