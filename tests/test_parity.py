@@ -31,6 +31,7 @@ def _config(case: dict) -> dict:
             "overlap_comm": case.get("overlap", True),
             "reduce_scatter_each_micro_step": case.get("each_micro_step", True),
         },
+        "comm": {"primitives": case.get("primitives", "auto")},
     }
 
 
@@ -74,6 +75,8 @@ GRID = [
     {"stage": 1, "accum": 1, "bucket": 40, "optimizer": "SGD", "clip": 0.05},
     {"stage": 2, "accum": 2, "bucket": 60, "optimizer": "AdamW", "clip": 0.05},
     {"stage": 0, "accum": 1, "bucket": 40, "optimizer": "Adagrad", "clip": 0.05},
+] + [  # NCCL's native reduce_scatter_tensor / all_gather_into_tensor, run on gloo
+    {"stage": stage, "accum": 2, "bucket": 40, "primitives": "native"} for stage in (0, 1, 2)
 ]
 
 

@@ -38,6 +38,7 @@ def stage3_config(case: dict) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "gradient_clipping": case.get("clip", 0.0),
         "zero_optimization": zero,
+        "comm": {"primitives": case.get("primitives", "auto")},
     }
 
 
@@ -66,6 +67,7 @@ GRID = [
     {"accum": 1, "bucket": 40, "mlp_calls": 2, "clip": 0.05},  # size policy: units by parameter count
     {"accum": 2, "bucket": 10**6},  # one root unit holds everything
     {"accum": 1, "wrap": WRAP_LEAVES, "stage3_prefetch_bucket_size": 1, "stage3_max_live_parameters": 1},
+    {"accum": 2, "wrap": WRAP_LEAVES, "primitives": "native"},  # NCCL's collectives, run on gloo
 ]
 
 

@@ -8,8 +8,13 @@ Which primitive implements a collective is chosen per backend, by measurement (s
 ``docs/benchmarks.md``): gloo's own reduce-scatter and all-gather are naive (3-8x slower than
 all-reduce on 16 MB here), so on gloo a reduce-scatter is one ``reduce`` per destination rank
 and an all-gather one ``broadcast`` per source rank, all launched at once. NCCL uses its native
-collectives. Sums are divided explicitly by the caller: ``ReduceOp.AVG`` has been a sum on
-gloo in some torch versions.
+collectives. ``comm.primitives`` overrides the choice (tests run the native path on gloo).
+Sums are divided explicitly by the caller: ``ReduceOp.AVG`` has been a sum on gloo in some
+torch versions.
+
+Two groups: data (parameters, gradients: the device's backend, NCCL on CUDA) and control
+(agreements between ranks and small JSON exchanges: always gloo, on CPU tensors, so they never
+make the host wait for the device nor queue behind data collectives in flight).
 
 Bytes are counted per collective kind as the ring algorithm's per-rank volume (an all-reduce
 of ``b`` bytes sends and receives ``2 b (N-1)/N``; reduce-scatter and all-gather ``b (N-1)/N``
@@ -66,14 +71,23 @@ class EachRank(NamedTuple):
 class Comm:
     """A process group with a backend-specific choice of primitives and a byte counter."""
 
-    def __init__(self, rank: int, world_size: int, backend: str, group: Any = None, control_group: Any = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        backend: str,
+        group: Any = None,
+        control_group: Any = None,
+        primitives: str = "auto",
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.group = group
-        # Agreements between ranks (`each_rank`) go through a group of their own, so they never
-        # wait behind the data collectives in flight on ``group``.
+        # Agreements between ranks (`each_rank`, `all_gather_json`) go through a gloo group of
+        # their own: CPU tensors, never behind the data collectives in flight on ``group``.
         self.control_group = control_group
+        self.per_shard = primitives == "per_shard" or (primitives == "auto" and backend == "gloo")
         self._bytes = {kind: 0 for kind in CollectiveKind}
 
     # -- collectives -------------------------------------------------------------------------
@@ -89,7 +103,7 @@ class Comm:
         if self.world_size == 1:
             return DONE
         self._count(CollectiveKind.REDUCE_SCATTER, _bytes(flat))
-        if self.backend == "gloo":
+        if self.per_shard:
             return self._shard_by_shard(dist.reduce, flat, "dst")
         shard = self._shards(flat)[self.rank]
         return Pending((_reduce_scatter_tensor(shard, flat, group=self.group, async_op=True),))
@@ -99,7 +113,7 @@ class Comm:
         if self.world_size == 1:
             return DONE
         self._count(CollectiveKind.ALL_GATHER, _bytes(flat))
-        if self.backend == "gloo":
+        if self.per_shard:
             return self._shard_by_shard(dist.broadcast, flat, "src")
         shard = self._shards(flat)[self.rank]
         return Pending((_all_gather_into_tensor(flat, shard, group=self.group, async_op=True),))
@@ -154,12 +168,12 @@ class Comm:
             return [obj]
         payload = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.group)
+        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.control_group)
         longest = max(int(size.item()) for size in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: payload.numel()] = payload
         gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded, group=self.group)
+        dist.all_gather(gathered, padded, group=self.control_group)
         return [json.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(gathered, sizes)]
 
     # -- accounting --------------------------------------------------------------------------
@@ -203,27 +217,31 @@ def connect(config: CommConfig, device: torch.device) -> Comm:
     """The engine's `Comm`: a group of its own beside the caller's default group (so its
     collectives time out after ``comm.timeout_s`` whatever the caller chose), a new default
     group from torchrun's environment, or world size 1 without ``torch.distributed``."""
+    timeout = config.timeout_s
     if dist.is_available() and dist.is_initialized():
-        group, control = _own_group(config.timeout_s, "data"), _own_group(config.timeout_s, "control")
-        return Comm(dist.get_rank(), dist.get_world_size(), dist.get_backend(), group, control)
+        group, control = _own_group(timeout, "data", None), _own_group(timeout, "control", "gloo")
+        return Comm(dist.get_rank(), dist.get_world_size(), dist.get_backend(), group, control, config.primitives)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return Comm(0, 1, "none")
+        return Comm(0, 1, "none", primitives=config.primitives)
     backend = choose_backend(config.backend, device)
+    options: dict[str, Any] = {}
     if backend == "nccl":
-        _bind_cuda_device()
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=config.timeout_s))
-    return Comm(dist.get_rank(), dist.get_world_size(), backend, None, _own_group(config.timeout_s, "control"))
+        options["device_id"] = _bind_cuda_device()
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout), **options)
+    control = _own_group(timeout, "control", "gloo")
+    return Comm(dist.get_rank(), dist.get_world_size(), backend, None, control, config.primitives)
 
 
 _OWN_GROUPS: dict[tuple[int, float, str], Any] = {}
 
 
-def _own_group(timeout_s: float, role: str) -> Any:
+def _own_group(timeout_s: float, role: str, backend: str | None) -> Any:
     """One group over all ranks per default group, timeout and role (``new_group`` is
-    collective, so engines created in the same order on every rank share it)."""
+    collective, so engines created in the same order on every rank share it). ``backend``
+    None: the default group's."""
     key = (id(dist.group.WORLD), timeout_s, role)
     if key not in _OWN_GROUPS:
-        _OWN_GROUPS[key] = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+        _OWN_GROUPS[key] = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
     return _OWN_GROUPS[key]
 
 
@@ -233,6 +251,9 @@ def choose_backend(requested: str, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _bind_cuda_device() -> None:
-    """CUDA only: one GPU per local rank, as torchrun numbers them."""
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+def _bind_cuda_device() -> torch.device:
+    """CUDA only: one GPU per local rank, as torchrun numbers them; NCCL is told which
+    (``device_id``), so it binds its communicator eagerly to that GPU."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device

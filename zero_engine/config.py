@@ -150,6 +150,12 @@ class ZeroOptimizationConfig(_Section):
 class CommConfig(_Section):
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
     timeout_s: float = Field(1800.0, gt=0, description="Seconds before a collective that never completes fails.")
+    primitives: Literal["auto", "native", "per_shard"] = Field(
+        "auto",
+        description="How reduce-scatter and all-gather run. native: reduce_scatter_tensor / all_gather_into_tensor; "
+        "per_shard: one reduce / broadcast per shard, all in flight (faster on gloo); auto: per_shard on gloo, "
+        "native otherwise.",
+    )
 
 
 class BatchSizes(NamedTuple):

@@ -1,0 +1,114 @@
+"""Which process group carries which traffic, and which primitives run, in real processes.
+
+Control traffic (agreements between ranks, JSON exchanges) must use a gloo group of its own
+with CPU tensors, even when data uses NCCL: NCCL cannot all-reduce a CPU tensor, and a control
+exchange queued behind data collectives would stall. Every ``torch.distributed`` call the
+engine makes is recorded with the `Comm` method that made it and the group it used, over a
+training step, a save, a load and a state export at stage 1 and stage 3.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections import defaultdict
+
+import pytest
+import torch.distributed as dist
+
+import zero_engine
+from harness import run_on_ranks
+from models import decay_groups, make_model, train_engine
+from zero_engine import comm as comm_module
+
+CONTROL_METHODS = {"each_rank", "all_gather_json"}
+WRAPPED = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "barrier")
+NATIVE = ("_reduce_scatter_tensor", "_all_gather_into_tensor")
+
+
+def _recording(calls: list, name: str, function):
+    """``function``, recording the `Comm` method that called it and the group it was given."""
+
+    def record(*args, **kwargs):
+        frame = sys._getframe(1)
+        while frame.f_code.co_name.startswith("<") or not isinstance(frame.f_locals.get("self"), comm_module.Comm):
+            frame = frame.f_back
+        calls.append((frame.f_code.co_name, name, kwargs.get("group")))
+        return function(*args, **kwargs)
+
+    return record
+
+
+def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    results = []
+    made: list = []  # the backend each group the engine makes is asked for (None: the default's)
+    new_group = comm_module.dist.new_group
+    comm_module.dist.new_group = lambda **kwargs: made.append(kwargs.get("backend")) or new_group(**kwargs)
+    for case in cases:
+        calls: list = []
+        originals = {name: getattr(comm_module.dist, name) for name in WRAPPED}
+        natives = {name: getattr(comm_module, name) for name in NATIVE}
+        model = make_model()
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "zero_optimization": {
+                "stage": case["stage"], "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0,
+            },
+            "comm": {"primitives": case["primitives"]},
+        }
+        engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
+        comm_module.dist.new_group = new_group
+        try:
+            for name, function in originals.items():
+                setattr(comm_module.dist, name, _recording(calls, name, function))
+            for name, function in natives.items():
+                setattr(comm_module, name, _recording(calls, name, function))
+            train_engine(engine, rank, world_size, range(1), 2, 1)
+            with tempfile.TemporaryDirectory() as tmp:
+                directory = engine.comm.all_gather_json(tmp)[0]  # rank 0's directory for everyone
+                engine.save_checkpoint(directory)
+                engine.load_checkpoint(directory)
+                engine.comm.barrier()
+            engine.full_state_dict()
+        finally:
+            for name, function in originals.items():
+                setattr(comm_module.dist, name, function)
+            for name, function in natives.items():
+                setattr(comm_module, name, function)
+        groups = defaultdict(set)
+        for method, function, group in calls:
+            role = "control" if group is engine.comm.control_group else "data" if group is engine.comm.group else "other"
+            groups[method, function].add(role)
+        results.append({
+            "calls": {f"{method}:{function}": sorted(roles) for (method, function), roles in groups.items()},
+            "control_backend": dist.get_backend(engine.comm.control_group),
+            "groups_made": made,
+        })
+        engine.close()
+    return results
+
+
+CASES = [{"stage": 1, "primitives": "native"}, {"stage": 3, "primitives": "native"}, {"stage": 3, "primitives": "auto"}]
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_control_traffic_uses_a_gloo_group_and_data_the_data_group(world_size: int) -> None:
+    per_rank = run_on_ranks(world_size, record_traffic, CASES)
+    # Data follows the default group's backend (NCCL on GPUs); control is gloo whatever it is.
+    assert sorted(per_rank[0][0]["groups_made"], key=str) == [None, "gloo"]
+    for case, result in zip(CASES, per_rank[0]):
+        assert result["control_backend"] == "gloo"
+        calls = result["calls"]
+        assert any(key.startswith("each_rank") for key in calls) == (case["stage"] == 3), calls
+        assert any(key.startswith("all_gather_json") for key in calls), calls
+        for key, roles in calls.items():
+            method = key.split(":")[0]
+            expected = ["control"] if method in CONTROL_METHODS else ["data"]
+            assert roles == expected, (case, key, roles)
+        native = {key.split(":")[1] for key in calls} & set(NATIVE)
+        if case["primitives"] == "native":
+            assert native == set(NATIVE), calls
+            assert not any(key.startswith("_shard_by_shard") for key in calls), calls
+        else:  # gloo's default: one rooted collective per shard
+            assert not native and {"_shard_by_shard:reduce", "_shard_by_shard:broadcast"} <= set(calls), calls
