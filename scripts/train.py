@@ -37,12 +37,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def training_device() -> torch.device:
+    """This rank's GPU (torchrun's LOCAL_RANK) when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    return tuple(tensor.to(device, non_blocking=True) for tensor in batch)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     torch.manual_seed(args.seed)
-    model = GPT(PRESETS[args.model])
+    device = training_device()
+    model = GPT(PRESETS[args.model]).to(device)
     num_params = sum(p.numel() for p in model.parameters())  # before stage 3 shards them
     engine = zero_engine.initialize(model, args.config, param_groups=decay_groups(model))
     rank, world = engine.comm.rank, engine.comm.world_size
@@ -59,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     step = 0
     while step < args.steps and time.perf_counter() - started < args.time_budget:
         for m in range(accum):
-            loss = engine(*data.rank_batch(step, m, rank, world, micro, accum))
+            loss = engine(*to_device(data.rank_batch(step, m, rank, world, micro, accum), device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -77,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine.eval()
     with torch.no_grad():
         held_out = statistics.mean(
-            engine(*data.rank_batch(10_000 + i, 0, rank, world, micro, 1)).item() for i in range(args.eval_batches)
+            engine(*to_device(data.rank_batch(10_000 + i, 0, rank, world, micro, 1), device)).item()
+            for i in range(args.eval_batches)
         )
     engine.train()
     baseline = data.unigram_loss()

@@ -288,3 +288,16 @@ def test_scheduler_loss_scale_and_fp32_masters_survive_a_round_trip(tmp_path: Pa
     for name, value in saved.items():
         assert torch.equal(loaded[name], value), f"{name}: fp32 masters must round-trip exactly"
     assert zero_engine.load_consolidated(tmp_path)["fc1.weight"].dtype == torch.float32
+
+
+def test_restored_optimizer_state_sits_where_torch_keeps_it() -> None:
+    """``step`` stays on the host unless the group is capturable or fused (on a GPU a device
+    ``step`` makes every update wait for the device); other state goes beside the parameter.
+    A meta tensor stands for a parameter on a device that is not the host."""
+    from zero_engine.checkpoint import _state_device
+
+    on_device = torch.empty(3, device="meta")
+    assert _state_device("step", {"capturable": False, "fused": None}, on_device) == torch.device("cpu")
+    assert _state_device("step", {"capturable": True}, on_device) == torch.device("meta")
+    assert _state_device("step", {"fused": True}, on_device) == torch.device("meta")
+    assert _state_device("momentum_buffer", {}, on_device) == torch.device("meta")

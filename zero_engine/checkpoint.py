@@ -105,9 +105,14 @@ def _rank_payload(engine: Engine) -> dict[str, Any]:
             for target in targets[name]:  # the optimizer tensor holding element `start`
                 if target.param_offset <= start < target.param_offset + target.tensor.numel():
                     state = _slice_state(engine.optimizer.state.get(target.tensor, {}), target, start, numel)
-            # clone: torch.save of a view would write the whole flat buffer behind it
-            pieces.append({"name": name, "start": start, "numel": numel, "master": master.clone(), "state": state})
-    return {"pieces": pieces, "rng": _rng_state()}
+            # a copy: torch.save of a view would write the whole flat buffer behind it
+            pieces.append({"name": name, "start": start, "numel": numel, "master": _to_host(master), "state": state})
+    return {"pieces": pieces, "rng": _rng_state(engine.device)}
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy to save: on a GPU, no second copy of the state on the device."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _slice_state(state: dict[str, Any], target: Any, start: int, numel: int) -> dict[str, Any]:
@@ -116,18 +121,18 @@ def _slice_state(state: dict[str, Any], target: Any, start: int, numel: int) -> 
     offset = start - target.param_offset
     for key, value in state.items():
         if torch.is_tensor(value) and value.dim() > 0 and value.shape == target.tensor.shape:
-            sliced[key] = value.reshape(-1)[offset : offset + numel].clone()
+            sliced[key] = _to_host(value.reshape(-1)[offset : offset + numel])
         elif torch.is_tensor(value) and value.dim() > 0:
             if start == target.param_offset:  # not elementwise (stage 0 only): saved whole, once
-                sliced[key] = value.clone()
+                sliced[key] = _to_host(value)
         else:
-            sliced[key] = value.clone() if torch.is_tensor(value) else value
+            sliced[key] = _to_host(value) if torch.is_tensor(value) else value
     return sliced
 
 
 def _extra_payload(engine: Engine, client_state: Any) -> dict[str, Any]:
     return {
-        "module": {k: v.detach().cpu().clone() for k, v in engine.unsharded_state().items()},
+        "module": {k: _to_host(v) for k, v in engine.unsharded_state().items()},
         "global_step": engine.global_step,
         "skipped_steps": engine.skipped_steps,
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
@@ -212,13 +217,28 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), **_cuda_rng_state()}
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), **_cuda_rng_state(device)}
 
 
-def _cuda_rng_state() -> dict[str, Any]:
-    """CUDA only: the generator of every visible device."""
-    return {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
+def _cuda_rng_state(device: torch.device) -> dict[str, Any]:
+    """CUDA only: the generator of this rank's own GPU (not every visible one: the next run
+    may see another number of GPUs per node)."""
+    return {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {}
+
+
+def _restore_cuda_rng(state: dict[str, Any], device: torch.device) -> None:
+    """CUDA only: this rank's GPU generator, from a state saved by a rank on a GPU (older
+    checkpoints saved a list, one state per visible GPU: take this rank's index)."""
+    saved = state.get("cuda")
+    if saved is None or device.type != "cuda":
+        return
+    if isinstance(saved, (list, tuple)):
+        index = device.index or 0
+        if index >= len(saved):
+            return
+        saved = saved[index]
+    torch.cuda.set_rng_state(saved, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +351,7 @@ def load(
     engine.skipped_steps = extra["skipped_steps"]
     engine.micro_steps = engine.global_step * engine.batch.gradient_accumulation_steps
     if engine.comm.rank < len(index.rng):
-        _restore_rng(index.rng[engine.comm.rank])
+        _restore_rng(index.rng[engine.comm.rank], engine.device)
     return extra["client_state"]
 
 
@@ -346,6 +366,7 @@ def _load_optimizer(engine: Engine, index: PieceIndex, extra: dict[str, Any], fi
     for group, options in zip(engine.optimizer.param_groups, groups):
         group.update(options)
     engine.optimizer.state.clear()
+    group_of = {param: group for group in engine.optimizer.param_groups for param in group["params"]}
     for target in engine.optimizer_targets:
         if target.name not in fitting:
             continue
@@ -360,11 +381,20 @@ def _load_optimizer(engine: Engine, index: PieceIndex, extra: dict[str, Any], fi
                 assert values is not None
                 state[key] = values.view(target.tensor.shape).to(target.tensor.device)
             elif torch.is_tensor(sample):  # a scalar (step), or saved whole (stage 0 only)
-                state[key] = sample.clone().to(target.tensor.device)
+                state[key] = sample.clone().to(_state_device(key, group_of[target.tensor], target.tensor))
             else:
                 state[key] = sample
         if state:
             engine.optimizer.state[target.tensor] = state
+
+
+def _state_device(key: str, group: dict[str, Any], param: torch.Tensor) -> torch.device:
+    """Where torch.optim keeps a non-elementwise state tensor, as its ``load_state_dict`` does:
+    ``step`` on the host unless the group is ``capturable`` or ``fused`` (a step on the GPU
+    would make every later update wait for the device), everything else beside the parameter."""
+    if key == "step" and not (group.get("capturable") or group.get("fused")):
+        return torch.device("cpu")
+    return param.device
 
 
 def _is_elementwise(pieces: list[dict[str, Any]], key: str) -> bool:
@@ -400,11 +430,10 @@ def misfit_message(source: str, missing: list[str], unexpected: list[str], resha
     return f"{source} does not fit the model: " + "; ".join(problems) if problems else None
 
 
-def _restore_rng(state: dict[str, Any]) -> None:
+def _restore_rng(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(_as_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    _restore_cuda_rng(state, device)
 
 
 def _as_tuples(value: Any) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -86,6 +87,7 @@ def initialize(
     try:
         file_names = match_weights(model, weights_file) if weights_file is not None else {}
         device = materialization_device(model)
+        _check_device(device)
         comm = connect(config.comm, device)
         deferred = None
         if has_meta_tensors(model):
@@ -134,8 +136,9 @@ class Engine:
         self._sync_from_rank0()
         if stage.shard_parameters and not zero.reduce_scatter_each_micro_step and comm.rank == 0:
             logger.warning("zero_optimization.reduce_scatter_each_micro_step: false has no effect at stage 3")
+        self.device = device or _model_device(model)  # where parameters, gradients and state live
         self.units, self.gatherer = build_units(
-            model, groups, comm, stage, zero, precision.compute_dtype, device or _model_device(model), deferred
+            model, groups, comm, stage, zero, precision.compute_dtype, self.device, deferred
         )
         in_units = {param for unit in self.units for param in unit.params}
         # Parameters outside every unit: frozen ones, and any left out of param_groups.
@@ -235,14 +238,17 @@ class Engine:
 
     # -- the phases of step() --------------------------------------------------------------------
 
-    def _agree_on_used_params_and_norm(self) -> tuple[torch.Tensor, float]:
+    def _agree_on_used_params_and_norm(self) -> tuple[list[bool], float]:
         """One small all-reduce: which parameters got a gradient on any rank, and the squared
         (still scaled) gradient norm summed over every rank's shard, so identical everywhere:
-        non-finite on every rank when any rank's gradients overflowed."""
-        squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units])
-        packed = torch.cat([self.reducer.used.double(), squares.view(1)])
+        non-finite on every rank when any rank's gradients overflowed. Packed on the device
+        (the norm is computed there; the used-mask is kept on the host by the hooks) and read
+        back to the host once, as Python values: the one host sync of a step."""
+        squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units], self.device)
+        packed = torch.cat([self.reducer.used.to(self.device, torch.float64), squares.view(1)])
         self.comm.all_reduce_sum(packed).wait()
-        return packed[:-1] > 0, packed[-1].item()
+        *used, total = packed.tolist()
+        return [count > 0 for count in used], total
 
     def _gradient_multiplier(self) -> float:
         """Unscale, then clip as ``torch.nn.utils.clip_grad_norm_`` does: by
@@ -253,7 +259,7 @@ class Engine:
             multiplier *= min(1.0, max_norm / (self._global_grad_norm + 1e-6))
         return multiplier
 
-    def _update(self, used: torch.Tensor, multiplier: float) -> None:
+    def _update(self, used: list[bool], multiplier: float) -> None:
         """Step the optimizer on fp32 gradients of the owned range; a parameter no rank used
         keeps its values and its state."""
         owned_grads = []
@@ -418,11 +424,11 @@ class Engine:
         self.gatherer.remove_hooks()
 
 
-def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The squared L2 norm over all ``grads`` in float64: each tensor's norm in fp32 (no copy of
-    fp32 gradients; the old ``grad.double().pow(2)`` made two per shard at every step)."""
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared L2 norm over all ``grads`` in float64, on ``device``: each tensor's norm in
+    fp32 (no copy of fp32 gradients; the old ``grad.double().pow(2)`` made two per shard)."""
     if not grads:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads])
     return norms.double().pow(2).sum()
 
@@ -431,6 +437,18 @@ def _model_device(model: nn.Module) -> torch.device:
     for tensor in list(model.parameters()) + list(model.buffers()):
         return tensor.device
     return torch.device("cpu")
+
+
+def _check_device(device: torch.device) -> None:
+    """CUDA only: under torchrun each rank trains on its own GPU, ``cuda:LOCAL_RANK``."""
+    if device.type != "cuda" or "LOCAL_RANK" not in os.environ:
+        return
+    expected = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    if device != expected:
+        raise ValueError(
+            f"the model is on {device}, but this rank's GPU is {expected} (torchrun's LOCAL_RANK): "
+            f"move it there first, model.to({str(expected)!r})"
+        )
 
 
 def _check_params(model: nn.Module, precision: Precision) -> None:
