@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_engine  # noqa: E402
 from gpt import GPT, PRESETS, decay_groups  # noqa: E402
 from stdlib_text import TextBatches, load_corpus  # noqa: E402
+from zero_engine.comm import local_cuda_device  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "zero1.yaml"
 
@@ -39,9 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def training_device() -> torch.device:
     """This rank's GPU (torchrun's LOCAL_RANK) when there is one, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    return local_cuda_device() if torch.cuda.is_available() else torch.device("cpu")
 
 
 def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -251,9 +251,15 @@ def choose_backend(requested: str, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def local_cuda_device() -> torch.device:
+    """CUDA only: this rank's GPU, one per local rank as torchrun numbers them (``LOCAL_RANK``,
+    0 without torchrun)."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def _bind_cuda_device() -> torch.device:
-    """CUDA only: one GPU per local rank, as torchrun numbers them; NCCL is told which
-    (``device_id``), so it binds its communicator eagerly to that GPU."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """CUDA only: make this rank's GPU current; NCCL is told it too (``device_id``), so it
+    binds its communicator eagerly to that GPU."""
+    device = local_cuda_device()
     torch.cuda.set_device(device)
     return device

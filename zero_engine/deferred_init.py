@@ -27,12 +27,13 @@ from the file is not initialized at all (Hugging Face's ``Conv1D`` has no
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
+
+from .comm import local_cuda_device
 
 InitFn = Callable[[nn.Module], None]
 
@@ -59,14 +60,7 @@ def materialization_device(model: nn.Module) -> torch.device:
     for tensor in [*model.parameters(), *model.buffers()]:
         if not tensor.is_meta:
             return tensor.device
-    return _local_cuda_device() or torch.device("cpu")
-
-
-def _local_cuda_device() -> torch.device | None:
-    """CUDA only: torchrun's one GPU per local rank."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return local_cuda_device() if torch.cuda.is_available() else torch.device("cpu")
 
 
 class _Slot:
@@ -97,6 +91,7 @@ class DeferredInit:
         self.init_fn = param_init_fn
         self.provided = provided or set()  # ids of tensors a weights file supplies
         self._modules: list[tuple[str, nn.Module]] = list(model.named_modules())
+        self._path = {id(module): path for path, module in self._modules}
         self._owner: dict[int, nn.Module] = {}
         for _, module in self._modules:
             for slot in _slots(module):
@@ -109,18 +104,19 @@ class DeferredInit:
         """The module's deferred tensors that it owns (first registration)."""
         return [s for s in _slots(module) if id(s.tensor) in self._deferred and self._owner[id(s.tensor)] is module]
 
-    def _needs_init(self, module: nn.Module) -> list[_Slot]:
-        return [s for s in self._own(module) if id(s.tensor) not in self.provided]
+    def _needs_init(self, own: list[_Slot]) -> list[_Slot]:
+        """Those of a module's own deferred tensors that no weights file provides."""
+        return [s for s in own if id(s.tensor) not in self.provided]
 
     def check(self) -> None:
         """Every module with tensors to initialize has a way to: fail now, naming them all."""
         if self.init_fn is not None:
             return
-        lacking = [
-            f"{path or '<root>'} ({type(module).__name__}: {', '.join(s.key for s in self._needs_init(module))})"
-            for path, module in self._modules
-            if self._needs_init(module) and not callable(getattr(module, "reset_parameters", None))
-        ]
+        lacking = []
+        for path, module in self._modules:
+            needs = self._needs_init(self._own(module))
+            if needs and not callable(getattr(module, "reset_parameters", None)):
+                lacking.append(f"{path or '<root>'} ({type(module).__name__}: {', '.join(s.key for s in needs)})")
         if lacking:
             raise ValueError(
                 "modules with tensors on the meta device and no reset_parameters(): "
@@ -136,23 +132,22 @@ class DeferredInit:
         self.materialize(module for _, module in self._modules)
 
     def materialize(self, modules: Iterable[nn.Module]) -> None:
-        path = {id(module): name for name, module in self._modules}
         with torch.random.fork_rng(devices=_cuda_rng_devices(self.device)):
             for module in modules:
                 if id(module) not in self._done:
                     self._done.add(id(module))
-                    self._materialize_one(module, path[id(module)])
+                    self._materialize_one(module, self._path[id(module)])
 
     def _materialize_one(self, module: nn.Module, path: str) -> None:
         own = self._own(module)
         for slot in own:
-            if slot.tensor.is_meta:  # else a unit already made it a view of its buffer
-                _give_storage(slot.tensor, self.device)
-        if not self._needs_init(module):
+            if slot.tensor.is_meta:  # else a unit already made it an alias of its buffer
+                torch.utils.swap_tensors(slot.tensor, _empty_like(slot.tensor, self.device))
+        if not self._needs_init(own):
             return
         foreign = [s for s in _slots(module) if self._owner[id(s.tensor)] is not module]
         for slot in foreign:  # a tied tensor: its owner's init sets it, not this module's
-            slot.table[slot.key] = _scratch_like(slot.tensor, self.device)
+            slot.table[slot.key] = _empty_like(slot.tensor, self.device)
         try:
             torch.manual_seed(module_seed(self.base_seed, path))
             with torch.no_grad():
@@ -166,18 +161,12 @@ def _reset_parameters(module: nn.Module) -> None:
     module.reset_parameters()  # type: ignore[operator]
 
 
-def _give_storage(tensor: torch.Tensor, device: torch.device) -> None:
-    """Uninitialized storage for a meta tensor, keeping the tensor object (optimizer groups,
-    tied modules and user code hold it)."""
+def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Uninitialized storage on ``device`` shaped as ``tensor``, a Parameter if it is one: a
+    meta tensor's storage (swapped in, keeping the tensor object that optimizer groups, tied
+    modules and user code hold), or a tied slot's scratch stand-in."""
     empty = torch.empty_like(tensor, device=device)
-    if isinstance(tensor, nn.Parameter):
-        empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
-    torch.utils.swap_tensors(tensor, empty)
-
-
-def _scratch_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    scratch = torch.empty_like(tensor, device=device)
-    return nn.Parameter(scratch, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else scratch
+    return nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
 
 
 def _cuda_rng_devices(device: torch.device) -> list[int]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
-from .comm import Comm, connect
+from .comm import Comm, connect, local_cuda_device
 from .config import BatchSizes, ZeroEngineConfig, load_config
 from .deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .features import refuse_unbuilt_features
@@ -443,7 +443,7 @@ def _check_device(device: torch.device) -> None:
     """CUDA only: under torchrun each rank trains on its own GPU, ``cuda:LOCAL_RANK``."""
     if device.type != "cuda" or "LOCAL_RANK" not in os.environ:
         return
-    expected = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    expected = local_cuda_device()
     if device != expected:
         raise ValueError(
             f"the model is on {device}, but this rank's GPU is {expected} (torchrun's LOCAL_RANK): "
