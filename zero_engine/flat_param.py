@@ -12,7 +12,7 @@ At stage 3, a `ShardedFlatUnit` keeps only this rank's shard between uses: the f
 storage exists while the unit is gathered, and the parameters are empty tensors otherwise.
 
 A unit can be built from parameters still on the meta device (a model too big to build
-whole): they become views of the fp32 flat buffer first, and the ``materialize`` callback
+whole): they become aliases of the fp32 flat buffer first, and the ``materialize`` callback
 initializes them there, in place, before the masters and shards are taken from it. So a
 unit's values exist once, in the buffer, while the unit is made.
 
@@ -67,7 +67,7 @@ class FlatUnit:
             else:
                 self.view_of(full_fp32, index).copy_(param.detach())
         if materialize is not None:
-            materialize()  # fills the (former meta) parameters' views of full_fp32 in place
+            materialize()  # fills the (former meta) parameters' aliases of full_fp32 in place
         self.shard_master = shard_master
         self.owned_range = self.layout.shard_range(rank) if shard_master else (0, self.layout.padded_numel)
         self.flat_param = full_fp32 if compute_dtype == torch.float32 else full_fp32.to(compute_dtype)
@@ -188,11 +188,8 @@ class FlatUnit:
         return 0, self.layout.param_numels[index]
 
     def load_kept(self, index: int, values: torch.Tensor) -> None:
-        """Set the kept elements of parameter ``index`` (``values``: fp32, `kept_range`)."""
-        self.load_full(index, values)
-
-    def load_full(self, index: int, values: torch.Tensor) -> None:
-        """Set parameter ``index`` from full fp32 values: compute copy and owned master."""
+        """Set the kept elements of parameter ``index`` (``values``: fp32, `kept_range`): below
+        stage 3 the whole parameter, compute copy and owned master."""
         self.param_view(index).copy_(values.view(self.shapes[index]))
         owned = self._owned_values(index, values)
         if owned is not None and not self.master_is_param:
@@ -321,20 +318,11 @@ class ShardedFlatUnit(FlatUnit):
         if self.param_shard is not self.master:
             self.param_shard[where].copy_(values)
 
-    def load_full(self, index: int, values: torch.Tensor) -> None:
-        owned = self._owned_values(index, values)
-        if owned is not None:
-            where, piece = owned
-            self.master[where].copy_(piece)
-            self.param_shard[where].copy_(piece)
-        if self.gathered:
-            self.param_view(index).copy_(values.view(self.shapes[index]))
-
 
 def _point_meta_param(
     param: nn.Parameter, view: torch.Tensor, name: str, materialize: Callable[[], None] | None
 ) -> None:
-    """Make a meta-device parameter a view of its unit's buffer, keeping the Parameter object
+    """Make a meta-device parameter an alias of its unit's buffer, keeping the Parameter object
     (optimizer groups, tied modules and user code hold it): ``.data =`` cannot leave meta.
     The parameter aliases the buffer through ``set_``, not as a view: a view would share the
     buffer's version counter with every other parameter of the unit, and autograd would then

@@ -79,7 +79,7 @@ def build_units(
 
 
 def _materializer(deferred: DeferredInit | None, params: list[nn.Parameter]) -> Callable[[], None] | None:
-    """What initializes a stage 3 unit's meta parameters once they are views of its buffer."""
+    """What initializes a stage 3 unit's meta parameters once they alias its buffer."""
     if deferred is None:
         return None
     return lambda: deferred.materialize_owners(params)

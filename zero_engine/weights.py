@@ -88,20 +88,18 @@ class StateDictWeights(WeightsFile):
 class SafetensorsWeights(WeightsFile):
     """One or several ``.safetensors`` files (`SafetensorsFile`: exact ranges, no memory map)."""
 
-    def __init__(self, label: str, file_of: dict[str, Path]) -> None:
-        self._files = {path: SafetensorsFile(path) for path in set(file_of.values())}
-        self._file_of = {name: self._files[path] for name, path in file_of.items()}
-        for name, file in self._file_of.items():
+    def __init__(self, label: str, file_of: dict[str, SafetensorsFile]) -> None:
+        self._file_of = file_of
+        for name, file in file_of.items():
             if name not in file.entries:
+                self.close()
                 raise CheckpointError(f"{label}: the index lists {name!r} in {file.path.name}, which does not hold it")
-        super().__init__(label, {name: file.shape(name) for name, file in self._file_of.items()})
+        super().__init__(label, {name: file.shape(name) for name, file in file_of.items()})
 
     @classmethod
     def from_file(cls, path: Path) -> SafetensorsWeights:
         file = SafetensorsFile(path)
-        names = list(file.entries)
-        file.close()
-        return cls(str(path), {name: path for name in names})
+        return cls(str(path), dict.fromkeys(file.entries, file))
 
     @classmethod
     def from_index(cls, index: Path) -> SafetensorsWeights:
@@ -112,13 +110,14 @@ class SafetensorsWeights(WeightsFile):
         missing = sorted({file for file in weight_map.values() if not (index.parent / file).is_file()})
         if missing:
             raise CheckpointError(f"{index}: lists shard files that are missing: {missing}")
-        return cls(str(index), {name: index.parent / file for name, file in weight_map.items()})
+        files = {file: SafetensorsFile(index.parent / file) for file in set(weight_map.values())}
+        return cls(str(index), {name: files[file] for name, file in weight_map.items()})
 
     def _read(self, name: str, start: int, numel: int) -> torch.Tensor:
         return self._file_of[name].read(name, start, numel)
 
     def close(self) -> None:
-        for file in self._files.values():
+        for file in set(self._file_of.values()):
             file.close()
 
 
