@@ -1,6 +1,6 @@
-"""Stage 3 memory as the process holds it: resident set, its high-water mark, and what autograd
-saved for backward. Never `memory_report()` alone: the engine's own figures are checked
-against these measurements.
+"""Memory as the process holds it (stage 3, and stages 0-1 in bf16): resident set, its
+high-water mark, and what autograd saved for backward. Never `memory_report()` alone: the
+engine's own figures are checked against these measurements.
 
 The model is the one where stage 3 matters: parameters dwarf activations (8 blocks of two
 1024x1024 linears, 64 MiB of fp32 parameters, batch 2), so any parameter storage kept alive
@@ -146,8 +146,10 @@ def _measured_step(run, x: torch.Tensor, micro_steps: int) -> dict[str, int]:
         run.backward(loss)
         out["backward_peak"] = peak_resident_bytes() - before
         out["step_peak"] = max(out["step_peak"], peak_resident_bytes() - start)
+        before = resident_bytes()
         reset_peak_resident()
         run.step()
+        out["optimizer_peak"] = peak_resident_bytes() - before
         out["step_peak"] = max(out["step_peak"], peak_resident_bytes() - start)
         del loss
     return out
@@ -288,3 +290,48 @@ def test_stage3_start_up_from_meta_holds_shards_and_one_unit(tmp_path, monkeypat
         assert results["eager"]["peak"] >= PARAM_BYTES, (rank, results)
         # FSDP2's meta path allocates its shards and initializes them there: no unit is whole.
         assert results["meta"]["peak"] <= results["fsdp2_meta"]["peak"] + UNIT_BYTES + SLACK, (rank, results)
+
+
+# -- stages 0-1 in bf16: fp32 gradient copies ---------------------------------------------------
+
+BLOCK_NUMEL = 2 * (WIDTH * WIDTH + WIDTH)  # one Block's parameters: one unit below
+
+
+def measure_low_precision_full_gradients(rank: int, world_size: int) -> dict[int, dict]:
+    """Stages 0 and 1 in bf16 with fp32 reduction, one Block per unit: the backward's and the
+    optimizer step's resident peaks against the engine's figures."""
+    torch.manual_seed(rank)
+    x = torch.randn(BATCH, WIDTH)
+    results = {}
+    for stage in (0, 1):
+        config = _config(stage, bf16={"enabled": True})
+        config["zero_optimization"]["reduce_bucket_size"] = BLOCK_NUMEL
+        torch.manual_seed(0)
+        run = EngineRun(Tower(), config)
+        for _ in range(2):
+            _measured_step(run, x, 1)
+        gc.collect()
+        results[stage] = {**_measured_step(run, x, 1), "report": run.report()}
+        run.close()
+        del run
+    return results
+
+
+def test_low_precision_stages_0_1_hold_fp32_gradient_copies_of_few_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 gradients are reduced and stepped in fp32 through copies. Before, every unit's copy
+    lived until the reduction (or the step) ended: 64 MiB in backward and in the step at stage 0,
+    with `memory_report()` counting none of it. Now at most two units' copies are alive in
+    backward and one unit's in the step, and the report counts them."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    world_size = 2
+    padded = -(-BLOCK_NUMEL // world_size) * world_size
+    for rank, results in enumerate(run_on_ranks(world_size, measure_low_precision_full_gradients, timeout=300)):
+        for stage, result in results.items():
+            report = result["report"]
+            kept_copy = padded * 4 if stage == 0 else padded // world_size * 4  # stage 1 steps its shard
+            assert report["peak_step_gradients"] == kept_copy, (rank, stage, report)
+            assert abs(result["optimizer_peak"] - kept_copy) <= SLACK, (rank, stage, result)
+            copies = report["peak_gradients"] - report["gradients"]
+            assert copies == 2 * padded * 4, (rank, stage, report)
+            # the two live copies, plus gloo's scratch for one reduction and a weight's bf16 gradient
+            assert copies - SLACK <= result["backward_peak"] <= copies + padded * 4 + SLACK, (rank, stage, result)

@@ -147,6 +147,10 @@ class Engine:
         self.reducer = build_reducer(stage, self.units, comm, zero, precision.reduce_dtype)
         self.reducer.on_unit_complete = self.gatherer.unit_complete
         self.optimizer_targets, optimizer_groups = self._plan_optimizer_targets(groups)
+        self._targets_by_unit: list[list[OptimizerTarget]] = [[] for _ in self.units]
+        for target in self.optimizer_targets:
+            self._targets_by_unit[target.unit_index].append(target)
+        self.peak_step_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step
         self.optimizer = build_optimizer(config.optimizer, stage.level, optimizer_groups)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
         self.loss_scaler = build_loss_scaler(config)
@@ -261,23 +265,36 @@ class Engine:
 
     def _update(self, used: list[bool], multiplier: float) -> None:
         """Step the optimizer on fp32 gradients of the owned range; a parameter no rank used
-        keeps its values and its state."""
-        owned_grads = []
-        for unit in self.units:
-            kept = self.reducer.kept_grad(unit)
-            grad = kept if kept.dtype == torch.float32 else kept.float()
-            if multiplier != 1.0:
-                grad.mul_(multiplier)
-            owned_grads.append(grad)
-        for target in self.optimizer_targets:
-            piece = target.piece
-            grad = owned_grads[target.unit_index][piece.owned_offset : piece.owned_offset + piece.numel]
-            target.tensor.grad = grad.view(piece.shape) if used[target.param_index] else None
-        self.optimizer.step()
-        for target in self.optimizer_targets:
-            target.tensor.grad = None
+        keeps its values and its state. Gradients held in low precision are converted one unit
+        at a time and the optimizer steps once per unit, so only one unit's fp32 copy exists at
+        a time; torch optimizers update each tensor on its own, so the result is the same."""
+        self.peak_step_grad_bytes = 0
+        everything = range(len(self.units))
+        low_precision = any(unit.compute_dtype != torch.float32 for unit in self.units)
+        for unit_indices in ([index] for index in everything) if low_precision else [everything]:
+            self._step_units(unit_indices, used, multiplier)
         for unit in self.units:
             unit.publish_master()
+
+    def _step_units(self, unit_indices: Iterable[int], used: list[bool], multiplier: float) -> None:
+        targets = []
+        copy_bytes = 0
+        for unit_index in unit_indices:
+            kept = self.reducer.kept_grad(self.units[unit_index])
+            grad = kept if kept.dtype == torch.float32 else kept.float()
+            copy_bytes += 0 if grad is kept else grad.numel() * grad.element_size()
+            if multiplier != 1.0:
+                grad.mul_(multiplier)
+            for target in self._targets_by_unit[unit_index]:
+                if used[target.param_index]:
+                    piece = target.piece
+                    target.tensor.grad = grad[piece.owned_offset : piece.owned_offset + piece.numel].view(piece.shape)
+                    targets.append(target)
+        self.peak_step_grad_bytes = max(self.peak_step_grad_bytes, copy_bytes)
+        if targets:
+            self.optimizer.step()
+        for target in targets:
+            target.tensor.grad = None
 
     def _skip_step(self) -> None:
         """fp16 overflow on some rank: every rank leaves parameters and state untouched."""
@@ -384,7 +401,14 @@ class Engine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds (see `zero_engine.memory.MemoryReport`)."""
-        report = measure_memory(self.loose_params, self.units, self.optimizer, self.reducer, self.gatherer.peaks())
+        report = measure_memory(
+            self.loose_params,
+            self.units,
+            self.optimizer,
+            self.reducer,
+            self.gatherer.peaks(),
+            self.peak_step_grad_bytes,
+        )
         return report._asdict()
 
     def comm_report(self) -> dict[str, dict[str, int]]:

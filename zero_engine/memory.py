@@ -31,9 +31,10 @@ class MemoryReport(NamedTuple):
     optimizer_states: int  # optimizer state tensors
     master_parameters: int  # separate fp32 masters (mixed precision only)
     buffers: int  # reusable communication buffers
-    peak_gradients: int  # most gradient storage alive at once during the last backward
+    peak_gradients: int  # most gradient storage alive at once in the last backward (reduction copies too)
     peak_gathered_forward: int = 0  # stage 3: most gathered (full) unit parameters alive in the last forward
     peak_gathered_backward: int = 0  # stage 3: the same in the last backward
+    peak_step_gradients: int = 0  # fp32 copies of low-precision gradients alive at once in the last step
 
 
 def formula_bytes(
@@ -103,6 +104,7 @@ def measure_memory(
     optimizer: torch.optim.Optimizer,
     reducer: GradReducer,
     gathered_peaks: tuple[int, int] = (0, 0),
+    step_grad_bytes: int = 0,
 ) -> MemoryReport:
     """What this rank holds now, counted from the tensors themselves. ``loose_params`` are the
     parameters outside every unit (frozen ones), counted as they are stored; stage 3 units
@@ -119,6 +121,7 @@ def measure_memory(
         peak_gradients=reducer.peak_grad_bytes,
         peak_gathered_forward=gathered_peaks[0],
         peak_gathered_backward=gathered_peaks[1],
+        peak_step_gradients=step_grad_bytes,
     )
 
 

@@ -169,14 +169,24 @@ class GradReducer:
 
 class FullGradReducer(GradReducer):
     """Stages 0-1: full flat gradients persist; reduced once per accumulation window, through
-    a temporary copy when the reduction dtype differs from the compute dtype."""
+    a temporary copy when the reduction dtype differs from the compute dtype. At most
+    ``max_live_copies`` such copies exist at once: launching another first completes the
+    oldest reduction (otherwise bf16 with fp32 reduction held an fp32 copy of the whole model)."""
 
     def __init__(
-        self, units: Sequence[FlatUnit], comm: Comm, overlap: bool, reduce_dtype: torch.dtype, reduction: GradReduction
+        self,
+        units: Sequence[FlatUnit],
+        comm: Comm,
+        overlap: bool,
+        reduce_dtype: torch.dtype,
+        reduction: GradReduction,
+        max_live_copies: int = 2,
     ) -> None:
         super().__init__(units, comm, overlap, reduce_dtype)
         self.reduction = reduction
-        self._pending: list[tuple[FlatUnit, torch.Tensor, Pending]] = []
+        self.max_live_copies = max_live_copies
+        self._pending: deque[tuple[FlatUnit, torch.Tensor, Pending]] = deque()
+        self._copy_bytes = 0  # reduction copies alive now
 
     def pre_backward(self, boundary: bool) -> None:
         for unit in self.units:
@@ -187,16 +197,24 @@ class FullGradReducer(GradReducer):
         unit = self.units[unit_index]
         flat = _full_grad(unit)
         if flat.dtype != self.reduce_dtype:
+            while len(self._pending) >= self.max_live_copies:
+                self._complete_oldest()
             flat = flat.to(self.reduce_dtype)
+            self._copy_bytes += _nbytes(flat)
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self.held_grad_bytes() + self._copy_bytes)
         self._pending.append((unit, flat, self.reduction.launch(flat, self.comm)))
 
+    def _complete_oldest(self) -> None:
+        unit, flat, pending = self._pending.popleft()
+        pending.wait()
+        averaged = self.reduction.kept(flat, unit).div_(self.comm.world_size)
+        if flat is not unit.flat_grad:
+            self.kept_grad(unit).copy_(averaged)
+            self._copy_bytes -= _nbytes(flat)
+
     def _finish(self) -> None:
-        for unit, flat, pending in self._pending:
-            pending.wait()
-            averaged = self.reduction.kept(flat, unit).div_(self.comm.world_size)
-            if flat is not unit.flat_grad:
-                self.kept_grad(unit).copy_(averaged)
-        self._pending.clear()
+        while self._pending:
+            self._complete_oldest()
 
     def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
         return self.reduction.kept(_full_grad(unit), unit)
