@@ -13,6 +13,11 @@ the tensors autograd saved in the forward, and the engine's own figures beside t
 Start-up instead: the resident peak and level from before the model is built to after
 `initialize` returns, for a meta build, a meta build reading a safetensors file, an eager
 build, and FSDP2's meta recipe (``fully_shard``, ``to_empty``, ``reset_parameters``).
+
+    MALLOC_MMAP_THRESHOLD_=65536 torchrun --standalone --nproc_per_node=2 scripts/stage3_memory.py --low-precision
+
+Stages 0 and 1 in bf16 (one Block per unit): the resident peaks of the backward and of the
+optimizer step against the fp32 gradient copies the engine reports.
 """
 
 from __future__ import annotations
@@ -27,7 +32,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_stage3_memory import SYSTEMS, Tower, measure, measure_start_up  # noqa: E402
+from test_stage3_memory import (  # noqa: E402
+    SYSTEMS,
+    Tower,
+    measure,
+    measure_low_precision_full_gradients,
+    measure_start_up,
+)
 
 MiB = 2**20
 
@@ -43,14 +54,32 @@ def start_up_rows(rank: int, world: int) -> list[str]:
     return rows
 
 
+def low_precision_rows(rank: int, world: int) -> list[str]:
+    results = measure_low_precision_full_gradients(rank, world)
+    rows = [
+        "| rank | stage | backward peak | report: reduction copies | step peak | report: step copies |",
+        "|---|---|---|---|---|---|",
+    ]
+    for stage, r in results.items():
+        report = r["report"]
+        copies = report["peak_gradients"] - report["gradients"]
+        rows.append(
+            f"| {rank} | {stage} bf16 | {r['backward_peak'] / MiB:.1f} | {copies / MiB:.1f} "
+            f"| {r['optimizer_peak'] / MiB:.1f} | {report['peak_step_gradients'] / MiB:.1f} |"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--start-up", action="store_true", help="measure building and initializing instead")
+    parser.add_argument("--low-precision", action="store_true", help="measure stages 0-1 in bf16 instead")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.start_up:
-        _print_in_rank_order(start_up_rows(rank, world), rank, world)
+    if args.start_up or args.low_precision:
+        rows = start_up_rows(rank, world) if args.start_up else low_precision_rows(rank, world)
+        _print_in_rank_order(rows, rank, world)
         dist.destroy_process_group()
         return
     results = measure(rank, world, list(SYSTEMS))

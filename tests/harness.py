@@ -1,4 +1,5 @@
-"""Run a function on N ranks in real processes, with gloo over a file rendezvous.
+"""Run a function on N ranks in real processes, with gloo over a file rendezvous (or, with
+``backend=None``, torchrun's environment, from which the engine makes its own group).
 
 Spawning is the slow part (each process imports torch), so tests pass a whole grid of cases
 to one call. Rank processes cannot import numpy, which the engine must not need (unless a test
@@ -14,6 +15,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import socket
 import sys
 import tempfile
 import time
@@ -37,19 +39,28 @@ class RankFailure(AssertionError):
 
 
 def run_on_ranks(
-    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0, allow_numpy: bool = False
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 180.0,
+    allow_numpy: bool = False,
+    backend: str | None = "gloo",
 ) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; returns the ranks' results in rank order.
 
     ``fn`` must be importable (a module-level function) and return something picklable.
+    ``backend=None`` initializes no process group: each rank gets torchrun's variables (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), so `initialize` connects as under torchrun.
     """
     context = multiprocessing.get_context("spawn")
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         outbox = context.Queue()
-        rendezvous = os.path.join(tmp, "rendezvous")
+        rendezvous = os.path.join(tmp, "rendezvous") if backend else f"127.0.0.1:{_free_port()}"
         procs = [
-            context.Process(target=_worker, args=(rank, world_size, rendezvous, fn, args, outbox), daemon=True)
+            context.Process(
+                target=_worker, args=(rank, world_size, backend, rendezvous, fn, args, outbox), daemon=True
+            )
             for rank in range(world_size)
         ]
         os.environ[_RANK_PROCESS] = "numpy" if allow_numpy else "no-numpy"  # inherited by the children only
@@ -87,13 +98,28 @@ def _check_alive(procs: list[Any], results: dict[int, Any], deadline: float, tim
         raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)")
 
 
-def _worker(rank: int, world_size: int, rendezvous: str, fn: Callable[..., Any], args: tuple, outbox: Any) -> None:
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _worker(
+    rank: int, world_size: int, backend: str | None, rendezvous: str, fn: Callable[..., Any], args: tuple, outbox: Any
+) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=120),
-        )
+        if backend is None:
+            address, port = rendezvous.split(":")
+            os.environ.update(
+                RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR=address, MASTER_PORT=port,
+            )
+        else:
+            dist.init_process_group(
+                backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=120),
+            )
         result = fn(rank, world_size, *args)
         outbox.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent

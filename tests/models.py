@@ -108,16 +108,17 @@ EVAL_BATCH = global_batch(-1, 6)
 
 def train_engine(
     engine: Any, rank: int, world_size: int, steps: range, micro_size: int, accum: int,
-    eval_losses: list[float] | None = None,
+    eval_losses: list[float] | None = None, device: torch.device | None = None,
 ) -> tuple[list[list[float]], list[float | None]]:
-    """Train ``engine`` on this rank's share of each global batch: the losses of every
-    micro-step, grouped per optimizer step, and the gradient norm of every step. With
-    ``eval_losses``, evaluates `EVAL_BATCH` after every step (eval mode, no_grad) into it."""
+    """Train ``engine`` on this rank's share of each global batch (moved to ``device``): the
+    losses of every micro-step, grouped per optimizer step, and the gradient norm of every
+    step. With ``eval_losses``, evaluates `EVAL_BATCH` after every step (eval mode, no_grad)."""
     losses, norms = [], []
     for step in steps:
         window = []
         for micro in range(accum):
-            loss = engine(*micro_batch(step, micro, rank, world_size, micro_size, accum))
+            batch = micro_batch(step, micro, rank, world_size, micro_size, accum)
+            loss = engine(*(tensor.to(device) for tensor in batch) if device else batch)
             engine.backward(loss)
             engine.step()
             window.append(loss.item())

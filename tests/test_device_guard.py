@@ -37,7 +37,9 @@ def _config(case: dict) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
         "gradient_clipping": 0.5,
         "bf16": {"enabled": case["bf16"]},
-        "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": case["stage"], "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0,
+        },
     }
 
 

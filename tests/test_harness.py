@@ -52,3 +52,21 @@ def numpy_available(rank: int, world_size: int) -> bool:
 def test_ranks_run_without_numpy() -> None:
     """The engine's dependencies do not include numpy, so rank processes must not rely on it."""
     assert run_on_ranks(2, numpy_available) == [False, False]
+
+
+def engine_connects_itself(rank: int, world_size: int) -> tuple[bool, str, int, int]:
+    import torch
+
+    import zero_engine
+
+    before = dist.is_initialized()
+    engine = zero_engine.initialize(
+        torch.nn.Linear(2, 2), {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    )
+    return before, dist.get_backend(), dist.get_rank(), engine.comm.world_size
+
+
+def test_without_a_backend_ranks_get_torchruns_variables_and_the_engine_connects() -> None:
+    """``backend=None`` (the CUDA tests' NCCL path): no group before `initialize`, which makes
+    the default group from the environment as under torchrun."""
+    assert run_on_ranks(2, engine_connects_itself, backend=None) == [(False, "gloo", 0, 2), (False, "gloo", 1, 2)]

@@ -249,7 +249,8 @@ class Engine:
         (the norm is computed there; the used-mask is kept on the host by the hooks) and read
         back to the host once, as Python values: the one host sync of a step."""
         squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units], self.device)
-        packed = torch.cat([self.reducer.used.to(self.device, torch.float64), squares.view(1)])
+        # non_blocking: a pageable host-to-device copy need not stall the host (sync debug mode)
+        packed = torch.cat([self.reducer.used.to(self.device, torch.float64, non_blocking=True), squares.view(1)])
         self.comm.all_reduce_sum(packed).wait()
         *used, total = packed.tolist()
         return [count > 0 for count in used], total

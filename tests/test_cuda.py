@@ -1,0 +1,201 @@
+"""The CUDA path on a real GPU: NCCL at world size 1, ranks sharing one GPU over gloo, a
+save/resume, the CUDA allocator against `memory_report()`, and host syncs counted by torch's
+sync debug mode. Skipped where torch sees no GPU (CPU runs are guarded by
+`tests/test_device_guard.py` instead). ``scripts/gpu_check.sh`` runs this file and the GPU
+benchmarks in one go on the first machine with a GPU.
+
+References are the CPU ones of `tests/test_precision.py` (same policy, same batches); CUDA
+kernels sum in other orders than CPU ones, which the tolerances there already cover (they
+are set from the spread across world sizes, which reorders sums the same way).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_engine
+from harness import run_on_ranks
+from models import decay_groups, make_model, micro_batch, train_engine
+from test_precision import MICRO, STEPS, _check
+from test_precision import _config as precision_config
+from test_stage3_memory import BATCH, BLOCK_NUMEL, WIDTH, Tower
+from zero_engine.comm import local_cuda_device
+from zero_engine.process_memory import cuda_max_allocated_bytes, reset_cuda_peak
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here); scripts/gpu_check.sh runs it"
+)
+
+MiB = 2**20
+CASES = [
+    {"stage": stage, "dtype": dtype, "accum": 2, "clip": 1.0}
+    for stage, dtype in itertools.product((0, 1, 2, 3), ("fp32", "bf16"))
+]
+
+
+def _engine(case: dict, device: torch.device) -> zero_engine.Engine:
+    model = make_model().to(device)
+    return zero_engine.initialize(model, precision_config(case), param_groups=decay_groups(model))
+
+
+def cuda_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    device = local_cuda_device()
+    results = []
+    for case in cases:
+        engine = _engine(case, device)
+        windows, norms = train_engine(engine, rank, world_size, range(STEPS), MICRO, case["accum"], device=device)
+        results.append({
+            "backend": engine.comm.backend,
+            "device": str(engine.device),
+            "losses": [sum(window) / len(window) for window in windows],
+            "norms": norms,
+            "state": {name: value.cpu() for name, value in engine.full_state_dict().items()},
+            "skipped": engine.skipped_steps,
+        })
+        engine.close()
+    return results
+
+
+def _check_grid(world_size: int, per_rank: list[list[dict]], backend: str) -> None:
+    for index, case in enumerate(CASES):
+        results = [r[index] for r in per_rank]
+        assert {(r["backend"], r["device"]) for r in results} == {(backend, "cuda:0")}, case
+        _check(case, world_size, results)
+
+
+def test_one_gpu_on_nccl_matches_the_one_process_reference() -> None:
+    """As under ``torchrun --nproc_per_node=1``: the engine makes an NCCL group bound to cuda:0."""
+    _check_grid(1, run_on_ranks(1, cuda_grid, CASES, backend=None, timeout=600), "nccl")
+
+
+def test_ranks_sharing_one_gpu_over_gloo_match_the_reference() -> None:
+    """Two ranks, CUDA tensors, one GPU: gloo moves the data (NCCL needs a GPU per rank)."""
+    _check_grid(2, run_on_ranks(2, cuda_grid, CASES, timeout=600), "gloo")
+
+
+def resume_grid(rank: int, world_size: int, cases: list[dict], directory: str) -> list[dict]:
+    """4 steps straight, against 2 steps, save, a new engine, load, 2 more steps."""
+    device = local_cuda_device()
+    out = []
+    for index, case in enumerate(cases):
+        straight = _engine(case, device)
+        train_engine(straight, rank, world_size, range(4), MICRO, case["accum"], device=device)
+        first = _engine(case, device)
+        train_engine(first, rank, world_size, range(2), MICRO, case["accum"], device=device)
+        first.save_checkpoint(Path(directory) / str(index))
+        resumed = _engine(case, device)
+        resumed.load_checkpoint(Path(directory) / str(index))
+        train_engine(resumed, rank, world_size, range(2, 4), MICRO, case["accum"], device=device)
+        expected, got = straight.full_state_dict(), resumed.full_state_dict()
+        out.append(max((expected[name] - got[name]).abs().max().item() for name in expected))
+        for engine in (straight, first, resumed):
+            engine.close()
+    return out
+
+
+def test_save_and_resume_on_the_gpu(tmp_path: Path) -> None:
+    differences = run_on_ranks(1, resume_grid, CASES, str(tmp_path), backend=None, timeout=600)[0]
+    for case, difference in zip(CASES, differences):
+        # exact but for CUDA's atomic adds (embedding backward), which may sum in any order
+        assert difference <= (1e-5 if case["dtype"] == "fp32" else 1e-2), (case, difference)
+
+
+# -- memory: the CUDA caching allocator against memory_report() -----------------------------------
+
+SLACK = 8 * MiB  # an autograd weight gradient before it is accumulated (4 MiB), allocator rounding
+
+
+def _memory_config(stage: int, dtype: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "bf16": {"enabled": dtype == "bf16"},
+        "zero_optimization": {"stage": stage, "stage3_wrap_modules": ["Block"], "reduce_bucket_size": BLOCK_NUMEL},
+    }
+
+
+def measure_cuda_memory(rank: int, world_size: int, cases: list[tuple[int, str]]) -> list[dict]:
+    device = local_cuda_device()
+    torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)  # cuBLAS workspace before any baseline
+    out = []
+    for stage, dtype in cases:
+        gc.collect()
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        engine = zero_engine.initialize(Tower().to(device), _memory_config(stage, dtype))
+        x = torch.randn(BATCH, WIDTH, device=device)
+        for _ in range(3):
+            engine.backward(engine(x))
+            engine.step()
+        torch.cuda.synchronize(device)
+        steady = torch.cuda.memory_allocated(device) - base
+        reset_cuda_peak(device)
+        engine.backward(engine(x))
+        engine.step()
+        torch.cuda.synchronize(device)
+        peak = cuda_max_allocated_bytes(device) - base - steady
+        report = engine.memory_report()
+        out.append({"case": (stage, dtype), "steady": steady, "peak_above_steady": peak, "report": report})
+        engine.close()
+        del engine
+    return out
+
+
+PERSISTENT = ("parameters", "gradients", "optimizer_states", "master_parameters", "buffers")
+
+
+def test_the_cuda_allocator_agrees_with_memory_report() -> None:
+    """Between steps the allocator holds what the report's persistent figures say; a step's peak
+    above that lies between the largest transient the report names and the sum of them all."""
+    cases = list(itertools.product((0, 1, 2, 3), ("fp32", "bf16")))
+    for result in run_on_ranks(1, measure_cuda_memory, cases, backend=None, timeout=600)[0]:
+        report = result["report"]
+        persistent = sum(report[key] for key in PERSISTENT)
+        assert abs(result["steady"] - persistent) <= 0.03 * persistent + SLACK, result
+        transient = report["peak_gathered_backward"] + report["peak_gradients"] - report["gradients"]
+        transient += report["peak_step_gradients"]
+        assert result["peak_above_steady"] <= transient + SLACK, result
+        largest = max(report["peak_gathered_forward"], report["peak_step_gradients"])
+        assert result["peak_above_steady"] >= largest - SLACK, result
+
+
+# -- host syncs: torch's sync debug mode --------------------------------------------------------------
+
+
+def count_syncs(rank: int, world_size: int, cases: list[dict]) -> list[int]:
+    """Synchronizing CUDA calls in one optimizer step (two micro-steps), after a warm-up step."""
+    device = local_cuda_device()
+    counts = []
+    for case in cases:
+        engine = _engine(case, device)
+        train_engine(engine, rank, world_size, range(1), MICRO, case["accum"], device=device)
+        batches = [
+            tuple(t.to(device) for t in micro_batch(1, micro, rank, world_size, MICRO, case["accum"]))
+            for micro in range(case["accum"])
+        ]
+        torch.cuda.synchronize(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for batch in batches:
+                    engine.backward(engine(*batch))
+                    engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(warning.message) for warning in caught))
+        engine.close()
+    return counts
+
+
+def test_one_host_sync_per_optimizer_step() -> None:
+    """The packed used-mask and norm read back once (`Engine._agree_on_used_params_and_norm`);
+    nothing else waits for the GPU, at any stage."""
+    counts = run_on_ranks(1, count_syncs, CASES, backend=None, timeout=600)[0]
+    assert counts == [1] * len(CASES), list(zip(CASES, counts))
