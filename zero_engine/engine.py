@@ -31,7 +31,7 @@ from .param_groups import ParamGroup, resolve_param_groups
 from .precision import Precision, build_loss_scaler
 from .schedules import build_scheduler
 from .stages import Stage, build_reducer, stage_for
-from .tree import map_tensors
+from .tree import iter_tensors, map_tensors
 from .units import build_units
 from .weights import WeightsSource, load_weights, match_weights, open_weights
 
@@ -132,6 +132,12 @@ class Engine:
         self.skipped_steps = 0
         self._window_opened = False
         self._global_grad_norm: float | None = None
+        self._scaling_backward = False  # inside engine.backward
+        self._backward_armed = False  # a backward through the model is running
+        self._backward_scaled = False
+        self._backwards_in_micro_step = 0
+        self._reduced_on_boundary = False  # stages 0-1: this micro-step's gradients are reduced
+        self._unscaled_backwards = 0  # in this accumulation window, not through engine.backward
         zero = config.zero_optimization
         self._sync_from_rank0()
         if stage.shard_parameters and not zero.reduce_scatter_each_micro_step and comm.rank == 0:
@@ -146,6 +152,7 @@ class Engine:
         self.unsharded_masters = self._cast_unsharded_params()
         self.reducer = build_reducer(stage, self.units, comm, zero, precision.reduce_dtype)
         self.reducer.on_unit_complete = self.gatherer.unit_complete
+        self.reducer.on_unarmed_grad = self._begin_backward
         self.optimizer_targets, optimizer_groups = self._plan_optimizer_targets(groups)
         self._targets_by_unit: list[list[OptimizerTarget]] = [[] for _ in self.units]
         for target in self.optimizer_targets:
@@ -194,24 +201,66 @@ class Engine:
         self._open_window()
         if self.precision.mixed:
             args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            for tensor in iter_tensors(output):
+                if tensor.requires_grad:  # its gradient is the first a backward through the model computes
+                    tensor.register_hook(self._on_output_grad)
+        return output
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss * loss_scale / gradient_accumulation_steps``; reduces as the
-        stage says (on boundaries, or every micro-step at stages 2-3)."""
+        stage says (on boundaries, or every micro-step at stages 2-3). A plain
+        ``loss.backward()`` reduces the same way, but neither divides nor scales."""
+        self._scaling_backward = True
+        try:
+            (loss * (self.loss_scale / self.batch.gradient_accumulation_steps)).backward()
+        finally:
+            self._scaling_backward = False
+
+    # -- backward, however it is called ----------------------------------------------------------
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        """Runs inside autograd when a backward first reaches the model (an output's gradient,
+        or a parameter's if the loss used one directly), whoever called backward: arms the
+        reducer and queues the end of the backward on the autograd engine (as FSDP2 does)."""
+        if self._backward_armed:
+            return
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._reduced_on_boundary and not self.reducer.reduces_every_micro_step:
+            raise RuntimeError(
+                "a second backward in the micro-step whose gradients were already reduced (stages 0-1 reduce once, "
+                "at the accumulation boundary): call engine.step() after each backward, or add the losses and "
+                "call backward once"
+            )
+        self._backward_armed = True
+        self._backward_scaled = self._scaling_backward
         self._open_window()
         self.gatherer.begin_backward()
-        self.reducer.pre_backward(boundary=self.is_gradient_accumulation_boundary())
-        (loss * (self.loss_scale / self.batch.gradient_accumulation_steps)).backward()
+        self.reducer.pre_backward(boundary=boundary)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._backward_armed = False
         self.reducer.post_backward()
         self.gatherer.end_backward()
+        self._reduced_on_boundary = self.is_gradient_accumulation_boundary()
+        self._backwards_in_micro_step += 1
+        self._unscaled_backwards += 0 if self._backward_scaled else 1
 
     def step(self) -> None:
-        """Call after every micro-batch; updates only on accumulation boundaries."""
+        """Call after every micro-batch's backward; updates only on accumulation boundaries."""
+        self._check_backwards()
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self._backwards_in_micro_step = 0
+        self._reduced_on_boundary = False
         if not boundary:
             return
+        self._unscaled_backwards = 0
         used, squares = self._agree_on_used_params_and_norm()
         self._global_grad_norm = math.sqrt(squares) / self.loss_scale
         if self.loss_scaler is not None and not math.isfinite(squares):
@@ -227,6 +276,18 @@ class Engine:
         self._zero_grads()
         self.global_step += 1
         self._window_opened = False
+
+    def _check_backwards(self) -> None:
+        if self._backwards_in_micro_step == 0:
+            raise RuntimeError(
+                f"engine.step() without a backward since the last step() (micro-step {self.micro_steps}): "
+                "call engine.backward(loss) (or loss.backward()) on the output of engine(...) first"
+            )
+        if self.loss_scaler is not None and self._unscaled_backwards:
+            raise RuntimeError(
+                "fp16 loss scaling is on, but a backward did not go through engine.backward(loss) (a plain "
+                "loss.backward() applies no loss scale, so small gradients underflow): use engine.backward(loss)"
+            )
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window."""

@@ -80,6 +80,10 @@ class GradReducer:
         # Told when all of a unit's parameters have their gradient in a reducing backward
         # (stage 3 frees the unit's gathered parameters then).
         self.on_unit_complete: Callable[[FlatUnit], None] | None = None
+        # Told when a gradient arrives outside an armed backward (a loss that used a parameter
+        # outside the model's forward): the engine arms the backward then.
+        self.on_unarmed_grad: Callable[[], None] | None = None
+        self._armed = False
         self._handles: list[Any] = []
         index = 0
         for unit_index, unit in enumerate(self.units):
@@ -90,6 +94,8 @@ class GradReducer:
 
     def _hook(self, unit_index: int, param_index: int, global_index: int):
         def on_grad_accumulated(param: torch.Tensor) -> None:
+            if not self._armed and self.on_unarmed_grad is not None:
+                self.on_unarmed_grad()
             self.used[global_index] = 1.0
             if self._reducing:
                 self._accept(self.units[unit_index], unit_index, param_index, param)
@@ -104,6 +110,7 @@ class GradReducer:
 
     def pre_backward(self, boundary: bool) -> None:
         """Arm the reducer for a backward; off boundaries, full gradients only accumulate."""
+        self._armed = True
         self._reducing = boundary or self.reduces_every_micro_step
         self._arrived = [0] * len(self.units)
         self._next_unit = 0
@@ -111,6 +118,7 @@ class GradReducer:
 
     def post_backward(self) -> None:
         """Launch what backward left unreduced, then wait and average."""
+        self._armed = False
         if self._reducing:
             self._launch_until(len(self.units))
             self._finish()

@@ -1,0 +1,156 @@
+"""Backward however it is called: ``loss.backward()``, ``torch.autograd.backward`` and
+``engine.backward(loss)`` reduce the same way at every stage (the end of backward is queued on
+autograd's engine, not run by `Engine.backward`), and the misuses that used to train wrong in
+silence fail with an error that says what to do.
+
+Before: a plain ``loss.backward()`` left stage 0 replicas apart (0.078 after two steps) and
+stages 2-3 with a zero gradient norm, learning nothing. Plain SGD (no momentum, no clipping)
+makes any scale error show in the parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import zero_engine
+from harness import run_on_ranks
+from models import decay_groups, make_model, micro_batch
+
+MICRO, STEPS = 2, 3
+WAYS = ("engine.backward", "loss.backward", "torch.autograd.backward")
+CASES = [{"stage": stage, "bf16": bf16} for stage, bf16 in itertools.product((0, 1, 2, 3), (False, True))]
+
+
+def _config(stage: int, bf16: bool = False, fp16: bool = False, accum: int = 1) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": accum,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": fp16},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0},
+    }
+
+
+def _engine(config: dict) -> zero_engine.Engine:
+    model = make_model()
+    return zero_engine.initialize(model, config, param_groups=decay_groups(model))
+
+
+def _backward(way: str, engine: zero_engine.Engine, loss: torch.Tensor) -> None:
+    if way == "engine.backward":
+        engine.backward(loss)
+    elif way == "loss.backward":
+        loss.backward()
+    else:
+        torch.autograd.backward([loss])  # as a library that runs backward itself
+
+
+def each_way(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    results = []
+    for case in cases:
+        out = {}
+        for way in WAYS:
+            engine = _engine(_config(case["stage"], case["bf16"]))
+            norms = []
+            for step in range(STEPS):
+                _backward(way, engine, engine(*micro_batch(step, 0, rank, world_size, MICRO, 1)))
+                engine.step()
+                norms.append(engine.get_global_grad_norm())
+            out[way] = {"norms": norms, "state": engine.full_state_dict()}
+            engine.close()
+        results.append(out)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_plain_backward_trains_exactly_as_engine_backward(world_size: int) -> None:
+    per_rank = run_on_ranks(world_size, each_way, CASES)
+    initial = make_model().state_dict()
+    for index, case in enumerate(CASES):
+        reference = per_rank[0][index]["engine.backward"]
+        assert all(norm > 1e-3 for norm in reference["norms"]), (case, reference["norms"])
+        assert any(not torch.equal(reference["state"][k], initial[k].float()) for k in initial), case  # it learned
+        for rank, results in enumerate(per_rank):
+            for way in WAYS:
+                result = results[index][way]
+                assert result["norms"] == reference["norms"], (case, rank, way)
+                for name, value in reference["state"].items():
+                    assert torch.equal(result["state"][name], value), (case, rank, way, name)
+
+
+def misuses(rank: int, world_size: int) -> dict[str, str]:
+    out = {}
+
+    def error_of(action) -> str:
+        try:
+            action()
+        except RuntimeError as error:
+            return str(error)
+        return "no error"
+
+    engine = _engine(_config(2))
+    out["step_without_backward"] = error_of(engine.step)
+    engine.backward(engine(*micro_batch(0, 0, rank, world_size, MICRO, 1)))
+    engine.step()
+    out["step_twice"] = error_of(engine.step)
+    engine.close()
+
+    engine = _engine(_config(1, fp16=True))
+    engine(*micro_batch(0, 0, rank, world_size, MICRO, 1)).backward()
+    out["fp16_plain_backward"] = error_of(engine.step)
+    engine.close()
+
+    engine = _engine(_config(0))
+    tokens, targets = micro_batch(0, 0, rank, world_size, MICRO, 1)
+    engine.backward(engine(tokens, targets))
+    out["second_backward_at_boundary"] = error_of(lambda: engine.backward(engine(tokens, targets)))
+    engine.close()
+    return out
+
+
+def test_misuses_fail_with_what_to_do() -> None:
+    for out in run_on_ranks(2, misuses):
+        assert out["step_without_backward"].startswith("engine.step() without a backward since the last step()")
+        assert "micro-step 1" in out["step_twice"]
+        assert "use engine.backward(loss)" in out["fp16_plain_backward"]
+        assert "call engine.step() after each backward" in out["second_backward_at_boundary"]
+
+
+SPLIT_CASES = [(0, 2), (1, 2), (2, 1), (3, 2)]  # (stage, accumulation steps)
+
+
+def two_backwards_per_micro_step(rank: int, world_size: int, cases: list[tuple[int, int]]) -> list[list[dict]]:
+    """Each micro-batch's loss in one backward, or as two half-batch backwards: stages 2-3
+    reduce each backward into the shard, stages 0-1 accumulate off the boundary (where two
+    backwards are allowed there)."""
+    results = []
+    for stage, accum in cases:
+        states = []
+        for split in (False, True):
+            engine = _engine(_config(stage, accum=accum))
+            for step in range(2):
+                for micro in range(accum):
+                    tokens, targets = micro_batch(step, micro, rank, world_size, MICRO, accum)
+                    halves = [engine(tokens[i : i + 1], targets[i : i + 1]) / 2 for i in range(2)]
+                    may_split = stage >= 2 or not engine.is_gradient_accumulation_boundary()
+                    if split and may_split:
+                        for half in halves:
+                            engine.backward(half)
+                    else:
+                        engine.backward(halves[0] + halves[1])
+                    engine.step()
+            states.append(engine.full_state_dict())
+            engine.close()
+        results.append(states)
+    return results
+
+
+def test_several_backwards_in_a_micro_step_add_up() -> None:
+    for per_case in run_on_ranks(2, two_backwards_per_micro_step, SPLIT_CASES):
+        for (stage, accum), (joined, split) in zip(SPLIT_CASES, per_case):
+            for name, value in joined.items():
+                torch.testing.assert_close(split[name], value, rtol=0, atol=1e-6, msg=f"stage {stage}: {name}")
