@@ -163,3 +163,31 @@ def test_cli_estimate_prints_the_formula(tmp_path: Path, capsys: pytest.CaptureF
     total_gib = float(out.split("total")[1].split()[0])
     assert total_gib == pytest.approx(5.5e9 / 2**30, abs=1e-3)
     assert "two gradient buckets" in out
+
+
+def test_deepspeed_keys_without_effect_are_named_when_set(caplog: pytest.LogCaptureFixture) -> None:
+    """Accepted so that DeepSpeed configs load, but never ignored in silence: at a non-default
+    value `initialize` logs each one, with why it changes nothing here."""
+    import torch
+
+    from zero_engine.config import NO_EFFECT
+
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    settings = {
+        "fp16": {"auto_cast": True},
+        "wall_clock_breakdown": True,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "contiguous_gradients": False, "reduce_scatter": False, "allgather_partitions": False,
+            "allgather_bucket_size": 123, "round_robin_gradients": True, "sub_group_size": 7,
+            "stage3_max_reuse_distance": 9, "stage3_gather_16bit_weights_on_model_save": True,
+            "ignore_unused_parameters": False, "elastic_checkpoint": True, "load_from_fp32_weights": False,
+        },
+    }
+    with caplog.at_level("WARNING", logger="zero_engine"):
+        zero_engine.initialize(torch.nn.Linear(2, 2), base).close()
+    assert not [r for r in caplog.records if "has no effect here" in r.getMessage()]  # defaults: silent
+    with caplog.at_level("WARNING", logger="zero_engine"):
+        zero_engine.initialize(torch.nn.Linear(2, 2), {**base, **settings}).close()
+    named = [r.getMessage().split(" = ")[0] for r in caplog.records if "has no effect here" in r.getMessage()]
+    assert sorted(named) == sorted(NO_EFFECT)

@@ -309,6 +309,44 @@ def check_scheduler(section: SchedulerConfig) -> None:
 # Loading and error reporting.
 
 
+# DeepSpeed keys accepted so that its configs load unchanged, with why none of them changes
+# anything here. At a non-default value each is named in a warning at `initialize`.
+NO_EFFECT: dict[str, str] = {
+    "fp16.auto_cast": "inputs are cast to the compute dtype and the model runs on compute-dtype copies; "
+    "there is no autocast",
+    "zero_optimization.contiguous_gradients": "gradients always live in one flat buffer per unit",
+    "zero_optimization.reduce_scatter": "stages 1-3 always reduce-scatter (comm.primitives picks how)",
+    "zero_optimization.allgather_partitions": "updated shards are always all-gathered, one unit per call",
+    "zero_optimization.allgather_bucket_size": "shards are gathered one unit at a time (reduce_bucket_size or "
+    "stage3_wrap_modules cut the units)",
+    "zero_optimization.round_robin_gradients": "each unit's gradient is reduce-scattered as one flat buffer",
+    "zero_optimization.sub_group_size": "the optimizer steps this rank's pieces, one unit at a time in low "
+    "precision; there are no optimizer sub-groups",
+    "zero_optimization.stage3_max_reuse_distance": "a unit is freed after each use and gathered again",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoints hold fp32 masters at every "
+    "stage; full_state_dict() gathers them",
+    "zero_optimization.ignore_unused_parameters": "parameters without gradients are always allowed",
+    "zero_optimization.elastic_checkpoint": "checkpoints load at any stage and world size",
+    "zero_optimization.load_from_fp32_weights": "masters always load from the fp32 values in the checkpoint",
+    "wall_clock_breakdown": "no timers are kept; comm_report() gives the bytes moved",
+    "zero_allow_untested_optimizer": "every torch.optim optimizer is allowed (stages 1-3: elementwise ones)",
+}
+
+
+def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
+    """One message for each `NO_EFFECT` key set to something other than its default."""
+    messages = []
+    for path, why in NO_EFFECT.items():
+        *sections, key = path.split(".")
+        section: BaseModel = config
+        for name in sections:
+            section = getattr(section, name)
+        value, default = getattr(section, key), type(section).model_fields[key].default
+        if value != default:
+            messages.append(f"{path} = {value!r} has no effect here: {why}")
+    return messages
+
+
 def load_config(source: str | Path | dict[str, Any] | ZeroEngineConfig) -> ZeroEngineConfig:
     """A validated config from a ``.yaml``/``.yml``/``.json`` path, a dict, or a config object."""
     if isinstance(source, ZeroEngineConfig):
@@ -384,5 +422,8 @@ def key_reference(model: type[BaseModel] = ZeroEngineConfig, prefix: str = "") -
             rows.extend(key_reference(sections[0], prefix + name + "."))
         else:
             default = "{}" if field.default_factory is not None else repr(field.default)
-            rows.append((prefix + name, default, field.description or ""))
+            text = field.description or ""
+            if prefix + name in NO_EFFECT:
+                text = f"DeepSpeed option, no effect here: {NO_EFFECT[prefix + name]}. Logged at `initialize` when set."
+            rows.append((prefix + name, default, text))
     return rows

@@ -21,7 +21,7 @@ from torch import nn
 
 from . import checkpoint
 from .comm import Comm, connect, local_cuda_device
-from .config import BatchSizes, ZeroEngineConfig, load_config
+from .config import BatchSizes, ZeroEngineConfig, load_config, no_effect_settings
 from .deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .features import refuse_unbuilt_features
 from .flat_param import FlatUnit, OwnedPiece
@@ -140,8 +140,11 @@ class Engine:
         self._unscaled_backwards = 0  # in this accumulation window, not through engine.backward
         zero = config.zero_optimization
         self._sync_from_rank0()
-        if stage.shard_parameters and not zero.reduce_scatter_each_micro_step and comm.rank == 0:
-            logger.warning("zero_optimization.reduce_scatter_each_micro_step: false has no effect at stage 3")
+        if comm.rank == 0:
+            if stage.shard_parameters and not zero.reduce_scatter_each_micro_step:
+                logger.warning("zero_optimization.reduce_scatter_each_micro_step: false has no effect at stage 3")
+            for message in no_effect_settings(config):
+                logger.warning(message)
         self.device = device or _model_device(model)  # where parameters, gradients and state live
         self.units, self.gatherer = build_units(
             model, groups, comm, stage, zero, precision.compute_dtype, self.device, deferred
