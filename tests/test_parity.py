@@ -77,6 +77,9 @@ GRID = [
     {"stage": 0, "accum": 1, "bucket": 40, "optimizer": "Adagrad", "clip": 0.05},
 ] + [  # NCCL's native reduce_scatter_tensor / all_gather_into_tensor, run on gloo
     {"stage": stage, "accum": 2, "bucket": 40, "primitives": "native"} for stage in (0, 1, 2)
+] + [  # plain SGD (no momentum, no clipping): the update is linear in the gradient, so a missing
+    # or doubled division by N or by k shows (Adam and Adagrad are scale-invariant)
+    {"stage": stage, "accum": accum, "bucket": 40, "optimizer": "SGD"} for stage in (0, 1, 2) for accum in (1, 3)
 ]
 
 

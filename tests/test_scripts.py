@@ -13,8 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("config", ["zero0.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml"])
-def test_train_script_under_torchrun(config: str) -> None:
+def _main_job(config: str) -> dict[str, float]:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / config),
@@ -23,9 +22,30 @@ def test_train_script_under_torchrun(config: str) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"stage {config[4]} on 2 rank(s) (gloo)" in done.stdout
-    assert re.search(r"step   10  loss \d+\.\d+", done.stdout), done.stdout
-    held_out = float(re.search(r"held-out loss (\d+\.\d+)", done.stdout).group(1))
-    assert 0 < held_out < 5.6, "ten steps from ln(256) = 5.55 should not make the loss worse"
+    step = re.search(r"step   10  loss (\d+\.\d+)  lr \S+  grad norm (\d+\.\d+)", done.stdout)
+    assert step, done.stdout
+    held_out = re.search(r"held-out loss (\d+\.\d+) nats \(unigram baseline (\d+\.\d+)", done.stdout)
+    return {
+        "loss": float(step.group(1)),
+        "grad_norm": float(step.group(2)),
+        "held_out": float(held_out.group(1)),
+        "unigram": float(held_out.group(2)),
+    }
+
+
+def test_train_script_under_torchrun_is_the_same_run_at_every_stage() -> None:
+    """The README's main job at stages 0-3 (the shipped configs differ in the stage alone): the
+    same training loss, gradient norm and held-out loss at every stage, as printed (3 and 2
+    decimals; the stages sum gradients in different orders, a few 1e-6 apart). Ten steps take
+    the held-out loss from ln(256) = 5.55 (uniform prediction) to near the corpus's unigram
+    entropy, which the script computes from byte counts alone (3.42 against 3.32 when written)."""
+    runs = {config: _main_job(config) for config in ("zero0.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml")}
+    first = runs["zero0.yaml"]
+    for config, run in runs.items():
+        assert run["loss"] == pytest.approx(first["loss"], abs=2e-3), runs
+        assert run["grad_norm"] == pytest.approx(first["grad_norm"], abs=2e-2), runs
+        assert run["held_out"] == pytest.approx(first["held_out"], abs=2e-3), runs
+    assert first["held_out"] < first["unigram"] + 0.25, runs
 
 
 def test_big_model_script_trains_from_meta_under_a_memory_limit() -> None:

@@ -35,7 +35,7 @@ def stage3_config(case: dict) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": case["accum"],
-        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "optimizer": {"type": case.get("optimizer", "AdamW"), "params": {"lr": LR}},
         "gradient_clipping": case.get("clip", 0.0),
         "zero_optimization": zero,
         "comm": {"primitives": case.get("primitives", "auto")},
@@ -68,6 +68,10 @@ GRID = [
     {"accum": 2, "bucket": 10**6},  # one root unit holds everything
     {"accum": 1, "wrap": WRAP_LEAVES, "stage3_prefetch_bucket_size": 1, "stage3_max_live_parameters": 1},
     {"accum": 2, "wrap": WRAP_LEAVES, "primitives": "native"},  # NCCL's collectives, run on gloo
+    # Plain SGD (no momentum, no clipping): the update is linear in the gradient, so a missing or
+    # doubled division by N or by k shows (Adam and Adagrad are scale-invariant).
+    {"accum": 1, "wrap": WRAP_LEAVES, "optimizer": "SGD"},
+    {"accum": 3, "wrap": WRAP_LEAVES, "optimizer": "SGD"},
 ]
 
 
@@ -78,7 +82,8 @@ def test_stage3_matches_single_process(world_size: int) -> None:
         results = [rank_results[index] for rank_results in per_rank]
         ref_eval: list[float] = []
         ref_losses, ref_state, ref_norms = train_reference(
-            STEPS, MICRO * case["accum"] * world_size, "AdamW", LR, case.get("clip", 0.0), ref_eval,
+            STEPS, MICRO * case["accum"] * world_size, case.get("optimizer", "AdamW"), LR, case.get("clip", 0.0),
+            ref_eval,
             mlp_calls=case.get("mlp_calls", 1),
         )
         for step in range(STEPS):
