@@ -23,6 +23,8 @@ PRESETS = {
     "small": GPTConfig(dim=240, num_layers=5, num_heads=6),  # ~3.6M parameters
     "medium": GPTConfig(dim=512, num_layers=8, num_heads=8),  # ~25M parameters
     "large": GPTConfig(dim=768, num_layers=8, num_heads=12),  # ~57M parameters: scripts/big_model.py
+    # 32 thin blocks, short sequences: per-parameter work (hooks, optimizer loops) weighs most
+    "thin": GPTConfig(context=64, dim=96, num_layers=32, num_heads=4),  # ~3.6M parameters
 }
 
 

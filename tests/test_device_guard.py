@@ -99,7 +99,7 @@ def test_every_stage_trains_saves_and_loads_without_mixing_or_extra_syncs(tmp_pa
 def _mask_concatenated_on_the_host(self: Engine) -> tuple[list[bool], float]:
     """The used-mask agreement as it was: the mask stays a host tensor."""
     squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units], self.device)
-    packed = torch.cat([self.reducer.used.to(torch.float64), squares.view(1)])
+    packed = torch.cat([self.reducer.used_mask(), squares.view(1)])
     self.comm.all_reduce_sum(packed).wait()
     *used, total = packed.tolist()
     return [count > 0 for count in used], total

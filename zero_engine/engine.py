@@ -161,6 +161,7 @@ class Engine:
         for target in self.optimizer_targets:
             self._targets_by_unit[target.unit_index].append(target)
         self.peak_step_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step
+        self._cached_grad_views: dict[int, tuple[Any, list[torch.Tensor]]] = {}
         self.optimizer = build_optimizer(config.optimizer, stage.level, optimizer_groups)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
         self.loss_scaler = build_loss_scaler(config)
@@ -314,7 +315,7 @@ class Engine:
         back to the host once, as Python values: the one host sync of a step."""
         squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units], self.device)
         # non_blocking: a pageable host-to-device copy need not stall the host (sync debug mode)
-        packed = torch.cat([self.reducer.used.to(self.device, torch.float64, non_blocking=True), squares.view(1)])
+        packed = torch.cat([self.reducer.used_mask().to(self.device, non_blocking=True), squares.view(1)])
         self.comm.all_reduce_sum(packed).wait()
         *used, total = packed.tolist()
         return [count > 0 for count in used], total
@@ -350,16 +351,30 @@ class Engine:
             copy_bytes += 0 if grad is kept else grad.numel() * grad.element_size()
             if multiplier != 1.0:
                 grad.mul_(multiplier)
-            for target in self._targets_by_unit[unit_index]:
+            views = self._grad_views(unit_index, grad, cache=grad is kept and self.reducer.grads_persist)
+            for target, view in zip(self._targets_by_unit[unit_index], views):
                 if used[target.param_index]:
-                    piece = target.piece
-                    target.tensor.grad = grad[piece.owned_offset : piece.owned_offset + piece.numel].view(piece.shape)
+                    target.tensor.grad = view
                     targets.append(target)
         self.peak_step_grad_bytes = max(self.peak_step_grad_bytes, copy_bytes)
         if targets:
             self.optimizer.step()
         for target in targets:
             target.tensor.grad = None
+
+    def _grad_views(self, unit_index: int, grad: torch.Tensor, cache: bool) -> list[torch.Tensor]:
+        """Each optimizer target's gradient, a view into ``grad``; kept from step to step while
+        ``grad`` is the same persistent buffer (two tensor ops per parameter saved per step)."""
+        cached = self._cached_grad_views.get(unit_index)
+        if cache and cached is not None and cached[0] is grad.untyped_storage():
+            return cached[1]
+        views = [
+            grad[target.piece.owned_offset : target.piece.owned_offset + target.piece.numel].view(target.piece.shape)
+            for target in self._targets_by_unit[unit_index]
+        ]
+        if cache:
+            self._cached_grad_views[unit_index] = (grad.untyped_storage(), views)
+        return views
 
     def _skip_step(self) -> None:
         """fp16 overflow on some rank: every rank leaves parameters and state untouched."""

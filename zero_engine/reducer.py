@@ -64,6 +64,7 @@ class GradReducer:
     """Hooks, arrival counting and in-order launching; subclasses say what a launch does."""
 
     reduces_every_micro_step = False  # full gradients accumulate locally between boundaries
+    grads_persist = True  # the kept gradients are the same buffers from step to step
 
     def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool, reduce_dtype: torch.dtype) -> None:
         self.units = list(units)
@@ -71,8 +72,9 @@ class GradReducer:
         self.overlap = overlap
         self.reduce_dtype = reduce_dtype  # gradients are summed in this dtype (fp32 by default)
         self.num_params = sum(len(unit.params) for unit in self.units)
-        # 1.0 where a parameter received a gradient on this rank since the last optimizer step.
-        self.used = torch.zeros(self.num_params, dtype=torch.float32)
+        # 1 where a parameter received a gradient on this rank since the last optimizer step: a
+        # bytearray, since a tensor item assignment per parameter per backward costs ~5 us.
+        self.used = bytearray(self.num_params)
         self.peak_grad_bytes = self.held_grad_bytes()  # most gradient storage alive in the last backward
         self._arrived = [0] * len(self.units)
         self._reducing = False
@@ -96,7 +98,7 @@ class GradReducer:
         def on_grad_accumulated(param: torch.Tensor) -> None:
             if not self._armed and self.on_unarmed_grad is not None:
                 self.on_unarmed_grad()
-            self.used[global_index] = 1.0
+            self.used[global_index] = 1
             if self._reducing:
                 self._accept(self.units[unit_index], unit_index, param_index, param)
                 self._arrived[unit_index] += 1
@@ -140,7 +142,11 @@ class GradReducer:
         return sum(unit.grad_bytes for unit in self.units)
 
     def reset_used(self) -> None:
-        self.used.zero_()
+        self.used[:] = bytes(self.num_params)
+
+    def used_mask(self) -> torch.Tensor:
+        """The used flags as a new float64 host tensor (ranks sum them)."""
+        return torch.frombuffer(self.used, dtype=torch.uint8).to(torch.float64) if self.num_params else torch.zeros(0, dtype=torch.float64)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -263,6 +269,7 @@ class ShardedGradReducer(GradReducer):
         super().__init__(units, comm, overlap, reduce_dtype)
         self.max_live_buckets = max_live_buckets
         self.release_after_step = release_after_step
+        self.grads_persist = not release_after_step
         if release_after_step:
             for unit in self.units:
                 unit.release_grad_shard()
