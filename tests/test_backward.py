@@ -154,3 +154,51 @@ def test_several_backwards_in_a_micro_step_add_up() -> None:
         for (stage, accum), (joined, split) in zip(SPLIT_CASES, per_case):
             for name, value in joined.items():
                 torch.testing.assert_close(split[name], value, rtol=0, atol=1e-6, msg=f"stage {stage}: {name}")
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises the first time."""
+
+    failed = False
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if not _FailOnce.failed:
+            _FailOnce.failed = True
+            raise RuntimeError("deliberate failure in backward")
+        return grad
+
+
+def backward_after_a_failed_one(rank: int, world_size: int) -> tuple[str, list[dict]]:
+    """A backward that raises after reaching the engine (so its end is never run) leaves no
+    armed state behind: the next forward and backward reduce as if it had never happened.
+    (One that raises after some gradients arrived leaves those, as plain PyTorch does.)"""
+    states = []
+    message = ""
+    for fail in (False, True):
+        engine = _engine(_config(2))
+        tokens, targets = micro_batch(0, 0, rank, world_size, MICRO, 1)
+        if fail:  # fails after the backward reached (and armed) the engine, before any parameter's gradient
+            _FailOnce.failed = False
+            hook = engine.module.head.register_forward_hook(lambda module, args, out: _FailOnce.apply(out))
+            try:
+                engine.backward(engine(tokens, targets))
+            except RuntimeError as error:
+                message = str(error)
+            hook.remove()
+        engine.backward(engine(tokens, targets))
+        engine.step()
+        states.append(engine.full_state_dict())
+        engine.close()
+    return message, states
+
+
+def test_a_backward_that_raised_leaves_nothing_armed() -> None:
+    for message, (clean, after_failure) in run_on_ranks(2, backward_after_a_failed_one):
+        assert "deliberate failure in backward" in message
+        for name, value in clean.items():
+            assert torch.equal(after_failure[name], value), name

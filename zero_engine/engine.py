@@ -203,6 +203,9 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._open_window()
+        if self._backward_armed:  # the last backward raised before autograd ran its end
+            self._backward_armed = False
+            self.reducer.disarm()
         if self.precision.mixed:
             args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
         output = self.module(*args, **kwargs)

@@ -118,6 +118,11 @@ class GradReducer:
         self._next_unit = 0
         self.peak_grad_bytes = self.held_grad_bytes()
 
+    def disarm(self) -> None:
+        """Forget a backward that raised half-way (its end never came); the next one re-arms."""
+        self._armed = False
+        self._reducing = False
+
     def post_backward(self) -> None:
         """Launch what backward left unreduced, then wait and average."""
         self._armed = False
