@@ -151,7 +151,9 @@ class GradReducer:
 
     def used_mask(self) -> torch.Tensor:
         """The used flags as a new float64 host tensor (ranks sum them)."""
-        return torch.frombuffer(self.used, dtype=torch.uint8).to(torch.float64) if self.num_params else torch.zeros(0, dtype=torch.float64)
+        if not self.num_params:  # frombuffer refuses an empty buffer
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.frombuffer(self.used, dtype=torch.uint8).to(torch.float64)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
