@@ -62,7 +62,7 @@ class DeviceMistake(RuntimeError):
 
 
 class HostSync(NamedTuple):
-    what: str  # the operation, e.g. "aten._local_scalar_dense.default (item/bool)" or "Tensor.tolist"
+    what: str  # the operation, e.g. "aten._local_scalar_dense.default" (item/bool) or "Tensor.tolist"
     where: str  # the first caller outside torch: file:line function
 
 

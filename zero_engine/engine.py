@@ -133,10 +133,7 @@ class Engine:
         self._window_opened = False
         self._global_grad_norm: float | None = None
         self._scaling_backward = False  # inside engine.backward
-        self._backward_armed = False  # a backward through the model is running
-        self._backward_scaled = False
-        self._backwards_in_micro_step = 0
-        self._reduced_on_boundary = False  # stages 0-1: this micro-step's gradients are reduced
+        self._backwards_in_micro_step = 0  # finished since the last step()
         self._unscaled_backwards = 0  # in this accumulation window, not through engine.backward
         zero = config.zero_optimization
         self._sync_from_rank0()
@@ -203,8 +200,7 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._open_window()
-        if self._backward_armed:  # the last backward raised before autograd ran its end
-            self._backward_armed = False
+        if self.reducer.armed:  # the last backward raised before autograd ran its end
             self.reducer.disarm()
         if self.precision.mixed:
             args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
@@ -234,29 +230,25 @@ class Engine:
         """Runs inside autograd when a backward first reaches the model (an output's gradient,
         or a parameter's if the loss used one directly), whoever called backward: arms the
         reducer and queues the end of the backward on the autograd engine (as FSDP2 does)."""
-        if self._backward_armed:
+        if self.reducer.armed:
             return
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary and self._reduced_on_boundary and not self.reducer.reduces_every_micro_step:
+        if boundary and self._backwards_in_micro_step and not self.reducer.reduces_every_micro_step:
             raise RuntimeError(
                 "a second backward in the micro-step whose gradients were already reduced (stages 0-1 reduce once, "
                 "at the accumulation boundary): call engine.step() after each backward, or add the losses and "
                 "call backward once"
             )
-        self._backward_armed = True
-        self._backward_scaled = self._scaling_backward
         self._open_window()
         self.gatherer.begin_backward()
         self.reducer.pre_backward(boundary=boundary)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        self._backward_armed = False
         self.reducer.post_backward()
         self.gatherer.end_backward()
-        self._reduced_on_boundary = self.is_gradient_accumulation_boundary()
         self._backwards_in_micro_step += 1
-        self._unscaled_backwards += 0 if self._backward_scaled else 1
+        self._unscaled_backwards += 0 if self._scaling_backward else 1  # still inside engine.backward if scaled
 
     def step(self) -> None:
         """Call after every micro-batch's backward; updates only on accumulation boundaries."""
@@ -264,7 +256,6 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._backwards_in_micro_step = 0
-        self._reduced_on_boundary = False
         if not boundary:
             return
         self._unscaled_backwards = 0
@@ -339,8 +330,7 @@ class Engine:
         a time; torch optimizers update each tensor on its own, so the result is the same."""
         self.peak_step_grad_bytes = 0
         everything = range(len(self.units))
-        low_precision = any(unit.compute_dtype != torch.float32 for unit in self.units)
-        for unit_indices in ([index] for index in everything) if low_precision else [everything]:
+        for unit_indices in ([index] for index in everything) if self.precision.mixed else [everything]:
             self._step_units(unit_indices, used, multiplier)
         for unit in self.units:
             unit.publish_master()

@@ -85,7 +85,7 @@ class GradReducer:
         # Told when a gradient arrives outside an armed backward (a loss that used a parameter
         # outside the model's forward): the engine arms the backward then.
         self.on_unarmed_grad: Callable[[], None] | None = None
-        self._armed = False
+        self.armed = False  # from pre_backward to post_backward (or disarm): a backward is running
         self._handles: list[Any] = []
         index = 0
         for unit_index, unit in enumerate(self.units):
@@ -96,7 +96,7 @@ class GradReducer:
 
     def _hook(self, unit_index: int, param_index: int, global_index: int):
         def on_grad_accumulated(param: torch.Tensor) -> None:
-            if not self._armed and self.on_unarmed_grad is not None:
+            if not self.armed and self.on_unarmed_grad is not None:
                 self.on_unarmed_grad()
             self.used[global_index] = 1
             if self._reducing:
@@ -112,7 +112,7 @@ class GradReducer:
 
     def pre_backward(self, boundary: bool) -> None:
         """Arm the reducer for a backward; off boundaries, full gradients only accumulate."""
-        self._armed = True
+        self.armed = True
         self._reducing = boundary or self.reduces_every_micro_step
         self._arrived = [0] * len(self.units)
         self._next_unit = 0
@@ -120,12 +120,12 @@ class GradReducer:
 
     def disarm(self) -> None:
         """Forget a backward that raised half-way (its end never came); the next one re-arms."""
-        self._armed = False
+        self.armed = False
         self._reducing = False
 
     def post_backward(self) -> None:
         """Launch what backward left unreduced, then wait and average."""
-        self._armed = False
+        self.armed = False
         if self._reducing:
             self._launch_until(len(self.units))
             self._finish()
