@@ -5,7 +5,9 @@ Format (``docs/checkpoint-format.md``): a checkpoint is a directory ``DIR/TAG`` 
 - ``rank{r}.pt`` from every rank: its *pieces*, one per parameter range it owns
   (``name``, ``start``, ``numel`` in the flattened parameter), each with the fp32 master
   values and the optimizer state of that range, plus the rank's RNG states. Ranks own
-  1/N of every unit at every stage (stage 0 too), so saving is parallel and balanced.
+  1/G of every unit at every stage (stage 0 too; G is the shard group size, all ranks by
+  default), so saving is parallel and balanced. With hybrid sharding only the first shard
+  group writes pieces: one copy per shard, not per replica (the others write their RNG).
 - ``extra.pt`` from rank 0: what is not sharded (frozen parameters, buffers, parameters
   outside every param group), the engine's counters, the optimizer's param-group options,
   and the user's ``client_state``.
@@ -96,7 +98,7 @@ def _rank_payload(engine: Engine) -> dict[str, Any]:
     for target in engine.optimizer_targets:
         targets[target.name].append(target)
     pieces = []
-    for unit in engine.units:
+    for unit in engine.units if engine.comm.replica_rank == 0 else ():  # replicas hold the same shards
         for piece in unit.layout.segments(unit.rank):
             name = unit.names[piece.param_index]
             start, numel = piece.param_offset, piece.numel
@@ -162,6 +164,7 @@ def _manifest(engine: Engine, tag: str, files: dict[str, Any]) -> dict[str, Any]
         "global_step": engine.global_step,
         "stage": engine.stage.level,
         "world_size": engine.comm.world_size,
+        "shard_group_size": engine.comm.num_shards,
         "config": engine.config.model_dump(mode="json"),
         "params": params,
         "files": files,

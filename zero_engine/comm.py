@@ -1,7 +1,7 @@
 """Collectives: the only module that calls ``torch.distributed``.
 
-Every collective works on flat buffers whose length is a multiple of the world size, with
-rank ``r``'s shard at ``[r * n / N, (r + 1) * n / N)``, and returns a `Pending` handle so the
+Every collective of a `GroupComm` works on flat buffers whose length is a multiple of its group
+size ``N``, with group rank ``r``'s shard at ``[r * n / N, (r + 1) * n / N)``, and returns a `Pending` handle so the
 caller decides when to wait. World size 1 needs no process group: every call is a no-op.
 
 Which primitive implements a collective is chosen per backend, by measurement (see
@@ -12,9 +12,11 @@ collectives. ``comm.primitives`` overrides the choice (tests run the native path
 Sums are divided explicitly by the caller: ``ReduceOp.AVG`` has been a sum on gloo in some
 torch versions.
 
-Two groups: data (parameters, gradients: the device's backend, NCCL on CUDA) and control
-(agreements between ranks and small JSON exchanges: always gloo, on CPU tensors, so they never
-make the host wait for the device nor queue behind data collectives in flight).
+Two groups over all ranks: data (parameters, gradients: the device's backend, NCCL on CUDA)
+and control (agreements between ranks and small JSON exchanges: always gloo, on CPU tensors,
+so they never make the host wait for the device nor queue behind data collectives in flight).
+With hybrid sharding (``zero_optimization.shard_group_size``), data traffic of sharded buffers
+uses two more: the rank's shard group and its replica group (`Comm`).
 
 Bytes are counted per collective kind as the ring algorithm's per-rank volume (an all-reduce
 of ``b`` bytes sends and receives ``2 b (N-1)/N``; reduce-scatter and all-gather ``b (N-1)/N``
@@ -26,14 +28,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .config import CommConfig
+from .config import ConfigError, ZeroEngineConfig, ZeroOptimizationConfig
 
 
 class CollectiveKind(str, Enum):
@@ -45,13 +47,17 @@ class CollectiveKind(str, Enum):
 
 
 class Pending(NamedTuple):
-    """Collectives in flight; `wait` blocks until all of them are done."""
+    """Collectives in flight; `wait` blocks until all of them are done, then runs ``then``
+    (a collective that needs their result, launched and waited for in turn)."""
 
     works: tuple[Any, ...] = ()
+    then: Callable[[], Pending] | None = None
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+        if self.then is not None:
+            self.then().wait()
 
 
 DONE = Pending()
@@ -68,8 +74,8 @@ class EachRank(NamedTuple):
         return self.slots.tolist()
 
 
-class Comm:
-    """A process group with a backend-specific choice of primitives and a byte counter."""
+class GroupComm:
+    """One process group with a backend-specific choice of primitives and a byte counter."""
 
     def __init__(
         self,
@@ -193,6 +199,9 @@ class Comm:
 
     # -- helpers -----------------------------------------------------------------------------
 
+    def own_shard(self, flat: torch.Tensor) -> torch.Tensor:
+        return self._shards(flat)[self.rank]
+
     def _shards(self, flat: torch.Tensor) -> list[torch.Tensor]:
         if flat.numel() % self.world_size:
             raise ValueError(f"flat buffer of {flat.numel()} elements does not split into {self.world_size} shards")
@@ -204,6 +213,113 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
 
+class Comm:
+    """The engine's collectives, over ranks laid out as shard groups that replicate each other.
+
+    Shard group ``g`` is ranks ``[g G, (g + 1) G)`` (``G``: ``zero_optimization.shard_group_size``,
+    all ranks by default); a rank's replicas are the ranks at its place in the other groups.
+    Sharded buffers split into ``G`` shards (``shard_rank`` owns one). A reduce-scatter sums
+    over every rank: inside the group, then the owned shard is all-reduced across replicas, so
+    only ``1/G`` of the bytes crosses groups (nodes). An all-gather stays inside the group.
+    Whole-buffer all-reduces (stage 0, agreements), broadcasts and control traffic span all
+    ranks. With one group (the default) this is plain ZeRO over every rank.
+    """
+
+    def __init__(self, world: GroupComm, shards: GroupComm, replicas: GroupComm) -> None:
+        self.world, self.shards, self.replicas = world, shards, replicas
+        self.rank, self.world_size, self.backend = world.rank, world.world_size, world.backend
+        self.group, self.control_group = world.group, world.control_group
+        self.shard_rank, self.num_shards = self.shards.rank, self.shards.world_size
+        self.replica_rank, self.num_replicas = self.replicas.rank, self.replicas.world_size
+
+    @classmethod
+    def alone(cls, primitives: str = "auto") -> Comm:
+        """World size 1, without ``torch.distributed``: every collective is a no-op."""
+        return cls(*(GroupComm(0, 1, "none", primitives=primitives) for _ in range(3)))
+
+    @property
+    def shard_group_ranks(self) -> list[int]:
+        """The global ranks this rank shards with (itself included)."""
+        first = self.rank - self.shard_rank
+        return list(range(first, first + self.num_shards))
+
+    @property
+    def replica_group_ranks(self) -> list[int]:
+        """The global ranks holding the same shard as this one (itself included)."""
+        return list(range(self.shard_rank, self.world_size, self.num_shards))
+
+    # -- data --------------------------------------------------------------------------------
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Pending:
+        return self.world.all_reduce_sum(tensor)
+
+    def reduce_scatter_sum(self, flat: torch.Tensor) -> Pending:
+        """Sum ``flat`` over every rank into this rank's shard of it (``num_shards`` shards);
+        other shards become undefined. Across groups, only the shard travels, once the group's
+        reduce-scatter has filled it."""
+        inside = self.reduce_scatter_in_group(flat)
+        if self.num_replicas == 1:
+            return inside
+        shard = self.shards.own_shard(flat)
+        return Pending(inside.works, lambda: self.all_reduce_across_groups(shard))
+
+    def reduce_scatter_in_group(self, flat: torch.Tensor) -> Pending:
+        """Sum ``flat`` over this rank's shard group only, into this rank's shard."""
+        return self.shards.reduce_scatter_sum(flat)
+
+    def all_reduce_across_groups(self, shard: torch.Tensor) -> Pending:
+        """Sum a shard over the ranks that hold the same shard in every group."""
+        return self.replicas.all_reduce_sum(shard)
+
+    def all_gather(self, flat: torch.Tensor) -> Pending:
+        """Fill every shard of ``flat`` with its owner's values (inside the shard group)."""
+        return self.shards.all_gather(flat)
+
+    def gather(self, flat: torch.Tensor, dst: int = 0) -> Pending:
+        """Fill every shard of ``flat`` on rank 0 alone; only rank 0's group takes part."""
+        if dst != 0:
+            raise ValueError("gather collects onto rank 0 only")
+        return self.shards.gather(flat, dst=0) if self.replica_rank == 0 else DONE
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        self.world.broadcast(tensors, src)
+
+    # -- control -----------------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        self.world.barrier()
+
+    def each_rank(self, value: int) -> EachRank:
+        return self.world.each_rank(value)
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        return self.world.all_gather_json(obj)
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def report(self) -> dict[str, dict[str, int]]:
+        """Bytes sent and received by this rank since `reset_report`: per collective kind, in
+        total, and by scope: ``intra_group`` (reduce-scatters and gathers inside the shard
+        group), ``inter_group`` (shard all-reduces across groups), ``all_ranks`` (whole-buffer
+        all-reduces, agreements, broadcasts)."""
+        scopes = {"intra_group": self.shards, "inter_group": self.replicas, "all_ranks": self.world}
+        per_scope = {name: comm.report() for name, comm in scopes.items()}
+        report = {
+            kind.value: {
+                direction: sum(part[kind.value][direction] for part in per_scope.values())
+                for direction in ("sent", "received")
+            }
+            for kind in CollectiveKind
+        }
+        report["total"] = {d: sum(part["total"][d] for part in per_scope.values()) for d in ("sent", "received")}
+        report.update({name: part["total"] for name, part in per_scope.items()})
+        return report
+
+    def reset_report(self) -> None:
+        for comm in (self.world, self.shards, self.replicas):
+            comm.reset_report()
+
+
 def _bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -213,23 +329,65 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def connect(config: CommConfig, device: torch.device) -> Comm:
-    """The engine's `Comm`: a group of its own beside the caller's default group (so its
+def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
+    """The engine's `Comm`: groups of its own beside the caller's default group (so its
     collectives time out after ``comm.timeout_s`` whatever the caller chose), a new default
     group from torchrun's environment, or world size 1 without ``torch.distributed``."""
-    timeout = config.timeout_s
+    timeout, primitives = config.comm.timeout_s, config.comm.primitives
     if dist.is_available() and dist.is_initialized():
-        group, control = _own_group(timeout, "data", None), _own_group(timeout, "control", "gloo")
-        return Comm(dist.get_rank(), dist.get_world_size(), dist.get_backend(), group, control, config.primitives)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return Comm(0, 1, "none", primitives=config.primitives)
-    backend = choose_backend(config.backend, device)
-    options: dict[str, Any] = {}
-    if backend == "nccl":
-        options["device_id"] = _bind_cuda_device()
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout), **options)
-    control = _own_group(timeout, "control", "gloo")
-    return Comm(dist.get_rank(), dist.get_world_size(), backend, None, control, config.primitives)
+        data, backend = _own_group(timeout, "data", None), dist.get_backend()
+    elif "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Comm.alone(primitives)
+    else:
+        backend = choose_backend(config.comm.backend, device)
+        options: dict[str, Any] = {}
+        if backend == "nccl":
+            options["device_id"] = _bind_cuda_device()
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout), **options)
+        data = None  # the default group
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world = GroupComm(rank, world_size, backend, data, _own_group(timeout, "control", "gloo"), primitives)
+    size = _agreed_shard_group_size(config.zero_optimization, world)
+    shard_group, replica_group = _hybrid_groups(timeout, world_size, rank, size, data)
+    shards = GroupComm(rank % size, size, backend, shard_group, None, primitives)
+    replicas = GroupComm(rank // size, world_size // size, backend, replica_group, None, primitives)
+    return Comm(world, shards, replicas)
+
+
+def _agreed_shard_group_size(zero: ZeroOptimizationConfig, world: GroupComm) -> int:
+    """``zero_optimization.shard_group_size`` for this world, the same on every rank ('auto'
+    reads each node's LOCAL_WORLD_SIZE, which could differ between nodes)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    size = zero.shard_group_size_for(world.world_size, int(local) if local else None)
+    sizes = world.each_rank(size).values()
+    if len(set(sizes)) > 1:
+        raise ConfigError(
+            f"zero_optimization.shard_group_size resolves differently on different ranks (rank: size "
+            f"{dict(enumerate(sizes))}): with 'auto', every node must run the same number of ranks"
+        )
+    return size
+
+
+_HYBRID_GROUPS: dict[tuple[int, float, int], tuple[Any, Any]] = {}
+
+
+def _hybrid_groups(timeout_s: float, world_size: int, rank: int, size: int, data: Any) -> tuple[Any, Any]:
+    """This rank's shard group (``size`` consecutive ranks) and replica group (the ranks at
+    the same place in every shard group). A single group is the data group itself, and a
+    group of one rank needs none. Every rank makes every group (``new_group`` is collective)."""
+    replicas = world_size // size
+    if size == world_size:
+        return data, None
+    if size == 1:
+        return None, data
+    key = (id(dist.group.WORLD), timeout_s, size)
+    if key not in _HYBRID_GROUPS:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        shard_groups = [dist.new_group(ranks=list(range(g * size, (g + 1) * size)), timeout=timeout) for g in range(replicas)]
+        replica_groups = [dist.new_group(ranks=list(range(s, world_size, size)), timeout=timeout) for s in range(size)]
+        _HYBRID_GROUPS[key] = (shard_groups, replica_groups)
+    shard_groups, replica_groups = _HYBRID_GROUPS[key]
+    return shard_groups[rank // size], replica_groups[rank % size]
 
 
 _OWN_GROUPS: dict[tuple[int, float, str], Any] = {}

@@ -142,9 +142,37 @@ class ZeroOptimizationConfig(_Section):
         description="Stage 3: class names whose modules become units (e.g. [Block]); unset: every module whose "
         "not yet wrapped parameters reach reduce_bucket_size elements. The rest form the root unit.",
     )
+    shard_group_size: PositiveCount | Literal["auto"] | None = Field(
+        None,
+        description="Hybrid sharding: shard over groups of this many consecutive ranks (one node, usually) and "
+        "replicate across the groups; gradient shards are all-reduced across groups, parameters gathered inside a "
+        "group only. Must divide the world size. unset: one group of every rank; 'auto': LOCAL_WORLD_SIZE (the "
+        "ranks torchrun starts per node). FSDP's HYBRID_SHARD / a 2-D (replicate, shard) device mesh.",
+    )
+    mics_shard_size: int = Field(
+        -1, ge=-1, description="DeepSpeed MiCS's name for shard_group_size; -1: unset."
+    )
     ignore_unused_parameters: bool = Field(True, description="DeepSpeed option; parameters without gradients are always allowed.")
     elastic_checkpoint: bool = Field(False, description="DeepSpeed option; checkpoints here are always elastic.")
     load_from_fp32_weights: bool = Field(True, description="DeepSpeed option; masters always load from fp32.")
+
+    def shard_group_size_for(self, world_size: int, local_world_size: int | None = None) -> int:
+        """Ranks per shard group for ``world_size`` ranks (``local_world_size``: torchrun's
+        ranks per node, for ``'auto'``)."""
+        key, value = "shard_group_size", self.shard_group_size
+        if value is None and self.mics_shard_size != -1:
+            key, value = "mics_shard_size", self.mics_shard_size
+        if value is None:
+            return world_size
+        if value == "auto":
+            value = local_world_size or world_size
+            key = f"{key} = 'auto' (LOCAL_WORLD_SIZE)"
+        if world_size % value:
+            raise ConfigError(
+                f"zero_optimization.{key} = {value} does not divide the world size {world_size}: "
+                "every shard group must hold the same number of ranks"
+            )
+        return value
 
 
 class CommConfig(_Section):
@@ -195,6 +223,14 @@ class ZeroEngineConfig(_Section):
             raise ValueError(
                 f"communication_data_type = {low!r} reduces in {low}, which needs {low}.enabled = true "
                 "(gradients are computed in the compute dtype)"
+            )
+        zero = self.zero_optimization
+        if zero.mics_shard_size == 0:
+            raise ValueError("zero_optimization.mics_shard_size = 0: use -1 (unset) or a number of ranks per group")
+        if zero.shard_group_size is not None and zero.mics_shard_size not in (-1, zero.shard_group_size):
+            raise ValueError(
+                f"zero_optimization.shard_group_size = {zero.shard_group_size!r} and its DeepSpeed alias "
+                f"mics_shard_size = {zero.mics_shard_size} disagree: set one of them"
             )
         if self.scheduler is not None:
             check_scheduler(self.scheduler)

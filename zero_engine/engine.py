@@ -88,7 +88,7 @@ def initialize(
         file_names = match_weights(model, weights_file) if weights_file is not None else {}
         device = materialization_device(model)
         _check_device(device)
-        comm = connect(config.comm, device)
+        comm = connect(config, device)
         deferred = None
         if has_meta_tensors(model):
             base_seed = comm.each_rank(draw_base_seed() if comm.rank == 0 else 0).values()[0]
@@ -308,6 +308,8 @@ class Engine:
         (the norm is computed there; the used-mask is kept on the host by the hooks) and read
         back to the host once, as Python values: the one host sync of a step."""
         squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units], self.device)
+        if self.comm.replica_rank:  # every shard is counted once: by its copy in the first shard group
+            squares = torch.where(squares.isfinite(), 0.0, squares)
         # non_blocking: a pageable host-to-device copy need not stall the host (sync debug mode)
         packed = torch.cat([self.reducer.used_mask().to(self.device, non_blocking=True), squares.view(1)])
         self.comm.all_reduce_sum(packed).wait()

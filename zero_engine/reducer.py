@@ -176,8 +176,8 @@ class GradReducer:
         raise NotImplementedError
 
     def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
-        """This rank's shard of ``unit``'s averaged gradient (each element on one rank only,
-        for norms summed over ranks)."""
+        """This rank's shard of ``unit``'s averaged gradient (each element on one rank of the
+        shard group, for norms summed over ranks)."""
         return unit.grad_shard()
 
     def zero_grads(self) -> None:
@@ -286,9 +286,15 @@ class ShardedGradReducer(GradReducer):
         self._bucket_numel = max((unit.layout.padded_numel for unit in self.units), default=0)
         self._free: list[torch.Tensor] = []  # pooled bucket storage ready for reuse
         self._filling: dict[int, _Bucket] = {}  # unit index -> its bucket, not yet launched
-        self._in_flight: deque[tuple[FlatUnit, _Bucket, Pending]] = deque()
+        # (unit, bucket, reduction, whether the reduced shard is the window's average already)
+        self._in_flight: deque[tuple[FlatUnit, _Bucket, Pending, bool]] = deque()
+        self._boundary = False
         self._num_live = 0  # buckets filling or reducing
         self._live_bytes = 0
+
+    def pre_backward(self, boundary: bool) -> None:
+        self._boundary = boundary
+        super().pre_backward(boundary)
 
     def _accept(self, unit: FlatUnit, unit_index: int, param_index: int, param: torch.Tensor) -> None:
         if unit_index < self._next_unit:
@@ -327,16 +333,41 @@ class ShardedGradReducer(GradReducer):
         bucket = self._filling.pop(unit_index, None)
         if bucket is None:  # no gradient here this backward; other ranks may have some
             bucket = self._acquire(unit)
-        self._in_flight.append((unit, bucket, self.comm.reduce_scatter_sum(bucket.flat)))
+        if self.comm.num_replicas == 1:
+            self._in_flight.append((unit, bucket, self.comm.reduce_scatter_sum(bucket.flat), False))
+        else:
+            self._in_flight.append((unit, bucket, *self._reduce_hybrid(unit, bucket.flat)))
+
+    def _reduce_hybrid(self, unit: FlatUnit, flat: torch.Tensor) -> tuple[Pending, bool]:
+        """Hybrid sharding: off boundaries, a micro-step reduces inside the shard group only
+        and accumulates; on the boundary the shard crosses groups once, carrying the whole
+        window (as FSDP's HSDP skips the all-reduce on accumulation micro-steps), so
+        inter-group traffic is one shard all-reduce per optimizer step, whatever the accumulation."""
+        inside = self.comm.reduce_scatter_in_group(flat)
+        if not self._boundary:
+            return inside, False
+        start, end = unit.layout.shard_range(unit.rank)
+        shard = flat[start:end]
+
+        def across_groups() -> Pending:
+            shard.mul_(1.0 / self.comm.world_size)
+            if unit.sharded_grad is not None:
+                shard.add_(unit.sharded_grad)
+            return self.comm.all_reduce_across_groups(shard)
+
+        return Pending(inside.works, across_groups), True
 
     def _complete_oldest(self) -> None:
-        unit, bucket, pending = self._in_flight.popleft()
+        unit, bucket, pending, averaged = self._in_flight.popleft()
         pending.wait()
         start, end = unit.layout.shard_range(unit.rank)
         reduced = bucket.flat[start:end]
         if unit.sharded_grad is None:  # released: the first reduction makes the shard, no zeros pass
-            unit.sharded_grad = torch.mul(reduced, 1.0 / self.comm.world_size).to(unit.compute_dtype)
+            scale = 1.0 if averaged else 1.0 / self.comm.world_size
+            unit.sharded_grad = torch.mul(reduced, scale).to(unit.compute_dtype)
             self._shard_bytes += _nbytes(unit.sharded_grad)
+        elif averaged:
+            unit.sharded_grad.copy_(reduced)
         else:
             unit.sharded_grad.add_(reduced, alpha=1.0 / self.comm.world_size)
         self._num_live -= 1

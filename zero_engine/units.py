@@ -54,7 +54,7 @@ def build_units(
     )
     sharded = [
         ShardedFlatUnit(
-            plan.params, plan.names, plan.group_indices, comm.rank, comm.world_size, label=plan.label,
+            plan.params, plan.names, plan.group_indices, comm.shard_rank, comm.num_shards, label=plan.label,
             compute_dtype=compute_dtype, device=device, materialize=_materializer(deferred, plan.params),
         )
         for plan in plans
@@ -103,8 +103,8 @@ def _bucketed_units(
                     [ordered[i][1] for i in indices],
                     [ordered[i][0] for i in indices],
                     [ordered[i][2] for i in indices],
-                    comm.rank,
-                    comm.world_size,
+                    comm.shard_rank,
+                    comm.num_shards,
                     compute_dtype=compute_dtype,
                     shard_master=stage.shard_optimizer_state,
                     full_grads=not stage.streams_gradients(zero),
