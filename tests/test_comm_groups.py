@@ -27,11 +27,11 @@ NATIVE = ("_reduce_scatter_tensor", "_all_gather_into_tensor")
 
 
 def _recording(calls: list, name: str, function):
-    """``function``, recording the `Comm` method that called it and the group it was given."""
+    """``function``, recording the `GroupComm` method that called it and the group it was given."""
 
     def record(*args, **kwargs):
         frame = sys._getframe(1)
-        while frame.f_code.co_name.startswith("<") or not isinstance(frame.f_locals.get("self"), comm_module.Comm):
+        while frame.f_code.co_name.startswith("<") or not isinstance(frame.f_locals.get("self"), comm_module.GroupComm):
             frame = frame.f_back
         calls.append((frame.f_code.co_name, name, kwargs.get("group")))
         return function(*args, **kwargs)
