@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import zero_engine
@@ -196,3 +197,31 @@ def test_deepspeed_keys_without_effect_are_named_when_set(caplog: pytest.LogCapt
         zero_engine.initialize(torch.nn.Linear(2, 2), {**base, **settings}).close()
     named = [r.getMessage().split(" = ")[0] for r in caplog.records if "has no effect here" in r.getMessage()]
     assert sorted(named) == sorted(NO_EFFECT)
+
+
+def test_shard_group_size_resolves_and_names_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    zero = load_config({"zero_optimization": {"shard_group_size": 2}}).zero_optimization
+    assert zero.shard_group_size_for(6) == 2
+    assert load_config({}).zero_optimization.shard_group_size_for(6) == 6, "default: one group of every rank"
+    auto = load_config({"zero_optimization": {"shard_group_size": "auto"}}).zero_optimization
+    assert auto.shard_group_size_for(8, local_world_size=4) == 4
+    assert auto.shard_group_size_for(3) == 3, "'auto' without torchrun: one group"
+    alias = load_config({"zero_optimization": {"mics_shard_size": 3}}).zero_optimization
+    assert alias.shard_group_size_for(6) == 3, "DeepSpeed's mics_shard_size is the same setting"
+    with pytest.raises(ConfigError, match=r"zero_optimization.shard_group_size = 4 does not divide the world size 6"):
+        zero.model_copy(update={"shard_group_size": 4}).shard_group_size_for(6)
+    with pytest.raises(ConfigError, match=r"mics_shard_size = 4 does not divide the world size 6"):
+        load_config({"zero_optimization": {"mics_shard_size": 4}}).zero_optimization.shard_group_size_for(6)
+    assert "disagree" in _error({"zero_optimization": {"shard_group_size": 2, "mics_shard_size": 4}})
+    assert "zero_optimization.shard_group_size" in _error({"zero_optimization": {"shard_group_size": 0}})
+    with pytest.raises(ConfigError, match="shard_group_size = 2 does not divide the world size 1"):
+        zero_engine.initialize(torch.nn.Linear(2, 2), {"zero_optimization": {"shard_group_size": 2}})
+
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
+    assert cli_main(["estimate", str(config), "--params", "1e9", "--world-size", "8", "--shard-group-size", "2"]) == 0
+    out = capsys.readouterr().out
+    # 2Ψ + 14Ψ/G at stage 2 in mixed precision with Adam, G = 2 whatever the world size: 9 GB.
+    assert float(out.split("total")[1].split()[0]) == pytest.approx(9e9 / 2**30, abs=1e-3)
+    assert "groups of 2, 4 replicas" in out
+    assert cli_main(["estimate", str(config), "--params", "1e9", "--world-size", "8", "--shard-group-size", "3"]) == 1

@@ -1,7 +1,8 @@
 """The ``zero-engine`` console script.
 
     zero-engine validate CONFIG [--world-size N]        print the resolved config, or its errors
-    zero-engine estimate CONFIG --params N [--world-size N]   per-rank model-state bytes by the formula
+    zero-engine estimate CONFIG --params N [--world-size N] [--shard-group-size G]
+                                                         per-rank model-state bytes by the formula
     zero-engine consolidate CHECKPOINT OUT [--tag T]     write a plain fp32 state_dict (.pt, .safetensors)
 """
 
@@ -39,13 +40,15 @@ def _validate(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
-        report = estimate_from_config(config, int(float(args.params)), args.world_size)
+        report = estimate_from_config(config, int(float(args.params)), args.world_size, args.shard_group_size)
+        group = args.shard_group_size or config.zero_optimization.shard_group_size_for(args.world_size)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     zero = config.zero_optimization
     dtype = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
-    print(f"stage {zero.stage}, {dtype}, {config.optimizer.type}, {args.world_size} rank(s), "
+    sharding = f" (sharded over groups of {group}, {args.world_size // group} replicas)" if group < args.world_size else ""
+    print(f"stage {zero.stage}, {dtype}, {config.optimizer.type}, {args.world_size} rank(s){sharding}, "
           f"{int(float(args.params)):,} trainable parameters; per rank, without padding and activations:")
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
@@ -80,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("config", help="a .yaml, .yml or .json config file")
     estimate.add_argument("--params", required=True, help="trainable parameters, e.g. 7e9")
     estimate.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    estimate.add_argument(
+        "--shard-group-size", type=int, help="ranks per shard group (hybrid sharding); default: the config's"
+    )
     estimate.set_defaults(run=_estimate)
     consolidate = verbs.add_parser("consolidate", help="turn a checkpoint into a plain state_dict file")
     consolidate.add_argument("checkpoint", help="the directory given to save_checkpoint")

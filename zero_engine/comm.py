@@ -337,6 +337,7 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     if dist.is_available() and dist.is_initialized():
         data, backend = _own_group(timeout, "data", None), dist.get_backend()
     elif "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        config.zero_optimization.shard_group_size_for(1)  # a group size that needs more ranks fails here too
         return Comm.alone(primitives)
     else:
         backend = choose_backend(config.comm.backend, device)

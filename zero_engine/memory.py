@@ -4,7 +4,8 @@ The two must agree (up to padding and a few bytes of per-tensor optimizer step c
 tests check both against each other, because users distrust estimators that disagree with
 what they see.
 
-The formula (ZeRO paper, section 5, for Psi parameters on N ranks): stage 0 holds every
+The formula (ZeRO paper, section 5, for Psi parameters sharded over N ranks; with hybrid
+sharding N is the shard group size G, whatever the world size): stage 0 holds every
 state in full; stage 1 shards optimizer state; stage 2 shards gradients too; stage 3 shards
 parameters too. In fp32 the optimizer's master copy is the parameter itself, so it costs
 nothing extra.
@@ -84,13 +85,21 @@ def optimizer_bytes_per_param(name: str, params: dict) -> int:
     raise ValueError(f"no per-parameter state size known for optimizer {name!r}")
 
 
-def estimate_from_config(config: ZeroEngineConfig, num_params: int, world_size: int) -> MemoryReport:
-    """The formula for a config: its stage, precision and optimizer."""
+def estimate_from_config(
+    config: ZeroEngineConfig, num_params: int, world_size: int, shard_group_size: int | None = None
+) -> MemoryReport:
+    """The formula for a config: its stage, precision and optimizer. States are sharded over
+    the shard group (``shard_group_size``, else the config's for ``world_size``), not over
+    every rank: with hybrid sharding ``G`` takes the place of ``N``."""
     mixed = config.fp16.enabled or config.bf16.enabled
+    if shard_group_size is None:
+        shard_group_size = config.zero_optimization.shard_group_size_for(world_size)
+    elif world_size % shard_group_size:
+        raise ValueError(f"shard group size {shard_group_size} does not divide the world size {world_size}")
     return formula_bytes(
         num_params,
         config.zero_optimization.stage,
-        world_size,
+        shard_group_size,
         param_bytes=2 if mixed else 4,
         grad_bytes=2 if mixed else 4,
         optimizer_bytes=optimizer_bytes_per_param(config.optimizer.type, config.optimizer.params),
