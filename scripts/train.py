@@ -2,6 +2,11 @@
 
     torchrun --nproc_per_node=2 scripts/train.py --config configs/zero1.yaml
 
+On two nodes, sharding inside each node and replicating across them (run once per node):
+
+    torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        scripts/train.py --config configs/zero3_hybrid.yaml
+
 Logs loss, tokens/s and this stage's per-rank memory every ``steps_per_print`` optimizer steps,
 and ends with held-out loss against the unigram baseline. Also runs as a plain ``python``
 process (world size 1).
@@ -60,6 +65,9 @@ def main(argv: list[str] | None = None) -> dict:
     micro, accum = engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps
     data = TextBatches(load_corpus(), model.config.context)
     log = print if rank == 0 else (lambda *a, **k: None)
+    if engine.comm.num_replicas > 1:  # hybrid sharding: every rank says which ranks it shards and replicates with
+        print(f"rank {rank} on node {os.environ.get('GROUP_RANK', '0')}: shard group {engine.comm.shard_group_ranks}, "
+              f"replica group {engine.comm.replica_group_ranks}", flush=True)
     log(f"zero_engine stage {engine.stage.level} on {world} rank(s) ({engine.comm.backend}); "
         f"{num_params / 1e6:.2f}M parameters; global batch "
         f"{engine.batch.train_batch_size} x {model.config.context} tokens; unigram baseline "

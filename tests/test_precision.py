@@ -123,15 +123,18 @@ def test_full_precision_grid(world_size: int) -> None:
 # -- fp16 overflow on one rank -------------------------------------------------------------------
 
 
-def overflow_on_one_rank(rank: int, world_size: int, stage: int) -> dict:
-    """Rank 1 poisons one gradient element that rank 0 owns after the reduction, on step 1."""
+def overflow_on_one_rank(rank: int, world_size: int, stage: int, poisoner: int = 1, zero: dict | None = None) -> dict:
+    """Rank ``poisoner`` poisons one gradient element that rank 0 owns after the reduction, on
+    step 1. ``zero``: more zero_optimization settings."""
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 10,
                                                      "warmup_type": "linear"}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": stage, "reduce_bucket_size": 10**6, "stage3_param_persistence_threshold": 0, **(zero or {}),
+        },
     }
     model = make_model()
     engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
@@ -143,7 +146,7 @@ def overflow_on_one_rank(rank: int, world_size: int, stage: int) -> dict:
     poison = {"armed": False}
 
     def inject(grad: torch.Tensor) -> torch.Tensor:
-        if poison["armed"] and rank == 1:
+        if poison["armed"] and rank == poisoner:
             grad = grad.clone()
             grad.view(-1)[0] = float("inf")
         return grad
@@ -182,19 +185,24 @@ def overflow_on_one_rank(rank: int, world_size: int, stage: int) -> dict:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_overflow_on_one_rank_skips_everywhere(stage: int) -> None:
     for rank, result in enumerate(run_on_ranks(2, overflow_on_one_rank, stage)):
-        before, skipped, clean = result["before"], result["after_skip"], result["after_clean"]
-        assert skipped["skipped"] == 1, f"rank {rank} did not skip"
-        for name, value in before["state"].items():
-            assert torch.equal(skipped["state"][name], value), f"rank {rank}: {name} changed on a skipped step"
-        assert skipped["optimizer"].keys() == before["optimizer"].keys()
-        for key, state in before["optimizer"].items():
-            for field, value in state.items():
-                assert torch.equal(skipped["optimizer"][key][field], value), f"rank {rank}: optimizer {field} changed"
-        assert skipped["scale"] == before["scale"] / 2 == 128.0
-        assert skipped["lr"] == before["lr"], "the scheduler advanced on a skipped step"
-        assert clean["lr"] != skipped["lr"], "the scheduler did not advance on the next clean step"
-        assert clean["scale"] == 128.0
-        assert any(not torch.equal(clean["state"][k], v) for k, v in skipped["state"].items()), "no update after"
+        check_skipped_everywhere(rank, result)
+
+
+def check_skipped_everywhere(rank: int, result: dict) -> None:
+    """The step with the overflow changed nothing but the loss scale; the next one trained."""
+    before, skipped, clean = result["before"], result["after_skip"], result["after_clean"]
+    assert skipped["skipped"] == 1, f"rank {rank} did not skip"
+    for name, value in before["state"].items():
+        assert torch.equal(skipped["state"][name], value), f"rank {rank}: {name} changed on a skipped step"
+    assert skipped["optimizer"].keys() == before["optimizer"].keys()
+    for key, state in before["optimizer"].items():
+        for field, value in state.items():
+            assert torch.equal(skipped["optimizer"][key][field], value), f"rank {rank}: optimizer {field} changed"
+    assert skipped["scale"] == before["scale"] / 2 == 128.0
+    assert skipped["lr"] == before["lr"], "the scheduler advanced on a skipped step"
+    assert clean["lr"] != skipped["lr"], "the scheduler did not advance on the next clean step"
+    assert clean["scale"] == 128.0
+    assert any(not torch.equal(clean["state"][k], v) for k, v in skipped["state"].items()), "no update after"
 
 
 # -- one process: scaler, schedules, memory, low-precision models ------------------------------------

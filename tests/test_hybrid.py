@@ -1,0 +1,268 @@
+"""Hybrid sharding (``zero_optimization.shard_group_size``): states sharded inside groups of
+ranks and replicated across groups, against one process, in real processes.
+
+4 ranks as 2 groups of 2, 6 ranks as 3 groups of 2 and as 2 groups of 3: every stage, with
+accumulation, on the model with the tied weight, plain SGD and clipped AdamW. Each case also
+reports its traffic by scope and its memory, checked against the ring formulas and the ZeRO
+formula with the group size G in place of the world size N. Then fp16 overflow on a rank of
+the second group, a resume from 2x2 to 3 plain ranks and back, and two torchrun "nodes" on
+this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_engine
+from harness import run_on_ranks
+from models import decay_groups, make_model, train_engine, train_reference
+from test_precision import check_skipped_everywhere, overflow_on_one_rank
+from zero_engine.memory import formula_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, MICRO, LR, TOL = 3, 2, 0.05, 2e-5
+
+CASES = [
+    {"stage": stage, "accum": 3, "optimizer": "SGD"} for stage in (0, 1, 2, 3)
+] + [
+    {"stage": stage, "accum": 1, "optimizer": "AdamW", "clip": 0.05} for stage in (0, 1, 2, 3)
+] + [
+    {"stage": 2, "accum": 2, "optimizer": "AdamW", "each_micro_step": False},
+]
+
+
+def _config(case: dict, group: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": case["accum"],
+        "optimizer": {"type": case["optimizer"], "params": {"lr": LR}},
+        "gradient_clipping": case.get("clip", 0.0),
+        "zero_optimization": {
+            "stage": case["stage"],
+            "shard_group_size": group,
+            "reduce_bucket_size": 40,
+            "reduce_scatter_each_micro_step": case.get("each_micro_step", True),
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+
+
+def hybrid_grid(rank: int, world_size: int, groups: list[int], overflow_stages: list[int]) -> dict:
+    out: dict = {"cases": {}, "overflow": {}}
+    for group in groups:
+        for index, case in enumerate(CASES):
+            model = make_model()
+            engine = zero_engine.initialize(model, _config(case, group), param_groups=decay_groups(model))
+            losses, norms = train_engine(engine, rank, world_size, range(STEPS), MICRO, case["accum"])
+            comm = engine.comm
+            out["cases"][group, index] = {
+                "losses": losses,
+                "norms": norms,
+                "comm": engine.comm_report(),  # of the last step
+                "memory": engine.memory_report(),
+                "optimizer_tensors": len(engine.optimizer.state),
+                "shard_numels": [unit.layout.shard_numel for unit in engine.units],
+                "groups": (comm.shard_group_ranks, comm.replica_group_ranks),
+                "process_groups": [
+                    dist.get_process_group_ranks(g) if g is not None else None
+                    for g in (comm.shards.group, comm.replicas.group)
+                ],
+                "state": engine.full_state_dict(),
+            }
+            engine.close()
+    for stage in overflow_stages:  # the poisoned element reaches rank 0 across groups
+        out["overflow"][stage] = overflow_on_one_rank(
+            rank, world_size, stage, poisoner=world_size - 1, zero={"shard_group_size": groups[0]}
+        )
+    return out
+
+
+def _check_case(case: dict, world_size: int, group: int, results: list[dict]) -> None:
+    label = f"{case} at {world_size} ranks in groups of {group}"
+    replicas, accum, stage = world_size // group, case["accum"], case["stage"]
+    ref_losses, ref_state, ref_norms = train_reference(
+        STEPS, MICRO * accum * world_size, case["optimizer"], LR, case.get("clip", 0.0)
+    )
+    for step in range(STEPS):
+        window = [loss for result in results for loss in result["losses"][step]]
+        assert sum(window) / len(window) == pytest.approx(ref_losses[step], abs=TOL), (label, step)
+    for rank, result in enumerate(results):
+        assert result["norms"] == pytest.approx(ref_norms, abs=1e-4), (label, rank)
+        for name, ref in ref_state.items():
+            diff = (result["state"][name] - ref).abs().max().item()
+            assert diff <= TOL, f"{label}, rank {rank}: {name} differs by {diff}"
+
+        # Groups: G consecutive ranks shard; the ranks at the same place in each group replicate.
+        first = rank - rank % group
+        shard_ranks, replica_ranks = list(range(first, first + group)), list(range(rank % group, world_size, group))
+        assert result["groups"] == (shard_ranks, replica_ranks), label
+        for made, expected in zip(result["process_groups"], (shard_ranks, replica_ranks)):
+            assert made is None or made == expected, (label, made, expected)
+
+        # Traffic of the last step, per rank, ring volumes: only the shard crosses groups, once a step.
+        comm, shard_bytes = result["comm"], 4 * sum(result["shard_numels"])
+        padded_bytes, inside, across = shard_bytes * group, (group - 1) / group, (replicas - 1) / replicas
+        small = 2 * 8 * 64  # the used-mask-and-norm agreement: one float64 per parameter (< 64)
+        if stage == 0:
+            assert comm["intra_group"]["sent"] == comm["inter_group"]["sent"] == 0, label
+            assert comm["all_ranks"]["sent"] >= 2 * padded_bytes * (world_size - 1) / world_size, label
+            continue
+        assert abs(comm["inter_group"]["sent"] - 2 * shard_bytes * across) <= len(result["shard_numels"]), label
+        assert comm["all_ranks"]["sent"] < small, label
+        scatters = accum if case.get("each_micro_step", True) and stage >= 2 else 1
+        assert abs(comm["reduce_scatter"]["sent"] - scatters * padded_bytes * inside) <= 4 * len(result["shard_numels"])
+        if stage < 3:  # updated shards, once; stage 3 gathers each unit at each use (compared across G below)
+            assert abs(comm["all_gather"]["sent"] - padded_bytes * inside) <= 4 * len(result["shard_numels"]), label
+        assert comm["intra_group"]["sent"] == comm["reduce_scatter"]["sent"] + comm["all_gather"]["sent"], label
+
+        # Memory: the ZeRO formula with G in place of N.
+        memory, formula = result["memory"], formula_bytes(sum(result["shard_numels"]) * group, stage, group)
+        if stage >= 2 and case.get("each_micro_step", True):  # stage 3 releases them after the step
+            assert memory["gradients"] in (0, shard_bytes), label
+        if stage == 3:
+            assert memory["parameters"] - 4 * 7 * 7 - 4 * 7 == formula.parameters == shard_bytes, label  # + frozen
+    if stage >= 1 and case["optimizer"] == "AdamW":  # each shard's state once per group, R copies in all
+        states = sum(r["memory"]["optimizer_states"] - 4 * r["optimizer_tensors"] for r in results)
+        stepped = sum(p.numel() for p in make_model().parameters() if p.requires_grad) - 5  # less `unused`
+        assert states == 8 * stepped * replicas, label
+
+
+def _check_grid(world_size: int, groups: list[int], per_rank: list[dict]) -> None:
+    for group in groups:
+        for index, case in enumerate(CASES):
+            _check_case(case, world_size, group, [r["cases"][group, index] for r in per_rank])
+    # Stage 3 gathers: the same volume per rank as plain ZeRO over G ranks, (G - 1)/G of the
+    # payload, whatever the world size and G (up to padding).
+    for index, case in enumerate(CASES):
+        if case["stage"] == 3:
+            payloads = [
+                per_rank[0]["cases"][group, index]["comm"]["all_gather"]["sent"] * group / (group - 1) for group in groups
+            ]
+            assert max(payloads) - min(payloads) <= 4 * 6 * 8 * case["accum"], payloads
+    for rank, result in enumerate(per_rank):
+        for overflow in result["overflow"].values():
+            check_skipped_everywhere(rank, overflow)
+
+
+def test_hybrid_2x2_matches_single_process() -> None:
+    _check_grid(4, [2], run_on_ranks(4, hybrid_grid, [2], [1, 3], timeout=300))
+
+
+def test_hybrid_3x2_and_2x3_match_single_process() -> None:
+    _check_grid(6, [2, 3], run_on_ranks(6, hybrid_grid, [2, 3], [2], timeout=400))
+
+
+# -- resume: 2 groups of 2 -> 3 plain ranks -> 2 groups of 2 -------------------------------------
+
+GLOBAL_BATCH, LEG = 12, 2
+SETUPS = {3: (2, 2), 4: (3, 1)}  # world size: (micro-batch, accumulation), global batch 12
+
+
+def resume_leg(rank: int, world_size: int, leg: int, stage: int, group: int | None, load: str, save: str) -> dict:
+    micro, accum = SETUPS[world_size]
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {
+            "stage": stage, "shard_group_size": group, "reduce_bucket_size": 50, "stage3_param_persistence_threshold": 0,
+        },
+    }
+    model = make_model(seed=leg)  # a resumed model starts elsewhere
+    engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
+    if load:
+        engine.load_checkpoint(load)
+    losses, _ = train_engine(engine, rank, world_size, range(leg * LEG, (leg + 1) * LEG), micro, accum)
+    path = engine.save_checkpoint(save)
+    files = sorted(p.name for p in path.iterdir() if p.name.startswith("rank"))
+    pieces = {name: len(torch.load(path / name, weights_only=True)["pieces"]) for name in files}
+    result = {"losses": losses, "state": engine.full_state_dict(), "pieces": pieces}
+    engine.close()
+    return result
+
+
+def test_resume_from_hybrid_to_plain_and_back(tmp_path: Path) -> None:
+    legs = [(4, 2, 2), (3, 3, None), (4, 1, 2)]  # (world size, stage, shard group size)
+    outcome = []
+    for leg, (world_size, stage, group) in enumerate(legs):
+        load = str(tmp_path / f"leg{leg - 1}") if leg else ""
+        outcome.append(run_on_ranks(world_size, resume_leg, leg, stage, group, load, str(tmp_path / f"leg{leg}")))
+    ref_losses, ref_state, _ = train_reference(LEG * len(legs), GLOBAL_BATCH, lr=LR)
+    means = []
+    for per_rank in outcome:
+        for step in range(LEG):
+            window = [loss for result in per_rank for loss in result["losses"][step]]
+            means.append(sum(window) / len(window))
+    assert means == pytest.approx(ref_losses, abs=2e-5)
+    for rank, result in enumerate(outcome[-1]):
+        for name, ref in ref_state.items():
+            diff = (result["state"][name] - ref).abs().max().item()
+            assert diff <= 2e-5, f"rank {rank}: {name} differs by {diff} after 2x2 -> 3 -> 2x2"
+    # One copy per shard: the second group's ranks write no pieces, only their RNG state.
+    hybrid_pieces = outcome[0][0]["pieces"]
+    assert hybrid_pieces["rank00002.pt"] == hybrid_pieces["rank00003.pt"] == 0
+    assert hybrid_pieces["rank00000.pt"] > 0 and hybrid_pieces["rank00001.pt"] > 0
+    assert all(count > 0 for count in outcome[1][0]["pieces"].values())
+
+
+# -- two torchrun "nodes" on this machine ---------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(config: str, launcher: list[str]) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "scripts" / "train.py"),
+        "--config", str(ROOT / "configs" / config), "--steps", "10", "--eval-batches", "1",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish(process: subprocess.Popen) -> str:
+    stdout, stderr = process.communicate(timeout=240)
+    assert process.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+def test_two_nodes_shard_inside_each_node_and_train_as_one() -> None:
+    """The main job on two torchrun "nodes" (c10d rendezvous on localhost, 2 ranks each) with
+    ``shard_group_size: auto``: every rank's shard group is its own node's ranks (which ranks a
+    node has is read from which launcher printed them), its replica group one rank per node; and
+    the run prints the same figures as plain stage 3 over the 4 ranks on one node."""
+    port = _free_port()
+    nodes = [
+        _launch("zero3_hybrid.yaml", [
+            "--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=zero-engine-hybrid-test",
+        ])
+        for node in (0, 1)
+    ]
+    outputs = [_finish(node) for node in nodes]
+    plain = _finish(_launch("zero3.yaml", ["--standalone", "--nproc_per_node=4"]))
+    line = re.compile(r"^rank (\d+) on node \d+: shard group \[([\d, ]+)\], replica group \[([\d, ]+)\]$", re.M)
+    node_ranks = [{int(rank) for rank, *_ in line.findall(output)} for output in outputs]
+    assert sorted(map(len, node_ranks)) == [2, 2] and not node_ranks[0] & node_ranks[1], outputs
+    for output, ranks in zip(outputs, node_ranks):
+        for rank, shard, replica in line.findall(output):
+            assert {int(r) for r in shard.split(", ")} == ranks, f"rank {rank} shards outside its node: {output}"
+            replicas = [int(r) for r in replica.split(", ")]
+            assert len(replicas) == 2 and sum(r in ranks for r in replicas) == 1, output
+    assert "rank 0 on node" not in plain, "one node: no replicas"
+    for pattern in (r"step   10  loss (\d+\.\d+)", r"grad norm (\d+\.\d+)", r"held-out loss (\d+\.\d+)"):
+        hybrid, single = re.findall(pattern, "".join(outputs)), re.findall(pattern, plain)
+        assert len(hybrid) == len(single) == 1, (pattern, outputs, plain)
+        assert float(hybrid[0]) == pytest.approx(float(single[0]), abs=2e-3), (pattern, outputs, plain)
