@@ -54,6 +54,7 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
             "zero_optimization": {
                 "stage": case["stage"], "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0,
+                "shard_group_size": case.get("shard_group_size"),
             },
             "comm": {"primitives": case["primitives"]},
         }
@@ -76,10 +77,12 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
                 setattr(comm_module.dist, name, function)
             for name, function in natives.items():
                 setattr(comm_module, name, function)
+        roles = {id(engine.comm.control_group): "control", id(engine.comm.group): "data"}
+        if engine.comm.num_replicas > 1:  # hybrid: the shard and replica groups are groups of their own
+            roles.update({id(engine.comm.shards.group): "shard_group", id(engine.comm.replicas.group): "replica_group"})
         groups = defaultdict(set)
         for method, function, group in calls:
-            role = "control" if group is engine.comm.control_group else "data" if group is engine.comm.group else "other"
-            groups[method, function].add(role)
+            groups[method, function].add(roles.get(id(group), "other"))
         results.append({
             "calls": {f"{method}:{function}": sorted(roles) for (method, function), roles in groups.items()},
             "control_backend": dist.get_backend(engine.comm.control_group),
@@ -112,3 +115,27 @@ def test_control_traffic_uses_a_gloo_group_and_data_the_data_group(world_size: i
             assert not any(key.startswith("_shard_by_shard") for key in calls), calls
         else:  # gloo's default: one rooted collective per shard
             assert not native and {"_shard_by_shard:reduce", "_shard_by_shard:broadcast"} <= set(calls), calls
+
+
+HYBRID = [{"stage": 1, "primitives": "auto", "shard_group_size": 2}, {"stage": 3, "primitives": "native", "shard_group_size": 2}]
+
+
+def test_hybrid_sharding_keeps_shard_traffic_inside_groups() -> None:
+    """4 ranks as 2 groups of 2: reduce-scatters and gathers run in the shard group, only
+    all-reduces of a shard in the replica group, agreements on the control group."""
+    per_rank = run_on_ranks(4, record_traffic, HYBRID)
+    # Besides data and control: two shard groups and two replica groups, each made by every rank.
+    assert per_rank[0][0]["groups_made"] == [None, "gloo", None, None, None, None]
+    for case, result in zip(HYBRID, per_rank[0]):
+        calls = result["calls"]
+        for key, roles in calls.items():
+            method = key.split(":")[0]
+            if method in CONTROL_METHODS:
+                assert roles == ["control"], (case, key, roles)
+            elif method == "all_reduce_sum":  # the agreement over every rank, and shards across groups
+                assert roles == ["data", "replica_group"], (case, key, roles)
+            elif method in ("barrier", "broadcast"):
+                assert roles == ["data"], (case, key, roles)
+            else:
+                assert roles == ["shard_group"], (case, key, roles)
+        assert calls.get("all_reduce_sum:all_reduce") == ["data", "replica_group"], calls

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 import zero_engine
 from harness import run_on_ranks
-from models import decay_groups, make_model, train_engine, train_reference
+from models import TrapModel, decay_groups, init_trap_model, make_model, train_engine, train_reference
+from test_meta_init import _meta_trap_model, reference_init
 from test_precision import check_skipped_everywhere, overflow_on_one_rank
 from zero_engine.memory import formula_bytes
 
@@ -79,6 +80,16 @@ def hybrid_grid(rank: int, world_size: int, groups: list[int], overflow_stages: 
                 "state": engine.full_state_dict(),
             }
             engine.close()
+    # Built on the meta device, or from weights: each group materializes or reads its shards.
+    zero = {"stage": 3, "shard_group_size": groups[0], "stage3_param_persistence_threshold": 0}
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero}
+    engine = zero_engine.initialize(_meta_trap_model(), config, param_init_fn=init_trap_model)
+    out["meta_init"] = engine.full_state_dict()
+    engine.close()
+    weights = {name: torch.full_like(value, 0.5) for name, value in make_model().state_dict().items()}
+    engine = zero_engine.initialize(_meta_trap_model(), config, weights=weights)
+    out["weights"] = engine.full_state_dict()
+    engine.close()
     for stage in overflow_stages:  # the poisoned element reaches rank 0 across groups
         out["overflow"][stage] = overflow_on_one_rank(
             rank, world_size, stage, poisoner=world_size - 1, zero={"shard_group_size": groups[0]}
@@ -148,7 +159,11 @@ def _check_grid(world_size: int, groups: list[int], per_rank: list[dict]) -> Non
                 per_rank[0]["cases"][group, index]["comm"]["all_gather"]["sent"] * group / (group - 1) for group in groups
             ]
             assert max(payloads) - min(payloads) <= 4 * 6 * 8 * case["accum"], payloads
+    initial = reference_init(TrapModel, init_trap_model)
     for rank, result in enumerate(per_rank):
+        for name, value in initial.items():
+            assert torch.equal(result["meta_init"][name], value), f"rank {rank}: meta-initialized {name} differs"
+            assert torch.equal(result["weights"][name], torch.full_like(value, 0.5)), f"rank {rank}: loaded {name}"
         for overflow in result["overflow"].values():
             check_skipped_everywhere(rank, overflow)
 
