@@ -47,17 +47,40 @@ class CollectiveKind(str, Enum):
 
 
 class Pending(NamedTuple):
-    """Collectives in flight; `wait` blocks until all of them are done, then runs ``then``
-    (a collective that needs their result, launched and waited for in turn)."""
+    """Collectives in flight; `wait` blocks until all of them are done."""
 
     works: tuple[Any, ...] = ()
-    then: Callable[[], Pending] | None = None
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-        if self.then is not None:
-            self.then().wait()
+
+    def advance(self) -> bool:
+        """Everything is launched already (see `TwoPhase`)."""
+        return True
+
+
+class TwoPhase:
+    """A collective whose second phase needs the first one's result (hybrid sharding: the
+    shard across groups once the group has reduced it). `advance` launches the second phase
+    if the first has completed, without waiting; `wait` waits for both. Callers advance their
+    reductions in launch order, stopping at the first not ready, so every rank launches the
+    second phases in the same order."""
+
+    def __init__(self, first: Pending, second: Callable[[], Pending]) -> None:
+        self.first, self._second = first, second
+        self.second: Pending | None = None
+
+    def advance(self) -> bool:
+        if self.second is None and all(work.is_completed() for work in self.first.works):
+            self.second = self._second()
+        return self.second is not None
+
+    def wait(self) -> None:
+        self.first.wait()
+        if self.second is None:
+            self.second = self._second()
+        self.second.wait()
 
 
 DONE = Pending()
@@ -253,7 +276,7 @@ class Comm:
     def all_reduce_sum(self, tensor: torch.Tensor) -> Pending:
         return self.world.all_reduce_sum(tensor)
 
-    def reduce_scatter_sum(self, flat: torch.Tensor) -> Pending:
+    def reduce_scatter_sum(self, flat: torch.Tensor) -> Pending | TwoPhase:
         """Sum ``flat`` over every rank into this rank's shard of it (``num_shards`` shards);
         other shards become undefined. Across groups, only the shard travels, once the group's
         reduce-scatter has filled it."""
@@ -261,7 +284,7 @@ class Comm:
         if self.num_replicas == 1:
             return inside
         shard = self.shards.own_shard(flat)
-        return Pending(inside.works, lambda: self.all_reduce_across_groups(shard))
+        return TwoPhase(inside, lambda: self.all_reduce_across_groups(shard))
 
     def reduce_scatter_in_group(self, flat: torch.Tensor) -> Pending:
         """Sum ``flat`` over this rank's shard group only, into this rank's shard."""

@@ -22,19 +22,19 @@ Two ways to hold gradients, one class each:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .comm import Comm, Pending
+from .comm import Comm, Pending, TwoPhase
 from .flat_param import FlatUnit, _nbytes
 
 
 class GradReduction(Protocol):
     """How full-gradient stages reduce one unit's flat gradients and which part they keep."""
 
-    def launch(self, flat: torch.Tensor, comm: Comm) -> Pending: ...
+    def launch(self, flat: torch.Tensor, comm: Comm) -> Pending | TwoPhase: ...
 
     def kept(self, flat: torch.Tensor, unit: FlatUnit) -> torch.Tensor: ...
 
@@ -52,7 +52,7 @@ class AllReduceGrads:
 class ReduceScatterGrads:
     """Stage 1: each rank keeps the averaged gradient of its own shard."""
 
-    def launch(self, flat: torch.Tensor, comm: Comm) -> Pending:
+    def launch(self, flat: torch.Tensor, comm: Comm) -> Pending | TwoPhase:
         return comm.reduce_scatter_sum(flat)
 
     def kept(self, flat: torch.Tensor, unit: FlatUnit) -> torch.Tensor:
@@ -206,7 +206,7 @@ class FullGradReducer(GradReducer):
         super().__init__(units, comm, overlap, reduce_dtype)
         self.reduction = reduction
         self.max_live_copies = max_live_copies
-        self._pending: deque[tuple[FlatUnit, torch.Tensor, Pending]] = deque()
+        self._pending: deque[tuple[FlatUnit, torch.Tensor, Pending | TwoPhase]] = deque()
         self._copy_bytes = 0  # reduction copies alive now
 
     def pre_backward(self, boundary: bool) -> None:
@@ -224,6 +224,7 @@ class FullGradReducer(GradReducer):
             self._copy_bytes += _nbytes(flat)
             self.peak_grad_bytes = max(self.peak_grad_bytes, self.held_grad_bytes() + self._copy_bytes)
         self._pending.append((unit, flat, self.reduction.launch(flat, self.comm)))
+        _advance(pending for _, _, pending in self._pending)
 
     def _complete_oldest(self) -> None:
         unit, flat, pending = self._pending.popleft()
@@ -243,6 +244,14 @@ class FullGradReducer(GradReducer):
     def zero_grads(self) -> None:
         for unit in self.units:
             _full_grad(unit).zero_()
+
+
+def _advance(reductions: Iterable[Pending | TwoPhase]) -> None:
+    """Start the second phase of hybrid reductions whose first is done, in launch order (the
+    same order on every rank), so crossing groups overlaps the rest of the backward."""
+    for reduction in reductions:
+        if not reduction.advance():
+            break
 
 
 def _full_grad(unit: FlatUnit) -> torch.Tensor:
@@ -287,7 +296,7 @@ class ShardedGradReducer(GradReducer):
         self._free: list[torch.Tensor] = []  # pooled bucket storage ready for reuse
         self._filling: dict[int, _Bucket] = {}  # unit index -> its bucket, not yet launched
         # (unit, bucket, reduction, whether the reduced shard is the window's average already)
-        self._in_flight: deque[tuple[FlatUnit, _Bucket, Pending, bool]] = deque()
+        self._in_flight: deque[tuple[FlatUnit, _Bucket, Pending | TwoPhase, bool]] = deque()
         self._boundary = False
         self._num_live = 0  # buckets filling or reducing
         self._live_bytes = 0
@@ -337,8 +346,9 @@ class ShardedGradReducer(GradReducer):
             self._in_flight.append((unit, bucket, self.comm.reduce_scatter_sum(bucket.flat), False))
         else:
             self._in_flight.append((unit, bucket, *self._reduce_hybrid(unit, bucket.flat)))
+        _advance(pending for _, _, pending, _ in self._in_flight)
 
-    def _reduce_hybrid(self, unit: FlatUnit, flat: torch.Tensor) -> tuple[Pending, bool]:
+    def _reduce_hybrid(self, unit: FlatUnit, flat: torch.Tensor) -> tuple[Pending | TwoPhase, bool]:
         """Hybrid sharding: off boundaries, a micro-step reduces inside the shard group only
         and accumulates; on the boundary the shard crosses groups once, carrying the whole
         window (as FSDP's HSDP skips the all-reduce on accumulation micro-steps), so
@@ -355,7 +365,7 @@ class ShardedGradReducer(GradReducer):
                 shard.add_(unit.sharded_grad)
             return self.comm.all_reduce_across_groups(shard)
 
-        return Pending(inside.works, across_groups), True
+        return TwoPhase(inside, across_groups), True
 
     def _complete_oldest(self) -> None:
         unit, bucket, pending, averaged = self._in_flight.popleft()
