@@ -73,18 +73,27 @@ class TorchSystem:
     def comm_bytes(self) -> int | None:
         return None  # not instrumented; theory: all-reduce 2(N-1)/N x gradient bytes (+ broadcasts for ZeRO)
 
+    def inter_group_bytes(self) -> int | None:
+        return None
+
 
 class FSDP2System(TorchSystem):
-    """PyTorch's FSDP2: ``fully_shard`` on each Block and on the root, AdamW on the DTensors."""
+    """PyTorch's FSDP2: ``fully_shard`` on each Block and on the root, AdamW on the DTensors.
+    With ``shard_group_size`` G: HSDP, on a 2-D (replicate, shard) mesh of groups of G ranks."""
 
     free_grads = True  # as FSDP2's examples do
 
-    def __init__(self, model: nn.Module) -> None:  # replaces DDP's set-up entirely
+    def __init__(self, model: nn.Module, shard_group_size: int | None = None) -> None:  # replaces DDP's set-up
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if shard_group_size:
+            shape = (dist.get_world_size() // shard_group_size, shard_group_size)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
-            fully_shard(block)
-        self.model = fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        self.model = fully_shard(model, mesh=mesh)
         self.optimizer = torch.optim.AdamW(decay_groups(model, WEIGHT_DECAY), lr=LR)
 
     def memory(self) -> dict[str, int]:
@@ -102,7 +111,7 @@ class FSDP2System(TorchSystem):
 
 
 class EngineSystem:
-    def __init__(self, model: nn.Module, stage: int, bucket: int) -> None:
+    def __init__(self, model: nn.Module, stage: int, bucket: int, shard_group_size: int | None = None) -> None:
         config = {
             "train_micro_batch_size_per_gpu": 1,  # batches are handed in directly
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
@@ -110,7 +119,7 @@ class EngineSystem:
             # every parameter is sharded, as FSDP2 does.
             "zero_optimization": {
                 "stage": stage, "reduce_bucket_size": bucket, "stage3_wrap_modules": ["Block"],
-                "stage3_param_persistence_threshold": 0,
+                "stage3_param_persistence_threshold": 0, "shard_group_size": shard_group_size,
             },
         }
         self.engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
@@ -129,22 +138,28 @@ class EngineSystem:
     def comm_bytes(self) -> int | None:
         return self.engine.comm_report()["total"]["sent"]
 
+    def inter_group_bytes(self) -> int | None:
+        return self.engine.comm_report()["inter_group"]["sent"]
+
 
 def build_systems(names: list[str], model_config, bucket: int) -> dict[str, Callable]:
-    """``ddp``, ``zero_redundancy``, ``fsdp2``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B elements)."""
+    """``ddp``, ``zero_redundancy``, ``fsdp2``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B
+    elements); ``/G`` after fsdp2 or an engine: hybrid sharding over groups of G ranks (HSDP)."""
     systems = {}
     for name in names:
         torch.manual_seed(0)
         model = GPT(model_config)
-        if name in ("ddp", "zero_redundancy"):
-            systems[name] = TorchSystem(model, sharded_optimizer=name == "zero_redundancy")
-        elif name == "fsdp2":
-            systems[name] = FSDP2System(model)
-        elif name.startswith("engine"):
-            stage, _, size = name.removeprefix("engine").partition("@")
-            systems[name] = EngineSystem(model, int(stage), int(float(size)) if size else bucket)
+        base, _, group = name.partition("/")
+        shard_group_size = int(group) if group else None
+        if base in ("ddp", "zero_redundancy"):
+            systems[name] = TorchSystem(model, sharded_optimizer=base == "zero_redundancy")
+        elif base == "fsdp2":
+            systems[name] = FSDP2System(model, shard_group_size)
+        elif base.startswith("engine"):
+            stage, _, size = base.removeprefix("engine").partition("@")
+            systems[name] = EngineSystem(model, int(stage), int(float(size)) if size else bucket, shard_group_size)
         else:
-            raise SystemExit(f"unknown system {name!r}: ddp, zero_redundancy, fsdp2, engineS or engineS@BUCKET")
+            raise SystemExit(f"unknown system {name!r}: ddp, zero_redundancy, fsdp2[/G], engineS[@BUCKET][/G]")
     return systems
 
 
@@ -178,6 +193,7 @@ def run(args: argparse.Namespace) -> dict:
             "max_loss_diff_vs_" + reference: max(abs(a - b) for a, b in zip(losses[name], losses[reference])),
             **system.memory(),
             "comm_bytes_per_step": system.comm_bytes(),
+            "inter_group_bytes_per_step": system.inter_group_bytes(),
         }
     return {
         "model": args.model,
@@ -222,8 +238,9 @@ def markdown(result: dict) -> str:
         "(stages 0-2; stage 3 and FSDP2 move 3x)",
         "",
         f"| system | median step (ms) | {ref.replace('_', ' ')} | params MiB | grads MiB | optimizer MiB "
-        "| comm buffers MiB | peak grads MiB | peak gathered params MiB | comm MiB/step | max loss diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| comm buffers MiB | peak grads MiB | peak gathered params MiB | comm MiB/step | across groups MiB/step "
+        "| max loss diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in result["systems"].items():
         comm = _mib(row["comm_bytes_per_step"])
@@ -232,7 +249,7 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {name} | {row['median_step_s'] * 1e3:.1f} | {row[ref]:.3f} | {_mib(row['parameters'])} "
             f"| {_mib(row['gradients'])} | {_mib(row['optimizer_states'])} | {' | '.join(extra)} | {comm} "
-            f"| {row[loss_key]:.1e} |"
+            f"| {_mib(row['inter_group_bytes_per_step'])} | {row[loss_key]:.1e} |"
         )
     return "\n".join(lines) + "\n"
 
