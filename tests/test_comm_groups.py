@@ -117,7 +117,10 @@ def test_control_traffic_uses_a_gloo_group_and_data_the_data_group(world_size: i
             assert not native and {"_shard_by_shard:reduce", "_shard_by_shard:broadcast"} <= set(calls), calls
 
 
-HYBRID = [{"stage": 1, "primitives": "auto", "shard_group_size": 2}, {"stage": 3, "primitives": "native", "shard_group_size": 2}]
+HYBRID = [
+    {"stage": 1, "primitives": "auto", "shard_group_size": 2},
+    {"stage": 3, "primitives": "native", "shard_group_size": 2},
+]
 
 
 def test_hybrid_sharding_keeps_shard_traffic_inside_groups() -> None:

@@ -79,6 +79,10 @@ def hybrid_grid(rank: int, world_size: int, groups: list[int], overflow_stages: 
                 ],
                 "state": engine.full_state_dict(),
             }
+            if case["stage"] == 3:  # onto rank 0 alone: only the first group gathers
+                engine.comm.reset_report()
+                out["cases"][group, index]["rank0_state"] = engine.full_state_dict(rank0_only=True)
+                out["cases"][group, index]["rank0_gather_bytes"] = engine.comm_report()["gather"]["sent"]
             engine.close()
     # Built on the meta device, or from weights: each group materializes or reads its shards.
     zero = {"stage": 3, "shard_group_size": groups[0], "stage3_param_persistence_threshold": 0}
@@ -107,6 +111,12 @@ def _check_case(case: dict, world_size: int, group: int, results: list[dict]) ->
         window = [loss for result in results for loss in result["losses"][step]]
         assert sum(window) / len(window) == pytest.approx(ref_losses[step], abs=TOL), (label, step)
     for rank, result in enumerate(results):
+        if stage == 3:
+            if rank == 0:
+                assert all(torch.equal(result["rank0_state"][k], v) for k, v in result["state"].items()), label
+            else:
+                assert result["rank0_state"] == {}, label
+            assert (result["rank0_gather_bytes"] > 0) == (rank < group), f"{label}: rank {rank} gathered"
         assert result["norms"] == pytest.approx(ref_norms, abs=1e-4), (label, rank)
         for name, ref in ref_state.items():
             diff = (result["state"][name] - ref).abs().max().item()
@@ -155,9 +165,8 @@ def _check_grid(world_size: int, groups: list[int], per_rank: list[dict]) -> Non
     # payload, whatever the world size and G (up to padding).
     for index, case in enumerate(CASES):
         if case["stage"] == 3:
-            payloads = [
-                per_rank[0]["cases"][group, index]["comm"]["all_gather"]["sent"] * group / (group - 1) for group in groups
-            ]
+            gathered = [per_rank[0]["cases"][group, index]["comm"]["all_gather"]["sent"] for group in groups]
+            payloads = [sent * group / (group - 1) for sent, group in zip(gathered, groups)]
             assert max(payloads) - min(payloads) <= 4 * 6 * 8 * case["accum"], payloads
     initial = reference_init(TrapModel, init_trap_model)
     for rank, result in enumerate(per_rank):
@@ -189,7 +198,8 @@ def resume_leg(rank: int, world_size: int, leg: int, stage: int, group: int | No
         "gradient_accumulation_steps": accum,
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "zero_optimization": {
-            "stage": stage, "shard_group_size": group, "reduce_bucket_size": 50, "stage3_param_persistence_threshold": 0,
+            "stage": stage, "shard_group_size": group, "reduce_bucket_size": 50,
+            "stage3_param_persistence_threshold": 0,
         },
     }
     model = make_model(seed=leg)  # a resumed model starts elsewhere

@@ -47,7 +47,9 @@ def _estimate(args: argparse.Namespace) -> int:
         return 1
     zero = config.zero_optimization
     dtype = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
-    sharding = f" (sharded over groups of {group}, {args.world_size // group} replicas)" if group < args.world_size else ""
+    sharding = ""
+    if group < args.world_size:
+        sharding = f" (sharded over groups of {group}, {args.world_size // group} replicas)"
     print(f"stage {zero.stage}, {dtype}, {config.optimizer.type}, {args.world_size} rank(s){sharding}, "
           f"{int(float(args.params)):,} trainable parameters; per rank, without padding and activations:")
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):

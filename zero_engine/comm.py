@@ -1,8 +1,9 @@
 """Collectives: the only module that calls ``torch.distributed``.
 
-Every collective of a `GroupComm` works on flat buffers whose length is a multiple of its group
-size ``N``, with group rank ``r``'s shard at ``[r * n / N, (r + 1) * n / N)``, and returns a `Pending` handle so the
-caller decides when to wait. World size 1 needs no process group: every call is a no-op.
+Every collective of a `GroupComm` works on flat buffers whose length is a multiple of its
+group size ``N``, with group rank ``r``'s shard at ``[r * n / N, (r + 1) * n / N)``, and
+returns a `Pending` handle so the caller decides when to wait. World size 1 needs no process
+group: every call is a no-op.
 
 Which primitive implements a collective is chosen per backend, by measurement (see
 ``docs/benchmarks.md``): gloo's own reduce-scatter and all-gather are naive (3-8x slower than
@@ -407,7 +408,9 @@ def _hybrid_groups(timeout_s: float, world_size: int, rank: int, size: int, data
     key = (id(dist.group.WORLD), timeout_s, size)
     if key not in _HYBRID_GROUPS:
         timeout = datetime.timedelta(seconds=timeout_s)
-        shard_groups = [dist.new_group(ranks=list(range(g * size, (g + 1) * size)), timeout=timeout) for g in range(replicas)]
+        shard_groups = [
+            dist.new_group(ranks=list(range(g * size, (g + 1) * size)), timeout=timeout) for g in range(replicas)
+        ]
         replica_groups = [dist.new_group(ranks=list(range(s, world_size, size)), timeout=timeout) for s in range(size)]
         _HYBRID_GROUPS[key] = (shard_groups, replica_groups)
     shard_groups, replica_groups = _HYBRID_GROUPS[key]
