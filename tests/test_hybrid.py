@@ -27,6 +27,7 @@ from harness import run_on_ranks
 from models import TrapModel, decay_groups, init_trap_model, make_model, train_engine, train_reference
 from test_meta_init import _meta_trap_model, reference_init
 from test_precision import check_skipped_everywhere, overflow_on_one_rank
+from zero_engine.comm import DONE, Pending, TwoPhase, advance_in_order
 from zero_engine.memory import formula_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,6 +184,33 @@ def test_hybrid_2x2_matches_single_process() -> None:
 
 def test_hybrid_3x2_and_2x3_match_single_process() -> None:
     _check_grid(6, [2, 3], run_on_ranks(6, hybrid_grid, [2, 3], [2], timeout=400))
+
+
+class _Work:
+    def __init__(self, done: bool) -> None:
+        self.done, self.waited = done, False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        self.waited = True
+
+
+def test_second_phases_start_in_launch_order() -> None:
+    """Crossing groups starts as soon as the group's reduction is done, but never ahead of an
+    earlier reduction: every rank must launch the across-group all-reduces in the same order."""
+    started: list[int] = []
+    works = [_Work(True), _Work(False), _Work(True)]
+    reductions = [TwoPhase(Pending((work,)), lambda i=i: started.append(i) or DONE) for i, work in enumerate(works)]
+    advance_in_order(reductions)
+    assert started == [0] and works[0].waited, "the third is ready but must wait for the second"
+    works[1].done = True
+    advance_in_order(reductions)
+    assert started == [0, 1, 2]
+    late = TwoPhase(Pending((_Work(False),)), lambda: started.append(3) or DONE)
+    late.wait()  # waiting launches the second phase itself
+    assert started == [0, 1, 2, 3]
 
 
 # -- resume: 2 groups of 2 -> 3 plain ranks -> 2 groups of 2 -------------------------------------

@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -74,17 +74,30 @@ class TwoPhase:
 
     def advance(self) -> bool:
         if self.second is None and all(work.is_completed() for work in self.first.works):
-            self.second = self._second()
+            self._start_second()
         return self.second is not None
 
     def wait(self) -> None:
-        self.first.wait()
         if self.second is None:
-            self.second = self._second()
+            self._start_second()
+        assert self.second is not None
         self.second.wait()
+
+    def _start_second(self) -> None:
+        self.first.wait()  # done already when advanced; on a GPU this orders the streams
+        self.second = self._second()
 
 
 DONE = Pending()
+
+
+def advance_in_order(reductions: Iterable[Pending | TwoPhase]) -> None:
+    """Start the second phase of reductions whose first is done, in launch order, stopping at
+    the first not ready: the same order on every rank, and crossing groups overlaps whatever
+    the caller does next."""
+    for reduction in reductions:
+        if not reduction.advance():
+            break
 
 
 class EachRank(NamedTuple):

@@ -22,12 +22,12 @@ Two ways to hold gradients, one class each:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .comm import Comm, Pending, TwoPhase
+from .comm import Comm, Pending, TwoPhase, advance_in_order
 from .flat_param import FlatUnit, _nbytes
 
 
@@ -224,7 +224,7 @@ class FullGradReducer(GradReducer):
             self._copy_bytes += _nbytes(flat)
             self.peak_grad_bytes = max(self.peak_grad_bytes, self.held_grad_bytes() + self._copy_bytes)
         self._pending.append((unit, flat, self.reduction.launch(flat, self.comm)))
-        _advance(pending for _, _, pending in self._pending)
+        advance_in_order(pending for _, _, pending in self._pending)
 
     def _complete_oldest(self) -> None:
         unit, flat, pending = self._pending.popleft()
@@ -244,14 +244,6 @@ class FullGradReducer(GradReducer):
     def zero_grads(self) -> None:
         for unit in self.units:
             _full_grad(unit).zero_()
-
-
-def _advance(reductions: Iterable[Pending | TwoPhase]) -> None:
-    """Start the second phase of hybrid reductions whose first is done, in launch order (the
-    same order on every rank), so crossing groups overlaps the rest of the backward."""
-    for reduction in reductions:
-        if not reduction.advance():
-            break
 
 
 def _full_grad(unit: FlatUnit) -> torch.Tensor:
@@ -346,7 +338,7 @@ class ShardedGradReducer(GradReducer):
             self._in_flight.append((unit, bucket, self.comm.reduce_scatter_sum(bucket.flat), False))
         else:
             self._in_flight.append((unit, bucket, *self._reduce_hybrid(unit, bucket.flat)))
-        _advance(pending for _, _, pending, _ in self._in_flight)
+        advance_in_order(pending for _, _, pending, _ in self._in_flight)
 
     def _reduce_hybrid(self, unit: FlatUnit, flat: torch.Tensor) -> tuple[Pending | TwoPhase, bool]:
         """Hybrid sharding: off boundaries, a micro-step reduces inside the shard group only
