@@ -1,5 +1,5 @@
-"""The CUDA path on a real GPU: NCCL at world size 1, ranks sharing one GPU over gloo, a
-save/resume, the CUDA allocator against `memory_report()`, and host syncs counted by torch's
+"""The CUDA path on a real GPU: NCCL at world size 1, ranks sharing one GPU over gloo (as one
+group, and as two groups of two with hybrid sharding), a save/resume, the CUDA allocator against `memory_report()`, and host syncs counted by torch's
 sync debug mode. Skipped where torch sees no GPU (CPU runs are guarded by
 `tests/test_device_guard.py` instead). ``scripts/gpu_check.sh`` runs this file and the GPU
 benchmarks in one go on the first machine with a GPU.
@@ -77,6 +77,19 @@ def test_one_gpu_on_nccl_matches_the_one_process_reference() -> None:
 def test_ranks_sharing_one_gpu_over_gloo_match_the_reference() -> None:
     """Two ranks, CUDA tensors, one GPU: gloo moves the data (NCCL needs a GPU per rank)."""
     _check_grid(2, run_on_ranks(2, cuda_grid, CASES, timeout=600), "gloo")
+
+
+HYBRID_CASES = [dict(case, shard_group_size=2) for case in CASES if case["stage"] > 0]
+
+
+def test_four_ranks_sharing_one_gpu_as_two_groups_of_two() -> None:
+    """Hybrid sharding with CUDA tensors: the two-phase reductions (inside the group, then the
+    shard across groups) on the device, gloo moving the data."""
+    per_rank = run_on_ranks(4, cuda_grid, HYBRID_CASES, timeout=600)
+    for index, case in enumerate(HYBRID_CASES):
+        results = [r[index] for r in per_rank]
+        assert {(r["backend"], r["device"]) for r in results} == {("gloo", "cuda:0")}, case
+        _check(case, 4, results)
 
 
 def resume_grid(rank: int, world_size: int, cases: list[dict], directory: str) -> list[dict]:

@@ -26,7 +26,8 @@ import zero_engine
 from harness import run_on_ranks
 from models import TrapModel, decay_groups, init_trap_model, make_model, train_engine, train_reference
 from test_meta_init import _meta_trap_model, reference_init
-from test_precision import check_skipped_everywhere, overflow_on_one_rank
+from test_precision import _check as check_precision
+from test_precision import check_skipped_everywhere, overflow_on_one_rank, precision_grid
 from zero_engine.comm import DONE, Pending, TwoPhase, advance_in_order
 from zero_engine.memory import formula_bytes
 
@@ -58,8 +59,20 @@ def _config(case: dict, group: int) -> dict:
     }
 
 
+# Mixed precision against the single-process policy reference (tolerances of test_precision).
+PRECISION_CASES = [
+    {"stage": 1, "dtype": "bf16", "accum": 4, "clip": 1.0},
+    {"stage": 2, "dtype": "bf16", "accum": 4, "clip": 1.0},
+    {"stage": 3, "dtype": "bf16", "accum": 4, "clip": 1.0},
+    {"stage": 2, "dtype": "fp16", "accum": 1, "clip": 1.0},
+]
+
+
 def hybrid_grid(rank: int, world_size: int, groups: list[int], overflow_stages: list[int]) -> dict:
     out: dict = {"cases": {}, "overflow": {}}
+    if overflow_stages:  # one G suffices
+        cases = [dict(case, shard_group_size=groups[0]) for case in PRECISION_CASES]
+        out["precision"] = precision_grid(rank, world_size, cases)
     for group in groups:
         for index, case in enumerate(CASES):
             model = make_model()
@@ -169,6 +182,8 @@ def _check_grid(world_size: int, groups: list[int], per_rank: list[dict]) -> Non
             gathered = [per_rank[0]["cases"][group, index]["comm"]["all_gather"]["sent"] for group in groups]
             payloads = [sent * group / (group - 1) for sent, group in zip(gathered, groups)]
             assert max(payloads) - min(payloads) <= 4 * 6 * 8 * case["accum"], payloads
+    for index, case in enumerate(PRECISION_CASES if "precision" in per_rank[0] else []):
+        check_precision(case, world_size, [r["precision"][index] for r in per_rank])
     initial = reference_init(TrapModel, init_trap_model)
     for rank, result in enumerate(per_rank):
         for name, value in initial.items():

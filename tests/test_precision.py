@@ -48,6 +48,7 @@ def _config(case: dict) -> dict:
         # Stage 3: embed, fc1 and fc2 become units of their own (size policy), nothing resident.
         "zero_optimization": {
             "stage": case["stage"], "reduce_bucket_size": 60, "stage3_param_persistence_threshold": 0,
+            "shard_group_size": case.get("shard_group_size"),
         },
     }
 
