@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What the first machine with a GPU should run, in one go: the CUDA tests (NCCL at world size 1,
 # ranks sharing the GPU over gloo, also as two groups of two with hybrid sharding, save/resume,
-# the CUDA allocator against memory_report(),
-# host syncs under torch's sync debug mode), then the main job on the GPU at stages 0 and 3.
+# the CUDA allocator against memory_report(), host syncs under torch's sync debug mode), then the
+# main job on the GPU at stages 0 and 3.
 # One GPU is enough. Put what it prints in docs/benchmarks.md ("On a GPU").
 #
 #   bash scripts/gpu_check.sh 2>&1 | tee gpu_check.log

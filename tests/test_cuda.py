@@ -1,8 +1,9 @@
 """The CUDA path on a real GPU: NCCL at world size 1, ranks sharing one GPU over gloo (as one
-group, and as two groups of two with hybrid sharding), a save/resume, the CUDA allocator against `memory_report()`, and host syncs counted by torch's
-sync debug mode. Skipped where torch sees no GPU (CPU runs are guarded by
-`tests/test_device_guard.py` instead). ``scripts/gpu_check.sh`` runs this file and the GPU
-benchmarks in one go on the first machine with a GPU.
+group, and as two groups of two with hybrid sharding), a save/resume, the CUDA allocator
+against `memory_report()`, and host syncs counted by torch's sync debug mode. Skipped where
+torch sees no GPU (CPU runs are guarded by `tests/test_device_guard.py` instead).
+``scripts/gpu_check.sh`` runs this file and the GPU benchmarks in one go on the first machine
+with a GPU.
 
 References are the CPU ones of `tests/test_precision.py` (same policy, same batches); CUDA
 kernels sum in other orders than CPU ones, which the tolerances there already cover (they
