@@ -24,14 +24,19 @@ WAYS = ("engine.backward", "loss.backward", "torch.autograd.backward")
 CASES = [{"stage": stage, "bf16": bf16} for stage, bf16 in itertools.product((0, 1, 2, 3), (False, True))]
 
 
-def _config(stage: int, bf16: bool = False, fp16: bool = False, accum: int = 1) -> dict:
+def _config(
+    stage: int, bf16: bool = False, fp16: bool = False, accum: int = 1, shard_group_size: int | None = None
+) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": accum,
         "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": fp16},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": stage, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0,
+            "shard_group_size": shard_group_size,
+        },
     }
 
 
@@ -123,15 +128,15 @@ def test_misuses_fail_with_what_to_do() -> None:
 SPLIT_CASES = [(0, 2), (1, 2), (2, 1), (3, 2)]  # (stage, accumulation steps)
 
 
-def two_backwards_per_micro_step(rank: int, world_size: int, cases: list[tuple[int, int]]) -> list[list[dict]]:
+def two_backwards_per_micro_step(rank: int, world_size: int, cases: list[tuple[int, ...]]) -> list[list[dict]]:
     """Each micro-batch's loss in one backward, or as two half-batch backwards: stages 2-3
     reduce each backward into the shard, stages 0-1 accumulate off the boundary (where two
-    backwards are allowed there)."""
+    backwards are allowed there). A case is (stage, accumulation steps[, shard group size])."""
     results = []
-    for stage, accum in cases:
+    for stage, accum, *group in cases:
         states = []
         for split in (False, True):
-            engine = _engine(_config(stage, accum=accum))
+            engine = _engine(_config(stage, accum=accum, shard_group_size=group[0] if group else None))
             for step in range(2):
                 for micro in range(accum):
                     tokens, targets = micro_batch(step, micro, rank, world_size, MICRO, accum)
@@ -151,9 +156,13 @@ def two_backwards_per_micro_step(rank: int, world_size: int, cases: list[tuple[i
 
 def test_several_backwards_in_a_micro_step_add_up() -> None:
     for per_case in run_on_ranks(2, two_backwards_per_micro_step, SPLIT_CASES):
-        for (stage, accum), (joined, split) in zip(SPLIT_CASES, per_case):
-            for name, value in joined.items():
-                torch.testing.assert_close(split[name], value, rtol=0, atol=1e-6, msg=f"stage {stage}: {name}")
+        check_backwards_add_up(SPLIT_CASES, per_case)
+
+
+def check_backwards_add_up(cases: list[tuple[int, ...]], per_case: list[list[dict]]) -> None:
+    for (stage, *_), (joined, split) in zip(cases, per_case):
+        for name, value in joined.items():
+            torch.testing.assert_close(split[name], value, rtol=0, atol=1e-6, msg=f"stage {stage}: {name}")
 
 
 class _FailOnce(torch.autograd.Function):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import zero_engine
 from harness import run_on_ranks
 from models import TrapModel, decay_groups, init_trap_model, make_model, train_engine, train_reference
+from test_backward import check_backwards_add_up, two_backwards_per_micro_step
 from test_meta_init import _meta_trap_model, reference_init
 from test_precision import _check as check_precision
 from test_precision import check_skipped_everywhere, overflow_on_one_rank, precision_grid
@@ -68,11 +69,17 @@ PRECISION_CASES = [
 ]
 
 
+# Two backwards in one micro-step (stages 2-3 allow it on the boundary): (stage, accumulation).
+SPLIT_CASES = [(2, 1), (2, 2), (3, 1), (3, 2)]
+
+
 def hybrid_grid(rank: int, world_size: int, groups: list[int], overflow_stages: list[int]) -> dict:
     out: dict = {"cases": {}, "overflow": {}}
     if overflow_stages:  # one G suffices
         cases = [dict(case, shard_group_size=groups[0]) for case in PRECISION_CASES]
         out["precision"] = precision_grid(rank, world_size, cases)
+        splits = [(stage, accum, groups[0]) for stage, accum in SPLIT_CASES]
+        out["split"] = two_backwards_per_micro_step(rank, world_size, splits)
     for group in groups:
         for index, case in enumerate(CASES):
             model = make_model()
@@ -182,6 +189,8 @@ def _check_grid(world_size: int, groups: list[int], per_rank: list[dict]) -> Non
             gathered = [per_rank[0]["cases"][group, index]["comm"]["all_gather"]["sent"] for group in groups]
             payloads = [sent * group / (group - 1) for sent, group in zip(gathered, groups)]
             assert max(payloads) - min(payloads) <= 4 * 6 * 8 * case["accum"], payloads
+    for result in per_rank if "split" in per_rank[0] else []:
+        check_backwards_add_up(SPLIT_CASES, result["split"])
     for index, case in enumerate(PRECISION_CASES if "precision" in per_rank[0] else []):
         check_precision(case, world_size, [r["precision"][index] for r in per_rank])
     initial = reference_init(TrapModel, init_trap_model)

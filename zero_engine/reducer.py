@@ -287,9 +287,10 @@ class ShardedGradReducer(GradReducer):
         self._bucket_numel = max((unit.layout.padded_numel for unit in self.units), default=0)
         self._free: list[torch.Tensor] = []  # pooled bucket storage ready for reuse
         self._filling: dict[int, _Bucket] = {}  # unit index -> its bucket, not yet launched
-        # (unit, bucket, reduction, whether the reduced shard is the window's average already)
+        # (unit, bucket, reduction, whether the reduced shard is averaged over every rank already)
         self._in_flight: deque[tuple[FlatUnit, _Bucket, Pending | TwoPhase, bool]] = deque()
         self._boundary = False
+        self._crossed: set[int] = set()  # hybrid: units whose shard crossed groups in this window
         self._num_live = 0  # buckets filling or reducing
         self._live_bytes = 0
 
@@ -344,7 +345,8 @@ class ShardedGradReducer(GradReducer):
         """Hybrid sharding: off boundaries, a micro-step reduces inside the shard group only
         and accumulates; on the boundary the shard crosses groups once, carrying the whole
         window (as FSDP's HSDP skips the all-reduce on accumulation micro-steps), so
-        inter-group traffic is one shard all-reduce per optimizer step, whatever the accumulation."""
+        inter-group traffic is one shard all-reduce per optimizer step, whatever the
+        accumulation. A further backward on the boundary crosses with its own part only."""
         inside = self.comm.reduce_scatter_in_group(flat)
         if not self._boundary:
             return inside, False
@@ -353,8 +355,11 @@ class ShardedGradReducer(GradReducer):
 
         def across_groups() -> Pending:
             shard.mul_(1.0 / self.comm.world_size)
-            if unit.sharded_grad is not None:
-                shard.add_(unit.sharded_grad)
+            if id(unit) not in self._crossed:  # carry the group's part of the window, once
+                self._crossed.add(id(unit))
+                if unit.sharded_grad is not None:
+                    shard.add_(unit.sharded_grad)
+                    unit.sharded_grad.zero_()
             return self.comm.all_reduce_across_groups(shard)
 
         return TwoPhase(inside, across_groups), True
@@ -364,14 +369,12 @@ class ShardedGradReducer(GradReducer):
         pending.wait()
         start, end = unit.layout.shard_range(unit.rank)
         reduced = bucket.flat[start:end]
+        scale = 1.0 if averaged else 1.0 / self.comm.world_size
         if unit.sharded_grad is None:  # released: the first reduction makes the shard, no zeros pass
-            scale = 1.0 if averaged else 1.0 / self.comm.world_size
             unit.sharded_grad = torch.mul(reduced, scale).to(unit.compute_dtype)
             self._shard_bytes += _nbytes(unit.sharded_grad)
-        elif averaged:
-            unit.sharded_grad.copy_(reduced)
         else:
-            unit.sharded_grad.add_(reduced, alpha=1.0 / self.comm.world_size)
+            unit.sharded_grad.add_(reduced, alpha=scale)
         self._num_live -= 1
         self._live_bytes -= _nbytes(bucket.storage)
         if not self.release_after_step:
@@ -394,6 +397,7 @@ class ShardedGradReducer(GradReducer):
         return unit.grad_shard()
 
     def zero_grads(self) -> None:
+        self._crossed.clear()
         for unit in self.units:
             if self.release_after_step:
                 unit.release_grad_shard()
