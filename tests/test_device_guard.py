@@ -39,6 +39,7 @@ def _config(case: dict) -> dict:
         "bf16": {"enabled": case["bf16"]},
         "zero_optimization": {
             "stage": case["stage"], "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0,
+            "shard_group_size": case.get("shard_group_size"),
         },
     }
 
@@ -89,6 +90,23 @@ def test_every_stage_trains_saves_and_loads_without_mixing_or_extra_syncs(tmp_pa
     for rank, results in enumerate(per_rank):
         for case, result in zip(CASES, results):
             assert result["device"] == str(GUARDED_DEVICE), (rank, case)
+            assert result["before_save"] == [ONE_SYNC_PER_STEP] * 2, (rank, case, result)
+            assert result["after_load"] == [ONE_SYNC_PER_STEP] * 2, (rank, case, result)
+
+
+HYBRID_CASES = [
+    {"stage": 1, "bf16": False, "shard_group_size": 2},
+    {"stage": 2, "bf16": True, "shard_group_size": 2},
+    {"stage": 3, "bf16": True, "shard_group_size": 2},
+]
+
+
+def test_hybrid_sharding_neither_mixes_nor_syncs_more(tmp_path: Path) -> None:
+    """4 ranks as 2 groups of 2: the two-phase reductions and the first-group-only norm run on
+    device tensors and add no host sync."""
+    per_rank = run_on_ranks(4, guarded_grid, HYBRID_CASES, str(tmp_path), timeout=300)
+    for rank, results in enumerate(per_rank):
+        for case, result in zip(HYBRID_CASES, results):
             assert result["before_save"] == [ONE_SYNC_PER_STEP] * 2, (rank, case, result)
             assert result["after_load"] == [ONE_SYNC_PER_STEP] * 2, (rank, case, result)
 
