@@ -4,9 +4,10 @@ ranks and replicated across groups, against one process, in real processes.
 4 ranks as 2 groups of 2, 6 ranks as 3 groups of 2 and as 2 groups of 3: every stage, with
 accumulation, on the model with the tied weight, plain SGD and clipped AdamW. Each case also
 reports its traffic by scope and its memory, checked against the ring formulas and the ZeRO
-formula with the group size G in place of the world size N. Then fp16 overflow on a rank of
-the second group, a resume from 2x2 to 3 plain ranks and back, and two torchrun "nodes" on
-this machine.
+formula with the group size G in place of the world size N. In the same processes: mixed
+precision against the policy reference, two backwards in one micro-step, meta-device init,
+weights loading, and fp16 overflow on a rank of the second group. Then a resume from 2x2 to 3
+plain ranks and back, and two torchrun "nodes" on this machine.
 """
 
 from __future__ import annotations
