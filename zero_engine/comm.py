@@ -406,40 +406,33 @@ def _agreed_shard_group_size(zero: ZeroOptimizationConfig, world: GroupComm) -> 
     return size
 
 
-_HYBRID_GROUPS: dict[tuple[int, float, int], tuple[Any, Any]] = {}
-
-
 def _hybrid_groups(timeout_s: float, world_size: int, rank: int, size: int, data: Any) -> tuple[Any, Any]:
     """This rank's shard group (``size`` consecutive ranks) and replica group (the ranks at
     the same place in every shard group). A single group is the data group itself, and a
     group of one rank needs none. Every rank makes every group (``new_group`` is collective)."""
-    replicas = world_size // size
     if size == world_size:
         return data, None
     if size == 1:
         return None, data
-    key = (id(dist.group.WORLD), timeout_s, size)
-    if key not in _HYBRID_GROUPS:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        shard_groups = [
-            dist.new_group(ranks=list(range(g * size, (g + 1) * size)), timeout=timeout) for g in range(replicas)
-        ]
-        replica_groups = [dist.new_group(ranks=list(range(s, world_size, size)), timeout=timeout) for s in range(size)]
-        _HYBRID_GROUPS[key] = (shard_groups, replica_groups)
-    shard_groups, replica_groups = _HYBRID_GROUPS[key]
+    shard_groups = [
+        _own_group(timeout_s, "data", None, range(g * size, (g + 1) * size)) for g in range(world_size // size)
+    ]
+    replica_groups = [_own_group(timeout_s, "data", None, range(s, world_size, size)) for s in range(size)]
     return shard_groups[rank // size], replica_groups[rank % size]
 
 
-_OWN_GROUPS: dict[tuple[int, float, str], Any] = {}
+_OWN_GROUPS: dict[tuple[int, float, str, tuple[int, ...] | None], Any] = {}
 
 
-def _own_group(timeout_s: float, role: str, backend: str | None) -> Any:
-    """One group over all ranks per default group, timeout and role (``new_group`` is
-    collective, so engines created in the same order on every rank share it). ``backend``
+def _own_group(timeout_s: float, role: str, backend: str | None, ranks: range | None = None) -> Any:
+    """One group per default group, timeout, role and ranks (all ranks when None; ``new_group``
+    is collective, so engines created in the same order on every rank share it). ``backend``
     None: the default group's."""
-    key = (id(dist.group.WORLD), timeout_s, role)
+    members = tuple(ranks) if ranks is not None else None
+    key = (id(dist.group.WORLD), timeout_s, role, members)
     if key not in _OWN_GROUPS:
-        _OWN_GROUPS[key] = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        _OWN_GROUPS[key] = dist.new_group(ranks=list(members) if members else None, timeout=timeout, backend=backend)
     return _OWN_GROUPS[key]
 
 
