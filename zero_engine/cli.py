@@ -40,8 +40,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
-        report = estimate_from_config(config, int(float(args.params)), args.world_size, args.shard_group_size)
         group = args.shard_group_size or config.zero_optimization.shard_group_size_for(args.world_size)
+        report = estimate_from_config(config, int(float(args.params)), args.world_size, group)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
