@@ -126,6 +126,18 @@ SYSTEMS = {
 }
 
 
+def _hybrid(stage: int) -> dict:
+    config = _config(stage)
+    return dict(config, zero_optimization={**config["zero_optimization"], "shard_group_size": 2})
+
+
+# Hybrid sharding at 4 ranks as 2 groups of 2: states sharded over G = 2, not over 4.
+HYBRID_SYSTEMS = {
+    "stage2_hybrid": lambda model: EngineRun(model, _hybrid(2)),
+    "stage3_hybrid": lambda model: EngineRun(model, _hybrid(3)),
+}
+
+
 def _measured_step(run, x: torch.Tensor, micro_steps: int) -> dict[str, int]:
     """One optimizer step of ``micro_steps`` micro-batches; every phase's growth is taken
     against the resident set when it began, its peak through a reset high-water mark."""
@@ -158,8 +170,9 @@ def _measured_step(run, x: torch.Tensor, micro_steps: int) -> dict[str, int]:
 def measure(rank: int, world_size: int, names: list[str]) -> dict[str, dict]:
     torch.manual_seed(rank)
     x = torch.randn(BATCH, WIDTH)
+    systems = {**SYSTEMS, **HYBRID_SYSTEMS}
     for name in names:  # page in every code path and kernel before any baseline
-        run = SYSTEMS[name](Tower(depth=2))
+        run = systems[name](Tower(depth=2))
         _measured_step(run, x, 2)
         run.close()
     results = {}
@@ -169,7 +182,7 @@ def measure(rank: int, world_size: int, names: list[str]) -> dict[str, dict]:
         gc.collect()
         before_model = resident_bytes()
         torch.manual_seed(0)
-        run = SYSTEMS[name](Tower())
+        run = systems[name](Tower())
         gc.collect()
         after_init = resident_bytes() - before_model
         for _ in range(2):  # buckets, optimizer state and their pages appear in the first steps
@@ -224,6 +237,25 @@ def test_stage3_memory_as_the_process_holds_it(world_size: int, monkeypatch: pyt
         # ...and live storage as live: stage 2's whole buffers, less the first weight, which
         # autograd does not save (the input needs no gradient).
         assert stage2["saved_after_forward"] >= PARAM_BYTES - WIDTH * WIDTH * 4 - SLACK
+
+
+def test_hybrid_sharding_holds_a_group_share_as_the_process_sees_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 4 ranks in groups of 2, a rank holds half of each sharded state, not a quarter: the
+    resident set after steps says so, and agrees with `memory_report()`."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    per_rank = run_on_ranks(4, measure, list(HYBRID_SYSTEMS), timeout=300)
+    weights, biases = DEPTH * UNIT_BYTES, PARAM_BYTES - DEPTH * UNIT_BYTES  # biases stay whole (persistence)
+    for rank, results in enumerate(per_rank):
+        stage2, stage3 = results["stage2_hybrid"], results["stage3_hybrid"]
+        for name, result in results.items():
+            persistent = _persistent(result["report"])
+            assert abs(result["steady"] - persistent) <= 0.03 * persistent + SLACK, (rank, name, result)
+        # Stage 3 (SGD, gradients released after the step): the group's half of the weights.
+        assert stage3["report"]["parameters"] == weights // 2 + biases, (rank, stage3["report"])
+        assert abs(stage3["steady"] - (weights // 2 + biases)) <= 0.03 * PARAM_BYTES / 2 + SLACK, (rank, stage3)
+        # Stage 2: whole parameters and half of the gradients persist.
+        assert stage2["report"]["gradients"] == PARAM_BYTES // 2, (rank, stage2["report"])
+        assert stage2["steady"] >= PARAM_BYTES + PARAM_BYTES // 2 - SLACK, (rank, stage2)
 
 
 # -- start-up: building and initializing the model --------------------------------------------
