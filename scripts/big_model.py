@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_engine  # noqa: E402
 from gpt import GPT, PRESETS, decay_groups, init_weights  # noqa: E402
 from stdlib_text import TextBatches, load_corpus  # noqa: E402
-from zero_engine.process_memory import (  # noqa: E402
+from zero_engine.testing.process_memory import (  # noqa: E402
     data_bytes,
     peak_resident_bytes,
     reset_peak_resident,

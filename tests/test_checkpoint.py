@@ -103,7 +103,7 @@ def save_then_die(rank: int, world_size: int, directory: str) -> None:
     engine.save_checkpoint(directory)
     _train(engine, rank, world_size, range(1, 2))
     if rank == 1:
-        from zero_engine import checkpoint
+        from zero_engine.state import checkpoint
 
         def write_half_then_die(path: Path, payload: object) -> None:
             with open(path, "wb") as handle:
@@ -294,7 +294,7 @@ def test_restored_optimizer_state_sits_where_torch_keeps_it() -> None:
     """``step`` stays on the host unless the group is capturable or fused (on a GPU a device
     ``step`` makes every update wait for the device); other state goes beside the parameter.
     A meta tensor stands for a parameter on a device that is not the host."""
-    from zero_engine.checkpoint import _state_device
+    from zero_engine.state.checkpoint import _state_device
 
     on_device = torch.empty(3, device="meta")
     assert _state_device("step", {"capturable": False, "fused": None}, on_device) == torch.device("cpu")

@@ -27,7 +27,7 @@ from test_precision import MICRO, STEPS, _check
 from test_precision import _config as precision_config
 from test_stage3_memory import BATCH, BLOCK_NUMEL, WIDTH, Tower
 from zero_engine.comm import local_cuda_device
-from zero_engine.process_memory import cuda_max_allocated_bytes, reset_cuda_peak
+from zero_engine.testing.process_memory import cuda_max_allocated_bytes, reset_cuda_peak
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here); scripts/gpu_check.sh runs it"

@@ -20,8 +20,8 @@ import torch
 import zero_engine
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch
-from zero_engine import checkpoint
-from zero_engine.device_guard import GUARDED_DEVICE, DeviceGuard, DeviceMistake, HostSync
+from zero_engine.state import checkpoint
+from zero_engine.testing.device_guard import GUARDED_DEVICE, DeviceGuard, DeviceMistake, HostSync
 from zero_engine.engine import Engine, _sum_of_squares
 
 MICRO, ACCUM = 2, 2

@@ -21,9 +21,9 @@ from torch import nn
 import zero_engine
 from harness import run_on_ranks
 from models import DeepModel, TrapModel, decay_groups, init_trap_model, train_engine, train_reference
-from zero_engine.checkpoint import CheckpointError
-from zero_engine.deferred_init import draw_base_seed, module_seed
-from zero_engine.weights import open_weights
+from zero_engine.state.checkpoint import CheckpointError
+from zero_engine.sharding.deferred_init import draw_base_seed, module_seed
+from zero_engine.state.weights import open_weights
 
 SEED, MICRO, STEPS, LR, TOL = 1234, 2, 2, 0.05, 2e-5
 STAGE3_CUTS = [{"stage3_param_persistence_threshold": 0}, {"stage3_param_persistence_threshold": 30}]

@@ -20,7 +20,7 @@ from torch import nn
 
 import zero_engine
 from harness import run_on_ranks
-from zero_engine.process_memory import (
+from zero_engine.testing.process_memory import (
     SavedTensorMeter,
     peak_resident_bytes,
     reset_peak_resident,

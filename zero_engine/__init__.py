@@ -4,10 +4,10 @@
     loss = engine(x, y); engine.backward(loss); engine.step()
 """
 
-from .checkpoint import CheckpointError, load_consolidated
 from .config import ConfigError, ZeroEngineConfig, load_config
 from .engine import Engine, initialize
-from .gatherer import DivergedRanksError
+from .sharding.gatherer import DivergedRanksError
+from .state.checkpoint import CheckpointError, load_consolidated
 
 __all__ = [
     "CheckpointError",

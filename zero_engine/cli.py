@@ -12,10 +12,10 @@ import argparse
 import json
 import sys
 
-from .checkpoint import load_consolidated, write_state_dict
 from .config import ConfigError, load_config
 from .features import unbuilt_features
 from .memory import estimate_from_config
+from .state.checkpoint import load_consolidated, write_state_dict
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -19,21 +19,21 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import checkpoint
 from .comm import Comm, connect, local_cuda_device
 from .config import BatchSizes, ZeroEngineConfig, load_config, no_effect_settings
-from .deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .features import refuse_unbuilt_features
-from .flat_param import FlatUnit, OwnedPiece
 from .memory import measure_memory
 from .optim import build_optimizer, check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
 from .precision import Precision, build_loss_scaler
 from .schedules import build_scheduler
-from .stages import Stage, build_reducer, stage_for
+from .sharding.build import build_units
+from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
+from .sharding.stages import Stage, build_reducer, stage_for
+from .sharding.unit import FlatUnit, OwnedPiece
+from .state import checkpoint
+from .state.weights import WeightsSource, load_weights, match_weights, open_weights
 from .tree import iter_tensors, map_tensors
-from .units import build_units
-from .weights import WeightsSource, load_weights, match_weights, open_weights
 
 logger = logging.getLogger("zero_engine")
 

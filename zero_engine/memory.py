@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from .config import ZeroEngineConfig
-from .flat_param import FlatUnit
-from .reducer import GradReducer
+from .sharding.reducer import GradReducer
+from .sharding.unit import FlatUnit
 
 
 class MemoryReport(NamedTuple):

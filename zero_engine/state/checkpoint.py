@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import save_file
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 FORMAT = "zero_engine/1"
 MANIFEST, EXTRA, LATEST = "manifest.json", "extra.pt", "latest"

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import Comm
-from .config import ZeroOptimizationConfig
-from .flat_param import FlatUnit
+from ..comm import Comm
+from ..config import ZeroOptimizationConfig
 from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads, ShardedGradReducer
+from .unit import FlatUnit
 
 
 @dataclass(frozen=True)

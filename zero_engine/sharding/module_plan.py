@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .param_groups import ParamGroup
+from ..param_groups import ParamGroup
 
 
 @dataclass

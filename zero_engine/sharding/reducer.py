@@ -27,8 +27,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .comm import Comm, Pending, TwoPhase, advance_in_order
-from .flat_param import FlatUnit, _nbytes
+from ..comm import Comm, Pending, TwoPhase, advance_in_order
+from .unit import FlatUnit, _nbytes
 
 
 class GradReduction(Protocol):

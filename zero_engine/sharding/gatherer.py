@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import Comm, EachRank
-from .flat_param import FlatUnit, ShardedFlatUnit
-from .tree import iter_tensors
+from ..comm import Comm, EachRank
+from ..tree import iter_tensors
+from .unit import FlatUnit, ShardedFlatUnit
 
 
 class DivergedRanksError(RuntimeError):

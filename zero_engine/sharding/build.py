@@ -20,15 +20,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .comm import Comm
-from .config import ZeroOptimizationConfig
+from ..comm import Comm
+from ..config import ZeroOptimizationConfig
+from ..param_groups import ParamGroup
 from .deferred_init import DeferredInit
-from .flat_param import FlatUnit, ShardedFlatUnit
 from .gatherer import ParamGatherer, ResidentParams
 from .layout import plan_units
-from .module_units import plan_module_units
-from .param_groups import ParamGroup
+from .module_plan import plan_module_units
 from .stages import Stage
+from .unit import FlatUnit, ShardedFlatUnit
 
 
 def build_units(

@@ -31,7 +31,7 @@ from .checkpoint import EXTRA, LATEST, MANIFEST, CheckpointError, PieceIndex, mi
 from .safetensors_reader import SafetensorsFile
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 
 class WeightsFile:

@@ -28,7 +28,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from .comm import DONE, Comm, Pending
+from ..comm import DONE, Comm, Pending
 from .layout import UnitLayout
 
 

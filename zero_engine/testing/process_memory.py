@@ -1,0 +1,99 @@
+"""Memory as the process holds it, for tests and benchmarks: never the engine counting itself.
+
+The engine's `memory_report()` adds up the tensors it believes it holds; what a process really
+holds also includes what autograd saved for backward, allocator slack and library code. These
+probes read the truth:
+
+- `resident_bytes` / `peak_resident_bytes` / `reset_peak_resident`: the resident set and its
+  high-water mark (``VmHWM``) from ``/proc`` (Linux); `data_bytes`, what ``RLIMIT_DATA``
+  caps. Freed large tensors leave the resident set only when glibc returns them to the
+  kernel: run with ``MALLOC_MMAP_THRESHOLD_=65536`` (set before the process starts) so that
+  every tensor above 64 KiB is its own mapping.
+- `SavedTensorMeter`: the bytes held by the storages of every tensor autograd saved in a
+  block of code, read when asked, so storage freed after saving counts as freed. It sees
+  exactly what a forward keeps alive for its backward, with no allocator noise.
+- `cuda_max_allocated_bytes` / `reset_cuda_peak`: the CUDA caching allocator's peak (CUDA only).
+"""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+from typing import Any
+
+import torch
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> int:
+    """The process's resident set now."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * _PAGE_BYTES
+
+
+def peak_resident_bytes() -> int:
+    """The resident set's high-water mark since the process started or `reset_peak_resident`."""
+    return _status_bytes("VmHWM")
+
+
+def data_bytes() -> int:
+    """The process's private writable address space (``VmData``: heap, anonymous maps, thread
+    stacks, touched or not): what ``RLIMIT_DATA`` caps."""
+    return _status_bytes("VmData")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def reset_peak_resident() -> None:
+    """Start a new high-water mark at the current resident set (Linux 4.0 and later)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+class SavedTensorMeter:
+    """Counts the storage bytes behind the tensors autograd saves inside ``with``.
+
+    The hooks pass every tensor through unchanged and keep its storage object, so `bytes_held`
+    reads each storage's size when called: a weight whose storage the engine freed after its
+    forward counts 0, while a weight kept alive by autograd counts in full.
+    """
+
+    def __init__(self) -> None:
+        self._storages: dict[int, Any] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        self._storages.setdefault(storage._cdata, storage)
+        return tensor
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self._hooks.__exit__(kind, error, tb)
+
+    def bytes_held(self) -> int:
+        return sum(storage.nbytes() for storage in self._storages.values())
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def cuda_max_allocated_bytes(device: torch.device) -> int:
+    """CUDA only: the caching allocator's peak of allocated bytes on ``device``."""
+    return torch.cuda.max_memory_allocated(device)
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    """CUDA only: start a new allocated-bytes peak on ``device``."""
+    torch.cuda.reset_peak_memory_stats(device)
