@@ -4,10 +4,10 @@
     loss = engine(x, y); engine.backward(loss); engine.step()
 """
 
-from .config import ConfigError, ZeroEngineConfig, load_config
+from .config import ZeroEngineConfig, load_config
 from .engine import Engine, initialize
-from .sharding.gatherer import DivergedRanksError
-from .state.checkpoint import CheckpointError, load_consolidated
+from .errors import CheckpointError, ConfigError, DivergedRanksError
+from .state.checkpoint import load_consolidated
 
 __all__ = [
     "CheckpointError",

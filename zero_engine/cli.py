@@ -12,7 +12,8 @@ import argparse
 import json
 import sys
 
-from .config import ConfigError, load_config
+from .config import load_config
+from .errors import ConfigError
 from .features import unbuilt_features
 from .memory import estimate_from_config
 from .state.checkpoint import load_consolidated, write_state_dict

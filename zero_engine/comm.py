@@ -36,7 +36,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, ZeroEngineConfig, ZeroOptimizationConfig
+from .config import ZeroEngineConfig, ZeroOptimizationConfig
+from .errors import ConfigError
 
 
 class CollectiveKind(str, Enum):

@@ -11,7 +11,6 @@ the fix (an unknown key suggests the closest known one).
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 import math
@@ -29,9 +28,8 @@ from pydantic import (
     model_validator,
 )
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names each key path at fault."""
+from .errors import ConfigError, suggest
+from .schedules import scheduler_class
 
 
 def _parse_count(value: Any) -> Any:
@@ -298,7 +296,7 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
         return classes[name.lower()]
     except KeyError:
         known = sorted(cls.__name__ for cls in classes.values())
-        raise ValueError(f"optimizer.type = {name!r} is not a torch.optim optimizer{_suggest(name, known)}") from None
+        raise ValueError(f"optimizer.type = {name!r} is not a torch.optim optimizer{suggest(name, known)}") from None
 
 
 def check_optimizer(section: OptimizerConfig) -> None:
@@ -308,7 +306,7 @@ def check_optimizer(section: OptimizerConfig) -> None:
         path = f"optimizer.params.{key}"
         if key not in accepted:
             raise ValueError(
-                f"{path} = {value!r}: {cls.__name__} takes no keyword {key!r}{_suggest(key, accepted)}"
+                f"{path} = {value!r}: {cls.__name__} takes no keyword {key!r}{suggest(key, accepted)}"
             )
         if key in _NON_NEGATIVE | _POSITIVE:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -326,8 +324,6 @@ def check_optimizer(section: OptimizerConfig) -> None:
 
 def check_scheduler(section: SchedulerConfig) -> None:
     """The scheduler exists and takes these keywords (the optimizer is supplied by the engine)."""
-    from .schedules import scheduler_class
-
     cls = scheduler_class(section.type)
     signature = inspect.signature(cls.__init__).parameters
     accepted = [k for k in signature if k not in ("self", "optimizer")]
@@ -337,7 +333,7 @@ def check_scheduler(section: SchedulerConfig) -> None:
     for key, value in section.params.items():
         if key not in accepted:
             raise ValueError(
-                f"scheduler.params.{key} = {value!r}: {cls.__name__} takes no keyword {key!r}{_suggest(key, accepted)}"
+                f"scheduler.params.{key} = {value!r}: {cls.__name__} takes no keyword {key!r}{suggest(key, accepted)}"
             )
 
 
@@ -421,7 +417,7 @@ def _format_errors(err: ValidationError, origin: str) -> str:
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             known = list(_model_at(loc[:-1]).model_fields)
-            lines.append(f"  {path}: unknown key{_suggest(str(loc[-1]), known)}")
+            lines.append(f"  {path}: unknown key{suggest(str(loc[-1]), known)}")
         elif path:
             lines.append(f"  {path} = {item['input']!r}: {message}")
         else:
@@ -437,13 +433,6 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
         candidates = getattr(annotation, "__args__", (annotation,))
         model = next(c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel))
     return model
-
-
-def _suggest(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    if close:
-        return f"; did you mean {close[0]!r}?"
-    return f"; known: {', '.join(sorted(known))}"
 
 
 def key_reference(model: type[BaseModel] = ZeroEngineConfig, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from .errors import suggest
+
 
 class _DeepSpeedSchedule:
     """Common machinery: a step counter and per-group rates computed from it."""
@@ -156,10 +158,8 @@ def scheduler_class(name: str) -> type:
     by_lower = {key.lower(): cls for key, cls in known.items()}
     if name.lower() in by_lower:
         return by_lower[name.lower()]
-    from .config import _suggest
-
     extra = " (it needs a metric the engine does not have)" if name == "ReduceLROnPlateau" else ""
-    raise ValueError(f"scheduler.type = {name!r} is not a supported schedule{extra}{_suggest(name, sorted(known))}")
+    raise ValueError(f"scheduler.type = {name!r} is not a supported schedule{extra}{suggest(name, sorted(known))}")
 
 
 def build_scheduler(section: Any, optimizer: torch.optim.Optimizer) -> Any:

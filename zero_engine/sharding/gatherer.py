@@ -35,12 +35,9 @@ import torch
 from torch import nn
 
 from ..comm import Comm, EachRank
+from ..errors import DivergedRanksError
 from ..tree import iter_tensors
 from .unit import FlatUnit, ShardedFlatUnit
-
-
-class DivergedRanksError(RuntimeError):
-    """Ranks are about to gather different units: their forward passes took different paths."""
 
 
 class ResidentParams:

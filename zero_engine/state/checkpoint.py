@@ -42,15 +42,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from safetensors.torch import save_file
 
+from ..errors import CheckpointError
+
 if TYPE_CHECKING:
     from ..engine import Engine
 
 FORMAT = "zero_engine/1"
 MANIFEST, EXTRA, LATEST = "manifest.json", "extra.pt", "latest"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file or parameters at fault."""
 
 
 def rank_file(rank: int) -> str:

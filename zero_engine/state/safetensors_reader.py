@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError
+from ..errors import CheckpointError
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

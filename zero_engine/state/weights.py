@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .checkpoint import EXTRA, LATEST, MANIFEST, CheckpointError, PieceIndex, misfit_message, open_checkpoint
+from ..errors import CheckpointError
+from .checkpoint import EXTRA, LATEST, MANIFEST, PieceIndex, misfit_message, open_checkpoint
 from .safetensors_reader import SafetensorsFile
 
 if TYPE_CHECKING:

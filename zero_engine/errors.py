@@ -1,0 +1,26 @@
+"""The engine's error classes and the "did you mean" helper: a leaf module, imported by every
+layer and importing none of them."""
+
+from __future__ import annotations
+
+import difflib
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names each key path at fault."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file or parameters at fault."""
+
+
+class DivergedRanksError(RuntimeError):
+    """Ranks are about to gather different units: their forward passes took different paths."""
+
+
+def suggest(name: str, known: list[str]) -> str:
+    """A clause for an error about an unknown ``name``: the closest of ``known``, or all of them."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; known: {', '.join(sorted(known))}"
