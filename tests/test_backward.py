@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import zero_engine
+from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch
 
@@ -27,17 +28,10 @@ CASES = [{"stage": stage, "bf16": bf16} for stage, bf16 in itertools.product((0,
 def _config(
     stage: int, bf16: bool = False, fp16: bool = False, accum: int = 1, shard_group_size: int | None = None
 ) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": accum,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
-        "bf16": {"enabled": bf16},
-        "fp16": {"enabled": fp16},
-        "zero_optimization": {
-            "stage": stage, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0,
-            "shard_group_size": shard_group_size,
-        },
-    }
+    return engine_config(
+        stage, micro=MICRO, lr=0.5, accum=accum, optimizer="SGD", dtype="bf16" if bf16 else "fp16" if fp16 else "fp32",
+        reduce_bucket_size=40, stage3_param_persistence_threshold=0, shard_group_size=shard_group_size,
+    )
 
 
 def _engine(config: dict) -> zero_engine.Engine:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import zero_engine
+from configs import engine_config
 from harness import RankFailure, run_on_ranks
 from models import decay_groups, make_model, micro_batch, train_engine, train_reference
 from zero_engine import CheckpointError
@@ -24,13 +25,10 @@ SETUPS = {1: (4, 3), 2: (3, 2), 3: (2, 2), 4: (3, 1)}
 
 def _config(stage: int, world_size: int) -> dict:
     micro, accum = SETUPS[world_size]
-    return {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        # At stage 3 the size policy makes embed, fc1 and fc2 units of their own.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, "stage3_param_persistence_threshold": 0},
-    }
+    # At stage 3 the size policy makes embed, fc1 and fc2 units of their own.
+    return engine_config(
+        stage, micro=micro, lr=LR, accum=accum, reduce_bucket_size=50, stage3_param_persistence_threshold=0
+    )
 
 
 def _train(engine, rank: int, world_size: int, steps: range) -> list[list[float]]:

@@ -79,7 +79,7 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
                 setattr(comm_module, name, function)
         roles = {id(engine.comm.control_group): "control", id(engine.comm.group): "data"}
         if engine.comm.num_replicas > 1:  # hybrid: the shard and replica groups are groups of their own
-            roles.update({id(engine.comm.shards.group): "shard_group", id(engine.comm.replicas.group): "replica_group"})
+            roles.update({id(engine.comm.shard_group.group): "shard_group", id(engine.comm.replica_group.group): "replica_group"})
         groups = defaultdict(set)
         for method, function, group in calls:
             groups[method, function].add(roles.get(id(group), "other"))

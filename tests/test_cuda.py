@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import zero_engine
+from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch, train_engine
 from test_precision import MICRO, STEPS, _check
@@ -126,12 +127,10 @@ SLACK = 8 * MiB  # an autograd weight gradient before it is accumulated (4 MiB),
 
 
 def _memory_config(stage: int, dtype: str) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
-        "bf16": {"enabled": dtype == "bf16"},
-        "zero_optimization": {"stage": stage, "stage3_wrap_modules": ["Block"], "reduce_bucket_size": BLOCK_NUMEL},
-    }
+    return engine_config(
+        stage, micro=BATCH, lr=0.01, optimizer="SGD", dtype=dtype, stage3_wrap_modules=["Block"],
+        reduce_bucket_size=BLOCK_NUMEL,
+    )
 
 
 def measure_cuda_memory(rank: int, world_size: int, cases: list[tuple[int, str]]) -> list[dict]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import zero_engine
+from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch
 from zero_engine.state import checkpoint
@@ -31,17 +32,10 @@ CASES = [
 
 
 def _config(case: dict) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": ACCUM,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
-        "gradient_clipping": 0.5,
-        "bf16": {"enabled": case["bf16"]},
-        "zero_optimization": {
-            "stage": case["stage"], "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0,
-            "shard_group_size": case.get("shard_group_size"),
-        },
-    }
+    return engine_config(
+        case["stage"], micro=MICRO, lr=0.05, accum=ACCUM, clip=0.5, dtype="bf16" if case["bf16"] else "fp32",
+        reduce_bucket_size=40, stage3_param_persistence_threshold=0, shard_group_size=case.get("shard_group_size"),
+    )
 
 
 def _guarded_engine(guard: DeviceGuard, case: dict) -> Engine:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import zero_engine
+from configs import engine_config
 from harness import run_on_ranks
 from models import DeepModel, decay_groups, global_batch, make_model, micro_batch
 from zero_engine.memory import formula_bytes
@@ -15,12 +16,7 @@ LR = 0.05
 
 
 def _config(stage: int, accum: int = 1, bucket: int = 40) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": accum,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
-    }
+    return engine_config(stage, micro=2, lr=LR, accum=accum, reduce_bucket_size=bucket)
 
 
 def _trainable_numel(model: torch.nn.Module) -> int:

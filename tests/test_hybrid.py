@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import zero_engine
+from configs import engine_config
 from harness import run_on_ranks
 from models import TrapModel, decay_groups, init_trap_model, make_model, train_engine, train_reference
 from test_backward import check_backwards_add_up, two_backwards_per_micro_step
@@ -46,19 +47,11 @@ CASES = [
 
 
 def _config(case: dict, group: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": case["accum"],
-        "optimizer": {"type": case["optimizer"], "params": {"lr": LR}},
-        "gradient_clipping": case.get("clip", 0.0),
-        "zero_optimization": {
-            "stage": case["stage"],
-            "shard_group_size": group,
-            "reduce_bucket_size": 40,
-            "reduce_scatter_each_micro_step": case.get("each_micro_step", True),
-            "stage3_param_persistence_threshold": 0,
-        },
-    }
+    return engine_config(
+        case["stage"], micro=MICRO, lr=LR, accum=case["accum"], optimizer=case["optimizer"], clip=case.get("clip", 0.0),
+        shard_group_size=group, reduce_bucket_size=40,
+        reduce_scatter_each_micro_step=case.get("each_micro_step", True), stage3_param_persistence_threshold=0,
+    )
 
 
 # Mixed precision against the single-process policy reference (tolerances of test_precision).
@@ -97,7 +90,7 @@ def hybrid_grid(rank: int, world_size: int, groups: list[int], overflow_stages: 
                 "groups": (comm.shard_group_ranks, comm.replica_group_ranks),
                 "process_groups": [
                     dist.get_process_group_ranks(g) if g is not None else None
-                    for g in (comm.shards.group, comm.replicas.group)
+                    for g in (comm.shard_group.group, comm.replica_group.group)
                 ],
                 "state": engine.full_state_dict(),
             }

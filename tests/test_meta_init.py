@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import zero_engine
+from configs import engine_config
 from harness import run_on_ranks
 from models import DeepModel, TrapModel, decay_groups, init_trap_model, train_engine, train_reference
 from zero_engine.state.checkpoint import CheckpointError
@@ -31,11 +32,7 @@ INIT_CASES = [{"stage": s, "reduce_bucket_size": 40} for s in (0, 1, 2)] + [{"st
 
 
 def _config(zero: dict) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": zero,
-    }
+    return engine_config(micro=MICRO, lr=LR, **zero)
 
 
 def _meta_trap_model() -> TrapModel:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zero_engine
+from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, train_engine, train_reference
 
@@ -20,19 +21,11 @@ STEPS, MICRO, LR, TOL = 4, 2, 0.05, 2e-5
 
 
 def _config(case: dict) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": case["accum"],
-        "optimizer": {"type": case.get("optimizer", "AdamW"), "params": {"lr": LR}},
-        "gradient_clipping": case.get("clip", 0.0),
-        "zero_optimization": {
-            "stage": case["stage"],
-            "reduce_bucket_size": case["bucket"],
-            "overlap_comm": case.get("overlap", True),
-            "reduce_scatter_each_micro_step": case.get("each_micro_step", True),
-        },
-        "comm": {"primitives": case.get("primitives", "auto")},
-    }
+    return engine_config(
+        case["stage"], micro=MICRO, lr=LR, accum=case["accum"], optimizer=case.get("optimizer", "AdamW"),
+        clip=case.get("clip", 0.0), primitives=case.get("primitives", "auto"), reduce_bucket_size=case["bucket"],
+        overlap_comm=case.get("overlap", True), reduce_scatter_each_micro_step=case.get("each_micro_step", True),
+    )
 
 
 def train_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:

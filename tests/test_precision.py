@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zero_engine
+from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch, train_engine, train_reference_policy
 from zero_engine.memory import formula_bytes
@@ -37,20 +38,12 @@ LOSS_TOLERANCE = {"fp32": 1e-6, "bf16": 2 * 2**-8, "fp16": 2 * 2**-11}
 
 
 def _config(case: dict) -> dict:
-    dtype = case["dtype"]
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": case["accum"],
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS}},
-        "gradient_clipping": case["clip"],
-        "bf16": {"enabled": dtype == "bf16"},
-        "fp16": {"enabled": dtype == "fp16", "loss_scale": STATIC_SCALE},
-        # Stage 3: embed, fc1 and fc2 become units of their own (size policy), nothing resident.
-        "zero_optimization": {
-            "stage": case["stage"], "reduce_bucket_size": 60, "stage3_param_persistence_threshold": 0,
-            "shard_group_size": case.get("shard_group_size"),
-        },
-    }
+    # Stage 3: embed, fc1 and fc2 become units of their own (size policy), nothing resident.
+    return engine_config(
+        case["stage"], micro=MICRO, lr=LR, accum=case["accum"], optimizer_params={"eps": EPS}, clip=case["clip"],
+        dtype=case["dtype"], fp16={"loss_scale": STATIC_SCALE}, reduce_bucket_size=60,
+        stage3_param_persistence_threshold=0, shard_group_size=case.get("shard_group_size"),
+    )
 
 
 def precision_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
@@ -295,7 +288,7 @@ def test_a_bf16_model_still_gets_fp32_masters() -> None:
     state = engine.full_state_dict()
     assert all(state[k].dtype == torch.float32 for k, _ in model.named_parameters())
     assert all(torch.equal(state[k], values[k]) for k in values if k != "temperature")
-    assert all(unit.master.dtype == torch.float32 for unit in engine.units)
+    assert all(unit.optim.master.dtype == torch.float32 for unit in engine.units)
     engine.backward(engine(*micro_batch(0, 0, 0, 1, MICRO, 1)))
     engine.step()
     assert engine.module.fc1.weight.dtype == torch.bfloat16

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zero_engine
+from configs import engine_config
 from harness import run_on_ranks
 from models import DeepModel, decay_groups, make_model, train_engine, train_reference
 from structured import StructuredModel, structured_batch
@@ -22,24 +23,14 @@ WRAP_LEAVES = ["Embedding", "Linear", "LayerNorm"]
 
 
 def stage3_config(case: dict) -> dict:
-    zero = {
-        "stage": 3,
-        "reduce_bucket_size": case.get("bucket", 40),
-        "stage3_param_persistence_threshold": case.get("persist", 0),
-    }
-    if case.get("wrap"):
-        zero["stage3_wrap_modules"] = case["wrap"]
-    for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
-        if key in case:
-            zero[key] = case[key]
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": case["accum"],
-        "optimizer": {"type": case.get("optimizer", "AdamW"), "params": {"lr": LR}},
-        "gradient_clipping": case.get("clip", 0.0),
-        "zero_optimization": zero,
-        "comm": {"primitives": case.get("primitives", "auto")},
-    }
+    return engine_config(
+        3, micro=MICRO, lr=LR, accum=case["accum"], optimizer=case.get("optimizer", "AdamW"),
+        clip=case.get("clip", 0.0), primitives=case.get("primitives", "auto"),
+        reduce_bucket_size=case.get("bucket", 40), stage3_param_persistence_threshold=case.get("persist", 0),
+        stage3_wrap_modules=case.get("wrap") or None,
+        stage3_prefetch_bucket_size=case.get("stage3_prefetch_bucket_size"),
+        stage3_max_live_parameters=case.get("stage3_max_live_parameters"),
+    )
 
 
 def train_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
@@ -110,13 +101,8 @@ WIDTH = 16
 
 
 def _deep_config(**zero: object) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-        "zero_optimization": {
-            "stage": 3, "stage3_wrap_modules": ["Linear"], "stage3_param_persistence_threshold": 0, **zero,
-        },
-    }
+    zero = {"stage3_wrap_modules": ["Linear"], "stage3_param_persistence_threshold": 0, **zero}
+    return engine_config(3, micro=4, lr=LR, **zero)
 
 
 def _deep_batch(step: int, rank: int) -> torch.Tensor:
@@ -143,7 +129,7 @@ def behaviour(rank: int, world_size: int) -> dict:
         _deep_steps(engine, rank, range(1))
         engine.backward(engine(_deep_batch(1, rank)))
         memory = engine.memory_report()
-        gathered_after_backward = [unit.gathered for unit in engine.gatherer.units]
+        gathered_after_backward = [unit.has_full_storage for unit in engine.gatherer.units]
         engine.step()
         out[name] = {
             "memory": memory,
@@ -170,7 +156,7 @@ def behaviour(rank: int, world_size: int) -> dict:
         engine(_deep_batch(99, rank), fail_at=5)
     except ValueError as error:
         out["raised"] = str(error)
-    out["gathered_after_failure"] = [unit.gathered for unit in engine.gatherer.units]
+    out["gathered_after_failure"] = [unit.has_full_storage for unit in engine.gatherer.units]
     engine.eval()
     with torch.no_grad():  # an evaluation in between, then training again
         engine(_deep_batch(98, rank))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zero_engine
+from configs import engine_config
 from harness import run_on_ranks
 from zero_engine.testing.process_memory import (
     SavedTensorMeter,
@@ -60,12 +61,7 @@ class Tower(nn.Module):
 
 
 def _config(stage: int, **extra: object) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
-        "zero_optimization": {"stage": stage, "stage3_wrap_modules": ["Block"]},
-        **extra,
-    }
+    return {**engine_config(stage, micro=BATCH, lr=0.01, optimizer="SGD", stage3_wrap_modules=["Block"]), **extra}
 
 
 class EngineRun:

@@ -263,12 +263,12 @@ class Comm:
     ranks. With one group (the default) this is plain ZeRO over every rank.
     """
 
-    def __init__(self, world: GroupComm, shards: GroupComm, replicas: GroupComm) -> None:
-        self.world, self.shards, self.replicas = world, shards, replicas
+    def __init__(self, world: GroupComm, shard_group: GroupComm, replica_group: GroupComm) -> None:
+        self.world, self.shard_group, self.replica_group = world, shard_group, replica_group
         self.rank, self.world_size, self.backend = world.rank, world.world_size, world.backend
         self.group, self.control_group = world.group, world.control_group
-        self.shard_rank, self.num_shards = self.shards.rank, self.shards.world_size
-        self.replica_rank, self.num_replicas = self.replicas.rank, self.replicas.world_size
+        self.shard_rank, self.num_shards = self.shard_group.rank, self.shard_group.world_size
+        self.replica_rank, self.num_replicas = self.replica_group.rank, self.replica_group.world_size
 
     @classmethod
     def alone(cls, primitives: str = "auto") -> Comm:
@@ -298,26 +298,26 @@ class Comm:
         inside = self.reduce_scatter_in_group(flat)
         if self.num_replicas == 1:
             return inside
-        shard = self.shards.own_shard(flat)
+        shard = self.shard_group.own_shard(flat)
         return TwoPhase(inside, lambda: self.all_reduce_across_groups(shard))
 
     def reduce_scatter_in_group(self, flat: torch.Tensor) -> Pending:
         """Sum ``flat`` over this rank's shard group only, into this rank's shard."""
-        return self.shards.reduce_scatter_sum(flat)
+        return self.shard_group.reduce_scatter_sum(flat)
 
     def all_reduce_across_groups(self, shard: torch.Tensor) -> Pending:
         """Sum a shard over the ranks that hold the same shard in every group."""
-        return self.replicas.all_reduce_sum(shard)
+        return self.replica_group.all_reduce_sum(shard)
 
     def all_gather(self, flat: torch.Tensor) -> Pending:
         """Fill every shard of ``flat`` with its owner's values (inside the shard group)."""
-        return self.shards.all_gather(flat)
+        return self.shard_group.all_gather(flat)
 
     def gather(self, flat: torch.Tensor, dst: int = 0) -> Pending:
         """Fill every shard of ``flat`` on rank 0 alone; only rank 0's group takes part."""
         if dst != 0:
             raise ValueError("gather collects onto rank 0 only")
-        return self.shards.gather(flat, dst=0) if self.replica_rank == 0 else DONE
+        return self.shard_group.gather(flat, dst=0) if self.replica_rank == 0 else DONE
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         self.world.broadcast(tensors, src)
@@ -340,7 +340,7 @@ class Comm:
         total, and by scope: ``intra_group`` (reduce-scatters and gathers inside the shard
         group), ``inter_group`` (shard all-reduces across groups), ``all_ranks`` (whole-buffer
         all-reduces, agreements, broadcasts)."""
-        scopes = {"intra_group": self.shards, "inter_group": self.replicas, "all_ranks": self.world}
+        scopes = {"intra_group": self.shard_group, "inter_group": self.replica_group, "all_ranks": self.world}
         per_scope = {name: comm.report() for name, comm in scopes.items()}
         report = {
             kind.value: {
@@ -354,7 +354,7 @@ class Comm:
         return report
 
     def reset_report(self) -> None:
-        for comm in (self.world, self.shards, self.replicas):
+        for comm in (self.world, self.shard_group, self.replica_group):
             comm.reset_report()
 
 

@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,30 +29,16 @@ from .precision import Precision, build_loss_scaler
 from .schedules import build_scheduler
 from .sharding.build import build_units
 from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
+from .sharding.lifecycle import Lifecycle
+from .sharding.optimizer_shard import step_shards
 from .sharding.stages import Stage, build_reducer, stage_for
-from .sharding.unit import FlatUnit, OwnedPiece
+from .sharding.unit import FlatUnit
 from .state import checkpoint
+from .state.state_dict import ModelState
 from .state.weights import WeightsSource, load_weights, match_weights, open_weights
 from .tree import iter_tensors, map_tensors
 
 logger = logging.getLogger("zero_engine")
-
-
-class OptimizerTarget(NamedTuple):
-    """A tensor the optimizer steps: the fp32 master of one parameter's owned piece."""
-
-    tensor: torch.Tensor
-    unit_index: int
-    piece: OwnedPiece
-    param_index: int  # across all units, as in the reducer's used-mask
-
-    @property
-    def name(self) -> str:
-        return self.piece.name
-
-    @property
-    def param_offset(self) -> int:
-        return self.piece.param_offset
 
 
 def initialize(
@@ -70,11 +56,11 @@ def initialize(
     later: unbuilt features, the optimizer for the stage, the batch arithmetic.
 
     A model built on the meta device is materialized here, one unit at a time at stage 3
-    (`zero_engine.deferred_init`): each module initialized by ``param_init_fn(module)`` or its
+    (`zero_engine.sharding.deferred_init`): each module initialized by ``param_init_fn(module)`` or its
     own ``reset_parameters()``, identically at every stage and world size. ``weights`` (a
     safetensors file, a Hugging Face directory, a torch state dict file, a checkpoint
     directory, or a state dict) sets the values it holds, each rank reading only what it
-    keeps (`zero_engine.weights`).
+    keeps (`zero_engine.state.weights`).
     """
     config = load_config(config)
     refuse_unbuilt_features(config)
@@ -98,7 +84,7 @@ def initialize(
         batch = config.batch_sizes(comm.world_size)
         engine = Engine(model, config, comm, stage, batch, groups, precision, device=device, deferred=deferred)
         if weights_file is not None:
-            load_weights(engine, weights_file, file_names)
+            load_weights(engine.model_state, weights_file, file_names)
     finally:
         if weights_file is not None:
             weights_file.close()
@@ -143,23 +129,18 @@ class Engine:
             for message in no_effect_settings(config):
                 logger.warning(message)
         self.device = device or _model_device(model)  # where parameters, gradients and state live
+        self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
+        self.lifecycle.track_forward(model)
         self.units, self.gatherer = build_units(
-            model, groups, comm, stage, zero, precision.compute_dtype, self.device, deferred
+            model, groups, comm, stage, zero, precision.compute_dtype, self.device, self.lifecycle, deferred
         )
-        in_units = {param for unit in self.units for param in unit.params}
-        # Parameters outside every unit: frozen ones, and any left out of param_groups.
-        self.loose_params = [param for param in model.parameters() if param not in in_units]
-        self.unsharded_masters = self._cast_unsharded_params()
-        self.reducer = build_reducer(stage, self.units, comm, zero, precision.reduce_dtype)
-        self.reducer.on_unit_complete = self.gatherer.unit_complete
-        self.reducer.on_unarmed_grad = self._begin_backward
-        self.optimizer_targets, optimizer_groups = self._plan_optimizer_targets(groups)
-        self._targets_by_unit: list[list[OptimizerTarget]] = [[] for _ in self.units]
-        for target in self.optimizer_targets:
-            self._targets_by_unit[target.unit_index].append(target)
+        self.model_state = ModelState(model, self.units, comm, precision.compute_dtype)
+        self.reducer = build_reducer(
+            stage, self.units, comm, zero, precision.reduce_dtype, lifecycle=self.lifecycle,
+            on_unit_complete=self.gatherer.unit_complete, on_unarmed_grad=self._begin_backward,
+        )
         self.peak_step_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step
-        self._cached_grad_views: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-        self.optimizer = build_optimizer(config.optimizer, stage.level, optimizer_groups)
+        self.optimizer = build_optimizer(config.optimizer, stage.level, _optimizer_groups(groups, self.units))
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
         self.loss_scaler = build_loss_scaler(config)
 
@@ -171,36 +152,11 @@ class Engine:
         tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
         self.comm.broadcast([t for t in tensors if not t.is_meta], src=0)
 
-    def _cast_unsharded_params(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Parameters outside every unit (frozen ones) compute in the compute dtype too; their
-        fp32 values are kept for state dicts and checkpoints (mixed precision only)."""
-        if not self.precision.mixed:
-            return {}
-        masters = {}
-        for param in self.loose_params:
-            masters[param] = param.detach().to(torch.float32, copy=True)
-            param.data = param.data.to(self.precision.compute_dtype)
-        return masters
-
-    def _plan_optimizer_targets(self, groups: list[ParamGroup]) -> tuple[list[OptimizerTarget], list[dict[str, Any]]]:
-        """The optimizer steps views of the fp32 masters: whole parameters at stage 0, this
-        rank's pieces when optimizer state is sharded."""
-        targets: list[OptimizerTarget] = []
-        per_group: list[list[torch.Tensor]] = [[] for _ in groups]
-        first_index = 0
-        for unit_index, unit in enumerate(self.units):
-            for piece in unit.owned_pieces():
-                view = unit.master[piece.owned_offset : piece.owned_offset + piece.numel].view(piece.shape)
-                targets.append(OptimizerTarget(view, unit_index, piece, first_index + piece.param_index))
-                per_group[unit.group_indices[piece.param_index]].append(view)
-            first_index += len(unit.params)
-        return targets, [dict(group.options, params=tensors) for group, tensors in zip(groups, per_group)]
-
     # -- the training loop -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._open_window()
-        if self.reducer.armed:  # the last backward raised before autograd ran its end
+        if self.lifecycle.state.in_backward:  # the last backward raised before autograd ran its end
             self.reducer.disarm()
         if self.precision.mixed:
             args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
@@ -230,7 +186,7 @@ class Engine:
         """Runs inside autograd when a backward first reaches the model (an output's gradient,
         or a parameter's if the loss used one directly), whoever called backward: arms the
         reducer and queues the end of the backward on the autograd engine (as FSDP2 does)."""
-        if self.reducer.armed:
+        if self.lifecycle.state.in_backward:
             return
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self._backwards_in_micro_step and not self.reducer.reduces_every_micro_step:
@@ -326,50 +282,13 @@ class Engine:
         return multiplier
 
     def _update(self, used: list[bool], multiplier: float) -> None:
-        """Step the optimizer on fp32 gradients of the owned range; a parameter no rank used
-        keeps its values and its state. Gradients held in low precision are converted one unit
-        at a time and the optimizer steps once per unit, so only one unit's fp32 copy exists at
-        a time; torch optimizers update each tensor on its own, so the result is the same."""
-        self.peak_step_grad_bytes = 0
-        everything = range(len(self.units))
-        for unit_indices in ([index] for index in everything) if self.precision.mixed else [everything]:
-            self._step_units(unit_indices, used, multiplier)
-        for unit in self.units:
-            unit.publish_master()
-
-    def _step_units(self, unit_indices: Iterable[int], used: list[bool], multiplier: float) -> None:
-        targets = []
-        copy_bytes = 0
-        for unit_index in unit_indices:
-            kept = self.reducer.kept_grad(self.units[unit_index])
-            grad = kept if kept.dtype == torch.float32 else kept.float()
-            copy_bytes += 0 if grad is kept else grad.numel() * grad.element_size()
-            if multiplier != 1.0:
-                grad.mul_(multiplier)
-            views = self._grad_views(unit_index, grad, cache=grad is kept and self.reducer.grads_persist)
-            for target, view in zip(self._targets_by_unit[unit_index], views):
-                if used[target.param_index]:
-                    target.tensor.grad = view
-                    targets.append(target)
-        self.peak_step_grad_bytes = max(self.peak_step_grad_bytes, copy_bytes)
-        if targets:
-            self.optimizer.step()
-        for target in targets:
-            target.tensor.grad = None
-
-    def _grad_views(self, unit_index: int, grad: torch.Tensor, cache: bool) -> list[torch.Tensor]:
-        """Each optimizer target's gradient, a view into ``grad``; kept from step to step while
-        ``grad`` is the same persistent buffer (two tensor ops per parameter saved per step)."""
-        cached = self._cached_grad_views.get(unit_index)
-        if cache and cached is not None and cached[0] is grad.untyped_storage():
-            return cached[1]
-        views = [
-            grad[target.piece.owned_offset : target.piece.owned_offset + target.piece.numel].view(target.piece.shape)
-            for target in self._targets_by_unit[unit_index]
-        ]
-        if cache:
-            self._cached_grad_views[unit_index] = (grad.untyped_storage(), views)
-        return views
+        """Each unit's optimizer shard steps on its fp32 gradient and publishes the result
+        (`zero_engine.sharding.optimizer_shard.step_shards`); low-precision gradients are
+        converted one unit at a time."""
+        shards = [unit.optim for unit in self.units]
+        self.peak_step_grad_bytes = step_shards(
+            self.optimizer, shards, used, multiplier, one_at_a_time=self.precision.mixed
+        )
 
     def _skip_step(self) -> None:
         """fp16 overflow on some rank: every rank leaves parameters and state untouched."""
@@ -392,7 +311,7 @@ class Engine:
     def _zero_grads(self) -> None:
         self.reducer.zero_grads()
         self.reducer.reset_used()
-        for param in self.loose_params:
+        for param in self.model_state.loose_params:
             param.grad = None
 
     def _open_window(self) -> None:
@@ -417,67 +336,12 @@ class Engine:
         ``rank0_only=True`` gathers onto rank 0 alone, one unit at a time, so exporting never
         needs the full model on any other rank; the other ranks get an empty dict.
         """
-        keep = not rank0_only or self.comm.rank == 0
-        values: dict[nn.Parameter, torch.Tensor] = {}
-        for unit in self.units:
-            full = self._full_master(unit, rank0_only)
-            if keep:
-                for index, param in enumerate(unit.params):
-                    values[param] = unit.view_of(full, index).to("cpu", copy=True)
-        if not keep:
-            return {}
-        values.update(self.unsharded_masters)
-        by_name = dict(self.module.named_parameters(remove_duplicate=False))
-        state = {}
-        for name, tensor in self.module.state_dict().items():
-            source = values.get(by_name[name], tensor) if name in by_name else tensor
-            dtype = torch.float32 if name in by_name else tensor.dtype
-            state[name] = source.detach().to("cpu", dtype, copy=True)
-        return state
-
-    def unsharded_state(self) -> dict[str, torch.Tensor]:
-        """State-dict entries that live outside the units (frozen parameters as their fp32
-        values, buffers), for checkpoints."""
-        loose = set(self.loose_params)
-        by_name = dict(self.module.named_parameters(remove_duplicate=False))
-        state = {}
-        for name, tensor in self.module.state_dict().items():
-            param = by_name.get(name)
-            if param is not None and param not in loose:
-                continue
-            state[name] = self.unsharded_masters.get(param, tensor) if param is not None else tensor
-        return state
-
-    def load_unsharded_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy saved frozen parameters and buffers in (entries that fit, by name and shape)."""
-        by_name = dict(self.module.named_parameters(remove_duplicate=False))
-        ours = self.module.state_dict()
-        with torch.no_grad():
-            for name, value in state.items():
-                if name not in ours or ours[name].shape != value.shape:
-                    continue
-                ours[name].copy_(value)
-                master = self.unsharded_masters.get(by_name.get(name))  # type: ignore[arg-type]
-                if master is not None:
-                    master.copy_(value)
-
-    def _full_master(self, unit: FlatUnit, rank0_only: bool = False) -> torch.Tensor:
-        """The unit's fp32 master values over the whole flat buffer (on rank 0 alone with
-        ``rank0_only``, when they must be gathered)."""
-        if not unit.shard_master:
-            return unit.master
-        if unit.master_is_param and not unit.sharded_params:
-            return unit.flat_param  # stages 1-2 in fp32: the whole buffer is up to date
-        full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
-        start, end = unit.owned_range
-        full[start:end] = unit.master
-        (self.comm.gather(full) if rank0_only else self.comm.all_gather(full)).wait()
-        return full
+        return self.model_state.full_state_dict(rank0_only=rank0_only)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds (see `zero_engine.memory.MemoryReport`)."""
         report = measure_memory(
-            self.loose_params,
+            self.model_state.loose_params,
             self.units,
             self.optimizer,
             self.reducer,
@@ -504,7 +368,15 @@ class Engine:
         ``tag`` defaults to ``global_step{N}``; ``client_state`` is anything
         ``torch.load(weights_only=True)`` can read back (tensors, numbers, strings, containers).
         """
-        return checkpoint.save(self, directory, tag, client_state)
+        accumulation = self.batch.gradient_accumulation_steps
+        if self.micro_steps % accumulation:
+            raise RuntimeError(
+                f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "
+                f"{self.micro_steps % accumulation} of {accumulation}): call it after engine.step() on a boundary"
+            )
+        counters = checkpoint.Counters(self.global_step, self.skipped_steps)
+        tag = tag or f"global_step{self.global_step}"
+        return checkpoint.save(self._resumable(), counters, directory, tag, client_state)
 
     def load_checkpoint(
         self,
@@ -515,12 +387,34 @@ class Engine:
         load_optimizer_states: bool = True,
     ) -> Any:
         """Resume from ``directory`` (tag: the latest); returns the saved ``client_state``."""
-        return checkpoint.load(self, directory, tag, strict=strict, load_optimizer_states=load_optimizer_states)
+        loaded = checkpoint.load(
+            self._resumable(), directory, tag, strict=strict, load_optimizer_states=load_optimizer_states
+        )
+        self.global_step, self.skipped_steps = loaded.counters
+        self.micro_steps = self.global_step * self.batch.gradient_accumulation_steps
+        return loaded.client_state
+
+    def _resumable(self) -> checkpoint.Resumable:
+        return checkpoint.Resumable(
+            self.model_state, self.optimizer, self.lr_scheduler, self.loss_scaler, self.config, self.stage.level,
+            self.device,
+        )
 
     def close(self) -> None:
         """Remove the engine's hooks from the model's parameters and modules."""
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
+        self.lifecycle.remove_hooks()
+
+
+def _optimizer_groups(groups: list[ParamGroup], units: list[FlatUnit]) -> list[dict[str, Any]]:
+    """The torch param groups over the units' optimizer targets (views of the fp32 masters:
+    whole parameters at stage 0, this rank's pieces when optimizer state is sharded)."""
+    per_group: list[list[torch.Tensor]] = [[] for _ in groups]
+    for unit in units:
+        for target in unit.optim.targets:
+            per_group[unit.group_indices[target.piece.param_index]].append(target.tensor)
+    return [dict(group.options, params=tensors) for group, tensors in zip(groups, per_group)]
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

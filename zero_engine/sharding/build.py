@@ -24,8 +24,9 @@ from ..comm import Comm
 from ..config import ZeroOptimizationConfig
 from ..param_groups import ParamGroup
 from .deferred_init import DeferredInit
-from .gatherer import ParamGatherer, ResidentParams
+from .gatherer import NoGather, ParamGatherer
 from .layout import plan_units
+from .lifecycle import Lifecycle
 from .module_plan import plan_module_units
 from .stages import Stage
 from .unit import FlatUnit, ShardedFlatUnit
@@ -39,8 +40,9 @@ def build_units(
     zero: ZeroOptimizationConfig,
     compute_dtype: torch.dtype,
     device: torch.device,
+    lifecycle: Lifecycle,
     deferred: DeferredInit | None = None,
-) -> tuple[list[FlatUnit], ResidentParams]:
+) -> tuple[list[FlatUnit], NoGather]:
     """All units in reducer order, and what gathers them (nothing below stage 3)."""
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
@@ -48,7 +50,7 @@ def build_units(
             deferred.materialize_all()
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
         units = _bucketed_units(named, position, comm, stage, zero, compute_dtype)
-        return _in_arrival_order(units, position), ResidentParams()
+        return _in_arrival_order(units, position), NoGather()
     plans, resident = plan_module_units(
         model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
     )
@@ -69,7 +71,7 @@ def build_units(
         if needs:
             hooked.append((plan.module, needs))
     gatherer = ParamGatherer(
-        model, sharded, hooked, comm, zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters
+        model, sharded, hooked, comm, zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, lifecycle
     )
     per_group: list[list[tuple[str, nn.Parameter, int]]] = [[] for _ in groups]
     for item in resident:
@@ -108,10 +110,18 @@ def _bucketed_units(
                     compute_dtype=compute_dtype,
                     shard_master=stage.shard_optimizer_state,
                     full_grads=not stage.streams_gradients(zero),
+                    releases_grad=stage.releases_gradients,
                 )
             )
     return units
 
 
 def _in_arrival_order(units: list[FlatUnit], position: dict[nn.Parameter, int]) -> list[FlatUnit]:
-    return sorted(units, key=lambda unit: min(position[param] for param in unit.params), reverse=True)
+    """Sorted as backward produces gradients; each unit's parameters numbered from its
+    ``used_offset`` in that order (the one numbering of the used-mask)."""
+    ordered = sorted(units, key=lambda unit: min(position[param] for param in unit.params), reverse=True)
+    offset = 0
+    for unit in ordered:
+        unit.used_offset = offset
+        offset += len(unit.params)
+    return ordered

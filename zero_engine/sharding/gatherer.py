@@ -37,10 +37,11 @@ from torch import nn
 from ..comm import Comm, EachRank
 from ..errors import DivergedRanksError
 from ..tree import iter_tensors
+from .lifecycle import Lifecycle, TrainingState
 from .unit import FlatUnit, ShardedFlatUnit
 
 
-class ResidentParams:
+class NoGather:
     """Stages 0-2: parameters are always whole; nothing to gather."""
 
     def begin_backward(self) -> None: ...
@@ -55,7 +56,7 @@ class ResidentParams:
         return 0, 0
 
 
-class ParamGatherer(ResidentParams):
+class ParamGatherer(NoGather):
     """Gathers and frees `ShardedFlatUnit` s around the forward and backward of their modules."""
 
     def __init__(
@@ -66,8 +67,10 @@ class ParamGatherer(ResidentParams):
         comm: Comm,
         prefetch_numel: int,
         max_live_numel: int,
+        lifecycle: Lifecycle,
     ) -> None:
         self.units = list(units)
+        self.lifecycle = lifecycle  # tracks the root's forward (its hooks run before these)
         self.comm = comm
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
@@ -78,7 +81,6 @@ class ParamGatherer(ResidentParams):
         self._diverged = False
         self._order: list[int] = []  # this forward's units, in first-use order
         self._recorded: list[int] = []  # the last complete forward's order, for prefetching
-        self._forward_depth = 0  # calls of the root module in progress
         self.peak_forward_bytes = 0
         self.peak_backward_bytes = 0
         # The root's outer hooks bracket every forward, whoever calls the model: registered
@@ -95,18 +97,16 @@ class ParamGatherer(ResidentParams):
     # -- a whole forward ---------------------------------------------------------------------
 
     def _enter_root(self, module: nn.Module, args: Any) -> None:
-        if self._forward_depth == 0:
-            if any(unit.gathered for unit in self.units):
+        if self.lifecycle.forward_depth == 1:  # the outermost call
+            if any(unit.has_full_storage for unit in self.units):
                 self._release_all()  # a backward raised half-way, or no backward came
             self._order = []
             self.peak_forward_bytes = self._live_bytes()
-        self._forward_depth += 1
 
     def _exit_root(self, module: nn.Module, args: Any, output: Any) -> None:
         """Runs even when the forward raised (``always_call``): every unit hook has released
         its units by then, so a failed forward leaves nothing gathered."""
-        self._forward_depth = max(0, self._forward_depth - 1)
-        if self._forward_depth == 0:
+        if self.lifecycle.forward_depth == 0:
             if self._order:
                 self._recorded = self._order
             self._flush_agreed()
@@ -179,14 +179,14 @@ class ParamGatherer(ResidentParams):
     # -- gathering -------------------------------------------------------------------------------
 
     def _ensure_gathered(self, index: int) -> None:
-        if not self.units[index].gathered:
+        if not self.units[index].has_full_storage:
             self._gather(index)
         self._complete(index)
 
     def _complete(self, index: int) -> None:
         """Wait for the unit's gather, if one is in flight (not after a divergence, when the
         other ranks may never send)."""
-        self.units[index].finish_gather(wait=not self._diverged)
+        self.units[index].wait_for_unshard(wait=not self._diverged)
 
     def _prefetch_after(self, needs: tuple[int, ...], order: list[int]) -> None:
         """Start gathering the unit that followed ``needs`` in ``order``, if it fits, and
@@ -196,7 +196,7 @@ class ParamGatherer(ResidentParams):
             return
         following = order[max(positions) + 1]
         unit = self.units[following]
-        if unit.gathered or unit.layout.padded_numel > self.prefetch_numel:
+        if unit.has_full_storage or unit.layout.padded_numel > self.prefetch_numel:
             return
         if self._live_numel() + unit.layout.padded_numel > self.max_live_numel:
             return
@@ -224,7 +224,7 @@ class ParamGatherer(ResidentParams):
 
     def _propose(self, index: int) -> None:
         """Start agreeing on ``index`` as a coming gather, without waiting."""
-        if self.units[index].gathered or index in self._agreed or any(i == index for i, _ in self._proposals):
+        if self.units[index].has_full_storage or index in self._agreed or any(i == index for i, _ in self._proposals):
             return
         self._proposals.append((index, self.comm.each_rank(index)))
 
@@ -259,7 +259,7 @@ class ParamGatherer(ResidentParams):
             self._start_gather(self._agreed.popleft())
 
     def _start_gather(self, index: int) -> None:
-        self.units[index].begin_gather(self.comm)
+        self.units[index].unshard(self.comm)
         self._note_peak()
 
     def _verify(self, index: int, agreement: EachRank) -> None:
@@ -286,20 +286,20 @@ class ParamGatherer(ResidentParams):
 
     def _free_unheld(self) -> None:
         for index, unit in enumerate(self.units):
-            if unit.gathered and not self._holds[index].held:
+            if unit.has_full_storage and not self._holds[index].held:
                 self._reshard(index)
 
     # -- accounting ------------------------------------------------------------------------------
 
     def _live_numel(self) -> int:
-        return sum(unit.layout.padded_numel for unit in self.units if unit.gathered)
+        return sum(unit.layout.padded_numel for unit in self.units if unit.has_full_storage)
 
     def _live_bytes(self) -> int:
-        return sum(unit.gathered_bytes for unit in self.units if unit.gathered)
+        return sum(unit.gathered_bytes for unit in self.units if unit.has_full_storage)
 
     def _note_peak(self) -> None:
         live = self._live_bytes()
-        if self._forward_depth:
+        if self.lifecycle.state is TrainingState.FORWARD:
             self.peak_forward_bytes = max(self.peak_forward_bytes, live)
         else:
             self.peak_backward_bytes = max(self.peak_backward_bytes, live)

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ..comm import Comm, Pending, TwoPhase, advance_in_order
+from .lifecycle import Lifecycle, TrainingState
 from .unit import FlatUnit, _nbytes
 
 
@@ -64,10 +65,20 @@ class GradReducer:
     """Hooks, arrival counting and in-order launching; subclasses say what a launch does."""
 
     reduces_every_micro_step = False  # full gradients accumulate locally between boundaries
-    grads_persist = True  # the kept gradients are the same buffers from step to step
 
-    def __init__(self, units: Sequence[FlatUnit], comm: Comm, overlap: bool, reduce_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        units: Sequence[FlatUnit],
+        comm: Comm,
+        overlap: bool,
+        reduce_dtype: torch.dtype,
+        *,
+        lifecycle: Lifecycle | None = None,
+        on_unit_complete: Callable[[FlatUnit], None] | None = None,
+        on_unarmed_grad: Callable[[], None] | None = None,
+    ) -> None:
         self.units = list(units)
+        self.lifecycle = lifecycle or Lifecycle()  # REDUCING or ACCUMULATING while a backward runs
         self.comm = comm
         self.overlap = overlap
         self.reduce_dtype = reduce_dtype  # gradients are summed in this dtype (fp32 by default)
@@ -77,29 +88,25 @@ class GradReducer:
         self.used = bytearray(self.num_params)
         self.peak_grad_bytes = self.held_grad_bytes()  # most gradient storage alive in the last backward
         self._arrived = [0] * len(self.units)
-        self._reducing = False
         self._next_unit = 0
         # Told when all of a unit's parameters have their gradient in a reducing backward
         # (stage 3 frees the unit's gathered parameters then).
-        self.on_unit_complete: Callable[[FlatUnit], None] | None = None
+        self.on_unit_complete = on_unit_complete
         # Told when a gradient arrives outside an armed backward (a loss that used a parameter
         # outside the model's forward): the engine arms the backward then.
-        self.on_unarmed_grad: Callable[[], None] | None = None
-        self.armed = False  # from pre_backward to post_backward (or disarm): a backward is running
+        self.on_unarmed_grad = on_unarmed_grad
         self._handles: list[Any] = []
-        index = 0
         for unit_index, unit in enumerate(self.units):
             for param_index, param in enumerate(unit.params):
-                hook = self._hook(unit_index, param_index, index)
+                hook = self._hook(unit_index, param_index, unit.used_offset + param_index)
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
-                index += 1
 
     def _hook(self, unit_index: int, param_index: int, global_index: int):
         def on_grad_accumulated(param: torch.Tensor) -> None:
-            if not self.armed and self.on_unarmed_grad is not None:
+            if not self.lifecycle.state.in_backward and self.on_unarmed_grad is not None:
                 self.on_unarmed_grad()
             self.used[global_index] = 1
-            if self._reducing:
+            if self.lifecycle.state is TrainingState.REDUCING:
                 self._accept(self.units[unit_index], unit_index, param_index, param)
                 self._arrived[unit_index] += 1
                 if self.overlap:
@@ -111,25 +118,23 @@ class GradReducer:
         return on_grad_accumulated
 
     def pre_backward(self, boundary: bool) -> None:
-        """Arm the reducer for a backward; off boundaries, full gradients only accumulate."""
-        self.armed = True
-        self._reducing = boundary or self.reduces_every_micro_step
+        """A backward starts: REDUCING, or (off boundaries, full gradients) ACCUMULATING."""
+        self.lifecycle.begin_backward(reducing=boundary or self.reduces_every_micro_step)
         self._arrived = [0] * len(self.units)
         self._next_unit = 0
         self.peak_grad_bytes = self.held_grad_bytes()
 
     def disarm(self) -> None:
-        """Forget a backward that raised half-way (its end never came); the next one re-arms."""
-        self.armed = False
-        self._reducing = False
+        """Forget a backward that raised half-way (its end never came); the next one starts anew."""
+        self.lifecycle.end_backward()
 
     def post_backward(self) -> None:
         """Launch what backward left unreduced, then wait and average."""
-        self.armed = False
-        if self._reducing:
+        reducing = self.lifecycle.state is TrainingState.REDUCING
+        self.lifecycle.end_backward()
+        if reducing:
             self._launch_until(len(self.units))
             self._finish()
-            self._reducing = False
 
     def _launch_ready_units(self) -> None:
         stop = self._next_unit
@@ -178,7 +183,7 @@ class GradReducer:
     def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
         """This rank's shard of ``unit``'s averaged gradient (each element on one rank of the
         shard group, for norms summed over ranks)."""
-        return unit.grad_shard()
+        raise NotImplementedError
 
     def zero_grads(self) -> None:
         raise NotImplementedError
@@ -201,9 +206,11 @@ class FullGradReducer(GradReducer):
         overlap: bool,
         reduce_dtype: torch.dtype,
         reduction: GradReduction,
+        *,
         max_live_copies: int = 2,
+        **callbacks: Any,
     ) -> None:
-        super().__init__(units, comm, overlap, reduce_dtype)
+        super().__init__(units, comm, overlap, reduce_dtype, **callbacks)
         self.reduction = reduction
         self.max_live_copies = max_live_copies
         self._pending: deque[tuple[FlatUnit, torch.Tensor, Pending | TwoPhase]] = deque()
@@ -229,9 +236,8 @@ class FullGradReducer(GradReducer):
     def _complete_oldest(self) -> None:
         unit, flat, pending = self._pending.popleft()
         pending.wait()
-        averaged = self.reduction.kept(flat, unit).div_(self.comm.world_size)
+        unit.optim.take_reduced(self.reduction.kept(flat, unit).div_(self.comm.world_size))
         if flat is not unit.flat_grad:
-            self.kept_grad(unit).copy_(averaged)
             self._copy_bytes -= _nbytes(flat)
 
     def _finish(self) -> None:
@@ -239,7 +245,11 @@ class FullGradReducer(GradReducer):
             self._complete_oldest()
 
     def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return self.reduction.kept(_full_grad(unit), unit)
+        return unit.optim.ensure_grad()
+
+    def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
+        start, end = unit.layout.shard_range(unit.rank)
+        return _full_grad(unit)[start:end]
 
     def zero_grads(self) -> None:
         for unit in self.units:
@@ -273,14 +283,11 @@ class ShardedGradReducer(GradReducer):
         *,
         max_live_buckets: int = 2,
         release_after_step: bool = False,
+        **callbacks: Any,
     ) -> None:
-        super().__init__(units, comm, overlap, reduce_dtype)
+        super().__init__(units, comm, overlap, reduce_dtype, **callbacks)
         self.max_live_buckets = max_live_buckets
         self.release_after_step = release_after_step
-        self.grads_persist = not release_after_step
-        if release_after_step:
-            for unit in self.units:
-                unit.release_grad_shard()
         self._shard_bytes = self.held_grad_bytes()  # kept up to date: the peak is taken per parameter
         # Pooled buckets are sized for the largest unit and reused; released ones (stage 3) are
         # sized for their unit and freed as soon as their reduction completes.
@@ -357,9 +364,7 @@ class ShardedGradReducer(GradReducer):
             shard.mul_(1.0 / self.comm.world_size)
             if id(unit) not in self._crossed:  # carry the group's part of the window, once
                 self._crossed.add(id(unit))
-                if unit.sharded_grad is not None:
-                    shard.add_(unit.sharded_grad)
-                    unit.sharded_grad.zero_()
+                unit.optim.move_grad_into(shard)
             return self.comm.all_reduce_across_groups(shard)
 
         return TwoPhase(inside, across_groups), True
@@ -369,12 +374,9 @@ class ShardedGradReducer(GradReducer):
         pending.wait()
         start, end = unit.layout.shard_range(unit.rank)
         reduced = bucket.flat[start:end]
-        scale = 1.0 if averaged else 1.0 / self.comm.world_size
-        if unit.sharded_grad is None:  # released: the first reduction makes the shard, no zeros pass
-            unit.sharded_grad = torch.mul(reduced, scale).to(unit.compute_dtype)
-            self._shard_bytes += _nbytes(unit.sharded_grad)
-        else:
-            unit.sharded_grad.add_(reduced, alpha=scale)
+        held = unit.optim.grad_bytes
+        unit.optim.add_reduced(reduced, 1.0 if averaged else 1.0 / self.comm.world_size)
+        self._shard_bytes += unit.optim.grad_bytes - held
         self._num_live -= 1
         self._live_bytes -= _nbytes(bucket.storage)
         if not self.release_after_step:
@@ -392,17 +394,15 @@ class ShardedGradReducer(GradReducer):
         return self.kept_grad(unit)
 
     def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
-        if unit.sharded_grad is None:
-            self._shard_bytes += unit.layout.shard_numel * unit.compute_dtype.itemsize
-        return unit.grad_shard()
+        held = unit.optim.grad_bytes
+        grad = unit.optim.ensure_grad()
+        self._shard_bytes += unit.optim.grad_bytes - held
+        return grad
 
     def zero_grads(self) -> None:
         self._crossed.clear()
         for unit in self.units:
-            if self.release_after_step:
-                unit.release_grad_shard()
-            elif unit.sharded_grad is not None:
-                unit.sharded_grad.zero_()
+            unit.optim.clear_grad()
         self._shard_bytes = self.held_grad_bytes()
 
     def buffer_bytes(self) -> int:

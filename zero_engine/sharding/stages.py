@@ -2,19 +2,20 @@
 
 The engine looks the stage up once, in `STAGES`, and composes shared machinery from it
 (`build_reducer` picks how gradients are held and reduced); no ``if stage == ...`` elsewhere.
-Stage 3 adds sharded parameters: units become modules (`zero_engine.units`) whose parameters
-are gathered around their use (`zero_engine.gatherer`).
+Stage 3 adds sharded parameters: units become modules (`zero_engine.sharding.build`) whose parameters
+are gathered around their use (`zero_engine.sharding.gatherer`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..comm import Comm
 from ..config import ZeroOptimizationConfig
+from .lifecycle import Lifecycle
 from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads, ShardedGradReducer
 from .unit import FlatUnit
 
@@ -61,12 +62,21 @@ def stage_for(level: int) -> Stage:
 
 
 def build_reducer(
-    stage: Stage, units: Sequence[FlatUnit], comm: Comm, zero: ZeroOptimizationConfig, reduce_dtype: torch.dtype
+    stage: Stage,
+    units: Sequence[FlatUnit],
+    comm: Comm,
+    zero: ZeroOptimizationConfig,
+    reduce_dtype: torch.dtype,
+    *,
+    lifecycle: Lifecycle,
+    on_unit_complete: Callable[[FlatUnit], None],
+    on_unarmed_grad: Callable[[], None],
 ) -> GradReducer:
+    callbacks = {"lifecycle": lifecycle, "on_unit_complete": on_unit_complete, "on_unarmed_grad": on_unarmed_grad}
     if stage.streams_gradients(zero):
         return ShardedGradReducer(
             units, comm, zero.overlap_comm, reduce_dtype,
-            max_live_buckets=stage.live_grad_buckets, release_after_step=stage.releases_gradients,
+            max_live_buckets=stage.live_grad_buckets, release_after_step=stage.releases_gradients, **callbacks,
         )
     reduction = ReduceScatterGrads() if stage.shard_optimizer_state else AllReduceGrads()
-    return FullGradReducer(units, comm, zero.overlap_comm, reduce_dtype, reduction)
+    return FullGradReducer(units, comm, zero.overlap_comm, reduce_dtype, reduction, **callbacks)

@@ -1,12 +1,11 @@
 """A unit: parameters stored in one flat buffer, their gradients in another.
 
 Each parameter's ``.data`` and ``.grad`` become views into the unit's flat buffers (in the
-compute dtype), so a collective moves a whole unit in one call. The optimizer updates the
-fp32 *master* of the range this rank owns: its shard when optimizer state is sharded, the
-whole unit at stage 0. In fp32 training the master is a view of ``flat_param`` itself (no
-second copy); under mixed precision it is a separate fp32 tensor, and the updated master is
-cast back into ``flat_param`` after each step. Autograd accumulates into an existing
-``.grad`` in place, which keeps the gradient views intact.
+compute dtype), so a collective moves a whole unit in one call. Autograd accumulates into an
+existing ``.grad`` in place, which keeps the gradient views intact. The optimizer's side of
+the range this rank owns (its shard when optimizer state is sharded, the whole unit at stage
+0: the fp32 master, the step gradient, the optimizer's tensors) belongs to the unit's
+`OptimizerShard` (``unit.optim``), made here once the values exist.
 
 At stage 3, a `ShardedFlatUnit` keeps only this rank's shard between uses: the full buffer's
 storage exists while the unit is gathered, and the parameters are empty tensors otherwise.
@@ -16,13 +15,12 @@ whole): they become aliases of the fp32 flat buffer first, and the ``materialize
 initializes them there, in place, before the masters and shards are taken from it. So a
 unit's values exist once, in the buffer, while the unit is made.
 
-The engine never does offset arithmetic itself; it asks the unit for views.
+The engine never does offset arithmetic itself; it asks the unit (or its shard) for views.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -30,6 +28,7 @@ from torch import nn
 
 from ..comm import DONE, Comm, Pending
 from .layout import UnitLayout
+from .optimizer_shard import OptimizerShard
 
 
 class FlatUnit:
@@ -48,6 +47,7 @@ class FlatUnit:
         compute_dtype: torch.dtype = torch.float32,
         shard_master: bool = True,
         full_grads: bool = True,
+        releases_grad: bool = False,
         device: torch.device | None = None,
         materialize: Callable[[], None] | None = None,
     ) -> None:
@@ -69,27 +69,33 @@ class FlatUnit:
         if materialize is not None:
             materialize()  # fills the (former meta) parameters' aliases of full_fp32 in place
         self.shard_master = shard_master
-        self.owned_range = self.layout.shard_range(rank) if shard_master else (0, self.layout.padded_numel)
+        self.used_offset = 0  # this unit's first parameter in the used-mask (set when units are ordered)
         self.flat_param = full_fp32 if compute_dtype == torch.float32 else full_fp32.to(compute_dtype)
-        start, end = self.owned_range
-        self.master = self.flat_param[start:end] if self.master_is_param else full_fp32[start:end].clone()
+        # Full gradients (stages 0-1): one flat buffer, each .grad a view into it. Sharded
+        # gradients (stages 2-3): the optimizer shard's step gradient; full ones pass through
+        # buckets. Stage 3 (``releases_grad``) starts with none: its first reduction makes it.
+        self.flat_grad: torch.Tensor | None = torch.zeros_like(self.flat_param) if full_grads else None
+        owned_range = self.layout.shard_range(rank) if shard_master else (0, self.layout.padded_numel)
+        self.optim = self._make_optimizer_shard(full_fp32, owned_range, releases_grad)
         for index, param in enumerate(self.params):
             param.data = self.param_view(index)
-        # Full gradients (stages 0-1): one flat buffer, each .grad a view into it. Sharded
-        # gradients (stage 2): only this rank's shard persists; full ones pass through buckets.
-        # Stage 3 starts with none: its first reduction makes the shard.
-        self.flat_grad: torch.Tensor | None = None
-        self.sharded_grad: torch.Tensor | None = None  # None while released (stage 3 between steps)
         if full_grads:
-            self.flat_grad = torch.zeros_like(self.flat_param)
-            self.sharded_grad = self._shard(self.flat_grad)
             self.attach_grads()
-        elif not self.sharded_params:
-            self.grad_shard()
+        elif not releases_grad:
+            self.optim.ensure_grad()
 
-    @property
-    def master_is_param(self) -> bool:
-        return self.compute_dtype == torch.float32
+    def _make_optimizer_shard(
+        self, full_fp32: torch.Tensor, owned_range: tuple[int, int], releases_grad: bool
+    ) -> OptimizerShard:
+        """In fp32 the master is a view of the parameters; otherwise an fp32 copy of the
+        owned range, published into ``flat_param`` after each update."""
+        start, end = owned_range
+        fp32 = self.compute_dtype == torch.float32
+        master = self.flat_param[start:end] if fp32 else full_fp32[start:end].clone()
+        return OptimizerShard(
+            self, owned_range, master, None if fp32 else self.flat_param[start:end],
+            shaped_pieces=not self.shard_master, full_grad=self.flat_grad, releases_grad=releases_grad,
+        )
 
     def view_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s elements of any full flat buffer of this unit, shaped."""
@@ -110,77 +116,15 @@ class FlatUnit:
             for index, param in enumerate(self.params):
                 param.grad = self.grad_view(index)
 
-    def grad_shard(self) -> torch.Tensor:
-        """This rank's gradient shard, allocated (zeros) if it was released."""
-        if self.sharded_grad is None:
-            self.sharded_grad = torch.zeros(self.layout.shard_numel, dtype=self.compute_dtype, device=self.device)
-        return self.sharded_grad
-
-    def release_grad_shard(self) -> None:
-        """Drop the gradient shard (sharded gradients only); `grad_shard` makes a new one."""
-        if self.flat_grad is None:
-            self.sharded_grad = None
-
-    def _shard(self, flat: torch.Tensor) -> torch.Tensor:
-        start, end = self.layout.shard_range(self.rank)
-        return flat[start:end]
-
-    @property
-    def master_of_shard(self) -> torch.Tensor:
-        """The fp32 master values of this rank's shard (what a checkpoint saves)."""
-        start, end = self.layout.shard_range(self.rank)
-        return self.master[start - self.owned_range[0] : end - self.owned_range[0]]
-
     @property
     def grad_bytes(self) -> int:
         """Gradient storage held now: the full flat buffer, or just this rank's shard."""
-        held = self.flat_grad if self.flat_grad is not None else self.sharded_grad
-        return 0 if held is None else _nbytes(held)
+        return _nbytes(self.flat_grad) if self.flat_grad is not None else self.optim.grad_bytes
 
     @property
     def param_bytes(self) -> int:
         """Persistent parameter storage: the whole flat buffer (stages 0-2)."""
         return _nbytes(self.flat_param)
-
-    @property
-    def master_bytes(self) -> int:
-        """A separate fp32 master (mixed precision); 0 when the master is the parameter."""
-        return 0 if self.master_is_param else self.master.numel() * self.master.element_size()
-
-    def owned_pieces(self) -> list[OwnedPiece]:
-        """What the optimizer steps in this unit: the parameters' pieces in the owned range,
-        shaped like their parameters when a piece is a whole parameter at stage 0."""
-        pieces = []
-        for index in range(len(self.params)):
-            owned = self._owned_part(index)
-            if owned is not None:
-                param_offset, owned_offset, numel = owned
-                shape = torch.Size([numel]) if self.shard_master else self.shapes[index]
-                pieces.append(OwnedPiece(index, self.names[index], param_offset, owned_offset, numel, shape))
-        return pieces
-
-    def _owned_part(self, index: int) -> tuple[int, int, int] | None:
-        """Parameter ``index``'s intersection with the owned range: (offset in the flattened
-        parameter, offset in the owned range, length), or None when it lies outside."""
-        offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
-        start, end = self.owned_range
-        lo, hi = max(offset, start), min(offset + numel, end)
-        return (lo - offset, lo - start, hi - lo) if lo < hi else None
-
-    def _owned_values(self, index: int, values: torch.Tensor) -> tuple[slice, torch.Tensor] | None:
-        """Where parameter ``index``'s owned part sits in the owned range, and its elements of
-        the full ``values``."""
-        owned = self._owned_part(index)
-        if owned is None:
-            return None
-        param_offset, owned_offset, numel = owned
-        return slice(owned_offset, owned_offset + numel), values.reshape(-1)[param_offset : param_offset + numel]
-
-    def publish_master(self) -> None:
-        """Cast the updated fp32 master into the compute copy (mixed precision only)."""
-        if not self.master_is_param:
-            start, end = self.owned_range
-            self.flat_param[start:end].copy_(self.master)
 
     def kept_range(self, index: int) -> tuple[int, int] | None:
         """The elements of parameter ``index`` (flattened) that this rank keeps, as
@@ -191,10 +135,7 @@ class FlatUnit:
         """Set the kept elements of parameter ``index`` (``values``: fp32, `kept_range`): below
         stage 3 the whole parameter, compute copy and owned master."""
         self.param_view(index).copy_(values.view(self.shapes[index]))
-        owned = self._owned_values(index, values)
-        if owned is not None and not self.master_is_param:
-            where, piece = owned
-            self.master[where].copy_(piece)
+        self.optim.load_owned(index, values, 0)
 
 
 class ShardedState(Enum):
@@ -237,27 +178,36 @@ class ShardedFlatUnit(FlatUnit):
     ) -> None:
         super().__init__(
             params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, shard_master=True,
-            full_grads=False, device=device, materialize=materialize,
+            full_grads=False, releases_grad=True, device=device, materialize=materialize,
         )
         self.label = label  # the module path the unit stands for, for messages
-        start, end = self.owned_range
-        if self.master_is_param:  # the master was a view of the full buffer; own it now
-            self.master = self.master.clone()
-            self.param_shard = self.master
-        else:
-            self.param_shard = self.flat_param[start:end].clone()
         self._empty = torch.empty(0, dtype=compute_dtype, device=self.device)
         self.unsharded_bytes = self.flat_param.untyped_storage().nbytes()
         self.state = ShardedState.GATHERED
         self._pending: Pending = DONE  # the all-gather in flight while GATHERING
         self.reshard()
 
+    def _make_optimizer_shard(
+        self, full_fp32: torch.Tensor, owned_range: tuple[int, int], releases_grad: bool
+    ) -> OptimizerShard:
+        """The unit keeps ``param_shard``, its shard in the compute dtype, made here beside the
+        master: in fp32 they are one tensor (no second copy), else the master is published into
+        it after each update."""
+        start, end = owned_range
+        if self.compute_dtype == torch.float32:
+            self.param_shard = full_fp32[start:end].clone()
+            master, publish_to = self.param_shard, None
+        else:
+            self.param_shard = self.flat_param[start:end].clone()
+            master, publish_to = full_fp32[start:end].clone(), self.param_shard
+        return OptimizerShard(self, owned_range, master, publish_to, shaped_pieces=False, releases_grad=releases_grad)
+
     @property
-    def gathered(self) -> bool:
-        """The full buffer holds storage (its values are valid once `finish_gather` ran)."""
+    def has_full_storage(self) -> bool:
+        """The full buffer holds storage (its values are valid once `wait_for_unshard` ran)."""
         return self.state is not ShardedState.SHARDED
 
-    def begin_gather(self, comm: Comm) -> None:
+    def unshard(self, comm: Comm) -> None:
         """Allocate the full buffer's storage, point the parameters at it and start filling it
         from every rank's shard. A unit already gathered is gathered again in place (same
         values): the ranks agreed on that collective, so it must be issued."""
@@ -265,12 +215,12 @@ class ShardedFlatUnit(FlatUnit):
             _allocate_storage(self.flat_param, self.unsharded_bytes)
             for index, param in enumerate(self.params):
                 param.data = self.param_view(index)
-        start, end = self.owned_range
+        start, end = self.layout.shard_range(self.rank)
         self.flat_param[start:end].copy_(self.param_shard)
         self._pending = Pending(self._pending.works + comm.all_gather(self.flat_param).works)
         self.state = ShardedState.GATHERING
 
-    def finish_gather(self, wait: bool = True) -> None:
+    def wait_for_unshard(self, wait: bool = True) -> None:
         """Wait for the gather in flight, if any (``wait=False`` after ranks diverged, when the
         others may never send: the buffer is then given up, see `reshard`)."""
         if self.state is ShardedState.GATHERING and wait:
@@ -299,24 +249,17 @@ class ShardedFlatUnit(FlatUnit):
         """What the full buffer's storage holds now: the whole unit while gathered, else 0."""
         return self.flat_param.untyped_storage().nbytes()
 
-    def publish_master(self) -> None:
-        if not self.master_is_param:
-            self.param_shard.copy_(self.master)
-
     def kept_range(self, index: int) -> tuple[int, int] | None:
-        owned = self._owned_part(index)
+        owned = self.optim.owned_part(index)
         return None if owned is None else (owned[0], owned[2])
 
     def load_kept(self, index: int, values: torch.Tensor) -> None:
-        owned = self._owned_part(index)
-        if owned is None:
+        kept = self.kept_range(index)
+        if kept is None:
             return
-        if self.gathered:
+        if self.has_full_storage:
             raise RuntimeError(f"unit {self.label}: loading a shard while the unit is gathered (mid-step?)")
-        where = slice(owned[1], owned[1] + owned[2])
-        self.master[where].copy_(values)
-        if self.param_shard is not self.master:
-            self.param_shard[where].copy_(values)
+        self.optim.load_owned(index, values, kept[0])
 
 
 def _point_meta_param(
@@ -347,15 +290,3 @@ def _allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-@dataclass(frozen=True)
-class OwnedPiece:
-    """One parameter's piece in the range this rank's optimizer updates."""
-
-    param_index: int  # within the unit
-    name: str
-    param_offset: int  # first element of the piece, in the flattened parameter
-    owned_offset: int  # where the piece starts within the owned range
-    numel: int
-    shape: torch.Size  # the optimizer tensor's shape

@@ -36,16 +36,18 @@ import random
 import shutil
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import save_file
 
+from ..config import ZeroEngineConfig
 from ..errors import CheckpointError
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from ..sharding.optimizer_shard import OptimizerTarget
+from ..sharding.unit import FlatUnit
+from .state_dict import ModelState
 
 FORMAT = "zero_engine/1"
 MANIFEST, EXTRA, LATEST = "manifest.json", "extra.pt", "latest"
@@ -55,59 +57,76 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
+class Counters(NamedTuple):
+    """The engine's step counters, saved and restored with the state."""
+
+    global_step: int
+    skipped_steps: int
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """Everything a checkpoint saves and restores, handed over by the engine."""
+
+    model: ModelState
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any  # with state_dict / load_state_dict, or None
+    loss_scaler: Any  # likewise
+    config: ZeroEngineConfig
+    stage: int
+    device: torch.device
+
+    def targets(self) -> list[OptimizerTarget]:
+        return [target for unit in self.model.units for target in unit.optim.targets]
+
+
 # ---------------------------------------------------------------------------------------------
 # Saving
 
 
-def save(engine: Engine, directory: str | Path, tag: str | None = None, client_state: Any = None) -> Path:
-    """Write a checkpoint of ``engine`` under ``directory``; returns its path. Collective."""
-    if engine.micro_steps % engine.batch.gradient_accumulation_steps:
-        raise RuntimeError(
-            f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "
-            f"{engine.micro_steps % engine.batch.gradient_accumulation_steps} of "
-            f"{engine.batch.gradient_accumulation_steps}): call it after engine.step() on a boundary"
-        )
-    tag = tag or f"global_step{engine.global_step}"
+def save(state: Resumable, counters: Counters, directory: str | Path, tag: str, client_state: Any = None) -> Path:
+    """Write a checkpoint of ``state`` under ``directory``/``tag``; returns its path. Collective."""
     if "/" in tag or tag.startswith(".") or tag == LATEST:
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name")
     root = Path(directory)
     staging = root / f".tmp-{tag}"
-    comm = engine.comm
+    comm = state.model.comm
     if comm.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
         staging.mkdir(parents=True)
     comm.barrier()
-    written = {rank_file(comm.rank): _write(staging / rank_file(comm.rank), _rank_payload(engine))}
+    written = {rank_file(comm.rank): _write(staging / rank_file(comm.rank), _rank_payload(state))}
     if comm.rank == 0:
-        written[EXTRA] = _write(staging / EXTRA, _extra_payload(engine, client_state))
+        written[EXTRA] = _write(staging / EXTRA, _extra_payload(state, counters, client_state))
     files: dict[str, dict[str, int | str]] = {}
     for rank_files in comm.all_gather_json(written):
         files.update(rank_files)
     if comm.rank == 0:
-        manifest = _manifest(engine, tag, files)
+        manifest = _manifest(state, counters, tag, files)
         _write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
         _publish(root, staging, tag)
     comm.barrier()
     return root / tag
 
 
-def _rank_payload(engine: Engine) -> dict[str, Any]:
-    targets: dict[str, list[Any]] = defaultdict(list)
-    for target in engine.optimizer_targets:
+def _rank_payload(state: Resumable) -> dict[str, Any]:
+    targets: dict[str, list[OptimizerTarget]] = defaultdict(list)
+    for target in state.targets():
         targets[target.name].append(target)
     pieces = []
-    for unit in engine.units if engine.comm.replica_rank == 0 else ():  # replicas hold the same shards
+    model = state.model
+    for unit in model.units if model.comm.replica_rank == 0 else ():  # replicas hold the same shards
         for piece in unit.layout.segments(unit.rank):
             name = unit.names[piece.param_index]
             start, numel = piece.param_offset, piece.numel
-            master = unit.master_of_shard[piece.shard_offset : piece.shard_offset + numel]
-            state = {}
+            master = unit.optim.master_of_shard[piece.shard_offset : piece.shard_offset + numel]
+            saved = {}
             for target in targets[name]:  # the optimizer tensor holding element `start`
                 if target.param_offset <= start < target.param_offset + target.tensor.numel():
-                    state = _slice_state(engine.optimizer.state.get(target.tensor, {}), target, start, numel)
+                    saved = _slice_state(state.optimizer.state.get(target.tensor, {}), target, start, numel)
             # a copy: torch.save of a view would write the whole flat buffer behind it
-            pieces.append({"name": name, "start": start, "numel": numel, "master": _to_host(master), "state": state})
-    return {"pieces": pieces, "rng": _rng_state(engine.device)}
+            pieces.append({"name": name, "start": start, "numel": numel, "master": _to_host(master), "state": saved})
+    return {"pieces": pieces, "rng": _rng_state(state.device)}
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -115,7 +134,7 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
-def _slice_state(state: dict[str, Any], target: Any, start: int, numel: int) -> dict[str, Any]:
+def _slice_state(state: dict[str, Any], target: OptimizerTarget, start: int, numel: int) -> dict[str, Any]:
     """The part of one optimizer tensor's state that covers ``[start, start + numel)``."""
     sliced = {}
     offset = start - target.param_offset
@@ -130,40 +149,36 @@ def _slice_state(state: dict[str, Any], target: Any, start: int, numel: int) -> 
     return sliced
 
 
-def _extra_payload(engine: Engine, client_state: Any) -> dict[str, Any]:
+def _extra_payload(state: Resumable, counters: Counters, client_state: Any) -> dict[str, Any]:
     return {
-        "module": {k: _to_host(v) for k, v in engine.unsharded_state().items()},
-        "global_step": engine.global_step,
-        "skipped_steps": engine.skipped_steps,
-        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "module": {k: _to_host(v) for k, v in state.model.loose_state().items()},
+        "global_step": counters.global_step,
+        "skipped_steps": counters.skipped_steps,
+        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in state.optimizer.param_groups],
+        "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
+        "loss_scaler": state.loss_scaler.state_dict() if state.loss_scaler is not None else None,
         "client_state": client_state,
     }
 
 
-def _piece_shapes(engine: Engine) -> dict[str, list[int]]:
-    """Shape of every parameter stored as pieces, by its name."""
-    return {name: list(shape) for unit in engine.units for name, shape in zip(unit.names, unit.shapes)}
-
-
-def _manifest(engine: Engine, tag: str, files: dict[str, Any]) -> dict[str, Any]:
+def _manifest(state: Resumable, counters: Counters, tag: str, files: dict[str, Any]) -> dict[str, Any]:
+    model = state.model
     aliases: dict[int, list[str]] = defaultdict(list)
-    for name, param in engine.module.named_parameters(remove_duplicate=False):
+    for name, param in model.module.named_parameters(remove_duplicate=False):
         aliases[id(param)].append(name)
     params = {
         name: {"shape": list(shape), "aliases": aliases[id(param)]}
-        for unit in engine.units
+        for unit in model.units
         for name, param, shape in zip(unit.names, unit.params, unit.shapes)
     }
     return {
         "format": FORMAT,
         "tag": tag,
-        "global_step": engine.global_step,
-        "stage": engine.stage.level,
-        "world_size": engine.comm.world_size,
-        "shard_group_size": engine.comm.num_shards,
-        "config": engine.config.model_dump(mode="json"),
+        "global_step": counters.global_step,
+        "stage": state.stage,
+        "world_size": model.comm.world_size,
+        "shard_group_size": model.comm.num_shards,
+        "config": state.config.model_dump(mode="json"),
         "params": params,
         "files": files,
     }
@@ -319,74 +334,81 @@ class PieceIndex:
         return out
 
 
+class Loaded(NamedTuple):
+    """What `load` gives back to the engine."""
+
+    counters: Counters
+    client_state: Any
+
+
 def load(
-    engine: Engine,
+    state: Resumable,
     directory: str | Path,
     tag: str | None = None,
     *,
     strict: bool = True,
     load_optimizer_states: bool = True,
-) -> Any:
-    """Restore ``engine`` from a checkpoint saved at any stage and world size; returns the
-    saved ``client_state``."""
+) -> Loaded:
+    """Restore ``state`` from a checkpoint saved at any stage and world size; returns the saved
+    counters and ``client_state``."""
     checkpoint = open_checkpoint(directory, tag)
     index = PieceIndex(checkpoint)
     extra = _load(checkpoint.path / EXTRA)
-    _check_fit(engine, checkpoint, extra, strict)
+    model = state.model
+    _check_fit(model, checkpoint, extra, strict)
     saved = checkpoint.manifest["params"]
-    fitting = {name for name, shape in _piece_shapes(engine).items() if name in saved and saved[name]["shape"] == shape}
-    with torch.no_grad():  # each rank assembles only the elements it keeps
-        for unit in engine.units:
-            for i, name in enumerate(unit.names):
-                kept = unit.kept_range(i)
-                if name in fitting and kept is not None:
-                    unit.load_kept(i, index.assemble(name, *kept))
-    engine.load_unsharded_state(extra["module"])
+    shapes = model.unit_param_shapes()
+    fitting = {name for name, shape in shapes.items() if name in saved and saved[name]["shape"] == shape}
+
+    def saved_values(unit: FlatUnit, param_index: int, start: int, numel: int) -> torch.Tensor | None:
+        name = unit.names[param_index]
+        return index.assemble(name, start, numel) if name in fitting else None
+
+    model.load_kept(saved_values)  # each rank assembles only the elements it keeps
+    model.load_loose_state(extra["module"])
     if load_optimizer_states:
-        _load_optimizer(engine, index, extra, fitting)
-        if engine.lr_scheduler is not None and extra["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        if engine.loss_scaler is not None and extra["loss_scaler"] is not None:
-            engine.loss_scaler.load_state_dict(extra["loss_scaler"])
-    engine.global_step = extra["global_step"]
-    engine.skipped_steps = extra["skipped_steps"]
-    engine.micro_steps = engine.global_step * engine.batch.gradient_accumulation_steps
-    if engine.comm.rank < len(index.rng):
-        _restore_rng(index.rng[engine.comm.rank], engine.device)
-    return extra["client_state"]
+        _load_optimizer(state, index, extra, fitting)
+        if state.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            state.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if state.loss_scaler is not None and extra["loss_scaler"] is not None:
+            state.loss_scaler.load_state_dict(extra["loss_scaler"])
+    if model.comm.rank < len(index.rng):
+        _restore_rng(index.rng[model.comm.rank], state.device)
+    return Loaded(Counters(extra["global_step"], extra["skipped_steps"]), extra["client_state"])
 
 
-def _load_optimizer(engine: Engine, index: PieceIndex, extra: dict[str, Any], fitting: set[str]) -> None:
+def _load_optimizer(state: Resumable, index: PieceIndex, extra: dict[str, Any], fitting: set[str]) -> None:
     """Group options, and the state of every piece whose parameter fits the checkpoint."""
+    optimizer = state.optimizer
     groups = extra["param_groups"]
-    if len(groups) != len(engine.optimizer.param_groups):
+    if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(
-            f"the checkpoint has {len(groups)} optimizer param groups, the engine {len(engine.optimizer.param_groups)}:"
+            f"the checkpoint has {len(groups)} optimizer param groups, the engine {len(optimizer.param_groups)}:"
             " pass the same param_groups, or load with load_optimizer_states=False"
         )
-    for group, options in zip(engine.optimizer.param_groups, groups):
+    for group, options in zip(optimizer.param_groups, groups):
         group.update(options)
-    engine.optimizer.state.clear()
-    group_of = {param: group for group in engine.optimizer.param_groups for param in group["params"]}
-    for target in engine.optimizer_targets:
+    optimizer.state.clear()
+    group_of = {param: group for group in optimizer.param_groups for param in group["params"]}
+    for target in state.targets():
         if target.name not in fitting:
             continue
         numel = target.tensor.numel()
         pieces = index.covering(target.name, target.param_offset, numel)
         keys = {key for piece in pieces for key in piece["state"]}
-        state: dict[str, Any] = {}
+        restored: dict[str, Any] = {}
         for key in keys:
             sample = next(p["state"][key] for p in pieces if key in p["state"])
             if _is_elementwise(pieces, key):
                 values = index.assemble(target.name, target.param_offset, numel, key)
                 assert values is not None
-                state[key] = values.view(target.tensor.shape).to(target.tensor.device)
+                restored[key] = values.view(target.tensor.shape).to(target.tensor.device)
             elif torch.is_tensor(sample):  # a scalar (step), or saved whole (stage 0 only)
-                state[key] = sample.clone().to(_state_device(key, group_of[target.tensor], target.tensor))
+                restored[key] = sample.clone().to(_state_device(key, group_of[target.tensor], target.tensor))
             else:
-                state[key] = sample
-        if state:
-            engine.optimizer.state[target.tensor] = state
+                restored[key] = sample
+        if restored:
+            optimizer.state[target.tensor] = restored
 
 
 def _state_device(key: str, group: dict[str, Any], param: torch.Tensor) -> torch.device:
@@ -404,10 +426,10 @@ def _is_elementwise(pieces: list[dict[str, Any]], key: str) -> bool:
     return all(torch.is_tensor(v) and v.dim() == 1 and v.numel() == numel for v, numel in values)
 
 
-def _check_fit(engine: Engine, checkpoint: Checkpoint, extra: dict[str, Any], strict: bool) -> None:
+def _check_fit(model: ModelState, checkpoint: Checkpoint, extra: dict[str, Any], strict: bool) -> None:
     """Missing, unexpected and re-shaped entries, all listed at once."""
-    ours = _piece_shapes(engine)
-    ours.update({k: list(v.shape) for k, v in engine.unsharded_state().items()})
+    ours = model.unit_param_shapes()
+    ours.update({k: list(v.shape) for k, v in model.loose_state().items()})
     theirs = {name: entry["shape"] for name, entry in checkpoint.manifest["params"].items()}
     theirs.update({k: list(v.shape) for k, v in extra["module"].items()})
     missing = sorted(set(ours) - set(theirs))

@@ -22,17 +22,16 @@ import json
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..sharding.unit import FlatUnit
 from .checkpoint import EXTRA, LATEST, MANIFEST, PieceIndex, misfit_message, open_checkpoint
 from .safetensors_reader import SafetensorsFile
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from .state_dict import ModelState
 
 
 class WeightsFile:
@@ -201,20 +200,19 @@ def match_weights(model: nn.Module, weights: WeightsFile) -> dict[int, str]:
     return found
 
 
-def load_weights(engine: Engine, weights: WeightsFile, file_names: dict[int, str]) -> None:
-    """Copy the file's values into the engine: each unit's kept range of each parameter, in
+def load_weights(model: ModelState, weights: WeightsFile, file_names: dict[int, str]) -> None:
+    """Copy the file's values into the model: each unit's kept range of each parameter, in
     fp32 (the masters' dtype), and the whole of what stays outside units."""
+
+    def file_values(unit: FlatUnit, index: int, start: int, numel: int) -> torch.Tensor:
+        return weights.read(file_names[id(unit.params[index])], start, numel).to(unit.device, torch.float32)
+
+    model.load_kept(file_values)
+    in_units = {id(param) for unit in model.units for param in unit.params}
     with torch.no_grad():
-        for unit in engine.units:
-            for index, param in enumerate(unit.params):
-                kept = unit.kept_range(index)
-                if kept is not None:
-                    values = weights.read(file_names[id(param)], *kept)
-                    unit.load_kept(index, values.to(unit.device, torch.float32))
-        in_units = {id(param) for unit in engine.units for param in unit.params}
-        outside = {
+        loose = {
             name: weights.read(file_names[id(tensor)], 0, tensor.numel()).view(tensor.shape)
-            for name, tensor in engine.module.state_dict(keep_vars=True).items()
+            for name, tensor in model.module.state_dict(keep_vars=True).items()
             if id(tensor) not in in_units
         }
-        engine.load_unsharded_state(outside)
+    model.load_loose_state(loose)

@@ -1,0 +1,270 @@
+"""The optimizer's side of one unit: its fp32 master, its step gradient, what the optimizer
+steps, the update, and the publication of the updated values.
+
+Each `FlatUnit` owns one `OptimizerShard` for the range of its flat buffer that this rank's
+optimizer updates (the rank's shard when optimizer state is sharded, the whole unit at stage
+0). Everything about that range lives here and nowhere else:
+
+- the *master*: fp32 values of the range. In fp32 training below stage 3 it is a view of the
+  unit's own parameters (no second copy); at stage 3 in fp32 it is the parameter shard itself;
+  with bf16/fp16 compute it is a tensor of its own, and `publish` casts it into the compute copy
+  after each update;
+- the *step gradient*: the averaged gradient of the range, in the compute dtype. Below stage 2
+  it is a view of the unit's full gradient buffer (reduced in place); from stage 2 on the
+  reducer hands each reduced slice to `add_reduced`, and at stage 3 the gradient exists only
+  from the backward to the step (`release_grad`);
+- the *targets*: one optimizer tensor per parameter piece in the range (a view of the master),
+  so torch optimizers keep their per-tensor semantics piece by piece.
+
+Where the master and the gradient live is decided once, when the unit is built (the unit's
+device today); nothing outside this module touches them by offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from .layout import UnitLayout
+
+
+class ShardedUnit(Protocol):
+    """What a shard reads of its unit (`zero_engine.sharding.unit.FlatUnit`)."""
+
+    layout: UnitLayout
+    names: list[str]
+    shapes: list[torch.Size]
+    rank: int
+    compute_dtype: torch.dtype
+    device: torch.device
+    used_offset: int  # the unit's first parameter in the used-mask
+
+
+@dataclass(frozen=True)
+class OwnedPiece:
+    """One parameter's piece in the range this rank's optimizer updates."""
+
+    param_index: int  # within the unit
+    name: str
+    param_offset: int  # first element of the piece, in the flattened parameter
+    owned_offset: int  # where the piece starts within the owned range
+    numel: int
+    shape: torch.Size  # the optimizer tensor's shape
+
+
+class OptimizerTarget(NamedTuple):
+    """A tensor the optimizer steps: the fp32 master of one parameter's owned piece."""
+
+    tensor: torch.Tensor
+    piece: OwnedPiece
+
+    @property
+    def name(self) -> str:
+        return self.piece.name
+
+    @property
+    def param_offset(self) -> int:
+        return self.piece.param_offset
+
+
+class OptimizerShard:
+    """Master, step gradient and optimizer targets of one unit's owned range."""
+
+    def __init__(
+        self,
+        unit: ShardedUnit,
+        owned_range: tuple[int, int],
+        master: torch.Tensor,
+        publish_to: torch.Tensor | None,
+        *,
+        shaped_pieces: bool,
+        full_grad: torch.Tensor | None = None,
+        releases_grad: bool = False,
+    ) -> None:
+        self.unit = unit
+        self.owned_range = owned_range
+        self.master = master
+        self.publish_to = publish_to  # the compute copy of the range; None when the master is it
+        self.releases_grad = releases_grad  # the gradient exists only from backward to step (stage 3)
+        start, end = owned_range
+        # Below stage 2 the step gradient is the owned range of the full gradient buffer.
+        self.grad: torch.Tensor | None = None if full_grad is None else full_grad[start:end]
+        self._grad_is_view = full_grad is not None
+        self.targets = [
+            OptimizerTarget(self.master[p.owned_offset : p.owned_offset + p.numel].view(p.shape), p)
+            for p in self._owned_pieces(shaped_pieces)
+        ]
+        self._cached_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+    # -- the range ---------------------------------------------------------------------------
+
+    def owned_part(self, index: int) -> tuple[int, int, int] | None:
+        """Parameter ``index``'s intersection with the owned range: (offset in the flattened
+        parameter, offset in the owned range, length), or None when it lies outside."""
+        layout = self.unit.layout
+        offset, numel = layout.param_offsets[index], layout.param_numels[index]
+        start, end = self.owned_range
+        lo, hi = max(offset, start), min(offset + numel, end)
+        return (lo - offset, lo - start, hi - lo) if lo < hi else None
+
+    def _owned_pieces(self, shaped: bool) -> list[OwnedPiece]:
+        """The parameters' pieces in the owned range, shaped like their parameters when
+        ``shaped`` (whole parameters at stage 0), else flat."""
+        pieces = []
+        for index, name in enumerate(self.unit.names):
+            owned = self.owned_part(index)
+            if owned is not None:
+                param_offset, owned_offset, numel = owned
+                shape = self.unit.shapes[index] if shaped else torch.Size([numel])
+                pieces.append(OwnedPiece(index, name, param_offset, owned_offset, numel, shape))
+        return pieces
+
+    @property
+    def master_of_shard(self) -> torch.Tensor:
+        """The fp32 master values of this rank's shard (what a checkpoint saves)."""
+        start, end = self.unit.layout.shard_range(self.unit.rank)
+        return self.master[start - self.owned_range[0] : end - self.owned_range[0]]
+
+    @property
+    def master_is_compute_copy(self) -> bool:
+        """The master is the parameters' own storage (fp32 compute)."""
+        return self.publish_to is None
+
+    @property
+    def master_bytes(self) -> int:
+        """A separate fp32 master (mixed precision); 0 when the master is the parameters."""
+        return 0 if self.master_is_compute_copy else _nbytes(self.master)
+
+    def load_owned(self, index: int, values: torch.Tensor, values_start: int) -> None:
+        """Set the owned part of parameter ``index`` from ``values`` (fp32, elements
+        ``[values_start, values_start + len)`` of the flattened parameter), master and
+        compute copy."""
+        owned = self.owned_part(index)
+        if owned is None:
+            return
+        param_offset, owned_offset, numel = owned
+        piece = values.reshape(-1)[param_offset - values_start : param_offset - values_start + numel]
+        self.master[owned_offset : owned_offset + numel].copy_(piece)
+        if self.publish_to is not None:
+            self.publish_to[owned_offset : owned_offset + numel].copy_(piece)
+
+    # -- the step gradient -------------------------------------------------------------------
+
+    @property
+    def grad_bytes(self) -> int:
+        return 0 if self.grad is None or self._grad_is_view else _nbytes(self.grad)
+
+    def ensure_grad(self) -> torch.Tensor:
+        """The step gradient, allocated (zeros) if it was released."""
+        if self.grad is None:
+            numel = self.owned_range[1] - self.owned_range[0]
+            self.grad = torch.zeros(numel, dtype=self.unit.compute_dtype, device=self.unit.device)
+        return self.grad
+
+    def add_reduced(self, reduced: torch.Tensor, scale: float) -> None:
+        """Add ``scale * reduced`` (this range, summed over ranks) into the step gradient; a
+        released gradient is made from it, no zeros pass."""
+        if self.grad is None:
+            self.grad = torch.mul(reduced, scale).to(self.unit.compute_dtype)
+        else:
+            self.grad.add_(reduced, alpha=scale)
+
+    def take_reduced(self, averaged: torch.Tensor) -> None:
+        """The averaged gradient of the range, reduced outside the gradient (through a copy in
+        another dtype): copy it in. Reduced in place, there is nothing to do."""
+        grad = self.ensure_grad()
+        if averaged.data_ptr() != grad.data_ptr():
+            grad.copy_(averaged)
+
+    def move_grad_into(self, destination: torch.Tensor) -> None:
+        """Add the gradient accumulated so far into ``destination`` and zero it (hybrid
+        sharding carries the window's gradient across groups once)."""
+        if self.grad is not None:
+            destination.add_(self.grad)
+            self.grad.zero_()
+
+    def clear_grad(self) -> None:
+        """After a step: release the gradient (stage 3) or zero it for the next window."""
+        if self.releases_grad:
+            self.grad = None
+        elif self.grad is not None and not self._grad_is_view:
+            self.grad.zero_()
+
+    def release_grad(self) -> None:
+        if self.releases_grad:
+            self.grad = None
+
+    # -- the update --------------------------------------------------------------------------
+
+    def attach_grads(self, used: Sequence[bool], multiplier: float) -> tuple[list[OptimizerTarget], int]:
+        """Give every target whose parameter some rank used its gradient (fp32, unscaled and
+        clipped by ``multiplier``); returns those targets and the bytes of the fp32 copy made
+        of a low-precision gradient (0 when the gradient is fp32 already)."""
+        kept = self.ensure_grad()
+        grad = kept if kept.dtype == torch.float32 else kept.float()
+        if multiplier != 1.0:
+            grad.mul_(multiplier)
+        views = self._grad_views(grad, cache=grad is kept and not self.releases_grad)
+        attached = []
+        for target, view in zip(self.targets, views):
+            if used[target.piece.param_index]:
+                target.tensor.grad = view
+                attached.append(target)
+        return attached, 0 if grad is kept else _nbytes(grad)
+
+    def _grad_views(self, grad: torch.Tensor, cache: bool) -> list[torch.Tensor]:
+        """Each target's gradient, a view into ``grad``; kept from step to step while ``grad``
+        is the same persistent tensor (two tensor ops per parameter saved per step)."""
+        if cache and self._cached_views is not None and self._cached_views[0] is grad:
+            return self._cached_views[1]
+        pieces = [target.piece for target in self.targets]
+        views = [grad[p.owned_offset : p.owned_offset + p.numel].view(p.shape) for p in pieces]
+        if cache:
+            self._cached_views = (grad, views)
+        return views
+
+    def publish(self) -> None:
+        """Cast the updated fp32 master into the compute copy (mixed precision only)."""
+        if self.publish_to is not None:
+            self.publish_to.copy_(self.master)
+
+
+def step_shards(
+    optimizer: torch.optim.Optimizer,
+    shards: Sequence[OptimizerShard],
+    used: Sequence[bool],
+    multiplier: float,
+    *,
+    one_at_a_time: bool,
+) -> int:
+    """Step ``optimizer`` on every shard's fp32 gradient (``used``: per parameter, in unit
+    order, offsets from each unit's ``used_offset``); a parameter no rank used keeps its values
+    and its state. With ``one_at_a_time`` (low-precision gradients) the optimizer steps once
+    per shard, so only one shard's fp32 gradient copy exists at a time; torch optimizers update
+    each tensor on its own, so the result is the same. Then publishes every shard. Returns the
+    most fp32 copy bytes alive at once."""
+    peak = 0
+    batches: Iterable[Sequence[OptimizerShard]] = ([shard] for shard in shards) if one_at_a_time else [shards]
+    for batch in batches:
+        attached: list[OptimizerTarget] = []
+        copy_bytes = 0
+        for shard in batch:
+            offset = shard.unit.used_offset
+            targets, nbytes = shard.attach_grads(used[offset : offset + len(shard.unit.names)], multiplier)
+            attached += targets
+            copy_bytes += nbytes
+        peak = max(peak, copy_bytes)
+        if attached:
+            optimizer.step()
+        for target in attached:
+            target.tensor.grad = None
+    for shard in shards:
+        shard.publish()
+    return peak
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

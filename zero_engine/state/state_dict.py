@@ -1,0 +1,131 @@
+"""The model's values as state dicts, wherever the stage keeps them.
+
+Trainable parameters live in units (`zero_engine.sharding.unit`): whole or sharded, with their
+fp32 masters in each unit's `OptimizerShard`. Everything else of ``module.state_dict()``
+(frozen parameters, parameters left out of every param group, buffers) is *loose*: whole on
+every rank, kept as the module holds it; under mixed precision loose parameters compute in the
+compute dtype too, and their fp32 values are kept here for state dicts and checkpoints.
+
+`ModelState` is what the engine, checkpoints and pretrained weights share: the full state dict
+(gathered unit by unit), the loose entries, and loading values into what each rank keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..sharding.unit import FlatUnit
+
+# Values of elements [start, start + numel) of a unit's parameter ``index``, or None to leave it.
+ValuesFor = Callable[[FlatUnit, int, int, int], "torch.Tensor | None"]
+
+
+class ModelState:
+    """The module, its units and its loose entries, read and written by name."""
+
+    def __init__(self, module: nn.Module, units: Sequence[FlatUnit], comm: Comm, compute_dtype: torch.dtype) -> None:
+        self.module = module
+        self.units = list(units)
+        self.comm = comm
+        in_units = {param for unit in self.units for param in unit.params}
+        # Parameters outside every unit: frozen ones, and any left out of param_groups.
+        self.loose_params = [param for param in module.parameters() if param not in in_units]
+        self.loose_masters = _cast_loose_params(self.loose_params, compute_dtype)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The complete module state on CPU, same keys as ``state_dict()``, parameters as their
+        fp32 masters. Collective when masters are sharded; with ``rank0_only`` gathered onto
+        rank 0 alone, one unit at a time (other ranks get an empty dict)."""
+        keep = not rank0_only or self.comm.rank == 0
+        values: dict[nn.Parameter, torch.Tensor] = {}
+        for unit in self.units:
+            full = self.full_master(unit, rank0_only)
+            if keep:
+                for index, param in enumerate(unit.params):
+                    values[param] = unit.view_of(full, index).to("cpu", copy=True)
+        if not keep:
+            return {}
+        values.update(self.loose_masters)
+        by_name = dict(self.module.named_parameters(remove_duplicate=False))
+        state = {}
+        for name, tensor in self.module.state_dict().items():
+            source = values.get(by_name[name], tensor) if name in by_name else tensor
+            dtype = torch.float32 if name in by_name else tensor.dtype
+            state[name] = source.detach().to("cpu", dtype, copy=True)
+        return state
+
+    def full_master(self, unit: FlatUnit, rank0_only: bool = False) -> torch.Tensor:
+        """The unit's fp32 master values over the whole flat buffer (on rank 0 alone with
+        ``rank0_only``, when they must be gathered)."""
+        shard = unit.optim
+        if not unit.shard_master:
+            return shard.master
+        if shard.master_is_compute_copy and not unit.sharded_params:
+            return unit.flat_param  # stages 1-2 in fp32: the whole buffer is up to date
+        full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
+        start, end = shard.owned_range
+        full[start:end] = shard.master
+        (self.comm.gather(full) if rank0_only else self.comm.all_gather(full)).wait()
+        return full
+
+    def loose_state(self) -> dict[str, torch.Tensor]:
+        """State-dict entries outside the units (frozen parameters as their fp32 values,
+        buffers), for checkpoints."""
+        loose = set(self.loose_params)
+        by_name = dict(self.module.named_parameters(remove_duplicate=False))
+        state = {}
+        for name, tensor in self.module.state_dict().items():
+            param = by_name.get(name)
+            if param is not None and param not in loose:
+                continue
+            state[name] = self.loose_masters.get(param, tensor) if param is not None else tensor
+        return state
+
+    def unit_param_shapes(self) -> dict[str, list[int]]:
+        """Shape of every parameter held in units, by its name."""
+        return {name: list(shape) for unit in self.units for name, shape in zip(unit.names, unit.shapes)}
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def load_kept(self, values_for: ValuesFor) -> None:
+        """Set what this rank keeps of every unit parameter (its kept range: the whole
+        parameter below stage 3, its shard at stage 3) from ``values_for`` (fp32)."""
+        with torch.no_grad():
+            for unit in self.units:
+                for index in range(len(unit.params)):
+                    kept = unit.kept_range(index)
+                    if kept is not None:
+                        values = values_for(unit, index, *kept)
+                        if values is not None:
+                            unit.load_kept(index, values)
+
+    def load_loose_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy loose entries in (those that fit, by name and shape)."""
+        by_name = dict(self.module.named_parameters(remove_duplicate=False))
+        ours = self.module.state_dict()
+        with torch.no_grad():
+            for name, value in state.items():
+                if name not in ours or ours[name].shape != value.shape:
+                    continue
+                ours[name].copy_(value)
+                master = self.loose_masters.get(by_name.get(name))  # type: ignore[arg-type]
+                if master is not None:
+                    master.copy_(value)
+
+
+def _cast_loose_params(params: Sequence[nn.Parameter], compute_dtype: torch.dtype) -> dict[nn.Parameter, torch.Tensor]:
+    """Loose parameters compute in the compute dtype too; their fp32 values are kept (mixed
+    precision only)."""
+    if compute_dtype == torch.float32:
+        return {}
+    masters = {}
+    for param in params:
+        masters[param] = param.detach().to(torch.float32, copy=True)
+        param.data = param.data.to(compute_dtype)
+    return masters
