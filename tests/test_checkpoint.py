@@ -14,7 +14,7 @@ from torch import nn
 import zero_engine
 from configs import engine_config
 from harness import RankFailure, run_on_ranks
-from models import decay_groups, make_model, micro_batch, train_engine, train_reference
+from models import VOCAB, decay_groups, make_model, micro_batch, train_engine, train_reference
 from zero_engine import CheckpointError
 from zero_engine.cli import main as cli_main
 
@@ -140,6 +140,96 @@ def test_a_rank_killed_mid_save_loses_nothing(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
     assert not (tmp_path / "ckpt" / ".tmp-global_step2").exists()
     zero_engine.load_consolidated(directory)
+
+
+def save_and_die_publishing(rank: int, world_size: int, directory: str, victim: int, point: str) -> None:
+    """Save step 1, then die on rank ``victim`` at ``point`` of the save of step 2: "written"
+    (its file complete, before the ranks exchange their lists), "publish" (every file of the
+    tag written, the moment the tag's directory is renamed into place) or "latest" (the moment
+    the ``latest`` pointer is replaced)."""
+    engine = zero_engine.initialize(make_model(), _config(1, world_size))
+    _train(engine, rank, world_size, range(1))
+    engine.save_checkpoint(directory)
+    _train(engine, rank, world_size, range(1, 2))
+    if rank == victim:
+        from zero_engine.state import checkpoint
+
+        def die() -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if point == "written":
+            write = checkpoint._write
+            checkpoint._write = lambda path, payload: (write(path, payload), die())[0]
+        elif point == "publish":
+            rename = os.rename
+            os.rename = lambda src, dst: die() if ".tmp-" in str(src) else rename(src, dst)
+        else:
+            replace = os.replace
+            os.replace = lambda src, dst: die() if Path(dst).name == "latest" else replace(src, dst)
+    engine.save_checkpoint(directory)
+
+
+@pytest.mark.parametrize("victim, point", [(0, "publish"), (0, "latest"), (1, "written")])
+def test_a_save_killed_while_publishing_leaves_the_previous_checkpoint(tmp_path: Path, victim: int, point: str) -> None:
+    """Whatever instant a save dies at, ``latest`` names a complete checkpoint: the previous one
+    until the new one is wholly in place, and a resumed job loads it."""
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(RankFailure):
+        run_on_ranks(2, save_and_die_publishing, directory, victim, point)
+    latest = (tmp_path / "ckpt" / "latest").read_text()
+    assert latest == "global_step1", f"killed at {point!r} on rank {victim}, latest names {latest!r}"
+    assert (tmp_path / "ckpt" / "global_step2").exists() == (point == "latest")
+    first = zero_engine.load_consolidated(directory)
+    results = run_on_ranks(2, resume_after_kill, directory)
+    assert [r["step"] for r in results] == [1, 1]
+    for name, value in first.items():
+        assert torch.equal(results[0]["loaded"][name], value), name
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+    zero_engine.load_consolidated(directory)
+
+
+class DropoutModel(nn.Module):
+    """Dropout draws from each rank's own generator: a resumed rank must draw what it would have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.dropout = nn.Dropout(0.5)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.dropout(self.embed(tokens)))
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def dropout_run(rank: int, world_size: int, directory: str, resume: bool) -> list[float]:
+    """Every rank seeded apart. Uninterrupted: 2 steps, save, 2 more (their losses returned).
+    Resumed: seeded apart again, load, the same 2 steps."""
+    torch.manual_seed(100 + 7 * rank + (1000 if resume else 0))
+    engine = zero_engine.initialize(DropoutModel(), engine_config(2, micro=2, lr=0.5, optimizer="SGD"))
+    if resume:
+        engine.load_checkpoint(directory)
+    else:
+        for step in range(2):
+            engine.backward(engine(*micro_batch(step, 0, rank, world_size, 2, 1)))
+            engine.step()
+        engine.save_checkpoint(directory)
+    losses = []
+    for step in range(2, 4):
+        loss = engine(*micro_batch(step, 0, rank, world_size, 2, 1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_each_rank_resumes_its_own_random_numbers(tmp_path: Path) -> None:
+    """After a resume every rank draws the dropout masks it would have drawn uninterrupted, so
+    the losses go on exactly as before the interruption (on 3 ranks, each seeded apart)."""
+    uninterrupted = run_on_ranks(3, dropout_run, str(tmp_path), False)
+    resumed = run_on_ranks(3, dropout_run, str(tmp_path), True)
+    assert len({tuple(losses) for losses in uninterrupted}) == 3, "the ranks drew the same masks"
+    assert resumed == uninterrupted
 
 
 # -- one process ---------------------------------------------------------------------------------

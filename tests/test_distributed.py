@@ -169,3 +169,54 @@ def test_distributed_behaviour(world_size: int) -> None:
         for name, ref in reference.items():
             diff = (result["divergent_state"][name] - ref).abs().max().item()
             assert diff <= 2e-5, f"rank {rank}: {name} differs by {diff} when ranks use different parameters"
+
+
+# -- when reductions start ---------------------------------------------------------------------
+
+
+def reduction_launches(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """One boundary step per case, recording in order each gradient's arrival (hooks put on the
+    parameters before `initialize`, so they run before the engine's own) and each reduction the
+    engine launches (its `Comm` methods, wrapped)."""
+    results = []
+    for case in cases:
+        model = make_model()
+        events: list[tuple[str, int]] = []
+        for index, param in enumerate(p for p in model.parameters() if p.requires_grad):
+            param.register_post_accumulate_grad_hook(lambda _, index=index: events.append(("grad", index)))
+        config = _config(case["stage"], bucket=40)
+        config["zero_optimization"]["overlap_comm"] = case["overlap"]
+        engine = zero_engine.initialize(model, config)
+        for method in ("all_reduce_sum", "reduce_scatter_sum"):
+            launch = getattr(engine.comm, method)
+            setattr(engine.comm, method, lambda tensor, launch=launch: events.append(("launch", 0)) or launch(tensor))
+        engine.backward(engine(*micro_batch(0, 0, rank, world_size, 2, 1)))
+        last_grad = max(position for position, (kind, _) in enumerate(events) if kind == "grad")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # Units launch in order, and two cannot complete before backward ends: the one holding
+        # `unused` (never a gradient) and the one receiving the last gradient.
+        waiting = {model.unused, trainable[events[last_grad][1]]}
+        first_waiting = next(i for i, unit in enumerate(engine.units) if waiting & set(unit.params))
+        results.append({
+            "before_last_grad": sum(kind == "launch" for kind, _ in events[:last_grad]),
+            "after_backward": sum(kind == "launch" for kind, _ in events[last_grad:]),
+            "launchable_early": first_waiting,
+            "num_units": len(engine.units),
+        })
+        engine.close()
+    return results
+
+
+LAUNCH_CASES = [{"stage": stage, "overlap": overlap} for stage in (0, 1, 2) for overlap in (True, False)]
+
+
+def test_overlap_comm_launches_reductions_during_backward() -> None:
+    """With ``overlap_comm`` (the default) every unit that can complete is reduced while
+    backward still runs, before the last gradient arrives; without it nothing is launched before
+    backward ends. Either way each unit is reduced once."""
+    for per_case in run_on_ranks(2, reduction_launches, LAUNCH_CASES):
+        for case, result in zip(LAUNCH_CASES, per_case):
+            assert result["launchable_early"] >= 3, result  # enough units for overlap to show
+            assert result["before_last_grad"] + result["after_backward"] == result["num_units"], (case, result)
+            expected = result["launchable_early"] if case["overlap"] else 0
+            assert result["before_last_grad"] == expected, (case, result)

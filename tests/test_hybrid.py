@@ -46,6 +46,12 @@ CASES = [
 ]
 
 
+def _distinct_weights() -> dict[str, torch.Tensor]:
+    """Weights to load: every element different, so a range read from the wrong place shows."""
+    generator = torch.Generator().manual_seed(11)
+    return {name: torch.randn(value.shape, generator=generator) for name, value in make_model().state_dict().items()}
+
+
 def _config(case: dict, group: int) -> dict:
     return engine_config(
         case["stage"], micro=MICRO, lr=LR, accum=case["accum"], optimizer=case["optimizer"], clip=case.get("clip", 0.0),
@@ -100,14 +106,17 @@ def hybrid_grid(rank: int, world_size: int, groups: list[int], overflow_stages: 
                 out["cases"][group, index]["rank0_gather_bytes"] = engine.comm_report()["gather"]["sent"]
             engine.close()
     # Built on the meta device, or from weights: each group materializes or reads its shards.
-    zero = {"stage": 3, "shard_group_size": groups[0], "stage3_param_persistence_threshold": 0}
+    # Units of 91, 88, 84 and 19 elements: padded at G = 2 and 3, so a shifted read shows.
+    zero = {
+        "stage": 3, "shard_group_size": groups[0], "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 40,
+    }
     config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero}
     engine = zero_engine.initialize(_meta_trap_model(), config, param_init_fn=init_trap_model)
     out["meta_init"] = engine.full_state_dict()
     engine.close()
-    weights = {name: torch.full_like(value, 0.5) for name, value in make_model().state_dict().items()}
-    engine = zero_engine.initialize(_meta_trap_model(), config, weights=weights)
+    engine = zero_engine.initialize(_meta_trap_model(), config, weights=_distinct_weights())
     out["weights"] = engine.full_state_dict()
+    out["weights_padding"] = [unit.layout.padding_numel for unit in engine.units]
     engine.close()
     for stage in overflow_stages:  # the poisoned element reaches rank 0 across groups
         out["overflow"][stage] = overflow_on_one_rank(
@@ -191,7 +200,8 @@ def _check_grid(world_size: int, groups: list[int], per_rank: list[dict]) -> Non
     for rank, result in enumerate(per_rank):
         for name, value in initial.items():
             assert torch.equal(result["meta_init"][name], value), f"rank {rank}: meta-initialized {name} differs"
-            assert torch.equal(result["weights"][name], torch.full_like(value, 0.5)), f"rank {rank}: loaded {name}"
+            assert torch.equal(result["weights"][name], _distinct_weights()[name]), f"rank {rank}: loaded {name}"
+        assert max(result["weights_padding"]) > 0, result["weights_padding"]
         for overflow in result["overflow"].values():
             check_skipped_everywhere(rank, overflow)
 

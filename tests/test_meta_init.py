@@ -235,6 +235,31 @@ def test_weights_are_read_shard_by_shard_from_every_format(tmp_path: Path) -> No
     assert sum(r["bytes"][3] for r in per_rank) == total, "the ranks' shards read every element once"
 
 
+PADDED_CUT = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 40}
+
+
+def padded_weights_grid(rank: int, world_size: int, files: dict[str, str]) -> dict:
+    """Stage 3 cut into units whose sizes the world size does not divide (embed 91, the root's
+    19): every rank above 0 reads a range that starts after another rank's padding."""
+    out: dict = {"states": {}}
+    for source in ("safetensors", "index", "torch"):
+        engine = zero_engine.initialize(_meta_trap_model(), _config(PADDED_CUT), weights=files[source])
+        out["padding"] = [unit.layout.padding_numel for unit in engine.units]
+        out["states"][source] = engine.full_state_dict()
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_weights_read_into_padded_stage3_units(tmp_path: Path, world_size: int) -> None:
+    files, values = _write_weight_files(tmp_path)
+    for rank, result in enumerate(run_on_ranks(world_size, padded_weights_grid, files, timeout=240)):
+        assert max(result["padding"]) > 0, result["padding"]  # the case this test is for
+        for source, state in result["states"].items():
+            for name, value in values.items():
+                assert torch.equal(state[name], value), f"{world_size} ranks, rank {rank}, {source}: {name} differs"
+
+
 # -- a real model: Hugging Face GPT-2 ---------------------------------------------------------
 
 GPT2_SEQ, GPT2_LR = 16, 1e-3
@@ -264,7 +289,10 @@ def gpt2_grid(rank: int, world_size: int, directory: str) -> list[dict]:
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
             "optimizer": {"type": "AdamW", "params": {"lr": GPT2_LR, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage, "stage3_wrap_modules": ["GPT2Block"]},
+            # Threshold 0: every parameter sharded at stage 3 (the default keeps all 28 whole).
+            "zero_optimization": {
+                "stage": stage, "stage3_wrap_modules": ["GPT2Block"], "stage3_param_persistence_threshold": 0,
+            },
         }
         engine = zero_engine.initialize(model, config, weights=directory)
         initial = engine.full_state_dict()
