@@ -14,6 +14,7 @@ import tempfile
 from collections import defaultdict
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import zero_engine
@@ -24,16 +25,26 @@ from zero_engine import comm as comm_module
 CONTROL_METHODS = {"each_rank", "all_gather_json"}
 WRAPPED = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "barrier")
 NATIVE = ("_reduce_scatter_tensor", "_all_gather_into_tensor")
+# What each recorded torch function implements (gloo's per-shard primitives: reduce, broadcast).
+KINDS = {
+    "reduce": "reduce_scatter", "_reduce_scatter_tensor": "reduce_scatter", "broadcast": "all_gather",
+    "_all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce", "gather": "gather", "all_gather": "all_gather",
+    "barrier": "barrier",
+}
 
 
 def _recording(calls: list, name: str, function):
-    """``function``, recording the `GroupComm` method that called it and the group it was given."""
+    """``function``, recording the `GroupComm` method that called it, the group it was given and
+    the bytes of its largest tensor argument (the whole flat buffer of a native collective, one
+    shard of a per-shard one)."""
 
     def record(*args, **kwargs):
         frame = sys._getframe(1)
         while frame.f_code.co_name.startswith("<") or not isinstance(frame.f_locals.get("self"), comm_module.GroupComm):
             frame = frame.f_back
-        calls.append((frame.f_code.co_name, name, kwargs.get("group")))
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        nbytes = max((a.numel() * a.element_size() for a in tensors), default=0)
+        calls.append((frame.f_code.co_name, name, kwargs.get("group"), nbytes))
         return function(*args, **kwargs)
 
     return record
@@ -66,6 +77,9 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             for name, function in natives.items():
                 setattr(comm_module, name, _recording(calls, name, function))
             train_engine(engine, rank, world_size, range(1), 2, 1)
+            step_calls = len(calls)
+            engine.full_state_dict(rank0_only=True)
+            export_calls = (step_calls, len(calls))
             with tempfile.TemporaryDirectory() as tmp:
                 directory = engine.comm.all_gather_json(tmp)[0]  # rank 0's directory for everyone
                 engine.save_checkpoint(directory)
@@ -81,11 +95,20 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         if engine.comm.num_replicas > 1:  # hybrid: the shard and replica groups are groups of their own
             roles.update({id(engine.comm.shard_group.group): "shard_group", id(engine.comm.replica_group.group): "replica_group"})
         groups = defaultdict(set)
-        for method, function, group in calls:
+        for method, function, group, _ in calls:
             groups[method, function].add(roles.get(id(group), "other"))
+        data_bytes: dict[str, int] = defaultdict(int)  # by collective kind, on data groups, in the step
+        for method, function, group, nbytes in calls[: step_calls]:
+            if roles.get(id(group), "other") != "control":
+                data_bytes[KINDS[function]] += nbytes
+        export_bytes = sum(nbytes for _, function, _, nbytes in calls[slice(*export_calls)] if function == "gather")
         results.append({
             "calls": {f"{method}:{function}": sorted(roles) for (method, function), roles in groups.items()},
             "control_backend": dist.get_backend(engine.comm.control_group),
+            "step_bytes": dict(data_bytes),
+            "export_gather_bytes": export_bytes,
+            "num_params": sum(len(unit.params) for unit in engine.units),
+            "num_units": len(engine.units),
             "groups_made": made,
         })
         engine.close()
@@ -95,9 +118,14 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
 CASES = [{"stage": 1, "primitives": "native"}, {"stage": 3, "primitives": "native"}, {"stage": 3, "primitives": "auto"}]
 
 
-@pytest.mark.parametrize("world_size", [2])
-def test_control_traffic_uses_a_gloo_group_and_data_the_data_group(world_size: int) -> None:
-    per_rank = run_on_ranks(world_size, record_traffic, CASES)
+@pytest.fixture(scope="module")
+def traffic() -> list[list[dict]]:
+    """One spawn of 3 ranks (padded units; (N-1)/N differs from 1/N) for the tests below."""
+    return run_on_ranks(3, record_traffic, CASES)
+
+
+def test_control_traffic_uses_a_gloo_group_and_data_the_data_group(traffic: list[list[dict]]) -> None:
+    per_rank = traffic
     # Data follows the default group's backend (NCCL on GPUs); control is gloo whatever it is.
     assert sorted(per_rank[0][0]["groups_made"], key=str) == [None, "gloo"]
     for case, result in zip(CASES, per_rank[0]):
@@ -115,6 +143,27 @@ def test_control_traffic_uses_a_gloo_group_and_data_the_data_group(world_size: i
             assert not any(key.startswith("_shard_by_shard") for key in calls), calls
         else:  # gloo's default: one rooted collective per shard
             assert not native and {"_shard_by_shard:reduce", "_shard_by_shard:broadcast"} <= set(calls), calls
+
+
+def test_bytes_handed_to_torch_distributed_follow_the_formulas(traffic: list[list[dict]]) -> None:
+    """Counted from the recorded ``torch.distributed`` calls, not from `comm_report()`: in one
+    step of Ψ trainable elements in U units over N ranks, the gradients are reduce-scattered
+    once (Ψ plus padding, fp32), stage 1 all-gathers the updated parameters once and stage 3
+    gathers every unit twice (its forward and its backward), the only all-reduce is the used-mask
+    and norm (8 bytes per parameter, plus one), and a rank-0 export sends each rank's shard."""
+    psi, n = sum(p.numel() for p in make_model().parameters() if p.requires_grad), 3
+    for rank, per_case in enumerate(traffic):
+        for case, result in zip(CASES, per_case):
+            sent, label = result["step_bytes"], (rank, case)
+            padding = 4 * (n - 1) * result["num_units"]
+            assert 4 * psi <= sent["reduce_scatter"] <= 4 * psi + padding, (label, sent)
+            assert sent["reduce_scatter"] % n == 0, (label, sent)
+            gathers = 2 if case["stage"] == 3 else 1
+            assert sent["all_gather"] == gathers * sent["reduce_scatter"], (label, sent)
+            assert sent["all_reduce"] == 8 * (result["num_params"] + 1), (label, sent)
+            exported = sent["reduce_scatter"] // n if case["stage"] == 3 else 0  # below stage 3 rank 0 has it all
+            assert result["export_gather_bytes"] == exported, (label, result["export_gather_bytes"])
+            assert set(sent) == {"reduce_scatter", "all_gather", "all_reduce"}, (label, sent)
 
 
 HYBRID = [

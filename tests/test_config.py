@@ -28,7 +28,8 @@ EXAMPLE = {
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path) -> None:
     config = load_config(path)
-    assert config.zero_optimization.stage in (0, 1, 2, 3)
+    if path.stem.startswith("zero"):  # zeroN*.yaml trains at stage N
+        assert config.zero_optimization.stage == int(path.stem[4]), path
     assert cli_main(["validate", str(path)]) == 0
 
 

@@ -78,8 +78,22 @@ def test_unbuilt_features_are_refused_at_initialize(sections: dict, fragment: st
 
 
 def test_off_switches_are_accepted() -> None:
+    """Settings that mean "off" build nothing: no loss scaling, no clipping (0 does not clip to
+    norm 0), no offload. A step is then plain AdamW's."""
     config = _with(gradient_clipping=0, fp16={"enabled": False}, zero_optimization={"offload_optimizer": {"device": "none"}})
-    zero_engine.initialize(make_model(), config)
+    model, reference = make_model(), make_model()
+    engine = zero_engine.initialize(model, config)
+    assert engine.loss_scaler is None and engine.loss_scale == 1.0
+    tokens, targets = micro_batch(0, 0, 0, 1, 2, 1)
+    engine.backward(engine(tokens, targets))
+    engine.step()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    reference(tokens, targets).backward()
+    optimizer.step()
+    state = engine.full_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
+    assert not torch.equal(state["fc1.weight"], make_model().state_dict()["fc1.weight"]), "the step changed nothing"
 
 
 def test_non_elementwise_optimizer_runs_at_stage_0() -> None:
