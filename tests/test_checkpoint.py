@@ -170,7 +170,9 @@ def save_and_die_publishing(rank: int, world_size: int, directory: str, victim: 
 
 
 @pytest.mark.parametrize("victim, point", [(0, "publish"), (0, "latest"), (1, "written")])
-def test_a_save_killed_while_publishing_leaves_the_previous_checkpoint(tmp_path: Path, victim: int, point: str) -> None:
+def test_a_save_killed_while_publishing_leaves_the_previous_checkpoint(
+    tmp_path: Path, victim: int, point: str
+) -> None:
     """Whatever instant a save dies at, ``latest`` names a complete checkpoint: the previous one
     until the new one is wholly in place, and a resumed job loads it."""
     directory = str(tmp_path / "ckpt")

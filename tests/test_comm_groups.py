@@ -93,7 +93,8 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
                 setattr(comm_module, name, function)
         roles = {id(engine.comm.control_group): "control", id(engine.comm.group): "data"}
         if engine.comm.num_replicas > 1:  # hybrid: the shard and replica groups are groups of their own
-            roles.update({id(engine.comm.shard_group.group): "shard_group", id(engine.comm.replica_group.group): "replica_group"})
+            shard_group, replica_group = engine.comm.shard_group.group, engine.comm.replica_group.group
+            roles.update({id(shard_group): "shard_group", id(replica_group): "replica_group"})
         groups = defaultdict(set)
         for method, function, group, _ in calls:
             groups[method, function].add(roles.get(id(group), "other"))

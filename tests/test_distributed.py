@@ -10,7 +10,8 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import DeepModel, decay_groups, global_batch, make_model, micro_batch
-from zero_engine.memory import formula_bytes
+from zero_engine.memory import HELD_NOW, formula_bytes
+from zero_engine.testing.process_memory import live_tensor_bytes
 
 LR = 0.05
 
@@ -35,6 +36,8 @@ def checks(rank: int, world_size: int) -> dict:
     engine.close()
 
     for stage in (0, 1, 2):
+        engine = model = None  # the last engine's tensors must not count in the baseline
+        baseline = live_tensor_bytes()
         model = make_model()
         engine = zero_engine.initialize(model, _config(stage, accum=2), param_groups=decay_groups(model))
         # torch.optim creates its state at the first step, so measure at the second.
@@ -44,10 +47,13 @@ def checks(rank: int, world_size: int) -> dict:
             engine.step()
             engine.backward(engine(*micro_batch(step, 1, rank, world_size, 2, 2)))
             memory_before_step = engine.memory_report()
+            live_before_step = live_tensor_bytes() - baseline
             engine.step()
         out[f"stage{stage}"] = {
             "silent_micro_step_bytes": silent,
             "memory": memory_before_step,
+            "live_bytes": live_before_step,
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
             "comm": engine.comm_report(),
             "unit_numels": [(u.layout.unpadded_numel, u.layout.padded_numel) for u in engine.units],
             "shard_numel": sum(u.layout.shard_numel for u in engine.units),
@@ -139,6 +145,10 @@ def test_distributed_behaviour(world_size: int) -> None:
             counters = 4 * report["num_optimizer_tensors"]
             assert abs(memory["optimizer_states"] - counters - optimizer_formula) <= 8 * len(units)
             assert memory["master_parameters"] == 0
+            # What the engine reports is what the process holds: every storage behind a live
+            # tensor, counted apart from the engine, is the report plus the model's buffers.
+            held = sum(memory[key] for key in HELD_NOW)
+            assert report["live_bytes"] == held + report["buffer_bytes"], (stage, report["live_bytes"], memory)
         states = sum(r["memory"]["optimizer_states"] - 4 * r["num_optimizer_tensors"] for r in reports)
         assert states == 8 * stepped * (n if stage == 0 else 1), "optimizer state is not partitioned exactly"
 

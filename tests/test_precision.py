@@ -13,7 +13,8 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch, train_engine, train_reference_policy
-from zero_engine.memory import formula_bytes
+from zero_engine.memory import HELD_NOW, formula_bytes
+from zero_engine.testing.process_memory import live_tensor_bytes
 from zero_engine.precision import LossScaler
 
 STEPS, MICRO, LR, STATIC_SCALE = 4, 2, 0.01, 256.0
@@ -297,6 +298,8 @@ def test_a_bf16_model_still_gets_fp32_masters() -> None:
 def mixed_memory(rank: int, world_size: int) -> list[dict]:
     results = []
     for stage in (0, 1, 2, 3):
+        engine = model = None  # the last engine's tensors (and its model's views) must not count in the baseline
+        baseline = live_tensor_bytes()
         torch.manual_seed(0)
         from models import DeepModel
 
@@ -310,8 +313,11 @@ def mixed_memory(rank: int, world_size: int) -> list[dict]:
         for _ in range(2):  # torch.optim creates its state at the first step
             engine.backward(engine(torch.randn(4, 16)))
             memory = engine.memory_report()
+            live = live_tensor_bytes() - baseline
             engine.step()
-        results.append({"stage": stage, "memory": memory, "psi": psi, "units": len(engine.units),
+        largest = max(unit.layout.padded_numel for unit in engine.units)
+        results.append({"stage": stage, "memory": memory, "live": live, "psi": psi, "units": len(engine.units),
+                        "largest_unit": largest,
                         "tensors": len(engine.optimizer.state), "comm": engine.comm_report()})
         engine.close()
     return results
@@ -328,6 +334,12 @@ def test_mixed_precision_memory_follows_the_zero_paper() -> None:
         assert abs(memory["master_parameters"] - formula.master_parameters) <= padding, stage
         counters = 4 * result["tensors"]  # Adam's per-tensor step counters
         assert abs(memory["optimizer_states"] - counters - formula.optimizer_states) <= 2 * padding, stage
+        # ...and the report is what the process holds: the storages behind every live tensor.
+        # Stage 3 also holds the agreements proposed for the next pass (at most 3, one int64 per
+        # rank) and at most one reduced bucket (fp32) whose completed gloo work still holds it.
+        held = sum(memory[key] for key in HELD_NOW)
+        extra = 3 * 8 * n + 4 * result["largest_unit"] if stage == 3 else 0
+        assert 0 <= result["live"] - held <= extra, (stage, result["live"], memory)
         if stage >= 1:  # the all-gather moves bf16 compute copies: half the fp32 bytes (twice at stage 3)
             gathers = 2 if stage == 3 else 1
             assert abs(result["comm"]["all_gather"]["sent"] - gathers * (n - 1) / n * 2 * psi) <= gathers * padding

@@ -16,6 +16,8 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import DeepModel, decay_groups, make_model, train_engine, train_reference
+from zero_engine.memory import HELD_NOW
+from zero_engine.testing.process_memory import live_tensor_bytes
 from structured import StructuredModel, structured_batch
 
 STEPS, MICRO, LR, TOL = 4, 2, 0.05, 2e-5
@@ -125,14 +127,18 @@ def behaviour(rank: int, world_size: int) -> dict:
 
     # Memory and traffic on 8 units, measured in the second step (optimizer state exists).
     for name, zero in {"default": {}, "live_limit": {"stage3_max_live_parameters": WIDTH * WIDTH + WIDTH}}.items():
+        engine = None  # the last engine's tensors must not count in the baseline
+        baseline = live_tensor_bytes()
         engine = _deep_engine(**zero)
         _deep_steps(engine, rank, range(1))
         engine.backward(engine(_deep_batch(1, rank)))
         memory = engine.memory_report()
+        live = live_tensor_bytes() - baseline
         gathered_after_backward = [unit.has_full_storage for unit in engine.gatherer.units]
         engine.step()
         out[name] = {
             "memory": memory,
+            "live": live,
             "comm": engine.comm_report(),
             "gathered_after_backward": gathered_after_backward,
             "padded": [unit.layout.padded_numel for unit in engine.gatherer.units],
@@ -238,6 +244,13 @@ def test_stage3_memory_traffic_export_and_failures(world_size: int) -> None:
         assert memory["parameters"] == memory["gradients"] == sum(unit_bytes) // world_size
         assert 0 <= held - 16 * psi / world_size <= 16 * padding / world_size + 8 * default["optimizer_tensors"]
         assert not any(default["gathered_after_backward"]), "units stayed gathered after backward"
+        # The report is what the process holds between backward and step: the storages behind
+        # every live tensor (gathered units freed; what autograd saved is measured as the
+        # process holds it in test_stage3_memory.py), besides the agreements the gatherer has
+        # already proposed for the next pass (at most 3, one int64 per rank each) and at most
+        # one reduced bucket whose completed gloo work has not yet let go of it.
+        held = sum(memory[key] for key in HELD_NOW)
+        assert 0 <= default["live"] - held <= 3 * 8 * world_size + max(unit_bytes), (rank, default["live"], memory)
         # Forward holds the running unit and the prefetched next one; a live limit of one unit
         # stops prefetching.
         largest_two = sum(sorted(unit_bytes)[-2:])

@@ -38,6 +38,10 @@ class MemoryReport(NamedTuple):
     peak_step_gradients: int = 0  # fp32 copies of low-precision gradients alive at once in the last step
 
 
+# The fields of `MemoryReport` that count storage held now (the others are peaks).
+HELD_NOW = ("parameters", "gradients", "optimizer_states", "master_parameters", "buffers")
+
+
 def formula_bytes(
     num_params: int,
     stage: int,

@@ -12,11 +12,15 @@ probes read the truth:
 - `SavedTensorMeter`: the bytes held by the storages of every tensor autograd saved in a
   block of code, read when asked, so storage freed after saving counts as freed. It sees
   exactly what a forward keeps alive for its backward, with no allocator noise.
+- `live_tensor_bytes`: the bytes of every distinct storage behind the tensor objects alive in
+  the process (found by the garbage collector, not by asking the engine), exact where the
+  resident set is blurred by the allocator.
 - `cuda_max_allocated_bytes` / `reset_cuda_peak`: the CUDA caching allocator's peak (CUDA only).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from types import TracebackType
 from typing import Any
@@ -87,6 +91,21 @@ class SavedTensorMeter:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def live_tensor_bytes(device: torch.device | None = None) -> int:
+    """Bytes of the distinct storages behind every live tensor object (on ``device`` only, if
+    given), each storage counted once however many views share it. Tensors held only inside
+    C++ (autograd's saved tensors: `SavedTensorMeter`) are not seen."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter reads __class__, which some objects make a warning
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and (device is None or obj.device == device):
+            storage = obj.untyped_storage()
+            if storage.nbytes():
+                storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(storages.values())
 
 
 def cuda_max_allocated_bytes(device: torch.device) -> int:
