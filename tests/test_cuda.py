@@ -28,6 +28,7 @@ from test_precision import MICRO, STEPS, _check
 from test_precision import _config as precision_config
 from test_stage3_memory import BATCH, BLOCK_NUMEL, WIDTH, Tower
 from zero_engine.comm import local_cuda_device
+from zero_engine.memory import HELD_NOW
 from zero_engine.testing.process_memory import cuda_max_allocated_bytes, reset_cuda_peak
 
 pytestmark = pytest.mark.skipif(
@@ -43,7 +44,11 @@ CASES = [
 
 def _engine(case: dict, device: torch.device) -> zero_engine.Engine:
     model = make_model().to(device)
-    return zero_engine.initialize(model, precision_config(case), param_groups=decay_groups(model))
+    config = precision_config(case)
+    # One GPU: a one-rank NCCL group that still issues every collective (the asynchronous
+    # NCCL path with resize_, native reduce-scatter and all-gather, gather for rank-0 export).
+    config["comm"] = {"force_collectives": True}
+    return zero_engine.initialize(model, config, param_groups=decay_groups(model))
 
 
 def cuda_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
@@ -58,6 +63,7 @@ def cuda_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             "losses": [sum(window) / len(window) for window in windows],
             "norms": norms,
             "state": {name: value.cpu() for name, value in engine.full_state_dict().items()},
+            "rank0_state": engine.full_state_dict(rank0_only=True),
             "skipped": engine.skipped_steps,
         })
         engine.close()
@@ -72,8 +78,13 @@ def _check_grid(world_size: int, per_rank: list[list[dict]], backend: str) -> No
 
 
 def test_one_gpu_on_nccl_matches_the_one_process_reference() -> None:
-    """As under ``torchrun --nproc_per_node=1``: the engine makes an NCCL group bound to cuda:0."""
-    _check_grid(1, run_on_ranks(1, cuda_grid, CASES, backend=None, timeout=600), "nccl")
+    """As under ``torchrun --nproc_per_node=1``: the engine makes an NCCL group bound to cuda:0
+    and, with ``comm.force_collectives``, runs every collective through it (bf16 and fp32)."""
+    per_rank = run_on_ranks(1, cuda_grid, CASES, backend=None, timeout=600)
+    _check_grid(1, per_rank, "nccl")
+    for result in per_rank[0]:  # the rank-0 export through dist.gather gives the same state
+        for name, value in result["state"].items():
+            assert torch.equal(result["rank0_state"][name], value), name
 
 
 def test_ranks_sharing_one_gpu_over_gloo_match_the_reference() -> None:
@@ -135,7 +146,11 @@ def _memory_config(stage: int, dtype: str) -> dict:
 
 def measure_cuda_memory(rank: int, world_size: int, cases: list[tuple[int, str]]) -> list[dict]:
     device = local_cuda_device()
-    torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)  # cuBLAS workspace before any baseline
+    # cuBLAS workspaces before any baseline: the forward's stream, and autograd's device thread,
+    # which allocates its own (32 MiB on sm90) at the first backward.
+    warm = torch.ones(8, 8, device=device, requires_grad=True)
+    (warm @ warm).sum().backward()
+    del warm
     out = []
     for stage, dtype in cases:
         gc.collect()
@@ -160,16 +175,13 @@ def measure_cuda_memory(rank: int, world_size: int, cases: list[tuple[int, str]]
     return out
 
 
-PERSISTENT = ("parameters", "gradients", "optimizer_states", "master_parameters", "buffers")
-
-
 def test_the_cuda_allocator_agrees_with_memory_report() -> None:
     """Between steps the allocator holds what the report's persistent figures say; a step's peak
     above that lies between the largest transient the report names and the sum of them all."""
     cases = list(itertools.product((0, 1, 2, 3), ("fp32", "bf16")))
     for result in run_on_ranks(1, measure_cuda_memory, cases, backend=None, timeout=600)[0]:
         report = result["report"]
-        persistent = sum(report[key] for key in PERSISTENT)
+        persistent = sum(report[key] for key in HELD_NOW)
         assert abs(result["steady"] - persistent) <= 0.03 * persistent + SLACK, result
         transient = report["peak_gathered_backward"] + report["peak_gradients"] - report["gradients"]
         transient += report["peak_step_gradients"]

@@ -11,6 +11,7 @@ optimizer tensor per step).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def _train(engine: Engine, guard: DeviceGuard, rank: int, world_size: int, steps
 def guarded_grid(rank: int, world_size: int, cases: list[dict], directory: str) -> list[dict]:
     results = []
     for index, case in enumerate(cases):
-        with DeviceGuard() as guard:
+        default = torch.device(GUARDED_DEVICE) if case.get("default_device") else contextlib.nullcontext()
+        with DeviceGuard() as guard, default:
             engine = _guarded_engine(guard, case)
             device = str(engine.device)
             before_save = _train(engine, guard, rank, world_size, range(2))
@@ -84,6 +86,23 @@ def test_every_stage_trains_saves_and_loads_without_mixing_or_extra_syncs(tmp_pa
     for rank, results in enumerate(per_rank):
         for case, result in zip(CASES, results):
             assert result["device"] == str(GUARDED_DEVICE), (rank, case)
+            assert result["before_save"] == [ONE_SYNC_PER_STEP] * 2, (rank, case, result)
+            assert result["after_load"] == [ONE_SYNC_PER_STEP] * 2, (rank, case, result)
+
+
+DEFAULT_DEVICE_CASES = [
+    {"stage": 1, "bf16": False, "default_device": True},
+    {"stage": 3, "bf16": True, "default_device": True},
+]
+
+
+def test_control_tensors_stay_on_the_host_under_a_default_device(tmp_path: Path) -> None:
+    """Under ``torch.set_default_device(<the GPU>)`` a factory without ``device=`` lands on the
+    device: the agreements and the used-mask must name the host, or every stage 3 gather would
+    sync the GPU (each agreement read back from the device)."""
+    per_rank = run_on_ranks(2, guarded_grid, DEFAULT_DEVICE_CASES, str(tmp_path), timeout=300)
+    for rank, results in enumerate(per_rank):
+        for case, result in zip(DEFAULT_DEVICE_CASES, results):
             assert result["before_save"] == [ONE_SYNC_PER_STEP] * 2, (rank, case, result)
             assert result["after_load"] == [ONE_SYNC_PER_STEP] * 2, (rank, case, result)
 

@@ -40,6 +40,12 @@ from .config import ZeroEngineConfig, ZeroOptimizationConfig
 from .errors import ConfigError
 
 
+# Control tensors (agreements, JSON exchanges) live here, named explicitly: a factory without
+# ``device=`` follows ``torch.set_default_device``, which would put every agreement through
+# gloo's CUDA staging and sync the GPU once per gather.
+HOST = torch.device("cpu")
+
+
 class CollectiveKind(str, Enum):
     ALL_REDUCE = "all_reduce"
     REDUCE_SCATTER = "reduce_scatter"
@@ -67,11 +73,19 @@ class TwoPhase:
     shard across groups once the group has reduced it). `advance` launches the second phase
     if the first has completed, without waiting; `wait` waits for both. Callers advance their
     reductions in launch order, stopping at the first not ready, so every rank launches the
-    second phases in the same order."""
+    second phases in the same order.
 
-    def __init__(self, first: Pending, second: Callable[[], Pending]) -> None:
+    On NCCL the second phase is launched at once (``start_now``): there ``is_completed()``
+    reflects GPU completion, which the host is ahead of, so polling right after a launch would
+    almost never succeed and every cross-group reduction would start after backward, one after
+    another; ``wait()`` on an NCCL work only makes the current stream wait, so starting at once
+    blocks nothing and the device runs the phases in order."""
+
+    def __init__(self, first: Pending, second: Callable[[], Pending], *, start_now: bool = False) -> None:
         self.first, self._second = first, second
         self.second: Pending | None = None
+        if start_now:  # NCCL (`Comm.orders_on_device`): the device orders the phases
+            self._start_second()
 
     def advance(self) -> bool:
         if self.second is None and all(work.is_completed() for work in self.first.works):
@@ -123,9 +137,13 @@ class GroupComm:
         group: Any = None,
         control_group: Any = None,
         primitives: str = "auto",
+        force_collectives: bool = False,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
+        # A group of one rank issues nothing, unless told to (``comm.force_collectives``, tests;
+        # ``group`` None is then the default group, of one rank).
+        self.skips_collectives = world_size == 1 and not (force_collectives and dist.is_initialized())
         self.backend = backend
         self.group = group
         # Agreements between ranks (`each_rank`, `all_gather_json`) go through a gloo group of
@@ -137,14 +155,14 @@ class GroupComm:
     # -- collectives -------------------------------------------------------------------------
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Pending:
-        if self.world_size == 1:
+        if self.skips_collectives:
             return DONE
         self._count(CollectiveKind.ALL_REDUCE, 2 * _bytes(tensor))
         return Pending((dist.all_reduce(tensor, group=self.group, async_op=True),))
 
     def reduce_scatter_sum(self, flat: torch.Tensor) -> Pending:
         """Sum ``flat`` over ranks into this rank's shard of it; other shards become undefined."""
-        if self.world_size == 1:
+        if self.skips_collectives:
             return DONE
         self._count(CollectiveKind.REDUCE_SCATTER, _bytes(flat))
         if self.per_shard:
@@ -154,7 +172,7 @@ class GroupComm:
 
     def all_gather(self, flat: torch.Tensor) -> Pending:
         """Fill every shard of ``flat`` with its owner's values."""
-        if self.world_size == 1:
+        if self.skips_collectives:
             return DONE
         self._count(CollectiveKind.ALL_GATHER, _bytes(flat))
         if self.per_shard:
@@ -172,7 +190,7 @@ class GroupComm:
     def gather(self, flat: torch.Tensor, dst: int = 0) -> Pending:
         """Fill every shard of ``flat`` on rank ``dst`` alone with its owner's values (state
         export onto one rank); other ranks' buffers are left as they are."""
-        if self.world_size == 1:
+        if self.skips_collectives:
             return DONE
         self._count(CollectiveKind.GATHER, _bytes(flat))
         shards = self._shards(flat)
@@ -183,7 +201,7 @@ class GroupComm:
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values, synchronously."""
-        if self.world_size == 1:
+        if self.skips_collectives:
             return
         works = []
         for tensor in tensors:
@@ -197,9 +215,9 @@ class GroupComm:
 
     def each_rank(self, value: int) -> EachRank:
         """Start collecting every rank's ``value`` (control traffic, not counted)."""
-        slots = torch.zeros(self.world_size, dtype=torch.int64)
+        slots = torch.zeros(self.world_size, dtype=torch.int64, device=HOST)
         slots[self.rank] = value
-        if self.world_size == 1:
+        if self.skips_collectives:
             return EachRank(slots, DONE)
         return EachRank(slots, Pending((dist.all_reduce(slots, group=self.control_group, async_op=True),)))
 
@@ -208,15 +226,15 @@ class GroupComm:
 
         Carried in byte tensors rather than by ``all_gather_object``, which needs numpy.
         """
-        if self.world_size == 1:
+        if self.skips_collectives:
             return [obj]
-        payload = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.control_group)
+        payload = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=HOST)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=HOST) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()], device=HOST), group=self.control_group)
         longest = max(int(size.item()) for size in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=HOST)
         padded[: payload.numel()] = payload
-        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        gathered = [torch.empty(longest, dtype=torch.uint8, device=HOST) for _ in range(self.world_size)]
         dist.all_gather(gathered, padded, group=self.control_group)
         return [json.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(gathered, sizes)]
 
@@ -276,6 +294,11 @@ class Comm:
         return cls(*(GroupComm(0, 1, "none", primitives=primitives) for _ in range(3)))
 
     @property
+    def orders_on_device(self) -> bool:
+        """Waiting on a collective orders the device's stream instead of blocking the host (NCCL)."""
+        return self.backend == "nccl"
+
+    @property
     def shard_group_ranks(self) -> list[int]:
         """The global ranks this rank shards with (itself included)."""
         first = self.rank - self.shard_rank
@@ -299,7 +322,7 @@ class Comm:
         if self.num_replicas == 1:
             return inside
         shard = self.shard_group.own_shard(flat)
-        return TwoPhase(inside, lambda: self.all_reduce_across_groups(shard))
+        return TwoPhase(inside, lambda: self.all_reduce_across_groups(shard), start_now=self.orders_on_device)
 
     def reduce_scatter_in_group(self, flat: torch.Tensor) -> Pending:
         """Sum ``flat`` over this rank's shard group only, into this rank's shard."""
@@ -373,6 +396,8 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     group from torchrun's environment, or world size 1 without ``torch.distributed``."""
     timeout, primitives = config.comm.timeout_s, config.comm.primitives
     if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":  # read by each NCCL group as it is made: ours come next
+            avoid_nccl_record_streams()
         data, backend = _own_group(timeout, "data", None), dist.get_backend()
     elif "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         config.zero_optimization.shard_group_size_for(1)  # a group size that needs more ranks fails here too
@@ -381,15 +406,17 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
         backend = choose_backend(config.comm.backend, device)
         options: dict[str, Any] = {}
         if backend == "nccl":
+            avoid_nccl_record_streams()
             options["device_id"] = _bind_cuda_device()
         dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout), **options)
         data = None  # the default group
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    world = GroupComm(rank, world_size, backend, data, _own_group(timeout, "control", "gloo"), primitives)
+    force = config.comm.force_collectives
+    world = GroupComm(rank, world_size, backend, data, _own_group(timeout, "control", "gloo"), primitives, force)
     size = _agreed_shard_group_size(config.zero_optimization, world)
     shard_group, replica_group = _hybrid_groups(timeout, world_size, rank, size, data)
-    shards = GroupComm(rank % size, size, backend, shard_group, None, primitives)
-    replicas = GroupComm(rank // size, world_size // size, backend, replica_group, None, primitives)
+    shards = GroupComm(rank % size, size, backend, shard_group, None, primitives, force)
+    replicas = GroupComm(rank // size, world_size // size, backend, replica_group, None, primitives, force)
     return Comm(world, shards, replicas)
 
 
@@ -445,8 +472,28 @@ def choose_backend(requested: str, device: torch.device) -> str:
 
 def local_cuda_device() -> torch.device:
     """CUDA only: this rank's GPU, one per local rank as torchrun numbers them (``LOCAL_RANK``,
-    0 without torchrun)."""
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    0 without torchrun), among the GPUs this process sees: where each process sees only its own
+    (SLURM ``--gpus-per-task``, ``CUDA_VISIBLE_DEVICES`` set per process) that is ``cuda:0``."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    visible = torch.cuda.device_count()
+    return torch.device("cuda", local_rank % visible if visible else local_rank)
+
+
+def avoid_nccl_record_streams() -> None:
+    """CUDA only, before the first NCCL group: before torch 2.8, ProcessGroupNCCL records the
+    inputs and outputs of async collectives on its stream, so storage freed with ``resize_(0)``
+    (stage 3's gathered units) or a dropped bucket cannot be reused until the NCCL stream
+    catches up; stage 3 never syncs the host in forward and backward, so about one gathered
+    unit per unit of lead would stay allocated. ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` makes it
+    keep the tensors alive until ``wait()`` instead (the default from torch 2.8). A value the
+    user set is kept."""
+    if _torch_version() < (2, 8):
+        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 def _bind_cuda_device() -> torch.device:

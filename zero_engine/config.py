@@ -182,6 +182,12 @@ class CommConfig(_Section):
         "per_shard: one reduce / broadcast per shard, all in flight (faster on gloo); auto: per_shard on gloo, "
         "native otherwise.",
     )
+    force_collectives: bool = Field(
+        False,
+        description="For testing: issue every collective even at world size 1 (a process group of one rank, "
+        "as torchrun --nproc_per_node=1 makes), so that one GPU runs the asynchronous NCCL path; otherwise "
+        "world size 1 skips them.",
+    )
 
 
 class BatchSizes(NamedTuple):

@@ -208,6 +208,7 @@ class Engine:
 
     def step(self) -> None:
         """Call after every micro-batch's backward; updates only on accumulation boundaries."""
+        self.gatherer.check_usable()
         self._check_backwards()
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
@@ -283,12 +284,12 @@ class Engine:
 
     def _update(self, used: list[bool], multiplier: float) -> None:
         """Each unit's optimizer shard steps on its fp32 gradient and publishes the result
-        (`zero_engine.sharding.optimizer_shard.step_shards`); low-precision gradients are
-        converted one unit at a time."""
+        (`zero_engine.sharding.optimizer_shard.step_shards`), one unit at a time: a
+        low-precision gradient's fp32 copy, and the temporaries of torch's foreach optimizers
+        (AdamW's is an fp32 copy of every element it steps; foreach is the default on CUDA),
+        then exist for one unit, never for the whole model."""
         shards = [unit.optim for unit in self.units]
-        self.peak_step_grad_bytes = step_shards(
-            self.optimizer, shards, used, multiplier, one_at_a_time=self.precision.mixed
-        )
+        self.peak_step_grad_bytes = step_shards(self.optimizer, shards, used, multiplier, one_at_a_time=True)
 
     def _skip_step(self) -> None:
         """fp16 overflow on some rank: every rank leaves parameters and state untouched."""
@@ -336,6 +337,7 @@ class Engine:
         ``rank0_only=True`` gathers onto rank 0 alone, one unit at a time, so exporting never
         needs the full model on any other rank; the other ranks get an empty dict.
         """
+        self.gatherer.check_usable()
         return self.model_state.full_state_dict(rank0_only=rank0_only)
 
     def memory_report(self) -> dict[str, int]:
@@ -368,6 +370,7 @@ class Engine:
         ``tag`` defaults to ``global_step{N}``; ``client_state`` is anything
         ``torch.load(weights_only=True)`` can read back (tensors, numbers, strings, containers).
         """
+        self.gatherer.check_usable()
         accumulation = self.batch.gradient_accumulation_steps
         if self.micro_steps % accumulation:
             raise RuntimeError(
@@ -387,6 +390,7 @@ class Engine:
         load_optimizer_states: bool = True,
     ) -> Any:
         """Resume from ``directory`` (tag: the latest); returns the saved ``client_state``."""
+        self.gatherer.check_usable()
         loaded = checkpoint.load(
             self._resumable(), directory, tag, strict=strict, load_optimizer_states=load_optimizer_states
         )
@@ -432,6 +436,19 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_one_device(model: nn.Module) -> None:
+    """Parameters and buffers (every one is broadcast on the data group: NCCL refuses a host
+    tensor) on one device, meta aside; the error names a tensor on each device found."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    where = {}
+    for name, tensor in tensors:
+        if not tensor.is_meta:
+            where.setdefault(str(tensor.device), name)
+    if len(where) > 1:
+        found = ", ".join(f"{name!r} on {device}" for device, name in sorted(where.items()))
+        raise ValueError(f"the model's parameters and buffers are on several devices ({found}); move the model to one")
+
+
 def _check_device(device: torch.device) -> None:
     """CUDA only: under torchrun each rank trains on its own GPU, ``cuda:LOCAL_RANK``."""
     if device.type != "cuda" or "LOCAL_RANK" not in os.environ:
@@ -445,9 +462,7 @@ def _check_device(device: torch.device) -> None:
 
 
 def _check_params(model: nn.Module, precision: Precision) -> None:
-    devices = {p.device for p in model.parameters() if not p.is_meta}
-    if len(devices) > 1:
-        raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; move it to one")
+    _check_one_device(model)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

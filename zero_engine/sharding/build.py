@@ -48,6 +48,9 @@ def build_units(
     if not stage.shard_parameters:
         if deferred is not None:
             deferred.materialize_all()
+            # Random numbers on a GPU depend on its launch grid, so ranks on different GPUs (or
+            # MIG slices) draw different values: every rank takes rank 0's, as for an eager model.
+            comm.broadcast([tensor.detach() for tensor in (*model.parameters(), *model.buffers())], src=0)
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
         units = _bucketed_units(named, position, comm, stage, zero, compute_dtype)
         return _in_arrival_order(units, position), NoGather()

@@ -48,6 +48,9 @@ class NoGather:
 
     def end_backward(self) -> None: ...
 
+    def check_usable(self) -> None:
+        """Raise if the ranks' collectives are out of step (nothing at stages 0-2)."""
+
     def unit_complete(self, unit: FlatUnit) -> None: ...
 
     def remove_hooks(self) -> None: ...
@@ -79,6 +82,7 @@ class ParamGatherer(NoGather):
         self._proposals: deque[tuple[int, EachRank]] = deque()  # agreements in flight
         self._agreed: deque[int] = deque()  # agreed on by every rank, not launched yet
         self._diverged = False
+        self._divergence = ""  # the message of the DivergedRanksError, repeated by every later call
         self._order: list[int] = []  # this forward's units, in first-use order
         self._recorded: list[int] = []  # the last complete forward's order, for prefetching
         self.peak_forward_bytes = 0
@@ -96,7 +100,15 @@ class ParamGatherer(NoGather):
 
     # -- a whole forward ---------------------------------------------------------------------
 
+    def check_usable(self) -> None:
+        """After a divergence the ranks have launched different numbers of gathers, so no later
+        collective of this engine can pair up: every call raises at once, on every rank,
+        instead of issuing one (on NCCL an unmatched kernel would spin until the watchdog)."""
+        if self._diverged:
+            raise DivergedRanksError(f"{self._divergence} (raised earlier; this engine cannot go on)")
+
     def _enter_root(self, module: nn.Module, args: Any) -> None:
+        self.check_usable()
         if self.lifecycle.forward_depth == 1:  # the outermost call
             if any(unit.has_full_storage for unit in self.units):
                 self._release_all()  # a backward raised half-way, or no backward came
@@ -270,10 +282,12 @@ class ParamGatherer(NoGather):
             per_rank = ", ".join(
                 f"rank {rank} gathers {self._describe(other)}" for rank, other in enumerate(per_rank_units)
             )
-            raise DivergedRanksError(
+            self._divergence = (
                 f"stage 3 ranks diverged: {per_rank}. Every rank must run the same modules in the same order "
-                "(a data-dependent branch or a skipped module on one rank?)"
+                "(a data-dependent branch or a skipped module on one rank?). The ranks' collectives are now out "
+                "of step: end the job (on NCCL, gathers some ranks launched may never complete)"
             )
+            raise DivergedRanksError(self._divergence)
 
     def _describe(self, index: int) -> str:
         if 0 <= index < len(self.units):

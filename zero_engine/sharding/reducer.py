@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..comm import Comm, Pending, TwoPhase, advance_in_order
+from ..comm import HOST, Comm, Pending, TwoPhase, advance_in_order
 from .lifecycle import Lifecycle, TrainingState
 from .unit import FlatUnit, _nbytes
 
@@ -157,8 +157,8 @@ class GradReducer:
     def used_mask(self) -> torch.Tensor:
         """The used flags as a new float64 host tensor (ranks sum them)."""
         if not self.num_params:  # frombuffer refuses an empty buffer
-            return torch.zeros(0, dtype=torch.float64)
-        return torch.frombuffer(self.used, dtype=torch.uint8).to(torch.float64)
+            return torch.zeros(0, dtype=torch.float64, device=HOST)
+        return torch.frombuffer(self.used, dtype=torch.uint8).to(torch.float64)  # frombuffer: always the host
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -367,7 +367,7 @@ class ShardedGradReducer(GradReducer):
                 unit.optim.move_grad_into(shard)
             return self.comm.all_reduce_across_groups(shard)
 
-        return TwoPhase(inside, across_groups), True
+        return TwoPhase(inside, across_groups, start_now=self.comm.orders_on_device), True
 
     def _complete_oldest(self) -> None:
         unit, bucket, pending, averaged = self._in_flight.popleft()

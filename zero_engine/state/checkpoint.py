@@ -325,7 +325,7 @@ class PieceIndex:
             if values is None:
                 continue
             if out is None:
-                out = torch.empty(numel, dtype=values.dtype)
+                out = torch.empty(numel, dtype=values.dtype, device="cpu")
             lo, hi = max(start, piece["start"]), min(start + numel, piece["start"] + piece["numel"])
             out[lo - start : hi - start] = values[lo - piece["start"] : hi - piece["start"]]
             covered += hi - lo

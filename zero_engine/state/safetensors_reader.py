@@ -53,7 +53,7 @@ class SafetensorsFile:
         buffer = bytearray(numel * dtype.itemsize)
         if os.preadv(self._fd, [buffer], offset) != len(buffer):
             raise CheckpointError(f"{self.path}: tensor {name!r} ends before its header says (truncated file?)")
-        return torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype, device="cpu")
 
     def close(self) -> None:
         if self._fd >= 0:

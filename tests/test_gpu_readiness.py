@@ -1,0 +1,161 @@
+"""Defects only CUDA/NCCL would show, caught on the CPU: which GPU a rank takes, NCCL's
+record-streams setting, when the hybrid second phase starts on NCCL, host tensors under
+``torch.set_default_device``, a buffer left on another device, and meta-device values that
+differ between ranks (as random numbers do between GPU models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_engine
+from configs import engine_config
+from harness import run_on_ranks
+from models import TrapModel, make_model, micro_batch
+from zero_engine import comm
+from zero_engine.comm import Comm, GroupComm, Pending, TwoPhase
+from zero_engine.testing.device_guard import DeviceGuard
+
+
+@pytest.mark.parametrize("visible, local_rank, expected", [(8, 3, 3), (1, 3, 0), (2, 3, 1), (0, 3, 3)])
+def test_a_rank_takes_its_gpu_among_those_it_sees(
+    monkeypatch: pytest.MonkeyPatch, visible: int, local_rank: int, expected: int
+) -> None:
+    """``cuda:LOCAL_RANK`` is an invalid ordinal where each process sees only its own GPU."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    assert comm.local_cuda_device() == torch.device("cuda", expected)
+
+
+@pytest.mark.parametrize("version, preset, expected", [((2, 7), None, "1"), ((2, 7), "0", "0"), ((2, 8), None, None)])
+def test_nccl_record_streams_are_avoided_before_torch_2_8(
+    monkeypatch: pytest.MonkeyPatch, version: tuple[int, int], preset: str | None, expected: str | None
+) -> None:
+    monkeypatch.setattr(comm, "_torch_version", lambda: version)
+    if preset is None:
+        monkeypatch.delenv("TORCH_NCCL_AVOID_RECORD_STREAMS", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_AVOID_RECORD_STREAMS", preset)
+    comm.avoid_nccl_record_streams()
+    import os
+
+    assert os.environ.get("TORCH_NCCL_AVOID_RECORD_STREAMS") == expected
+
+
+class _NotDone:
+    """An async work that is never complete when polled (NCCL: the host runs ahead of the GPU)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        pass
+
+
+def test_on_nccl_the_second_phase_starts_at_once() -> None:
+    started: list[str] = []
+    polled = TwoPhase(Pending((_NotDone(),)), lambda: started.append("gloo") or Pending())
+    assert not polled.advance() and started == []  # gloo: waits for the first phase to be done
+    TwoPhase(Pending((_NotDone(),)), lambda: started.append("nccl") or Pending(), start_now=True)
+    assert started == ["nccl"]  # NCCL: launched now, ordered on the device
+    nccl = Comm(*(GroupComm(0, 1, "nccl") for _ in range(3)))
+    gloo = Comm(*(GroupComm(0, 1, "gloo") for _ in range(3)))
+    assert nccl.orders_on_device and not gloo.orders_on_device
+
+
+def test_agreements_stay_on_the_host_under_a_default_device() -> None:
+    with torch.device("meta"):
+        agreement = GroupComm(0, 1, "none").each_rank(3)
+    assert agreement.slots.device == torch.device("cpu") and agreement.values() == [3]
+
+
+def test_a_buffer_on_another_device_is_named_at_initialize() -> None:
+    with DeviceGuard() as guard:
+        model = make_model()
+        guard.adopt(model)  # the model as if on the GPU
+        model.register_buffer("host_cache", torch.zeros(3))  # left on the host
+        with pytest.raises(ValueError, match=r"'host_cache' on cpu\b"):
+            zero_engine.initialize(model, engine_config(0, micro=2, lr=0.1))
+
+
+def rank_dependent_init(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """A model on the meta device whose every rank draws different values (as GPUs of different
+    models do), trained one step at each stage."""
+
+    def init(module: torch.nn.Module) -> None:
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            tensor.normal_().add_(rank)
+
+    out = []
+    for case in cases:
+        with torch.device("meta"):
+            model = TrapModel()
+        engine = zero_engine.initialize(model, engine_config(case["stage"], micro=2, lr=0.1, dtype=case["dtype"]),
+                                        param_init_fn=init)
+        initial = engine.full_state_dict()
+        engine.backward(engine(*micro_batch(0, 0, rank, world_size, 2, 1)))
+        engine.step()
+        out.append({"initial": initial, "trained": engine.full_state_dict()})
+        engine.close()
+    return out
+
+
+INIT_CASES = [{"stage": 0, "dtype": "fp32"}, {"stage": 1, "dtype": "fp32"}, {"stage": 2, "dtype": "fp32"},
+              {"stage": 1, "dtype": "bf16"}]
+
+
+def test_ranks_that_draw_different_values_start_and_stay_equal() -> None:
+    """Below stage 3 every rank keeps the whole model: meta-device values are rank 0's everywhere."""
+    per_rank = run_on_ranks(2, rank_dependent_init, INIT_CASES)
+    for case, first, second in zip(INIT_CASES, *per_rank):
+        for key in ("initial", "trained"):
+            for name, value in first[key].items():
+                assert torch.equal(second[key][name], value), (case, key, name)
+
+
+def forced_collectives(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """One rank with a process group of its own (as torchrun --nproc_per_node=1): each case
+    trained with and without ``comm.force_collectives``, counting the torch.distributed calls."""
+    import torch.distributed as dist
+
+    calls: list[str] = []
+    names = ("all_reduce", "reduce", "broadcast", "gather")
+    for name in names:
+        function = getattr(comm.dist, name)
+        setattr(comm.dist, name, lambda *a, function=function, name=name, **k: calls.append(name) or function(*a, **k))
+    for name in ("_reduce_scatter_tensor", "_all_gather_into_tensor"):
+        function = getattr(comm, name)
+        setattr(comm, name, lambda *a, function=function, name=name, **k: calls.append(name) or function(*a, **k))
+    out = []
+    for case in cases:
+        per_setting = {}
+        for force in (False, True):
+            config = engine_config(case["stage"], micro=2, lr=0.1, dtype=case["dtype"], primitives="native",
+                                   stage3_param_persistence_threshold=0, reduce_bucket_size=40)
+            config["comm"]["force_collectives"] = force
+            calls.clear()
+            engine = zero_engine.initialize(make_model(), config)
+            for step in range(2):
+                engine.backward(engine(*micro_batch(step, 0, rank, world_size, 2, 1)))
+                engine.step()
+            per_setting[force] = {"state": engine.full_state_dict(rank0_only=True), "calls": sorted(set(calls))}
+            engine.close()
+        out.append(per_setting)
+    assert dist.get_world_size() == 1
+    return out
+
+
+FORCED_CASES = [{"stage": 1, "dtype": "fp32"}, {"stage": 3, "dtype": "bf16"}]
+
+
+def test_one_rank_can_issue_every_collective_for_a_gpu_check() -> None:
+    """``comm.force_collectives``: a single GPU runs the real NCCL path (native reduce-scatter
+    and all-gather, gather for rank-0 export), and the training is the same as without."""
+    for case, result in zip(FORCED_CASES, run_on_ranks(1, forced_collectives, FORCED_CASES, backend=None)[0]):
+        assert result[False]["calls"] == [], case  # world size 1 skips them by default
+        expected = {"_reduce_scatter_tensor", "_all_gather_into_tensor", "all_reduce"}
+        if case["stage"] == 3:
+            expected.add("gather")
+        assert expected <= set(result[True]["calls"]), (case, result[True]["calls"])
+        for name, value in result[False]["state"].items():
+            assert torch.equal(result[True]["state"][name], value), (case, name)
