@@ -334,7 +334,9 @@ def gpt2_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_hugging_face_gpt2_from_meta_with_its_saved_weights(world_size: int, gpt2_directory: Path) -> None:
     saved = load_file(str(gpt2_directory / "model.safetensors"))
     assert "lm_head.weight" not in saved, "save_pretrained stores the tied head once"

@@ -76,7 +76,9 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=pytest.mark.slow), 2, 3, pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_stages_match_single_process(world_size: int) -> None:
     per_rank = run_on_ranks(world_size, train_grid, GRID)
     for index, case in enumerate(GRID):

@@ -68,7 +68,9 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=pytest.mark.slow), 2, 3, pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_stage3_matches_single_process(world_size: int) -> None:
     per_rank = run_on_ranks(world_size, train_grid, GRID)
     for index, case in enumerate(GRID):
@@ -297,8 +299,15 @@ def diverge(rank: int, world_size: int, skip_step: int, uneven: bool) -> str:
             engine.backward(engine(_deep_batch(step, rank), skip=skip))
             engine.step()
     except zero_engine.DivergedRanksError as error:
-        return str(error)
-    return "no error"
+        after = []  # every later collective call refuses at once instead of issuing a collective
+        for call in (lambda: engine(_deep_batch(9, rank)), engine.step, engine.full_state_dict):
+            try:
+                call()
+                after.append("no error")
+            except zero_engine.DivergedRanksError as again:
+                after.append(str(again))
+        return str(error), after
+    return "no error", []
 
 
 @pytest.mark.parametrize("skip_step, uneven", [(0, False), (1, False), (0, True)])
@@ -307,8 +316,12 @@ def test_diverging_ranks_fail_by_name_instead_of_hanging(skip_step: int, uneven:
     # the recorded next layer on every rank, so the forwards still agree and the backward's
     # prefetches are where the ranks part. Uneven sizes would abort gloo's transport if the
     # gathers were ever launched.
-    messages = run_on_ranks(3, diverge, skip_step, uneven, timeout=120)
+    results = run_on_ranks(3, diverge, skip_step, uneven, timeout=120)
+    messages = [message for message, _ in results]
     assert len(set(messages)) == 1, messages
     message = messages[0]
+    assert "end the job" in message, message
+    for _, after in results:
+        assert after == [f"{message} (raised earlier; this engine cannot go on)"] * 3, after
     assert message.startswith("stage 3 ranks diverged: rank 0 gathers unit 'layers."), message
     assert "rank 2 gathers unit 'layers." in message
