@@ -289,7 +289,7 @@ class Engine:
         (AdamW's is an fp32 copy of every element it steps; foreach is the default on CUDA),
         then exist for one unit, never for the whole model."""
         shards = [unit.optim for unit in self.units]
-        self.peak_step_grad_bytes = step_shards(self.optimizer, shards, used, multiplier, one_at_a_time=True)
+        self.peak_step_grad_bytes = step_shards(self.optimizer, shards, used, multiplier)
 
     def _skip_step(self) -> None:
         """fp16 overflow on some rank: every rank leaves parameters and state untouched."""

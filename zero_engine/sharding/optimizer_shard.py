@@ -22,7 +22,7 @@ device today); nothing outside this module touches them by offset.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -233,29 +233,18 @@ class OptimizerShard:
 
 
 def step_shards(
-    optimizer: torch.optim.Optimizer,
-    shards: Sequence[OptimizerShard],
-    used: Sequence[bool],
-    multiplier: float,
-    *,
-    one_at_a_time: bool,
+    optimizer: torch.optim.Optimizer, shards: Sequence[OptimizerShard], used: Sequence[bool], multiplier: float
 ) -> int:
     """Step ``optimizer`` on every shard's fp32 gradient (``used``: per parameter, in unit
     order, offsets from each unit's ``used_offset``); a parameter no rank used keeps its values
-    and its state. With ``one_at_a_time`` (low-precision gradients) the optimizer steps once
-    per shard, so only one shard's fp32 gradient copy exists at a time; torch optimizers update
+    and its state. The optimizer steps once per shard, so a low-precision gradient's fp32 copy
+    and a foreach optimizer's temporaries exist for one shard at a time; torch optimizers update
     each tensor on its own, so the result is the same. Then publishes every shard. Returns the
     most fp32 copy bytes alive at once."""
     peak = 0
-    batches: Iterable[Sequence[OptimizerShard]] = ([shard] for shard in shards) if one_at_a_time else [shards]
-    for batch in batches:
-        attached: list[OptimizerTarget] = []
-        copy_bytes = 0
-        for shard in batch:
-            offset = shard.unit.used_offset
-            targets, nbytes = shard.attach_grads(used[offset : offset + len(shard.unit.names)], multiplier)
-            attached += targets
-            copy_bytes += nbytes
+    for shard in shards:
+        offset = shard.unit.used_offset
+        attached, copy_bytes = shard.attach_grads(used[offset : offset + len(shard.unit.names)], multiplier)
         peak = max(peak, copy_bytes)
         if attached:
             optimizer.step()
