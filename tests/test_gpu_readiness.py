@@ -90,8 +90,11 @@ def rank_dependent_init(rank: int, world_size: int, cases: list[dict]) -> list[d
     for case in cases:
         with torch.device("meta"):
             model = TrapModel()
-        engine = zero_engine.initialize(model, engine_config(case["stage"], micro=2, lr=0.1, dtype=case["dtype"]),
-                                        param_init_fn=init)
+        config = engine_config(
+            case["stage"], micro=2, lr=0.1, dtype=case["dtype"], shard_group_size=case.get("group"),
+            reduce_bucket_size=40, stage3_param_persistence_threshold=0 if case.get("group") else None,
+        )
+        engine = zero_engine.initialize(model, config, param_init_fn=init)
         initial = engine.full_state_dict()
         engine.backward(engine(*micro_batch(0, 0, rank, world_size, 2, 1)))
         engine.step()
@@ -100,17 +103,25 @@ def rank_dependent_init(rank: int, world_size: int, cases: list[dict]) -> list[d
     return out
 
 
-INIT_CASES = [{"stage": 0, "dtype": "fp32"}, {"stage": 1, "dtype": "fp32"}, {"stage": 2, "dtype": "fp32"},
-              {"stage": 1, "dtype": "bf16"}]
+INIT_CASES = [
+    {"stage": 0, "dtype": "fp32"}, {"stage": 1, "dtype": "fp32"}, {"stage": 2, "dtype": "fp32"},
+    {"stage": 1, "dtype": "bf16"}, {"stage": 3, "dtype": "fp32"},
+]
+HYBRID_INIT_CASES = [{"stage": 3, "dtype": "bf16", "group": 2}]
 
 
-def test_ranks_that_draw_different_values_start_and_stay_equal() -> None:
-    """Below stage 3 every rank keeps the whole model: meta-device values are rank 0's everywhere."""
-    per_rank = run_on_ranks(2, rank_dependent_init, INIT_CASES)
-    for case, first, second in zip(INIT_CASES, *per_rank):
-        for key in ("initial", "trained"):
-            for name, value in first[key].items():
-                assert torch.equal(second[key][name], value), (case, key, name)
+@pytest.mark.parametrize("world_size, cases", [(2, INIT_CASES), (4, HYBRID_INIT_CASES)])
+def test_ranks_that_draw_different_values_start_and_stay_equal(world_size: int, cases: list[dict]) -> None:
+    """What every rank keeps whole (the model below stage 3; buffers, frozen and small
+    parameters at stage 3) takes rank 0's meta-device values, and a shard its copy's in the
+    first shard group (hybrid replicas): the ranks agree on one model."""
+    per_rank = run_on_ranks(world_size, rank_dependent_init, cases)
+    for index, case in enumerate(cases):
+        first = per_rank[0][index]
+        for other in per_rank[1:]:
+            for key in ("initial", "trained"):
+                for name, value in first[key].items():
+                    assert torch.equal(other[index][key][name], value), (case, key, name)
 
 
 def forced_collectives(rank: int, world_size: int, cases: list[dict]) -> list[dict]:

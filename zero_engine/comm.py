@@ -345,6 +345,10 @@ class Comm:
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         self.world.broadcast(tensors, src)
 
+    def broadcast_across_groups(self, shards: Sequence[torch.Tensor]) -> None:
+        """Overwrite this rank's ``shards`` with their copies in the first shard group."""
+        self.replica_group.broadcast(shards, src=0)
+
     # -- control -----------------------------------------------------------------------------
 
     def barrier(self) -> None:

@@ -67,6 +67,14 @@ def build_units(
     ]
     if deferred is not None:  # what no sharded unit took: buffers, frozen and small parameters
         deferred.materialize_all()
+        # As below stage 3, ranks on different GPUs draw different values: what stays whole
+        # takes rank 0's, and each shard its copy in the first shard group (hybrid replicas).
+        in_units = {param for unit in sharded for param in unit.params}
+        loose = [t for t in (*model.parameters(), *model.buffers()) if t not in in_units]
+        comm.broadcast([tensor.detach() for tensor in loose], src=0)
+        comm.broadcast_across_groups([unit.optim.master for unit in sharded])
+        for unit in sharded:
+            unit.optim.publish()
     index_of = {param: index for index, unit in enumerate(sharded) for param in unit.params}
     hooked = []
     for plan in plans:
