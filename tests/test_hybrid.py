@@ -214,6 +214,7 @@ def test_hybrid_2x2_matches_single_process() -> None:
     _check_grid(4, [2], run_on_ranks(4, hybrid_grid, [2], [1, 3], timeout=300))
 
 
+@pytest.mark.slow  # 6 ranks; the fast run keeps 2x2
 def test_hybrid_3x2_and_2x3_match_single_process() -> None:
     _check_grid(6, [2, 3], run_on_ranks(6, hybrid_grid, [2, 3], [2], timeout=400))
 
