@@ -12,7 +12,7 @@ optimizer updates (the rank's shard when optimizer state is sharded, the whole u
 - the *step gradient*: the averaged gradient of the range, in the compute dtype. Below stage 2
   it is a view of the unit's full gradient buffer (reduced in place); from stage 2 on the
   reducer hands each reduced slice to `add_reduced`, and at stage 3 the gradient exists only
-  from the backward to the step (`release_grad`);
+  from the backward to the step (`clear_grad`);
 - the *targets*: one optimizer tensor per parameter piece in the range (a view of the master),
   so torch optimizers keep their per-tensor semantics piece by piece.
 
@@ -192,10 +192,6 @@ class OptimizerShard:
             self.grad = None
         elif self.grad is not None and not self._grad_is_view:
             self.grad.zero_()
-
-    def release_grad(self) -> None:
-        if self.releases_grad:
-            self.grad = None
 
     # -- the update --------------------------------------------------------------------------
 
