@@ -157,14 +157,14 @@ class GroupComm:
     def all_reduce_sum(self, tensor: torch.Tensor) -> Pending:
         if self.skips_collectives:
             return DONE
-        self._count(CollectiveKind.ALL_REDUCE, 2 * _bytes(tensor))
+        self._count(CollectiveKind.ALL_REDUCE, 2 * tensor_bytes(tensor))
         return Pending((dist.all_reduce(tensor, group=self.group, async_op=True),))
 
     def reduce_scatter_sum(self, flat: torch.Tensor) -> Pending:
         """Sum ``flat`` over ranks into this rank's shard of it; other shards become undefined."""
         if self.skips_collectives:
             return DONE
-        self._count(CollectiveKind.REDUCE_SCATTER, _bytes(flat))
+        self._count(CollectiveKind.REDUCE_SCATTER, tensor_bytes(flat))
         if self.per_shard:
             return self._shard_by_shard(dist.reduce, flat, "dst")
         shard = self._shards(flat)[self.rank]
@@ -174,7 +174,7 @@ class GroupComm:
         """Fill every shard of ``flat`` with its owner's values."""
         if self.skips_collectives:
             return DONE
-        self._count(CollectiveKind.ALL_GATHER, _bytes(flat))
+        self._count(CollectiveKind.ALL_GATHER, tensor_bytes(flat))
         if self.per_shard:
             return self._shard_by_shard(dist.broadcast, flat, "src")
         shard = self._shards(flat)[self.rank]
@@ -192,7 +192,7 @@ class GroupComm:
         export onto one rank); other ranks' buffers are left as they are."""
         if self.skips_collectives:
             return DONE
-        self._count(CollectiveKind.GATHER, _bytes(flat))
+        self._count(CollectiveKind.GATHER, tensor_bytes(flat))
         shards = self._shards(flat)
         own = shards[self.rank].clone()  # the input must not alias the destination on dst
         targets = shards if self.rank == dst else None
@@ -205,7 +205,7 @@ class GroupComm:
             return
         works = []
         for tensor in tensors:
-            self._count(CollectiveKind.BROADCAST, _bytes(tensor))
+            self._count(CollectiveKind.BROADCAST, tensor_bytes(tensor))
             works.append(dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True))
         Pending(tuple(works)).wait()
 
@@ -385,7 +385,8 @@ class Comm:
             comm.reset_report()
 
 
-def _bytes(tensor: torch.Tensor) -> int:
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (what a collective moves, what a buffer holds)."""
     return tensor.numel() * tensor.element_size()
 
 

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .comm import tensor_bytes
 from .config import ZeroEngineConfig
 from .sharding.reducer import GradReducer
 from .sharding.unit import FlatUnit
@@ -123,10 +124,10 @@ def measure_memory(
     parameters outside every unit (frozen ones), counted as they are stored; stage 3 units
     count their shard (gathered copies are transient and reported as peaks)."""
     optimizer_states = sum(
-        _nbytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+        tensor_bytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
     )
     return MemoryReport(
-        parameters=sum(_nbytes(p) for p in loose_params) + sum(unit.param_bytes for unit in units),
+        parameters=sum(tensor_bytes(p) for p in loose_params) + sum(unit.param_bytes for unit in units),
         gradients=reducer.held_grad_bytes(),
         optimizer_states=optimizer_states,
         master_parameters=sum(unit.optim.master_bytes for unit in units),
@@ -136,7 +137,3 @@ def measure_memory(
         peak_gathered_backward=gathered_peaks[1],
         peak_step_gradients=step_grad_bytes,
     )
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()

@@ -28,6 +28,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from ..comm import tensor_bytes
 from .layout import UnitLayout
 
 
@@ -136,7 +137,7 @@ class OptimizerShard:
     @property
     def master_bytes(self) -> int:
         """A separate fp32 master (mixed precision); 0 when the master is the parameters."""
-        return 0 if self.master_is_compute_copy else _nbytes(self.master)
+        return 0 if self.master_is_compute_copy else tensor_bytes(self.master)
 
     def load_owned(self, index: int, values: torch.Tensor, values_start: int) -> None:
         """Set the owned part of parameter ``index`` from ``values`` (fp32, elements
@@ -155,7 +156,7 @@ class OptimizerShard:
 
     @property
     def grad_bytes(self) -> int:
-        return 0 if self.grad is None or self._grad_is_view else _nbytes(self.grad)
+        return 0 if self.grad is None or self._grad_is_view else tensor_bytes(self.grad)
 
     def ensure_grad(self) -> torch.Tensor:
         """The step gradient, allocated (zeros) if it was released."""
@@ -209,7 +210,7 @@ class OptimizerShard:
             if used[target.piece.param_index]:
                 target.tensor.grad = view
                 attached.append(target)
-        return attached, 0 if grad is kept else _nbytes(grad)
+        return attached, 0 if grad is kept else tensor_bytes(grad)
 
     def _grad_views(self, grad: torch.Tensor, cache: bool) -> list[torch.Tensor]:
         """Each target's gradient, a view into ``grad``; kept from step to step while ``grad``
@@ -249,7 +250,3 @@ def step_shards(
     for shard in shards:
         shard.publish()
     return peak
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()

@@ -27,9 +27,9 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..comm import HOST, Comm, Pending, TwoPhase, advance_in_order
+from ..comm import HOST, Comm, Pending, TwoPhase, advance_in_order, tensor_bytes
 from .lifecycle import Lifecycle, TrainingState
-from .unit import FlatUnit, _nbytes
+from .unit import FlatUnit
 
 
 class GradReduction(Protocol):
@@ -228,7 +228,7 @@ class FullGradReducer(GradReducer):
             while len(self._pending) >= self.max_live_copies:
                 self._complete_oldest()
             flat = flat.to(self.reduce_dtype)
-            self._copy_bytes += _nbytes(flat)
+            self._copy_bytes += tensor_bytes(flat)
             self.peak_grad_bytes = max(self.peak_grad_bytes, self.held_grad_bytes() + self._copy_bytes)
         self._pending.append((unit, flat, self.reduction.launch(flat, self.comm)))
         advance_in_order(pending for _, _, pending in self._pending)
@@ -238,7 +238,7 @@ class FullGradReducer(GradReducer):
         pending.wait()
         unit.optim.take_reduced(self.reduction.kept(flat, unit).div_(self.comm.world_size))
         if flat is not unit.flat_grad:
-            self._copy_bytes -= _nbytes(flat)
+            self._copy_bytes -= tensor_bytes(flat)
 
     def _finish(self) -> None:
         while self._pending:
@@ -332,7 +332,7 @@ class ShardedGradReducer(GradReducer):
             numel = unit.layout.padded_numel if self.release_after_step else self._bucket_numel
             storage = torch.empty(numel, dtype=self.reduce_dtype, device=unit.device)
         self._num_live += 1
-        self._live_bytes += _nbytes(storage)
+        self._live_bytes += tensor_bytes(storage)
         flat = storage[: unit.layout.padded_numel]
         flat.zero_()
         return _Bucket(storage, flat)
@@ -378,7 +378,7 @@ class ShardedGradReducer(GradReducer):
         unit.optim.add_reduced(reduced, 1.0 if averaged else 1.0 / self.comm.world_size)
         self._shard_bytes += unit.optim.grad_bytes - held
         self._num_live -= 1
-        self._live_bytes -= _nbytes(bucket.storage)
+        self._live_bytes -= tensor_bytes(bucket.storage)
         if not self.release_after_step:
             self._free.append(bucket.storage)
 
@@ -406,5 +406,5 @@ class ShardedGradReducer(GradReducer):
         self._shard_bytes = self.held_grad_bytes()
 
     def buffer_bytes(self) -> int:
-        return self._live_bytes + sum(_nbytes(storage) for storage in self._free)
+        return self._live_bytes + sum(tensor_bytes(storage) for storage in self._free)
 

@@ -26,7 +26,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from ..comm import DONE, Comm, Pending
+from ..comm import DONE, Comm, Pending, tensor_bytes
 from .layout import UnitLayout
 from .optimizer_shard import OptimizerShard
 
@@ -119,12 +119,12 @@ class FlatUnit:
     @property
     def grad_bytes(self) -> int:
         """Gradient storage held now: the full flat buffer, or just this rank's shard."""
-        return _nbytes(self.flat_grad) if self.flat_grad is not None else self.optim.grad_bytes
+        return tensor_bytes(self.flat_grad) if self.flat_grad is not None else self.optim.grad_bytes
 
     @property
     def param_bytes(self) -> int:
         """Persistent parameter storage: the whole flat buffer (stages 0-2)."""
-        return _nbytes(self.flat_param)
+        return tensor_bytes(self.flat_param)
 
     def kept_range(self, index: int) -> tuple[int, int] | None:
         """The elements of parameter ``index`` (flattened) that this rank keeps, as
@@ -242,7 +242,7 @@ class ShardedFlatUnit(FlatUnit):
 
     @property
     def param_bytes(self) -> int:
-        return _nbytes(self.param_shard)
+        return tensor_bytes(self.param_shard)
 
     @property
     def gathered_bytes(self) -> int:
@@ -286,7 +286,3 @@ def _allocate_storage(tensor: torch.Tensor, nbytes: int) -> None:
     storage = tensor.untyped_storage()
     if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
