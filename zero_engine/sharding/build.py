@@ -48,9 +48,7 @@ def build_units(
     if not stage.shard_parameters:
         if deferred is not None:
             deferred.materialize_all()
-            # Random numbers on a GPU depend on its launch grid, so ranks on different GPUs (or
-            # MIG slices) draw different values: every rank takes rank 0's, as for an eager model.
-            comm.broadcast([tensor.detach() for tensor in (*model.parameters(), *model.buffers())], src=0)
+            _agree_on_drawn_values(model, [], comm)
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
         units = _bucketed_units(named, position, comm, stage, zero, compute_dtype)
         return _in_arrival_order(units, position), NoGather()
@@ -67,14 +65,7 @@ def build_units(
     ]
     if deferred is not None:  # what no sharded unit took: buffers, frozen and small parameters
         deferred.materialize_all()
-        # As below stage 3, ranks on different GPUs draw different values: what stays whole
-        # takes rank 0's, and each shard its copy in the first shard group (hybrid replicas).
-        in_units = {param for unit in sharded for param in unit.params}
-        loose = [t for t in (*model.parameters(), *model.buffers()) if t not in in_units]
-        comm.broadcast([tensor.detach() for tensor in loose], src=0)
-        comm.broadcast_across_groups([unit.optim.master for unit in sharded])
-        for unit in sharded:
-            unit.optim.publish()
+        _agree_on_drawn_values(model, sharded, comm)
     index_of = {param: index for index, unit in enumerate(sharded) for param in unit.params}
     hooked = []
     for plan in plans:
@@ -89,6 +80,20 @@ def build_units(
         per_group[item.group_index].append((item.name, item.param, item.group_index))
     resident_units = _bucketed_units(per_group, position, comm, stage, zero, compute_dtype)
     return _in_arrival_order([*sharded, *resident_units], position), gatherer
+
+
+def _agree_on_drawn_values(model: nn.Module, sharded: Sequence[ShardedFlatUnit], comm: Comm) -> None:
+    """After materializing from the meta device: random numbers on a GPU depend on its launch
+    grid, so ranks on different GPUs (or MIG slices) draw different values. What every rank
+    keeps whole takes rank 0's, as for an eager model; each shard takes its copy's in the first
+    shard group (hybrid replicas; nothing to do without them)."""
+    in_units = {param for unit in sharded for param in unit.params}
+    whole = [tensor for tensor in (*model.parameters(), *model.buffers()) if tensor not in in_units]
+    comm.broadcast([tensor.detach() for tensor in whole], src=0)
+    if sharded and comm.num_replicas > 1:
+        comm.broadcast_across_groups([unit.optim.master for unit in sharded])
+        for unit in sharded:
+            unit.optim.publish()
 
 
 def _materializer(deferred: DeferredInit | None, params: list[nn.Parameter]) -> Callable[[], None] | None:
