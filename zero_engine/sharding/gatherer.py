@@ -81,8 +81,7 @@ class ParamGatherer(NoGather):
         self._holds = [_Holds() for _ in self.units]
         self._proposals: deque[tuple[int, EachRank]] = deque()  # agreements in flight
         self._agreed: deque[int] = deque()  # agreed on by every rank, not launched yet
-        self._diverged = False
-        self._divergence = ""  # the message of the DivergedRanksError, repeated by every later call
+        self._divergence = ""  # the DivergedRanksError's message once ranks diverged, repeated by later calls
         self._order: list[int] = []  # this forward's units, in first-use order
         self._recorded: list[int] = []  # the last complete forward's order, for prefetching
         self.peak_forward_bytes = 0
@@ -99,6 +98,10 @@ class ParamGatherer(NoGather):
         self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
 
     # -- a whole forward ---------------------------------------------------------------------
+
+    @property
+    def _diverged(self) -> bool:
+        return bool(self._divergence)
 
     def check_usable(self) -> None:
         """After a divergence the ranks have launched different numbers of gathers, so no later
@@ -278,7 +281,6 @@ class ParamGatherer(NoGather):
         """Every rank must have put the same unit in this agreement; say who runs what if not."""
         per_rank_units = agreement.values()
         if any(other != index for other in per_rank_units):
-            self._diverged = True
             per_rank = ", ".join(
                 f"rank {rank} gathers {self._describe(other)}" for rank, other in enumerate(per_rank_units)
             )
