@@ -67,6 +67,9 @@ class Pending(NamedTuple):
         """Everything is launched already (see `TwoPhase`)."""
         return True
 
+    def launch_rest(self) -> None:
+        """Everything is launched already (see `TwoPhase`)."""
+
 
 class TwoPhase:
     """A collective whose second phase needs the first one's result (hybrid sharding: the
@@ -92,9 +95,13 @@ class TwoPhase:
             self._start_second()
         return self.second is not None
 
-    def wait(self) -> None:
+    def launch_rest(self) -> None:
+        """Launch the second phase now, waiting for the first if it has not completed."""
         if self.second is None:
             self._start_second()
+
+    def wait(self) -> None:
+        self.launch_rest()
         assert self.second is not None
         self.second.wait()
 
@@ -116,14 +123,18 @@ def advance_in_order(reductions: Iterable[Pending | TwoPhase]) -> None:
 
 
 class EachRank(NamedTuple):
-    """Every rank's small integer, summed into its own slot; `values` waits for them."""
+    """Every rank's small integer (or row of them), summed into its own slot; `values` waits
+    for them, `arrived` says without waiting whether every rank has sent its own."""
 
     slots: torch.Tensor
     pending: Pending
 
-    def values(self) -> list[int]:
+    def values(self) -> list[Any]:
         self.pending.wait()
         return self.slots.tolist()
+
+    def arrived(self) -> bool:
+        return all(work.is_completed() for work in self.pending.works)
 
 
 class GroupComm:
@@ -213,10 +224,12 @@ class GroupComm:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
-    def each_rank(self, value: int) -> EachRank:
-        """Start collecting every rank's ``value`` (control traffic, not counted)."""
-        slots = torch.zeros(self.world_size, dtype=torch.int64, device=HOST)
-        slots[self.rank] = value
+    def each_rank(self, value: int | Sequence[int]) -> EachRank:
+        """Start collecting every rank's ``value``, an integer or a row of integers of the same
+        length on every rank (control traffic, not counted)."""
+        row = torch.tensor(value, dtype=torch.int64, device=HOST)
+        slots = torch.zeros((self.world_size, *row.shape), dtype=torch.int64, device=HOST)
+        slots[self.rank] = row
         if self.skips_collectives:
             return EachRank(slots, DONE)
         return EachRank(slots, Pending((dist.all_reduce(slots, group=self.control_group, async_op=True),)))
@@ -354,7 +367,7 @@ class Comm:
     def barrier(self) -> None:
         self.world.barrier()
 
-    def each_rank(self, value: int) -> EachRank:
+    def each_rank(self, value: int | Sequence[int]) -> EachRank:
         return self.world.each_rank(value)
 
     def all_gather_json(self, obj: Any) -> list[Any]:

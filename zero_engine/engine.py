@@ -138,7 +138,9 @@ class Engine:
         self.reducer = build_reducer(
             stage, self.units, comm, zero, precision.reduce_dtype, lifecycle=self.lifecycle,
             on_unit_complete=self.gatherer.unit_complete, on_unarmed_grad=self._begin_backward,
+            on_bucket_wait=self.gatherer.poll,
         )
+        self.gatherer.schedule_reductions(self.reducer)
         self.peak_step_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step
         self.optimizer = build_optimizer(config.optimizer, stage.level, _optimizer_groups(groups, self.units))
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
@@ -201,8 +203,8 @@ class Engine:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
+        self.gatherer.end_backward()  # first: at stage 3 its last rounds launch the remaining reductions
         self.reducer.post_backward()
-        self.gatherer.end_backward()
         self._backwards_in_micro_step += 1
         self._unscaled_backwards += 0 if self._scaling_backward else 1  # still inside engine.backward if scaled
 

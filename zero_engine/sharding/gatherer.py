@@ -9,15 +9,15 @@ the next in reverse forward order). A unit is freed in backward once all of its 
 have received their gradient (the reducer says so): every operation that needed its values
 has then run. Whatever is still gathered when backward returns (unused parameters) is freed.
 
-Every gather is agreed on first: the ranks exchange its unit id (`Comm.each_rank`, a tiny
-all-reduce on a control group of its own, so it never waits behind data collectives in
-flight), and ranks that run different modules (a data-dependent branch) fail with an error
-naming each rank's unit, instead of hanging, aborting in the transport on mismatched sizes or
-filling one unit with another's values. Agreeing synchronously before every gather stalls
-every rank at every gather (about 8% of a step here, see ``docs/benchmarks.md``), so each
-prefetch also proposes the unit it expects to prefetch next; that agreement completes in the
-background and the next prefetch launches without waiting. See `_gather` for why proposals
-that turn out wrong still keep every rank's gathers in the same order.
+Every gather is agreed on first, and launched in the order `CollectiveSchedule` derives from
+what every rank asked for (`zero_engine.sharding.schedule`), with the reductions of the
+gradients: ranks that run different modules (a mixture of experts, a data-dependent branch)
+take part in each other's gathers instead of hanging, aborting in the transport on mismatched
+sizes or filling one unit with another's values. Agreeing synchronously before every gather
+stalls every rank at every gather (about 8% of a step here, see ``docs/benchmarks.md``), so
+each prefetch also proposes the unit it expects to prefetch next; that agreement completes in
+the background and the next prefetch launches without waiting. A proposal that turns out wrong
+costs a wasted gather, never a wrong one.
 
 Prefetching runs one unit ahead, bounded by ``stage3_prefetch_bucket_size`` (a larger unit is
 not prefetched) and ``stage3_max_live_parameters`` (no prefetch that would exceed it).
@@ -26,7 +26,6 @@ not prefetched) and ``stage3_max_live_parameters`` (no prefetch that would excee
 from __future__ import annotations
 
 import functools
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Comm, EachRank
+from ..comm import Comm
 from ..errors import DivergedRanksError
 from ..tree import iter_tensors
 from .lifecycle import Lifecycle, TrainingState
+from .reducer import GradReducer
+from .schedule import NO_UNIT, CollectiveSchedule, PassKind
 from .unit import FlatUnit, ShardedFlatUnit
 
 
@@ -52,6 +53,11 @@ class NoGather:
         """Raise if the ranks' collectives are out of step (nothing at stages 0-2)."""
 
     def unit_complete(self, unit: FlatUnit) -> None: ...
+
+    def schedule_reductions(self, reducer: GradReducer) -> None:
+        """Stages 0-2: the reducer launches its own reductions (no gathers share their group)."""
+
+    def poll(self) -> None: ...
 
     def remove_hooks(self) -> None: ...
 
@@ -79,9 +85,12 @@ class ParamGatherer(NoGather):
         self.max_live_numel = max_live_numel
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
         self._holds = [_Holds() for _ in self.units]
-        self._proposals: deque[tuple[int, EachRank]] = deque()  # agreements in flight
-        self._agreed: deque[int] = deque()  # agreed on by every rank, not launched yet
-        self._divergence = ""  # the DivergedRanksError's message once ranks diverged, repeated by later calls
+        self.schedule = CollectiveSchedule(
+            comm, 0, self._launch_gather, lambda index: self.units[index].has_full_storage, self._describe
+        )
+        self.reducer: GradReducer | None = None
+        self._served: set[int] = set()  # gathered only because other ranks wanted them
+        self._ran: set[int] = set()  # units whose modules ran forward since the last backward
         self._order: list[int] = []  # this forward's units, in first-use order
         self._recorded: list[int] = []  # the last complete forward's order, for prefetching
         self.peak_forward_bytes = 0
@@ -99,22 +108,35 @@ class ParamGatherer(NoGather):
 
     # -- a whole forward ---------------------------------------------------------------------
 
+    def schedule_reductions(self, reducer: GradReducer) -> None:
+        """Launch ``reducer``'s reductions from the schedule, at points every rank agreed on:
+        they share the shard group with the gathers."""
+        self.reducer = reducer
+        self.schedule.reductions = reducer
+        self.schedule.num_reducer_units = len(reducer.units)
+
+    def poll(self) -> None:
+        """Launch the reductions every rank has agreed on by now (the reducer, before it waits)."""
+        if not self._diverged:
+            self.schedule.poll()
+
     @property
     def _diverged(self) -> bool:
-        return bool(self._divergence)
+        return bool(self.schedule.divergence)
 
     def check_usable(self) -> None:
         """After a divergence the ranks have launched different numbers of gathers, so no later
         collective of this engine can pair up: every call raises at once, on every rank,
         instead of issuing one (on NCCL an unmatched kernel would spin until the watchdog)."""
         if self._diverged:
-            raise DivergedRanksError(f"{self._divergence} (raised earlier; this engine cannot go on)")
+            raise DivergedRanksError(f"{self.schedule.divergence} (raised earlier; this engine cannot go on)")
 
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         self.check_usable()
         if self.lifecycle.forward_depth == 1:  # the outermost call
             if any(unit.has_full_storage for unit in self.units):
                 self._release_all()  # a backward raised half-way, or no backward came
+            self.schedule.begin_pass(PassKind.FORWARD)
             self._order = []
             self.peak_forward_bytes = self._live_bytes()
 
@@ -124,26 +146,30 @@ class ParamGatherer(NoGather):
         if self.lifecycle.forward_depth == 0:
             if self._order:
                 self._recorded = self._order
-            self._flush_agreed()
-            self._free_unheld()
+            self._end_pass()
             backward_follows = any(t.requires_grad for t in iter_tensors(output))
             self._propose_next_pass(backward_follows)
 
     def _release_all(self) -> None:
         self._holds = [_Holds() for _ in self.units]
-        self._flush_agreed()
+        if not self._diverged:
+            self.schedule.launch_all()
         self._free_unheld()
 
     # -- called by the engine around backward ------------------------------------------------
 
     def begin_backward(self) -> None:
         self.peak_backward_bytes = self._live_bytes()
+        self.schedule.begin_pass(PassKind.BACKWARD)
+        if self.reducer is not None:  # units whose modules did not run get no gradient here
+            self.reducer.settle([unit for index, unit in enumerate(self.units) if index not in self._ran])
 
     def end_backward(self) -> None:
+        """Before the reducer's end: the last rounds launch the reductions still waiting."""
         for holds in self._holds:
             holds.backward = False
-        self._flush_agreed()
-        self._free_unheld()
+        self._ran = set()
+        self._end_pass()
         self._propose_next_pass(backward_follows=False)
 
     def unit_complete(self, unit: FlatUnit) -> None:
@@ -166,6 +192,8 @@ class ParamGatherer(NoGather):
     # -- module hooks ----------------------------------------------------------------------------
 
     def _pre_forward(self, needs: tuple[int, ...], module: nn.Module, args: Any) -> None:
+        self._free_served()
+        self._ran.update(needs)
         for index in needs:
             self._holds[index].forward += 1
             self._ensure_gathered(index)
@@ -185,11 +213,13 @@ class ParamGatherer(NoGather):
                 self._reshard(index)
 
     def _pre_backward(self, needs: tuple[int, ...], grad: torch.Tensor) -> None:
+        self._free_served()
         for index in needs:
             if not self._holds[index].backward:
                 self._holds[index].backward = True
                 self._ensure_gathered(index)
-        self._prefetch_after(needs, self._recorded[::-1])
+        if not self._prefetch_after(needs, self._recorded[::-1]):
+            self.schedule.issue(NO_UNIT)  # still tell the ranks which reductions are ready here
 
     # -- gathering -------------------------------------------------------------------------------
 
@@ -203,45 +233,50 @@ class ParamGatherer(NoGather):
         other ranks may never send)."""
         self.units[index].wait_for_unshard(wait=not self._diverged)
 
-    def _prefetch_after(self, needs: tuple[int, ...], order: list[int]) -> None:
+    def _prefetch_after(self, needs: tuple[int, ...], order: list[int]) -> bool:
         """Start gathering the unit that followed ``needs`` in ``order``, if it fits, and
-        propose the one after it for the next prefetch."""
-        positions = [order.index(index) for index in needs if index in order]
-        if not positions or max(positions) + 1 >= len(order):
-            return
-        following = order[max(positions) + 1]
-        unit = self.units[following]
-        if unit.has_full_storage or unit.layout.padded_numel > self.prefetch_numel:
-            return
-        if self._live_numel() + unit.layout.padded_numel > self.max_live_numel:
-            return
-        self._gather(following)
-        if max(positions) + 2 < len(order):
-            self._propose(order[max(positions) + 2])
+        propose the one after it for the next prefetch; whether a round was issued.
 
-    # -- agreeing on every gather ----------------------------------------------------------------
-    #
-    # Invariant: every agreement whose values match on all ranks puts its unit at the end of
-    # ``_agreed``, and gathers are launched only from the head of ``_agreed``, each agreed unit
-    # exactly once. So every rank launches the same gathers in the same order, whatever it
-    # needs: a rank that needs another unit first launches the agreed ones before it.
+        Every decision here reads what is *claimed* (gathered, or agreed and not launched
+        yet), never whether a gather was launched already: a rank launches agreed gathers early
+        before it blocks, and the ranks must still issue the same rounds in the same order
+        when they run the same modules, or the rounds would pair one rank's proposal with
+        another's and gather units twice."""
+        positions = [order.index(index) for index in needs if index in order]
+        if not positions:
+            return False
+        after = max(positions)
+        if after + 1 < len(order) and self._fits(order[after + 1]):
+            following = order[after + 1]
+            if not self.units[following].has_full_storage:
+                self._gather(following)
+        if after + 2 < len(order) and self._prefetchable(order[after + 2]):
+            self.schedule.issue(order[after + 2])
+            return True
+        return False
+
+    def _claimed(self, index: int) -> bool:
+        return self.units[index].has_full_storage or self.schedule.asked(index)
+
+    def _prefetchable(self, index: int) -> bool:
+        return not self._claimed(index) and self.units[index].layout.padded_numel <= self.prefetch_numel
+
+    def _fits(self, index: int) -> bool:
+        """Prefetching ``index`` stays within both limits (counting every claimed unit)."""
+        numel = self.units[index].layout.padded_numel
+        others = sum(unit.layout.padded_numel for i, unit in enumerate(self.units) if i != index and self._claimed(i))
+        return numel <= self.prefetch_numel and others + numel <= self.max_live_numel
+
+    # -- agreeing on every gather (see `zero_engine.sharding.schedule`) -------------------------
 
     def _gather(self, index: int) -> None:
-        self._resolve_proposals()
-        if index not in self._agreed:
-            self._verify(index, self.comm.each_rank(index))  # unpredicted: agree now
-            self._agreed.append(index)
-        while self._agreed:
-            head = self._agreed.popleft()
-            self._start_gather(head)
-            if head == index:
-                return
+        """Launch the gather of ``index`` once every rank has agreed on it."""
+        self.schedule.need(index)
 
     def _propose(self, index: int) -> None:
         """Start agreeing on ``index`` as a coming gather, without waiting."""
-        if self.units[index].has_full_storage or index in self._agreed or any(i == index for i, _ in self._proposals):
-            return
-        self._proposals.append((index, self.comm.each_rank(index)))
+        if not self._claimed(index):
+            self.schedule.issue(index)
 
     def _propose_next_pass(self, backward_follows: bool) -> None:
         """Propose the first gathers of the pass expected next, so it starts without waiting:
@@ -256,40 +291,28 @@ class ParamGatherer(NoGather):
         for index in dict.fromkeys(expected[:3] if backward_follows else expected[:2]):
             self._propose(index)
 
-    def _resolve_proposals(self) -> None:
-        while self._proposals:
-            index, agreement = self._proposals.popleft()
-            self._verify(index, agreement)
-            self._agreed.append(index)
-
-    def _flush_agreed(self) -> None:
-        """End of a pass: agreed gathers nobody needed are still launched (the other ranks
-        launch them too), then freed with everything else."""
-        if self._diverged:
-            self._proposals.clear()
-            self._agreed.clear()
-            return
-        self._resolve_proposals()
-        while self._agreed:
-            self._start_gather(self._agreed.popleft())
-
-    def _start_gather(self, index: int) -> None:
+    def _launch_gather(self, index: int, wanted: bool) -> None:
+        """The schedule's turn for this gather: every rank launches it (again, in place, where
+        the unit is gathered already). One only other ranks wanted is freed at this rank's next
+        module hook unless something here holds it by then."""
         self.units[index].unshard(self.comm)
+        if not wanted:
+            self._served.add(index)
         self._note_peak()
 
-    def _verify(self, index: int, agreement: EachRank) -> None:
-        """Every rank must have put the same unit in this agreement; say who runs what if not."""
-        per_rank_units = agreement.values()
-        if any(other != index for other in per_rank_units):
-            per_rank = ", ".join(
-                f"rank {rank} gathers {self._describe(other)}" for rank, other in enumerate(per_rank_units)
-            )
-            self._divergence = (
-                f"stage 3 ranks diverged: {per_rank}. Every rank must run the same modules in the same order "
-                "(a data-dependent branch or a skipped module on one rank?). The ranks' collectives are now out "
-                "of step: end the job (on NCCL, gathers some ranks launched may never complete)"
-            )
-            raise DivergedRanksError(self._divergence)
+    def _free_served(self) -> None:
+        for index in self._served:
+            if not self._holds[index].held and self.units[index].has_full_storage:
+                self._reshard(index)
+        self._served.clear()
+
+    def _end_pass(self) -> None:
+        """Every rank has issued the same rounds and launched every agreed gather; free what
+        nobody here holds."""
+        if not self._diverged:
+            self.schedule.end_pass()
+        self._served.clear()
+        self._free_unheld()
 
     def _describe(self, index: int) -> str:
         if 0 <= index < len(self.units):
@@ -306,9 +329,6 @@ class ParamGatherer(NoGather):
                 self._reshard(index)
 
     # -- accounting ------------------------------------------------------------------------------
-
-    def _live_numel(self) -> int:
-        return sum(unit.layout.padded_numel for unit in self.units if unit.has_full_storage)
 
     def _live_bytes(self) -> int:
         return sum(unit.gathered_bytes for unit in self.units if unit.has_full_storage)

@@ -8,6 +8,11 @@ it, so every rank issues the same collectives in the same order even when ranks 
 which parameters they used. Units still incomplete when backward returns (parameters unused
 on this rank) are launched then, in order, and everything is awaited.
 
+At stage 3 the all-gathers of parameters share the group with these reductions, so the moment
+of a launch matters too, and it must not depend on which parameters received gradients here:
+the reducer then only says how many units are ready (`ready_units`), and the stage 3 schedule
+(`zero_engine.sharding.schedule`) launches them (`launch_until`) at points all ranks agreed on.
+
 Two ways to hold gradients, one class each:
 
 - `FullGradReducer` (stages 0-1): every ``.grad`` is a view into the unit's persistent flat
@@ -76,6 +81,8 @@ class GradReducer:
         lifecycle: Lifecycle | None = None,
         on_unit_complete: Callable[[FlatUnit], None] | None = None,
         on_unarmed_grad: Callable[[], None] | None = None,
+        launches_when_ready: bool = True,
+        on_bucket_wait: Callable[[], None] | None = None,
     ) -> None:
         self.units = list(units)
         self.lifecycle = lifecycle or Lifecycle()  # REDUCING or ACCUMULATING while a backward runs
@@ -95,6 +102,13 @@ class GradReducer:
         # Told when a gradient arrives outside an armed backward (a loss that used a parameter
         # outside the model's forward): the engine arms the backward then.
         self.on_unarmed_grad = on_unarmed_grad
+        # False at stage 3: launches come from the agreed schedule (`launch_until`), not from here.
+        self.launches_when_ready = launches_when_ready
+        # Told before a backward waits for room for a gradient bucket (stage 3: the schedule
+        # launches the reductions all ranks agreed on meanwhile, so the wait has one to end).
+        self.on_bucket_wait = on_bucket_wait
+        self._settled: set[int] = set()  # units that get no gradient here this backward
+        self._index = {id(unit): index for index, unit in enumerate(self.units)}
         self._handles: list[Any] = []
         for unit_index, unit in enumerate(self.units):
             for param_index, param in enumerate(unit.params):
@@ -109,7 +123,7 @@ class GradReducer:
             if self.lifecycle.state is TrainingState.REDUCING:
                 self._accept(self.units[unit_index], unit_index, param_index, param)
                 self._arrived[unit_index] += 1
-                if self.overlap:
+                if self.overlap and self.launches_when_ready:
                     self._launch_ready_units()
                 unit = self.units[unit_index]
                 if self.on_unit_complete is not None and self._arrived[unit_index] == len(unit.params):
@@ -122,7 +136,27 @@ class GradReducer:
         self.lifecycle.begin_backward(reducing=boundary or self.reduces_every_micro_step)
         self._arrived = [0] * len(self.units)
         self._next_unit = 0
+        self._settled = set()
         self.peak_grad_bytes = self.held_grad_bytes()
+
+    def settle(self, units: Sequence[FlatUnit]) -> None:
+        """``units`` will get no gradient here in this backward (stage 3: their modules did not
+        run on this rank), so they count as ready: the ranks that did run them need not wait
+        for the end of backward to reduce them."""
+        self._settled.update(self._index[id(unit)] for unit in units if id(unit) in self._index)
+
+    def ready_units(self) -> int:
+        """How many units, in launch order, are ready to reduce here: all of their parameters
+        have their gradient (or none will come). 0 outside a reducing backward, and until its
+        end without ``overlap``."""
+        if self.lifecycle.state is not TrainingState.REDUCING or not self.overlap:
+            return 0
+        stop = self._next_unit
+        while stop < len(self.units) and (
+            self._arrived[stop] == len(self.units[stop].params) or stop in self._settled
+        ):
+            stop += 1
+        return stop
 
     def disarm(self) -> None:
         """Forget a backward that raised half-way (its end never came); the next one starts anew."""
@@ -133,16 +167,17 @@ class GradReducer:
         reducing = self.lifecycle.state is TrainingState.REDUCING
         self.lifecycle.end_backward()
         if reducing:
-            self._launch_until(len(self.units))
+            self.launch_until(len(self.units))
             self._finish()
 
     def _launch_ready_units(self) -> None:
         stop = self._next_unit
         while stop < len(self.units) and self._arrived[stop] == len(self.units[stop].params):
             stop += 1
-        self._launch_until(stop)
+        self.launch_until(stop)
 
-    def _launch_until(self, stop: int) -> None:
+    def launch_until(self, stop: int) -> None:
+        """Launch the reductions of every unit before ``stop`` not launched yet, in order."""
         while self._next_unit < stop:
             self._launch(self._next_unit)
             self._next_unit += 1
@@ -172,6 +207,10 @@ class GradReducer:
 
     def _launch(self, unit_index: int) -> None:
         raise NotImplementedError
+
+    def launch_second_phases(self) -> None:
+        """Hybrid sharding: launch the cross-group phase of every reduction in flight (waiting
+        for its group phase), so no replica waits for this rank while it blocks elsewhere."""
 
     def _finish(self) -> None:
         raise NotImplementedError
@@ -324,8 +363,11 @@ class ShardedGradReducer(GradReducer):
         param.grad = None  # the full gradient lives only in the bucket now
 
     def _acquire(self, unit: FlatUnit) -> _Bucket:
-        if self._num_live >= self.max_live_buckets and self._in_flight:
-            self._complete_oldest()
+        if self._num_live >= self.max_live_buckets:
+            if self.on_bucket_wait is not None:
+                self.on_bucket_wait()
+            if self._in_flight:
+                self._complete_oldest()
         if self._free:
             storage = self._free.pop()
         else:
@@ -368,6 +410,10 @@ class ShardedGradReducer(GradReducer):
             return self.comm.all_reduce_across_groups(shard)
 
         return TwoPhase(inside, across_groups, start_now=self.comm.orders_on_device), True
+
+    def launch_second_phases(self) -> None:
+        for _, _, pending, _ in self._in_flight:
+            pending.launch_rest()
 
     def _complete_oldest(self) -> None:
         unit, bucket, pending, averaged = self._in_flight.popleft()

@@ -1,0 +1,235 @@
+"""Stage 3: one order of collectives on the shard group, derived on every rank from agreed facts.
+
+During forward and backward, stage 3 issues two kinds of collective on the shard group: the
+all-gather of a unit before its modules run, and the reduce-scatter of a unit's gradients.
+gloo and NCCL pair collectives by their order on a group, so every rank must issue the same
+ones in the same order, although ranks may run different modules (a mixture of experts routes
+no token to some expert on some rank) and receive gradients for different parameters.
+
+So no rank decides alone when to launch one. The ranks exchange small rows of facts in
+*rounds* (`Comm.each_rank` on the control group): each rank issues its rounds in its own time,
+but the k-th round of every rank is one all-reduce, so every rank reads the same rows for it.
+A row says which pass the rank is in (forward or backward, counted), which unit it wants
+gathered next (or none), and how many units, in the reducer's order, have all their gradients
+here. From a round's rows every rank derives the same events and queues them: the reductions
+of the units ready on every rank, then the gather of every unit some rank wants, in unit order.
+Each rank launches its queue in order: reductions as soon as they reach its head, a gather when
+its unit is needed (a prefetch agreed early still launches late). A rank thus takes part in
+the gathers of units only other ranks want. A rank with nothing more to ask at the end of a
+pass sends empty rows ("drain") until every rank's row is empty, so every rank issues the same
+number of rounds per pass; the last round of a backward makes every reduction ready (where a
+parameter got no gradient, the rank contributes zeros).
+
+Rows from different passes cannot be reconciled (one rank runs two forwards before its
+backward, another one): every rank raises `DivergedRanksError` on the same round.
+
+Why nothing hangs: every rank launches a prefix of the same sequence of collectives, and
+launches everything it has queued before it blocks on a round; so whoever a rank waits for has
+either launched that collective or will, without first waiting for anything. See "Stage 3 with
+conditional computation" in ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from enum import IntEnum
+from typing import NamedTuple, Protocol
+
+from ..comm import Comm, EachRank
+from ..errors import DivergedRanksError
+
+NO_UNIT = -1  # a row that asks for no gather
+PASS_DONE = -2  # a row that asks for no gather and has nothing left to ask in this pass
+
+
+class PassKind(IntEnum):
+    BETWEEN = 0  # between passes (rows proposing the next pass's first gathers)
+    FORWARD = 1
+    BACKWARD = 2
+
+
+class Reductions(Protocol):
+    """What the schedule launches besides gathers (`zero_engine.sharding.reducer.GradReducer`)."""
+
+    def ready_units(self) -> int: ...
+
+    def launch_until(self, stop: int) -> None: ...
+
+    def launch_second_phases(self) -> None: ...
+
+
+class _NoReductions:
+    def ready_units(self) -> int:
+        return 0
+
+    def launch_until(self, stop: int) -> None: ...
+
+    def launch_second_phases(self) -> None: ...
+
+
+class _Round(NamedTuple):
+    want: int  # what this rank's row asked for
+    agreement: EachRank
+
+
+class _Event(NamedTuple):
+    gather: bool  # a unit's gather, else the reductions of the units before ``index``
+    index: int
+    wanted: bool  # a gather this rank asked for (else it only takes part for other ranks)
+
+
+class CollectiveSchedule:
+    """Rounds issued, events agreed and not launched yet, and the pass this rank is in."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        num_reducer_units: int,
+        launch_gather: Callable[[int, bool], None],
+        is_gathered: Callable[[int], bool],
+        describe_unit: Callable[[int], str],
+    ) -> None:
+        self.comm = comm
+        self.num_reducer_units = num_reducer_units
+        self.launch_gather = launch_gather  # (unit index, wanted here)
+        self.is_gathered = is_gathered  # whether a unit's storage is full (or filling) here
+        self.describe_unit = describe_unit
+        self.reductions: Reductions = _NoReductions()
+        self.passes = 0  # passes this rank has finished
+        self.kind = PassKind.BETWEEN
+        self.divergence = ""  # the DivergedRanksError's message once the ranks' passes parted
+        self._rounds: deque[_Round] = deque()  # issued here, not read yet
+        self._events: deque[_Event] = deque()  # agreed, not launched here yet
+        self._all_ready = False  # this backward is over here: every reduction is ready
+
+    # -- passes ------------------------------------------------------------------------------
+
+    def begin_pass(self, kind: PassKind) -> None:
+        self.kind = kind
+        self._all_ready = False
+
+    def end_pass(self) -> None:
+        """Drain: empty rows until every rank's row is empty, then launch everything agreed."""
+        self._all_ready = self.kind is PassKind.BACKWARD
+        while True:
+            self.issue(PASS_DONE)
+            if all(row[2] == PASS_DONE for row in self._read_all()):
+                break
+        self.launch_all()
+        self.passes += 1
+        self.kind = PassKind.BETWEEN
+        self._all_ready = False
+
+    # -- rounds ------------------------------------------------------------------------------
+
+    def issue(self, want: int) -> None:
+        """Start a round whose row asks for ``want`` (a unit index, `NO_UNIT` or `PASS_DONE`),
+        without waiting."""
+        if self._all_ready:
+            ready = self.num_reducer_units
+        else:
+            ready = self.reductions.ready_units() if self.kind is PassKind.BACKWARD else 0
+        row = [self.passes, int(self.kind), want, ready]
+        self._rounds.append(_Round(want, self.comm.each_rank(row)))
+
+    def asked(self, unit: int) -> bool:
+        """Whether this rank asked for ``unit`` in a round it has not read yet, or the gather
+        of ``unit`` is agreed and not launched here yet."""
+        return any(round_.want == unit for round_ in self._rounds) or self._queued(unit)
+
+    def poll(self) -> None:
+        """Read the rounds every rank has sent already, and launch the reductions they made
+        ready (never waits)."""
+        while self._rounds and self._rounds[0].agreement.arrived():
+            self._read_next()
+        self._launch_leading_reductions()
+
+    def need(self, unit: int) -> None:
+        """Launch the gather of ``unit`` (and every event queued before it), agreeing on it
+        first if no round has yet."""
+        self.poll()
+        if not self._queued(unit):
+            self._read_all()  # may launch ``unit`` already: everything is launched before a wait
+            if self.is_gathered(unit):
+                return
+        if not self._queued(unit):
+            self.issue(unit)
+            self._read_all()
+            if self.is_gathered(unit) and not self._queued(unit):
+                return
+        while self._events:
+            event = self._events.popleft()
+            self._launch(event)
+            if event.gather and event.index == unit:
+                return
+        raise AssertionError(f"unit {unit} was asked for but not agreed on")  # our own row wants it
+
+    def launch_all(self) -> None:
+        """Launch every agreed event, and the cross-group phase of reductions in flight:
+        before this rank blocks, nobody may be left waiting for it."""
+        while self._events:
+            self._launch(self._events.popleft())
+        self.reductions.launch_second_phases()
+
+    def _queued(self, unit: int) -> bool:
+        return any(event.gather and event.index == unit for event in self._events)
+
+    def _read_all(self) -> list[list[int]]:
+        """Read every round issued here, in order (waiting for the other ranks where needed),
+        and return the last one's rows."""
+        rows: list[list[int]] = []
+        while self._rounds:
+            if not self._rounds[0].agreement.arrived():
+                self.launch_all()
+            rows = self._read_next()
+        self._launch_leading_reductions()
+        return rows
+
+    def _read_next(self) -> list[list[int]]:
+        round_ = self._rounds.popleft()
+        rows = round_.agreement.values()
+        if self.divergence:
+            return rows
+        self._check_same_pass(rows)
+        ready = min(row[3] for row in rows)
+        if ready:
+            self._events.append(_Event(False, ready, False))
+        for unit in sorted({row[2] for row in rows if row[2] >= 0}):
+            self._events.append(_Event(True, unit, unit == round_.want))
+        return rows
+
+    def _launch_leading_reductions(self) -> None:
+        while self._events and not self._events[0].gather:
+            self._launch(self._events.popleft())
+
+    def _launch(self, event: _Event) -> None:
+        if event.gather:
+            self.launch_gather(event.index, event.wanted)
+        else:
+            self.reductions.launch_until(event.index)
+
+    # -- ranks in different passes ---------------------------------------------------------------
+
+    def _check_same_pass(self, rows: list[list[int]]) -> None:
+        passes = {row[0] for row in rows}
+        kinds = {row[1] for row in rows} - {int(PassKind.BETWEEN)}
+        if len(passes) == 1 and len(kinds) <= 1:
+            return
+        per_rank = ", ".join(f"rank {rank} {self._describe_row(row)}" for rank, row in enumerate(rows))
+        self.divergence = (
+            f"stage 3 ranks diverged: {per_rank}. Ranks may run different modules within a pass, but every "
+            "rank must run the same passes (forwards and backwards through the model) in the same order. The "
+            "ranks' collectives are now out of step: end the job"
+        )
+        # Every rank agreed on the events of the earlier rounds and may be waiting for one of
+        # them: launch them all, so each rank gets to read this round and raise too.
+        self.launch_all()
+        self._rounds.clear()
+        raise DivergedRanksError(self.divergence)
+
+    def _describe_row(self, row: list[int]) -> str:
+        passes, kind, want = row[0], PassKind(row[1]), row[2]
+        where = "between passes" if kind is PassKind.BETWEEN else f"is in {kind.name.lower()}"
+        asks = f"gathering {self.describe_unit(want)}" if want >= 0 else "asking for no unit"
+        return f"{where} after {passes} passes, {asks}"
