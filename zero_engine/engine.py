@@ -138,7 +138,7 @@ class Engine:
         self.reducer = build_reducer(
             stage, self.units, comm, zero, precision.reduce_dtype, lifecycle=self.lifecycle,
             on_unit_complete=self.gatherer.unit_complete, on_unarmed_grad=self._begin_backward,
-            on_bucket_wait=self.gatherer.poll,
+            on_bucket_wait=self.gatherer.launch_agreed_reductions,
         )
         self.gatherer.schedule_reductions(self.reducer)
         self.peak_step_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step

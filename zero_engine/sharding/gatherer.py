@@ -57,7 +57,7 @@ class NoGather:
     def schedule_reductions(self, reducer: GradReducer) -> None:
         """Stages 0-2: the reducer launches its own reductions (no gathers share their group)."""
 
-    def poll(self) -> None: ...
+    def launch_agreed_reductions(self) -> None: ...
 
     def remove_hooks(self) -> None: ...
 
@@ -115,10 +115,14 @@ class ParamGatherer(NoGather):
         self.schedule.reductions = reducer
         self.schedule.num_reducer_units = len(reducer.units)
 
-    def poll(self) -> None:
-        """Launch the reductions every rank has agreed on by now (the reducer, before it waits)."""
+    def launch_agreed_reductions(self) -> None:
+        """The reducer needs room for a bucket: read the rounds issued so far, so the
+        reductions they made ready are launched and the reducer can wait for the oldest instead
+        of holding one more bucket (the rows carry this rank's readiness since its previous
+        module hook; the other ranks send theirs when they get there, as their reductions
+        would need anyway)."""
         if not self._diverged:
-            self.schedule.poll()
+            self.schedule.read_for_reductions()
 
     @property
     def _diverged(self) -> bool:

@@ -145,6 +145,19 @@ class CollectiveSchedule:
             self._read_next()
         self._launch_leading_reductions()
 
+    def read_for_reductions(self) -> None:
+        """Read the rounds this rank has issued and launch the reductions they made ready,
+        waiting for the other ranks' rows where needed, but only while no agreed gather is
+        queued: waiting would first launch it, a prefetch earlier than planned (one more
+        gathered unit alive)."""
+        while self._rounds:
+            if not self._rounds[0].agreement.arrived():
+                if any(event.gather for event in self._events):
+                    break
+                self.launch_all()  # the queued reductions (before blocking, as always)
+            self._read_next()
+            self._launch_leading_reductions()
+
     def need(self, unit: int) -> None:
         """Launch the gather of ``unit`` (and every event queued before it), agreeing on it
         first if no round has yet."""
