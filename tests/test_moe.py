@@ -82,9 +82,11 @@ def _per_group(engine, calls: list) -> dict[str, list[tuple[str, int]]]:
     if comm.num_replicas > 1:
         roles[id(comm.shard_group.group)] = f"shard_group {comm.shard_group_ranks}"
         roles[id(comm.replica_group.group)] = f"replica_group {comm.replica_group_ranks}"
+    if comm.reduce_group is not comm.shard_group:  # stage 3: reduce-scatters on a group of their own
+        roles[id(comm.reduce_group.group)] = f"reduce_group {comm.shard_group_ranks}"
     sequences: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for _, function, group, nbytes in calls:
-        sequences[roles.get(id(group), "data")].append((function, nbytes))
+        sequences[roles.get(id(group), "unknown")].append((function, nbytes))
     return dict(sequences)
 
 

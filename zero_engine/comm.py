@@ -294,8 +294,17 @@ class Comm:
     ranks. With one group (the default) this is plain ZeRO over every rank.
     """
 
-    def __init__(self, world: GroupComm, shard_group: GroupComm, replica_group: GroupComm) -> None:
+    def __init__(
+        self,
+        world: GroupComm,
+        shard_group: GroupComm,
+        replica_group: GroupComm,
+        reduce_group: GroupComm | None = None,
+    ) -> None:
         self.world, self.shard_group, self.replica_group = world, shard_group, replica_group
+        # Reduce-scatters inside the shard group: the shard group itself, or (stage 3) a group
+        # of the same ranks of their own, so their order needs no agreement with the gathers'.
+        self.reduce_group = reduce_group or shard_group
         self.rank, self.world_size, self.backend = world.rank, world.world_size, world.backend
         self.group, self.control_group = world.group, world.control_group
         self.shard_rank, self.num_shards = self.shard_group.rank, self.shard_group.world_size
@@ -339,7 +348,7 @@ class Comm:
 
     def reduce_scatter_in_group(self, flat: torch.Tensor) -> Pending:
         """Sum ``flat`` over this rank's shard group only, into this rank's shard."""
-        return self.shard_group.reduce_scatter_sum(flat)
+        return self.reduce_group.reduce_scatter_sum(flat)
 
     def all_reduce_across_groups(self, shard: torch.Tensor) -> Pending:
         """Sum a shard over the ranks that hold the same shard in every group."""
@@ -382,6 +391,8 @@ class Comm:
         all-reduces, agreements, broadcasts)."""
         scopes = {"intra_group": self.shard_group, "inter_group": self.replica_group, "all_ranks": self.world}
         per_scope = {name: comm.report() for name, comm in scopes.items()}
+        if self.reduce_group is not self.shard_group:
+            per_scope["intra_group"] = _sum_reports(per_scope["intra_group"], self.reduce_group.report())
         report = {
             kind.value: {
                 direction: sum(part[kind.value][direction] for part in per_scope.values())
@@ -394,8 +405,12 @@ class Comm:
         return report
 
     def reset_report(self) -> None:
-        for comm in (self.world, self.shard_group, self.replica_group):
+        for comm in {id(c): c for c in (self.world, self.shard_group, self.replica_group, self.reduce_group)}.values():
             comm.reset_report()
+
+
+def _sum_reports(a: dict[str, dict[str, int]], b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {key: {d: a[key][d] + b[key][d] for d in a[key]} for key in a}
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -434,8 +449,12 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     size = _agreed_shard_group_size(config.zero_optimization, world)
     shard_group, replica_group = _hybrid_groups(timeout, world_size, rank, size, data)
     shards = GroupComm(rank % size, size, backend, shard_group, None, primitives, force)
+    reduces = None
+    if config.zero_optimization.stage == 3 and size > 1:
+        reduce_group = _reduce_group(timeout, world_size, rank, size)
+        reduces = GroupComm(rank % size, size, backend, reduce_group, None, primitives, force)
     replicas = GroupComm(rank // size, world_size // size, backend, replica_group, None, primitives, force)
-    return Comm(world, shards, replicas)
+    return Comm(world, shards, replicas, reduces)
 
 
 def _agreed_shard_group_size(zero: ZeroOptimizationConfig, world: GroupComm) -> int:
@@ -465,6 +484,17 @@ def _hybrid_groups(timeout_s: float, world_size: int, rank: int, size: int, data
     ]
     replica_groups = [_own_group(timeout_s, "data", None, range(s, world_size, size)) for s in range(size)]
     return shard_groups[rank // size], replica_groups[rank % size]
+
+
+def _reduce_group(timeout_s: float, world_size: int, rank: int, size: int) -> Any:
+    """Stage 3: a group of this rank's shard group's ranks for reduce-scatters alone. Gathers
+    launch in the order the ranks agree on (`zero_engine.sharding.schedule`), reductions in
+    unit order as gradients complete; on one group the two orders would have to interleave
+    alike on every rank, which depends on which parameters got gradients where."""
+    groups = [
+        _own_group(timeout_s, "reduce", None, range(g * size, (g + 1) * size)) for g in range(world_size // size)
+    ]
+    return groups[rank // size]
 
 
 _OWN_GROUPS: dict[tuple[int, float, str, tuple[int, ...] | None], Any] = {}

@@ -138,9 +138,9 @@ class Engine:
         self.reducer = build_reducer(
             stage, self.units, comm, zero, precision.reduce_dtype, lifecycle=self.lifecycle,
             on_unit_complete=self.gatherer.unit_complete, on_unarmed_grad=self._begin_backward,
-            on_bucket_wait=self.gatherer.launch_agreed_reductions,
+            may_wait_for=self.gatherer.may_wait_for_reduction,
         )
-        self.gatherer.schedule_reductions(self.reducer)
+        self.gatherer.attach_reducer(self.reducer)
         self.peak_step_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step
         self.optimizer = build_optimizer(config.optimizer, stage.level, _optimizer_groups(groups, self.units))
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
@@ -198,8 +198,8 @@ class Engine:
                 "call backward once"
             )
         self._open_window()
-        self.gatherer.begin_backward()
         self.reducer.pre_backward(boundary=boundary)
+        self.gatherer.begin_backward()  # after: it tells the reducer which units get no gradient
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:

@@ -54,10 +54,12 @@ class NoGather:
 
     def unit_complete(self, unit: FlatUnit) -> None: ...
 
-    def schedule_reductions(self, reducer: GradReducer) -> None:
-        """Stages 0-2: the reducer launches its own reductions (no gathers share their group)."""
+    def attach_reducer(self, reducer: GradReducer) -> None:
+        """Stages 0-2: nothing to tell the reducer."""
 
-    def launch_agreed_reductions(self) -> None: ...
+    def may_wait_for_reduction(self, index: int) -> bool:
+        """Stages 0-2: always (see `ParamGatherer.may_wait_for_reduction`)."""
+        return True
 
     def remove_hooks(self) -> None: ...
 
@@ -86,7 +88,7 @@ class ParamGatherer(NoGather):
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
         self._holds = [_Holds() for _ in self.units]
         self.schedule = CollectiveSchedule(
-            comm, 0, self._launch_gather, lambda index: self.units[index].has_full_storage, self._describe
+            comm, self._launch_gather, lambda index: self.units[index].has_full_storage, self._describe
         )
         self.reducer: GradReducer | None = None
         self._served: set[int] = set()  # gathered only because other ranks wanted them
@@ -108,21 +110,22 @@ class ParamGatherer(NoGather):
 
     # -- a whole forward ---------------------------------------------------------------------
 
-    def schedule_reductions(self, reducer: GradReducer) -> None:
-        """Launch ``reducer``'s reductions from the schedule, at points every rank agreed on:
-        they share the shard group with the gathers."""
+    def attach_reducer(self, reducer: GradReducer) -> None:
+        """The rows report ``reducer``'s ready units; units whose modules did not run are
+        settled with it at the start of each backward."""
         self.reducer = reducer
         self.schedule.reductions = reducer
-        self.schedule.num_reducer_units = len(reducer.units)
 
-    def launch_agreed_reductions(self) -> None:
-        """The reducer needs room for a bucket: read the rounds issued so far, so the
-        reductions they made ready are launched and the reducer can wait for the oldest instead
-        of holding one more bucket (the rows carry this rank's readiness since its previous
-        module hook; the other ranks send theirs when they get there, as their reductions
-        would need anyway)."""
-        if not self._diverged:
-            self.schedule.read_for_reductions()
+    def may_wait_for_reduction(self, index: int) -> bool:
+        """Whether every rank has launched the reduction of the reducer's unit ``index`` (said
+        so in its rows), so that waiting for it cannot wait for a rank that is waiting for
+        this one. Reads the rounds issued so far first, waiting for the other ranks' rows
+        unless a gather is queued (that wait would launch a prefetch early). No: the reducer
+        holds one more bucket instead."""
+        if self._diverged:
+            return False
+        self.schedule.read_for_reductions()
+        return self.schedule.agreed_ready > index
 
     @property
     def _diverged(self) -> bool:

@@ -8,10 +8,12 @@ it, so every rank issues the same collectives in the same order even when ranks 
 which parameters they used. Units still incomplete when backward returns (parameters unused
 on this rank) are launched then, in order, and everything is awaited.
 
-At stage 3 the all-gathers of parameters share the group with these reductions, so the moment
-of a launch matters too, and it must not depend on which parameters received gradients here:
-the reducer then only says how many units are ready (`ready_units`), and the stage 3 schedule
-(`zero_engine.sharding.schedule`) launches them (`launch_until`) at points all ranks agreed on.
+At stage 3 the reductions run on a group of their own (`zero_engine.comm.Comm.reduce_group`):
+the all-gathers launch in an order the ranks agree on, which cannot interleave alike with
+these on every rank when ranks differ in which parameters got gradients. A backward then may
+wait for a reduction only once every rank has said it is ready (`may_wait_for`, from the rows
+the stage 3 schedule exchanges, `zero_engine.sharding.schedule`): a rank where a parameter got
+no gradient launches it only after its backward, and may be waiting for this rank meanwhile.
 
 Two ways to hold gradients, one class each:
 
@@ -81,8 +83,7 @@ class GradReducer:
         lifecycle: Lifecycle | None = None,
         on_unit_complete: Callable[[FlatUnit], None] | None = None,
         on_unarmed_grad: Callable[[], None] | None = None,
-        launches_when_ready: bool = True,
-        on_bucket_wait: Callable[[], None] | None = None,
+        may_wait_for: Callable[[int], bool] | None = None,
     ) -> None:
         self.units = list(units)
         self.lifecycle = lifecycle or Lifecycle()  # REDUCING or ACCUMULATING while a backward runs
@@ -102,11 +103,9 @@ class GradReducer:
         # Told when a gradient arrives outside an armed backward (a loss that used a parameter
         # outside the model's forward): the engine arms the backward then.
         self.on_unarmed_grad = on_unarmed_grad
-        # False at stage 3: launches come from the agreed schedule (`launch_until`), not from here.
-        self.launches_when_ready = launches_when_ready
-        # Told before a backward waits for room for a gradient bucket (stage 3: the schedule
-        # launches the reductions all ranks agreed on meanwhile, so the wait has one to end).
-        self.on_bucket_wait = on_bucket_wait
+        # Asked before a backward waits for a unit's reduction to make room for a bucket
+        # (stage 3: whether every rank has launched it); None: always.
+        self.may_wait_for = may_wait_for
         self._settled: set[int] = set()  # units that get no gradient here this backward
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
         self._handles: list[Any] = []
@@ -123,7 +122,7 @@ class GradReducer:
             if self.lifecycle.state is TrainingState.REDUCING:
                 self._accept(self.units[unit_index], unit_index, param_index, param)
                 self._arrived[unit_index] += 1
-                if self.overlap and self.launches_when_ready:
+                if self.overlap:
                     self._launch_ready_units()
                 unit = self.units[unit_index]
                 if self.on_unit_complete is not None and self._arrived[unit_index] == len(unit.params):
@@ -146,17 +145,18 @@ class GradReducer:
         self._settled.update(self._index[id(unit)] for unit in units if id(unit) in self._index)
 
     def ready_units(self) -> int:
-        """How many units, in launch order, are ready to reduce here: all of their parameters
-        have their gradient (or none will come). 0 outside a reducing backward, and until its
-        end without ``overlap``."""
+        """How many units, in launch order, are launched here (or ready to be): all of their
+        parameters have their gradient, or none will come. 0 outside a reducing backward, and
+        until its end without ``overlap``."""
         if self.lifecycle.state is not TrainingState.REDUCING or not self.overlap:
             return 0
         stop = self._next_unit
-        while stop < len(self.units) and (
-            self._arrived[stop] == len(self.units[stop].params) or stop in self._settled
-        ):
+        while stop < len(self.units) and self._ready(stop):
             stop += 1
         return stop
+
+    def _ready(self, index: int) -> bool:
+        return self._arrived[index] == len(self.units[index].params) or index in self._settled
 
     def disarm(self) -> None:
         """Forget a backward that raised half-way (its end never came); the next one starts anew."""
@@ -171,10 +171,7 @@ class GradReducer:
             self._finish()
 
     def _launch_ready_units(self) -> None:
-        stop = self._next_unit
-        while stop < len(self.units) and self._arrived[stop] == len(self.units[stop].params):
-            stop += 1
-        self.launch_until(stop)
+        self.launch_until(self.ready_units())
 
     def launch_until(self, stop: int) -> None:
         """Launch the reductions of every unit before ``stop`` not launched yet, in order."""
@@ -208,9 +205,10 @@ class GradReducer:
     def _launch(self, unit_index: int) -> None:
         raise NotImplementedError
 
-    def launch_second_phases(self) -> None:
-        """Hybrid sharding: launch the cross-group phase of every reduction in flight (waiting
-        for its group phase), so no replica waits for this rank while it blocks elsewhere."""
+    def launch_second_phases(self, stop: int) -> None:
+        """Hybrid sharding: launch the cross-group phase of the reductions in flight of the
+        units before ``stop`` (waiting for their group phase, which every rank has launched),
+        so no replica waits for this rank while it blocks elsewhere."""
 
     def _finish(self) -> None:
         raise NotImplementedError
@@ -363,10 +361,9 @@ class ShardedGradReducer(GradReducer):
         param.grad = None  # the full gradient lives only in the bucket now
 
     def _acquire(self, unit: FlatUnit) -> _Bucket:
-        if self._num_live >= self.max_live_buckets:
-            if self.on_bucket_wait is not None:
-                self.on_bucket_wait()
-            if self._in_flight:
+        if self._num_live >= self.max_live_buckets and self._in_flight:
+            oldest = self._index[id(self._in_flight[0][0])]
+            if self.may_wait_for is None or self.may_wait_for(oldest):
                 self._complete_oldest()
         if self._free:
             storage = self._free.pop()
@@ -411,9 +408,10 @@ class ShardedGradReducer(GradReducer):
 
         return TwoPhase(inside, across_groups, start_now=self.comm.orders_on_device), True
 
-    def launch_second_phases(self) -> None:
-        for _, _, pending, _ in self._in_flight:
-            pending.launch_rest()
+    def launch_second_phases(self, stop: int) -> None:
+        for unit, _, pending, _ in self._in_flight:
+            if self._index[id(unit)] < stop:
+                pending.launch_rest()
 
     def _complete_oldest(self) -> None:
         unit, bucket, pending, averaged = self._in_flight.popleft()

@@ -1,32 +1,34 @@
-"""Stage 3: one order of collectives on the shard group, derived on every rank from agreed facts.
+"""Stage 3: gathers in one order that every rank derives from agreed facts.
 
-During forward and backward, stage 3 issues two kinds of collective on the shard group: the
-all-gather of a unit before its modules run, and the reduce-scatter of a unit's gradients.
-gloo and NCCL pair collectives by their order on a group, so every rank must issue the same
-ones in the same order, although ranks may run different modules (a mixture of experts routes
-no token to some expert on some rank) and receive gradients for different parameters.
+During forward and backward, stage 3 all-gathers a unit before its modules run. gloo and NCCL
+pair collectives by their order on a group, so every rank must issue the same gathers in the
+same order, although ranks may run different modules (a mixture of experts routes no token to
+some expert on some rank).
 
-So no rank decides alone when to launch one. The ranks exchange small rows of facts in
-*rounds* (`Comm.each_rank` on the control group): each rank issues its rounds in its own time,
-but the k-th round of every rank is one all-reduce, so every rank reads the same rows for it.
-A row says which pass the rank is in (forward or backward, counted), which unit it wants
-gathered next (or none), and how many units, in the reducer's order, have all their gradients
-here. From a round's rows every rank derives the same events and queues them: the reductions
-of the units ready on every rank, then the gather of every unit some rank wants, in unit order.
-Each rank launches its queue in order: reductions as soon as they reach its head, a gather when
-its unit is needed (a prefetch agreed early still launches late). A rank thus takes part in
-the gathers of units only other ranks want. A rank with nothing more to ask at the end of a
-pass sends empty rows ("drain") until every rank's row is empty, so every rank issues the same
-number of rounds per pass; the last round of a backward makes every reduction ready (where a
-parameter got no gradient, the rank contributes zeros).
+So no rank decides alone. The ranks exchange small rows of facts in *rounds* (`Comm.each_rank`
+on the control group): each rank issues its rounds in its own time, but the k-th round of
+every rank is one all-reduce, so every rank reads the same rows for it. A row says which pass
+the rank is in (forward or backward, counted), which unit it wants gathered next (or none), and
+how many units, in the reducer's order, have their reductions launched here (or ready to be).
+From a round's rows every rank queues the same gathers: every unit some rank wants, in unit
+order. Each rank launches its queue in order, a gather when its unit is needed (a prefetch
+agreed early still launches late), so a rank takes part in the gathers of units only other
+ranks want. A rank with nothing more to ask at the end of a pass sends rows that say so
+("drain") until every rank's row does, so every rank issues the same number of rounds per pass.
+
+Reduce-scatters run on a group of their own (`zero_engine.comm.Comm.reduce_group`), in the
+reducer's unit order on every rank, launched as gradients complete; a rank where a parameter
+got no gradient launches that unit (and, in order, the later ones) after its backward, with
+zeros. The rows' minimum of launched reductions, `agreed_ready`, says which of them a rank may
+wait for without waiting for a rank that waits for it.
 
 Rows from different passes cannot be reconciled (one rank runs two forwards before its
 backward, another one): every rank raises `DivergedRanksError` on the same round.
 
-Why nothing hangs: every rank launches a prefix of the same sequence of collectives, and
-launches everything it has queued before it blocks on a round; so whoever a rank waits for has
-either launched that collective or will, without first waiting for anything. See "Stage 3 with
-conditional computation" in ``docs/architecture.md``.
+Why nothing hangs: every rank launches a prefix of the same sequence of gathers, and launches
+everything it has queued before it blocks on a round; it waits only for gathers it launched and
+reductions every rank launched. See "Stage 3 with conditional computation" in
+``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -50,22 +52,18 @@ class PassKind(IntEnum):
 
 
 class Reductions(Protocol):
-    """What the schedule launches besides gathers (`zero_engine.sharding.reducer.GradReducer`)."""
+    """What the rows report about the gradient reductions (`zero_engine.sharding.reducer.GradReducer`)."""
 
     def ready_units(self) -> int: ...
 
-    def launch_until(self, stop: int) -> None: ...
-
-    def launch_second_phases(self) -> None: ...
+    def launch_second_phases(self, stop: int) -> None: ...
 
 
 class _NoReductions:
     def ready_units(self) -> int:
         return 0
 
-    def launch_until(self, stop: int) -> None: ...
-
-    def launch_second_phases(self) -> None: ...
+    def launch_second_phases(self, stop: int) -> None: ...
 
 
 class _Round(NamedTuple):
@@ -74,44 +72,41 @@ class _Round(NamedTuple):
 
 
 class _Event(NamedTuple):
-    gather: bool  # a unit's gather, else the reductions of the units before ``index``
-    index: int
-    wanted: bool  # a gather this rank asked for (else it only takes part for other ranks)
+    index: int  # the unit to gather
+    wanted: bool  # this rank asked for it (else it only takes part for other ranks)
 
 
 class CollectiveSchedule:
-    """Rounds issued, events agreed and not launched yet, and the pass this rank is in."""
+    """Rounds issued, gathers agreed and not launched yet, and the pass this rank is in."""
 
     def __init__(
         self,
         comm: Comm,
-        num_reducer_units: int,
         launch_gather: Callable[[int, bool], None],
         is_gathered: Callable[[int], bool],
         describe_unit: Callable[[int], str],
     ) -> None:
         self.comm = comm
-        self.num_reducer_units = num_reducer_units
         self.launch_gather = launch_gather  # (unit index, wanted here)
         self.is_gathered = is_gathered  # whether a unit's storage is full (or filling) here
         self.describe_unit = describe_unit
         self.reductions: Reductions = _NoReductions()
         self.passes = 0  # passes this rank has finished
         self.kind = PassKind.BETWEEN
+        self.agreed_ready = 0  # reductions (in the reducer's order) every rank has launched
         self.divergence = ""  # the DivergedRanksError's message once the ranks' passes parted
         self._rounds: deque[_Round] = deque()  # issued here, not read yet
-        self._events: deque[_Event] = deque()  # agreed, not launched here yet
-        self._all_ready = False  # this backward is over here: every reduction is ready
+        self._events: deque[_Event] = deque()  # gathers agreed, not launched here yet
 
     # -- passes ------------------------------------------------------------------------------
 
     def begin_pass(self, kind: PassKind) -> None:
         self.kind = kind
-        self._all_ready = False
+        self.agreed_ready = 0
 
     def end_pass(self) -> None:
-        """Drain: empty rows until every rank's row is empty, then launch everything agreed."""
-        self._all_ready = self.kind is PassKind.BACKWARD
+        """Drain: rows that ask for nothing until every rank's row says it is done with the
+        pass, then launch every agreed gather."""
         while True:
             self.issue(PASS_DONE)
             if all(row[2] == PASS_DONE for row in self._read_all()):
@@ -119,17 +114,13 @@ class CollectiveSchedule:
         self.launch_all()
         self.passes += 1
         self.kind = PassKind.BETWEEN
-        self._all_ready = False
 
     # -- rounds ------------------------------------------------------------------------------
 
     def issue(self, want: int) -> None:
         """Start a round whose row asks for ``want`` (a unit index, `NO_UNIT` or `PASS_DONE`),
         without waiting."""
-        if self._all_ready:
-            ready = self.num_reducer_units
-        else:
-            ready = self.reductions.ready_units() if self.kind is PassKind.BACKWARD else 0
+        ready = self.reductions.ready_units() if self.kind is PassKind.BACKWARD else 0
         row = [self.passes, int(self.kind), want, ready]
         self._rounds.append(_Round(want, self.comm.each_rank(row)))
 
@@ -138,30 +129,22 @@ class CollectiveSchedule:
         of ``unit`` is agreed and not launched here yet."""
         return any(round_.want == unit for round_ in self._rounds) or self._queued(unit)
 
-    def poll(self) -> None:
-        """Read the rounds every rank has sent already, and launch the reductions they made
-        ready (never waits)."""
-        while self._rounds and self._rounds[0].agreement.arrived():
-            self._read_next()
-        self._launch_leading_reductions()
-
     def read_for_reductions(self) -> None:
-        """Read the rounds this rank has issued and launch the reductions they made ready,
-        waiting for the other ranks' rows where needed, but only while no agreed gather is
-        queued: waiting would first launch it, a prefetch earlier than planned (one more
-        gathered unit alive)."""
+        """Read the rounds this rank has issued (for `agreed_ready`), waiting for the other
+        ranks' rows where needed, but only while no agreed gather is queued: waiting would
+        first launch it, a prefetch earlier than planned (one more gathered unit alive)."""
         while self._rounds:
             if not self._rounds[0].agreement.arrived():
-                if any(event.gather for event in self._events):
+                if self._events:
                     break
-                self.launch_all()  # the queued reductions (before blocking, as always)
+                self.reductions.launch_second_phases(self.agreed_ready)  # before blocking, as in `_read_all`
             self._read_next()
-            self._launch_leading_reductions()
 
     def need(self, unit: int) -> None:
-        """Launch the gather of ``unit`` (and every event queued before it), agreeing on it
+        """Launch the gather of ``unit`` (and every gather queued before it), agreeing on it
         first if no round has yet."""
-        self.poll()
+        while self._rounds and self._rounds[0].agreement.arrived():
+            self._read_next()
         if not self._queued(unit):
             self._read_all()  # may launch ``unit`` already: everything is launched before a wait
             if self.is_gathered(unit):
@@ -173,20 +156,21 @@ class CollectiveSchedule:
                 return
         while self._events:
             event = self._events.popleft()
-            self._launch(event)
-            if event.gather and event.index == unit:
+            self.launch_gather(event.index, event.wanted)
+            if event.index == unit:
                 return
         raise AssertionError(f"unit {unit} was asked for but not agreed on")  # our own row wants it
 
     def launch_all(self) -> None:
-        """Launch every agreed event, and the cross-group phase of reductions in flight:
+        """Launch every agreed gather, and the cross-group phase of reductions in flight:
         before this rank blocks, nobody may be left waiting for it."""
         while self._events:
-            self._launch(self._events.popleft())
-        self.reductions.launch_second_phases()
+            event = self._events.popleft()
+            self.launch_gather(event.index, event.wanted)
+        self.reductions.launch_second_phases(self.agreed_ready)
 
     def _queued(self, unit: int) -> bool:
-        return any(event.gather and event.index == unit for event in self._events)
+        return any(event.index == unit for event in self._events)
 
     def _read_all(self) -> list[list[int]]:
         """Read every round issued here, in order (waiting for the other ranks where needed),
@@ -196,7 +180,6 @@ class CollectiveSchedule:
             if not self._rounds[0].agreement.arrived():
                 self.launch_all()
             rows = self._read_next()
-        self._launch_leading_reductions()
         return rows
 
     def _read_next(self) -> list[list[int]]:
@@ -205,22 +188,10 @@ class CollectiveSchedule:
         if self.divergence:
             return rows
         self._check_same_pass(rows)
-        ready = min(row[3] for row in rows)
-        if ready:
-            self._events.append(_Event(False, ready, False))
+        self.agreed_ready = max(self.agreed_ready, min(row[3] for row in rows))
         for unit in sorted({row[2] for row in rows if row[2] >= 0}):
-            self._events.append(_Event(True, unit, unit == round_.want))
+            self._events.append(_Event(unit, unit == round_.want))
         return rows
-
-    def _launch_leading_reductions(self) -> None:
-        while self._events and not self._events[0].gather:
-            self._launch(self._events.popleft())
-
-    def _launch(self, event: _Event) -> None:
-        if event.gather:
-            self.launch_gather(event.index, event.wanted)
-        else:
-            self.reductions.launch_until(event.index)
 
     # -- ranks in different passes ---------------------------------------------------------------
 

@@ -71,12 +71,11 @@ def build_reducer(
     lifecycle: Lifecycle,
     on_unit_complete: Callable[[FlatUnit], None],
     on_unarmed_grad: Callable[[], None],
-    on_bucket_wait: Callable[[], None],
+    may_wait_for: Callable[[int], bool],
 ) -> GradReducer:
     callbacks = {
         "lifecycle": lifecycle, "on_unit_complete": on_unit_complete, "on_unarmed_grad": on_unarmed_grad,
-        # stage 3: gathers share the shard group, so launches follow the agreed schedule
-        "launches_when_ready": not stage.shard_parameters, "on_bucket_wait": on_bucket_wait,
+        "may_wait_for": may_wait_for,
     }
     if stage.streams_gradients(zero):
         return ShardedGradReducer(
