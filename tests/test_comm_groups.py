@@ -95,6 +95,8 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         if engine.comm.num_replicas > 1:  # hybrid: the shard and replica groups are groups of their own
             shard_group, replica_group = engine.comm.shard_group.group, engine.comm.replica_group.group
             roles.update({id(shard_group): "shard_group", id(replica_group): "replica_group"})
+        if engine.comm.reduce_group is not engine.comm.shard_group:  # stage 3: reduce-scatters apart
+            roles[id(engine.comm.reduce_group.group)] = "reduce_group"
         groups = defaultdict(set)
         for method, function, group, _ in calls:
             groups[method, function].add(roles.get(id(group), "other"))
@@ -137,6 +139,8 @@ def test_control_traffic_uses_a_gloo_group_and_data_the_data_group(traffic: list
         for key, roles in calls.items():
             method = key.split(":")[0]
             expected = ["control"] if method in CONTROL_METHODS else ["data"]
+            if case["stage"] == 3 and _reduces(key):  # a group of their own beside the gathers
+                expected = ["reduce_group"]
             assert roles == expected, (case, key, roles)
         native = {key.split(":")[1] for key in calls} & set(NATIVE)
         if case["primitives"] == "native":
@@ -173,6 +177,12 @@ HYBRID = [
 ]
 
 
+def _reduces(key: str) -> bool:
+    """A recorded ``method:function`` that implements a reduce-scatter."""
+    method, function = key.split(":")
+    return method == "reduce_scatter_sum" or (method == "_shard_by_shard" and function == "reduce")
+
+
 def test_hybrid_sharding_keeps_shard_traffic_inside_groups() -> None:
     """4 ranks as 2 groups of 2: reduce-scatters and gathers run in the shard group, only
     all-reduces of a shard in the replica group, agreements on the control group."""
@@ -189,6 +199,8 @@ def test_hybrid_sharding_keeps_shard_traffic_inside_groups() -> None:
                 assert roles == ["data", "replica_group"], (case, key, roles)
             elif method in ("barrier", "broadcast"):
                 assert roles == ["data"], (case, key, roles)
+            elif case["stage"] == 3 and _reduces(key):
+                assert roles == ["reduce_group"], (case, key, roles)
             else:
                 assert roles == ["shard_group"], (case, key, roles)
         assert calls.get("all_reduce_sum:all_reduce") == ["data", "replica_group"], calls

@@ -70,6 +70,10 @@ class Pending(NamedTuple):
     def launch_rest(self) -> None:
         """Everything is launched already (see `TwoPhase`)."""
 
+    def done(self) -> bool:
+        """Completed, without waiting."""
+        return all(work.is_completed() for work in self.works)
+
 
 class TwoPhase:
     """A collective whose second phase needs the first one's result (hybrid sharding: the
@@ -94,6 +98,10 @@ class TwoPhase:
         if self.second is None and all(work.is_completed() for work in self.first.works):
             self._start_second()
         return self.second is not None
+
+    def done(self) -> bool:
+        """Both phases completed, without waiting (starts the second if the first has)."""
+        return self.advance() and self.second is not None and self.second.done()
 
     def launch_rest(self) -> None:
         """Launch the second phase now, waiting for the first if it has not completed."""

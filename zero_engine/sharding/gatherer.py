@@ -92,7 +92,10 @@ class ParamGatherer(NoGather):
         )
         self.reducer: GradReducer | None = None
         self._served: set[int] = set()  # gathered only because other ranks wanted them
-        self._ran: set[int] = set()  # units whose modules ran forward since the last backward
+        # Units whose modules ran in the forwards since the first after the last backward: a
+        # backward (or several, of forwards run before any of them) can give gradients to these only.
+        self._ran: set[int] = set()
+        self._backward_ended = False
         self._order: list[int] = []  # this forward's units, in first-use order
         self._recorded: list[int] = []  # the last complete forward's order, for prefetching
         self.peak_forward_bytes = 0
@@ -116,16 +119,14 @@ class ParamGatherer(NoGather):
         self.reducer = reducer
         self.schedule.reductions = reducer
 
-    def may_wait_for_reduction(self, index: int) -> bool:
+    def may_wait_for_reduction(self, index: int) -> bool | None:
         """Whether every rank has launched the reduction of the reducer's unit ``index`` (said
         so in its rows), so that waiting for it cannot wait for a rank that is waiting for
-        this one. Reads the rounds issued so far first, waiting for the other ranks' rows
-        unless a gather is queued (that wait would launch a prefetch early). No: the reducer
-        holds one more bucket instead."""
+        this one; None while rounds that may say so are in flight (see
+        `CollectiveSchedule.launched_everywhere`)."""
         if self._diverged:
             return False
-        self.schedule.read_for_reductions()
-        return self.schedule.agreed_ready > index
+        return self.schedule.launched_everywhere(index)
 
     @property
     def _diverged(self) -> bool:
@@ -144,6 +145,8 @@ class ParamGatherer(NoGather):
             if any(unit.has_full_storage for unit in self.units):
                 self._release_all()  # a backward raised half-way, or no backward came
             self.schedule.begin_pass(PassKind.FORWARD)
+            if self._backward_ended:
+                self._ran, self._backward_ended = set(), False
             self._order = []
             self.peak_forward_bytes = self._live_bytes()
 
@@ -175,7 +178,7 @@ class ParamGatherer(NoGather):
         """Before the reducer's end: the last rounds launch the reductions still waiting."""
         for holds in self._holds:
             holds.backward = False
-        self._ran = set()
+        self._backward_ended = True
         self._end_pass()
         self._propose_next_pass(backward_follows=False)
 

@@ -28,6 +28,7 @@ Two ways to hold gradients, one class each:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -83,7 +84,7 @@ class GradReducer:
         lifecycle: Lifecycle | None = None,
         on_unit_complete: Callable[[FlatUnit], None] | None = None,
         on_unarmed_grad: Callable[[], None] | None = None,
-        may_wait_for: Callable[[int], bool] | None = None,
+        may_wait_for: Callable[[int], bool | None] | None = None,
     ) -> None:
         self.units = list(units)
         self.lifecycle = lifecycle or Lifecycle()  # REDUCING or ACCUMULATING while a backward runs
@@ -104,7 +105,7 @@ class GradReducer:
         # outside the model's forward): the engine arms the backward then.
         self.on_unarmed_grad = on_unarmed_grad
         # Asked before a backward waits for a unit's reduction to make room for a bucket
-        # (stage 3: whether every rank has launched it); None: always.
+        # (stage 3: whether every rank has launched it; None: not known yet); None: always.
         self.may_wait_for = may_wait_for
         self._settled: set[int] = set()  # units that get no gradient here this backward
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
@@ -361,10 +362,8 @@ class ShardedGradReducer(GradReducer):
         param.grad = None  # the full gradient lives only in the bucket now
 
     def _acquire(self, unit: FlatUnit) -> _Bucket:
-        if self._num_live >= self.max_live_buckets and self._in_flight:
-            oldest = self._index[id(self._in_flight[0][0])]
-            if self.may_wait_for is None or self.may_wait_for(oldest):
-                self._complete_oldest()
+        if self._num_live >= self.max_live_buckets and self._in_flight and self._may_wait_for_oldest():
+            self._complete_oldest()
         if self._free:
             storage = self._free.pop()
         else:
@@ -407,6 +406,22 @@ class ShardedGradReducer(GradReducer):
             return self.comm.all_reduce_across_groups(shard)
 
         return TwoPhase(inside, across_groups, start_now=self.comm.orders_on_device), True
+
+    def _may_wait_for_oldest(self) -> bool:
+        """Whether waiting for the oldest reduction in flight is safe: it completed already, or
+        every rank has launched it. Until one of them is known, check both again (briefly
+        sleeping: the other ranks share the cores); if neither can be, hold one more bucket."""
+        unit, _, pending, _ = self._in_flight[0]
+        if self.may_wait_for is None:
+            return True
+        index = self._index[id(unit)]
+        while True:
+            if pending.done():
+                return True
+            verdict = self.may_wait_for(index)
+            if verdict is not None:
+                return verdict
+            time.sleep(20e-6)
 
     def launch_second_phases(self, stop: int) -> None:
         for unit, _, pending, _ in self._in_flight:

@@ -129,16 +129,21 @@ class CollectiveSchedule:
         of ``unit`` is agreed and not launched here yet."""
         return any(round_.want == unit for round_ in self._rounds) or self._queued(unit)
 
-    def read_for_reductions(self) -> None:
-        """Read the rounds this rank has issued (for `agreed_ready`), waiting for the other
-        ranks' rows where needed, but only while no agreed gather is queued: waiting would
-        first launch it, a prefetch earlier than planned (one more gathered unit alive)."""
-        while self._rounds:
-            if not self._rounds[0].agreement.arrived():
-                if self._events:
-                    break
-                self.reductions.launch_second_phases(self.agreed_ready)  # before blocking, as in `_read_all`
+    def launched_everywhere(self, reduction: int) -> bool | None:
+        """Whether the rows say every rank has launched ``reduction`` (in the reducer's order),
+        reading the rounds that have arrived. None while rounds this rank issued are still in
+        flight and may say so; the caller may keep asking, which is waiting for a round, so
+        only while no agreed gather is queued (waiting would first launch it: a prefetch
+        earlier than planned) and with the cross-group phases launched, as before any wait
+        for a round. False when this rank cannot learn more now."""
+        while self._rounds and self._rounds[0].agreement.arrived():
             self._read_next()
+        if self.agreed_ready > reduction:
+            return True
+        if not self._rounds or self._events:
+            return False
+        self.reductions.launch_second_phases(self.agreed_ready)
+        return None
 
     def need(self, unit: int) -> None:
         """Launch the gather of ``unit`` (and every gather queued before it), agreeing on it
