@@ -4,7 +4,7 @@
 
 A mixture-of-experts model (hash routing: expert = token id % experts; a block skips an expert
 that gets no tokens, as Hugging Face's older Mixtral loop does) trains at stage 3 on two kinds
-of batch, alternating step by step on one engine:
+of batch, one engine (a copy of the same model) each, their steps alternating:
 
 - ``balanced``: every rank routes tokens to every expert, so all ranks run the same modules;
 - ``skewed``: rank r's batch has no token for expert r (mod experts), so on every rank some
@@ -95,19 +95,21 @@ def main() -> None:
     parser.add_argument("--out", default="bench_moe.json")
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    model = MoEModel(args.vocab, args.dim, args.layers, args.experts)
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, "stage3_wrap_modules": ["Expert", "MoEBlock"]},
     }
-    engine = zero_engine.initialize(model, config)
-    rank = engine.comm.rank
+    engines = {}
+    for kind in ("balanced", "skewed"):  # each its own engine: its prefetch follows its own routing
+        torch.manual_seed(0)
+        engines[kind] = zero_engine.initialize(MoEModel(args.vocab, args.dim, args.layers, args.experts), config)
+    rank = engines["balanced"].comm.rank
     times: dict[str, list[float]] = {"balanced": [], "skewed": []}
     sent: dict[str, dict[str, int]] = {}
     for step in range(args.warmup + args.steps):
         for kind in ("balanced", "skewed") if step % 2 else ("skewed", "balanced"):
+            engine = engines[kind]
             tokens, targets = batch(kind, step, rank, args)
             dist.barrier()
             started = time.perf_counter()
@@ -121,7 +123,7 @@ def main() -> None:
     medians = {kind: statistics.median(values) for kind, values in times.items()}
     result = {
         "args": vars(args),
-        "world_size": engine.comm.world_size,
+        "world_size": engines["balanced"].comm.world_size,
         "median_step_s": medians,
         "skewed_over_balanced": medians["skewed"] / medians["balanced"],
         "bytes_sent_per_step": sent,
@@ -130,7 +132,8 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         with open(args.out, "w") as handle:
             json.dump(result, handle, indent=2)
-    engine.close()
+    for engine in engines.values():
+        engine.close()
 
 
 if __name__ == "__main__":

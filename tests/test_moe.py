@@ -111,7 +111,7 @@ def _check(results: list[list[dict]], world_size: int) -> None:
                 diff = (result["state"][name].float() - value.float()).abs().max().item()
                 assert diff <= tol, (case, name, diff)
         moved = max((reference[n] - make_moe(case["form"]).state_dict()[n]).abs().max().item() for n in reference)
-        assert moved > 50 * tol, case  # training moved the parameters far beyond the tolerance
+        assert moved > 20 * tol, case  # training moved the parameters far beyond the tolerance
 
 
 def _one_process_engine(case: dict, world_size: int) -> dict[str, torch.Tensor]:

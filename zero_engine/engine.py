@@ -203,7 +203,7 @@ class Engine:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        self.gatherer.end_backward()  # first: at stage 3 its last rounds launch the remaining reductions
+        self.gatherer.end_backward()  # first: other ranks may need its drain rows to end their backward
         self.reducer.post_backward()
         self._backwards_in_micro_step += 1
         self._unscaled_backwards += 0 if self._scaling_backward else 1  # still inside engine.backward if scaled

@@ -144,20 +144,14 @@ class GradReducer:
         run on this rank), so they count as ready: the ranks that did run them need not wait
         for the end of backward to reduce them."""
         self._settled.update(self._index[id(unit)] for unit in units if id(unit) in self._index)
+        if self.overlap and self.lifecycle.state is TrainingState.REDUCING:
+            self._launch_ready_units()  # the first units may be settled ones: launched now, with zeros
 
     def ready_units(self) -> int:
-        """How many units, in launch order, are launched here (or ready to be): all of their
-        parameters have their gradient, or none will come. 0 outside a reducing backward, and
-        until its end without ``overlap``."""
-        if self.lifecycle.state is not TrainingState.REDUCING or not self.overlap:
-            return 0
-        stop = self._next_unit
-        while stop < len(self.units) and self._ready(stop):
-            stop += 1
-        return stop
-
-    def _ready(self, index: int) -> bool:
-        return self._arrived[index] == len(self.units[index].params) or index in self._settled
+        """How many units, in launch order, have their reduction launched in this backward
+        (0 outside a reducing backward). A unit is launched as soon as it and every unit
+        before it are ready, so other ranks may wait for these."""
+        return self._next_unit if self.lifecycle.state is TrainingState.REDUCING else 0
 
     def disarm(self) -> None:
         """Forget a backward that raised half-way (its end never came); the next one starts anew."""
@@ -168,13 +162,18 @@ class GradReducer:
         reducing = self.lifecycle.state is TrainingState.REDUCING
         self.lifecycle.end_backward()
         if reducing:
-            self.launch_until(len(self.units))
+            self._launch_until(len(self.units))
             self._finish()
 
     def _launch_ready_units(self) -> None:
-        self.launch_until(self.ready_units())
+        stop = self._next_unit
+        while stop < len(self.units) and (
+            self._arrived[stop] == len(self.units[stop].params) or stop in self._settled
+        ):
+            stop += 1
+        self._launch_until(stop)
 
-    def launch_until(self, stop: int) -> None:
+    def _launch_until(self, stop: int) -> None:
         """Launch the reductions of every unit before ``stop`` not launched yet, in order."""
         while self._next_unit < stop:
             self._launch(self._next_unit)
