@@ -92,8 +92,8 @@ class ParamGatherer(NoGather):
         )
         self.reducer: GradReducer | None = None
         self._served: set[int] = set()  # gathered only because other ranks wanted them
-        # Units whose modules ran in the forwards since the first after the last backward: a
-        # backward (or several, of forwards run before any of them) can give gradients to these only.
+        # Units whose modules ran in a forward since the last backward ended: only these can
+        # get gradients in the backwards that follow (several may, of forwards run before them).
         self._ran: set[int] = set()
         self._backward_ended = False
         self._order: list[int] = []  # this forward's units, in first-use order
@@ -114,8 +114,8 @@ class ParamGatherer(NoGather):
     # -- a whole forward ---------------------------------------------------------------------
 
     def attach_reducer(self, reducer: GradReducer) -> None:
-        """The rows report ``reducer``'s ready units; units whose modules did not run are
-        settled with it at the start of each backward."""
+        """The rows report how many of ``reducer``'s reductions were launched; units whose
+        modules did not run are settled with it at the start of each backward."""
         self.reducer = reducer
         self.schedule.reductions = reducer
 
