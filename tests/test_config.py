@@ -226,3 +226,29 @@ def test_shard_group_size_resolves_and_names_what_is_wrong(tmp_path: Path, capsy
     assert float(out.split("total")[1].split()[0]) == pytest.approx(9e9 / 2**30, abs=1e-3)
     assert "groups of 2, 4 replicas" in out
     assert cli_main(["estimate", str(config), "--params", "1e9", "--world-size", "8", "--shard-group-size", "3"]) == 1
+
+
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path: Path) -> None:
+    # PyYAML and json keep the last value silently: a second zero_optimization block turned
+    # stage 3 into stage 1.
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("zero_optimization:\n  stage: 3\noptimizer:\n  type: AdamW\nzero_optimization:\n  stage: 1\n")
+    assert f"{twice}:5: key 'zero_optimization' given twice in one mapping (first on line 1)" in _error(twice)
+    nested = tmp_path / "nested.yml"
+    nested.write_text("zero_optimization:\n  stage: 3\n  stage: 1\n")
+    assert f"{nested}:3: key 'stage' given twice" in _error(nested)
+    as_json = tmp_path / "twice.json"
+    as_json.write_text('{"zero_optimization": {"stage": 3, "stage": 1}}')
+    assert f"{as_json}: key 'stage' given twice in one object" in _error(as_json)
+    # YAML merge keys may still be overridden: that is not a key given twice.
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("zero_optimization:\n  <<: {stage: 2, overlap_comm: false}\n  stage: 3\n")
+    zero = load_config(merged).zero_optimization
+    assert (zero.stage, zero.overlap_comm) == (3, False)
+
+
+def test_an_empty_config_file_is_refused(tmp_path: Path) -> None:
+    for text in ("", "# only a comment\n\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        assert f"{empty}: the config file is empty" in _error(empty)

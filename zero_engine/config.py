@@ -407,12 +407,48 @@ def _read_file(path: Path) -> Any:
     text = path.read_text()
     try:
         if path.suffix in (".yaml", ".yml"):
-            return yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+            if data is None:
+                raise ConfigError(f"{path}: the config file is empty (nothing but comments or blank lines)")
+            return data
         if path.suffix == ".json":
-            return json.loads(text)
+            return json.loads(text, object_pairs_hook=_unique_pairs)
+    except _DuplicateKey as err:
+        raise ConfigError(f"{path}:{err}") from None
     except (yaml.YAMLError, json.JSONDecodeError) as err:
         raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {err}") from None
     raise ConfigError(f"{path}: unknown config suffix {path.suffix!r}; use .yaml, .yml or .json")
+
+
+class _DuplicateKey(ValueError):
+    """A key given twice in one mapping: YAML and JSON parsers keep the last one silently (a
+    second ``zero_optimization:`` block turned stage 3 into stage 1)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor``: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise _DuplicateKey(f"{line}: key {key!r} given twice in one mapping (first on line {first_line[key]})")
+            first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: one object's keys, refusing a key given twice."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(f" key {key!r} given twice in one object")
+        result[key] = value
+    return result
 
 
 def _format_errors(err: ValidationError, origin: str) -> str:
