@@ -175,7 +175,8 @@ class ParamGatherer(NoGather):
             self.reducer.settle([unit for index, unit in enumerate(self.units) if index not in self._ran])
 
     def end_backward(self) -> None:
-        """Before the reducer's end: the last rounds launch the reductions still waiting."""
+        """Before the reducer's end: other ranks may need this rank's drain rows to end their
+        backward and launch the reductions this rank will wait for."""
         for holds in self._holds:
             holds.backward = False
         self._backward_ended = True
@@ -229,7 +230,7 @@ class ParamGatherer(NoGather):
                 self._holds[index].backward = True
                 self._ensure_gathered(index)
         if not self._prefetch_after(needs, self._recorded[::-1]):
-            self.schedule.issue(NO_UNIT)  # still tell the ranks which reductions are ready here
+            self.schedule.issue(NO_UNIT)  # still tell the ranks which reductions are launched here
 
     # -- gathering -------------------------------------------------------------------------------
 

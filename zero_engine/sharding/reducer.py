@@ -11,9 +11,10 @@ on this rank) are launched then, in order, and everything is awaited.
 At stage 3 the reductions run on a group of their own (`zero_engine.comm.Comm.reduce_group`):
 the all-gathers launch in an order the ranks agree on, which cannot interleave alike with
 these on every rank when ranks differ in which parameters got gradients. A backward then may
-wait for a reduction only once every rank has said it is ready (`may_wait_for`, from the rows
-the stage 3 schedule exchanges, `zero_engine.sharding.schedule`): a rank where a parameter got
-no gradient launches it only after its backward, and may be waiting for this rank meanwhile.
+wait for a reduction only once it completed or every rank has said it launched it
+(`may_wait_for`, from the rows the stage 3 schedule exchanges, `zero_engine.sharding.schedule`):
+a rank where a parameter got no gradient launches it only after its backward, and may be
+waiting for this rank meanwhile.
 
 Two ways to hold gradients, one class each:
 

@@ -136,8 +136,7 @@ class CollectiveSchedule:
         only while no agreed gather is queued (waiting would first launch it: a prefetch
         earlier than planned) and with the cross-group phases launched, as before any wait
         for a round. False when this rank cannot learn more now."""
-        while self._rounds and self._rounds[0].agreement.arrived():
-            self._read_next()
+        self._read_arrived()
         if self.agreed_ready > reduction:
             return True
         if not self._rounds or self._events:
@@ -148,8 +147,7 @@ class CollectiveSchedule:
     def need(self, unit: int) -> None:
         """Launch the gather of ``unit`` (and every gather queued before it), agreeing on it
         first if no round has yet."""
-        while self._rounds and self._rounds[0].agreement.arrived():
-            self._read_next()
+        self._read_arrived()
         if not self._queued(unit):
             self._read_all()  # may launch ``unit`` already: everything is launched before a wait
             if self.is_gathered(unit):
@@ -176,6 +174,11 @@ class CollectiveSchedule:
 
     def _queued(self, unit: int) -> bool:
         return any(event.index == unit for event in self._events)
+
+    def _read_arrived(self) -> None:
+        """Read the rounds every rank has sent already, in order, without waiting."""
+        while self._rounds and self._rounds[0].agreement.arrived():
+            self._read_next()
 
     def _read_all(self) -> list[list[int]]:
         """Read every round issued here, in order (waiting for the other ranks where needed),

@@ -71,7 +71,7 @@ def build_reducer(
     lifecycle: Lifecycle,
     on_unit_complete: Callable[[FlatUnit], None],
     on_unarmed_grad: Callable[[], None],
-    may_wait_for: Callable[[int], bool],
+    may_wait_for: Callable[[int], bool | None],
 ) -> GradReducer:
     callbacks = {
         "lifecycle": lifecycle, "on_unit_complete": on_unit_complete, "on_unarmed_grad": on_unarmed_grad,
