@@ -366,8 +366,22 @@ def test_unreadable_weights_fail_naming_the_file(tmp_path: Path) -> None:
     save_file({"w": torch.ones(64)}, str(tmp_path / "cut.safetensors"))
     data = (tmp_path / "cut.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[:-8])
-    with pytest.raises(CheckpointError, match=r"cut.safetensors: tensor 'w' ends past the end of the file"):
+    with pytest.raises(CheckpointError, match=r"cut.safetensors: the tensors take 256 data bytes, the file holds 248"):
         open_weights(tmp_path / "cut.safetensors")
+    # Headers that point outside the data, or into another tensor's bytes, as the reference
+    # loader refuses them (a negative start read header bytes as weights).
+    for name, offsets, match in [
+        ("negative", {"a": [-8, 248], "b": [248, 256]}, "data_offsets that are not two non-negative"),
+        ("overlap", {"a": [0, 128], "b": [64, 192]}, r"tensor 'b' at bytes \[64, 192\) overlaps"),
+        ("gap", {"a": [0, 64], "b": [128, 192]}, r"tensor 'b' at bytes \[128, 192\) leaves a gap"),
+    ]:
+        header = {key: {"dtype": "F32", "shape": [(end - begin) // 4], "data_offsets": [begin, end]}
+                  for key, (begin, end) in offsets.items()}
+        encoded = json.dumps(header).encode()
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + bytes(max(e for _, e in offsets.values())))
+        with pytest.raises(CheckpointError, match=f"{name}.safetensors: .*{match}"):
+            open_weights(path)
     (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(CheckpointError, match="junk.safetensors: not a safetensors file"):
         open_weights(tmp_path / "junk.safetensors")

@@ -71,13 +71,48 @@ def _read_header(fd: int, path: Path) -> tuple[dict[str, dict[str, Any]], int]:
         header = json.loads(os.pread(fd, length, 8))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (the header is not a JSON object)")
     header.pop("__metadata__", None)
     data_start = 8 + length
     for name, entry in header.items():
-        dtype = DTYPES.get(entry.get("dtype"))
-        begin, end = entry.get("data_offsets", (0, -1))
-        if dtype is None or end - begin != math.prod(entry.get("shape", [])) * dtype.itemsize:
-            raise CheckpointError(f"{path}: tensor {name!r} has a dtype or byte range this reader cannot take: {entry}")
-        if data_start + end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} ends past the end of the file (truncated?)")
+        _check_entry(path, name, entry)
+    _check_ranges_tile(path, header, size - data_start)
     return header, data_start
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_entry(path: Path, name: str, entry: Any) -> None:
+    """A known dtype, a shape of non-negative integers, and a byte range ``[begin, end)`` of
+    exactly the bytes that shape and dtype take."""
+    problem = None
+    if not isinstance(entry, dict) or DTYPES.get(entry.get("dtype")) is None:
+        problem = "an unknown dtype"
+    elif not isinstance(entry.get("shape"), list) or not all(_is_count(d) for d in entry["shape"]):
+        problem = "a shape that is not a list of non-negative integers"
+    else:
+        offsets = entry.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+            problem = "data_offsets that are not two non-negative integers"
+        elif offsets[1] - offsets[0] != math.prod(entry["shape"]) * DTYPES[entry["dtype"]].itemsize:
+            problem = "a byte range that does not hold its shape and dtype"
+    if problem:
+        raise CheckpointError(f"{path}: tensor {name!r} has {problem}: {entry}")
+
+
+def _check_ranges_tile(path: Path, header: dict[str, dict[str, Any]], data_bytes: int) -> None:
+    """As the reference loader checks: the tensors' byte ranges, in order, follow one another
+    from the start of the data to its end, so none overlaps another or the header."""
+    position = 0
+    for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        begin, end = entry["data_offsets"]
+        if begin != position:
+            what = "overlaps the tensor before it" if begin < position else "leaves a gap before it"
+            raise CheckpointError(f"{path}: tensor {name!r} at bytes [{begin}, {end}) {what} (ends at {position})")
+        position = end
+    if position != data_bytes:
+        cause = "truncated?" if position > data_bytes else "trailing bytes no tensor claims"
+        raise CheckpointError(f"{path}: the tensors take {position} data bytes, the file holds {data_bytes} ({cause})")
