@@ -17,6 +17,15 @@ from .errors import ConfigError
 from .features import unbuilt_features
 from .memory import estimate_from_config
 from .state.checkpoint import load_consolidated, write_state_dict
+from .values import as_count
+
+
+def _positive_count(text: str) -> int:
+    """An argument that counts something: a positive integer, ``7e9`` included."""
+    count = as_count(text)
+    if count is None or count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return count
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -42,7 +51,7 @@ def _estimate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         group = args.shard_group_size or config.zero_optimization.shard_group_size_for(args.world_size)
-        report = estimate_from_config(config, int(float(args.params)), args.world_size, group)
+        report = estimate_from_config(config, args.params, args.world_size, group)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -52,7 +61,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if group < args.world_size:
         sharding = f" (sharded over groups of {group}, {args.world_size // group} replicas)"
     print(f"stage {zero.stage}, {dtype}, {config.optimizer.type}, {args.world_size} rank(s){sharding}, "
-          f"{int(float(args.params)):,} trainable parameters; per rank, without padding and activations:")
+          f"{args.params:,} trainable parameters; per rank, without padding and activations:")
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
     total = report.parameters + report.gradients + report.optimizer_states + report.master_parameters
@@ -80,14 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     validate = verbs.add_parser("validate", help="check a config and print it resolved")
     validate.add_argument("config", help="a .yaml, .yml or .json config file")
-    validate.add_argument("--world-size", type=int, default=1, help="ranks to resolve the batch sizes for")
+    validate.add_argument("--world-size", type=_positive_count, default=1, help="ranks to resolve the batch sizes for")
     validate.set_defaults(run=_validate)
     estimate = verbs.add_parser("estimate", help="per-rank model-state memory by the ZeRO formula")
     estimate.add_argument("config", help="a .yaml, .yml or .json config file")
-    estimate.add_argument("--params", required=True, help="trainable parameters, e.g. 7e9")
-    estimate.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    estimate.add_argument("--params", required=True, type=_positive_count, help="trainable parameters, e.g. 7e9")
+    estimate.add_argument("--world-size", type=_positive_count, default=1, help="data-parallel ranks")
     estimate.add_argument(
-        "--shard-group-size", type=int, help="ranks per shard group (hybrid sharding); default: the config's"
+        "--shard-group-size", type=_positive_count, help="ranks per shard group (hybrid sharding); default: the config's"
     )
     estimate.set_defaults(run=_estimate)
     consolidate = verbs.add_parser("consolidate", help="turn a checkpoint into a plain state_dict file")

@@ -29,11 +29,13 @@ from pydantic import (
 )
 
 from .errors import ConfigError, suggest
-from .schedules import scheduler_class
+from .schedules import check_schedule_param, check_schedule_params, scheduler_class
+from .values import check_value_type
 
 
 def _parse_count(value: Any) -> Any:
     """Accept DeepSpeed's float-style counts (``5e8`` in JSON, ``"5e8"`` in YAML 1.1)."""
+    _not_boolean(value)
     if isinstance(value, str):
         try:
             value = float(value)
@@ -44,12 +46,23 @@ def _parse_count(value: Any) -> Any:
     return value
 
 
+def _not_boolean(value: Any) -> Any:
+    """YAML reads ``yes``/``on``/``true`` as booleans, and pydantic would take them as 1."""
+    if isinstance(value, bool):
+        raise ValueError("a number is expected, not a boolean")
+    return value
+
+
 Count = Annotated[int, BeforeValidator(_parse_count), Field(ge=0)]
 PositiveCount = Annotated[int, BeforeValidator(_parse_count), Field(ge=1)]
+Integer = Annotated[int, BeforeValidator(_not_boolean)]
+Real = Annotated[float, BeforeValidator(_not_boolean)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Infinity and NaN are refused in every number (an infinite timeout overflowed at
+    # initialize, an infinite static loss scale skipped every step).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class OptimizerConfig(_Section):
@@ -68,12 +81,12 @@ class SchedulerConfig(_Section):
 class FP16Config(_Section):
     enabled: bool = Field(False, description="Compute in float16 with fp32 master weights.")
     auto_cast: bool = Field(False, description="DeepSpeed's autocast switch; accepted for compatibility.")
-    loss_scale: float = Field(0.0, ge=0, description="0 = dynamic loss scaling; any other value a static scale.")
-    initial_scale_power: int = Field(16, ge=0, le=64, description="Dynamic scaling starts at 2**this.")
+    loss_scale: Real = Field(0.0, ge=0, description="0 = dynamic loss scaling; any other value a static scale.")
+    initial_scale_power: Integer = Field(16, ge=0, le=64, description="Dynamic scaling starts at 2**this.")
     loss_scale_window: PositiveCount = Field(1000, description="Clean steps before the scale grows.")
     hysteresis: PositiveCount = Field(2, description="Overflows tolerated before the scale drops.")
     consecutive_hysteresis: bool = Field(False, description="Refill hysteresis on every clean step.")
-    min_loss_scale: float = Field(1.0, gt=0, description="The dynamic scale never drops below this.")
+    min_loss_scale: Real = Field(1.0, gt=0, description="The dynamic scale never drops below this.")
 
 
 class BF16Config(_Section):
@@ -86,11 +99,11 @@ class OffloadConfig(_Section):
     nvme_path: str | None = Field(None, description="NVMe directory for 'nvme' offload.")
     buffer_count: PositiveCount = Field(4, description="Offload buffers in flight.")
     fast_init: bool = Field(False, description="DeepSpeed's fast-init switch; accepted for compatibility.")
-    ratio: float = Field(1.0, ge=0, le=1, description="Fraction of the optimizer offloaded.")
+    ratio: Real = Field(1.0, ge=0, le=1, description="Fraction of the optimizer offloaded.")
 
 
 class ZeroOptimizationConfig(_Section):
-    stage: int = Field(0, ge=0, le=3, description="0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters.")
+    stage: Integer = Field(0, ge=0, le=3, description="0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters.")
     overlap_comm: bool = Field(True, description="Launch gradient reductions during backward, bucket by bucket.")
     contiguous_gradients: bool = Field(True, description="Gradients live in one flat buffer (always true here).")
     reduce_scatter: bool = Field(True, description="DeepSpeed option; stages 1-2 always reduce-scatter (fastest primitive per backend).")
@@ -147,7 +160,7 @@ class ZeroOptimizationConfig(_Section):
         "group only. Must divide the world size. unset: one group of every rank; 'auto': LOCAL_WORLD_SIZE (the "
         "ranks torchrun starts per node). FSDP's HYBRID_SHARD / a 2-D (replicate, shard) device mesh.",
     )
-    mics_shard_size: int = Field(
+    mics_shard_size: Integer = Field(
         -1, ge=-1, description="DeepSpeed MiCS's name for shard_group_size; -1: unset."
     )
     ignore_unused_parameters: bool = Field(True, description="DeepSpeed option; parameters without gradients are always allowed.")
@@ -175,7 +188,7 @@ class ZeroOptimizationConfig(_Section):
 
 class CommConfig(_Section):
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
-    timeout_s: float = Field(1800.0, gt=0, description="Seconds before a collective that never completes fails.")
+    timeout_s: Real = Field(1800.0, gt=0, description="Seconds before a collective that never completes fails.")
     primitives: Literal["auto", "native", "per_shard"] = Field(
         "auto",
         description="How reduce-scatter and all-gather run. native: reduce_scatter_tensor / all_gather_into_tensor; "
@@ -204,7 +217,7 @@ class ZeroEngineConfig(_Section):
     gradient_accumulation_steps: PositiveCount | None = Field(None, description="Micro-steps per optimizer step.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="The torch optimizer.")
     scheduler: SchedulerConfig | None = Field(None, description="The learning-rate schedule.")
-    gradient_clipping: float = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 = off.")
+    gradient_clipping: Real = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 = off.")
     fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
@@ -285,6 +298,8 @@ def resolve_batch_sizes(total: int | None, micro: int | None, accum: int | None,
 _ENGINE_OWNED_OPTIMIZER_ARGS = {"params", "self"}
 _NON_NEGATIVE = {"lr", "weight_decay", "momentum", "dampening", "lr_decay", "alpha", "lambd", "momentum_decay"}
 _POSITIVE = {"eps"}
+# Switches whose default is None (the implementation picks): true, false or null.
+_OPTIONAL_FLAGS = {"foreach", "fused", "capturable", "differentiable", "maximize"}
 
 
 def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
@@ -307,13 +322,18 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
 def check_optimizer(section: OptimizerConfig) -> None:
     cls = optimizer_class(section.type)
-    accepted = [k for k in inspect.signature(cls.__init__).parameters if k not in _ENGINE_OWNED_OPTIMIZER_ARGS]
+    signature = inspect.signature(cls.__init__).parameters
+    accepted = [k for k in signature if k not in _ENGINE_OWNED_OPTIMIZER_ARGS]
     for key, value in section.params.items():
         path = f"optimizer.params.{key}"
         if key not in accepted:
             raise ValueError(
                 f"{path} = {value!r}: {cls.__name__} takes no keyword {key!r}{suggest(key, accepted)}"
             )
+        default = signature[key].default
+        if isinstance(default, int) and not isinstance(default, bool):
+            default = float(default)  # an optimizer's numbers are real (momentum=0 takes 0.9)
+        section.params[key] = check_value_type(path, value, default, flag=key in _OPTIONAL_FLAGS)
         if key in _NON_NEGATIVE | _POSITIVE:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{path} = {value!r}: must be a finite number")
@@ -329,7 +349,9 @@ def check_optimizer(section: OptimizerConfig) -> None:
 
 
 def check_scheduler(section: SchedulerConfig) -> None:
-    """The scheduler exists and takes these keywords (the optimizer is supplied by the engine)."""
+    """The scheduler exists and takes these keywords (the optimizer is supplied by the engine),
+    each of the right kind and range; counts written as ``1e4`` (a string in YAML) become
+    integers. `zero_engine.schedules.dry_run` then runs it at `initialize`."""
     cls = scheduler_class(section.type)
     signature = inspect.signature(cls.__init__).parameters
     accepted = [k for k in signature if k not in ("self", "optimizer")]
@@ -337,10 +359,11 @@ def check_scheduler(section: SchedulerConfig) -> None:
         if signature[key].default is inspect.Parameter.empty and key not in section.params:
             raise ValueError(f"scheduler.params.{key}: required by {cls.__name__}")
     for key, value in section.params.items():
+        path = f"scheduler.params.{key}"
         if key not in accepted:
-            raise ValueError(
-                f"scheduler.params.{key} = {value!r}: {cls.__name__} takes no keyword {key!r}{suggest(key, accepted)}"
-            )
+            raise ValueError(f"{path} = {value!r}: {cls.__name__} takes no keyword {key!r}{suggest(key, accepted)}")
+        section.params[key] = check_schedule_param(path, key, value, signature[key].default)
+    check_schedule_params(cls.__name__, section.params)
 
 
 # ---------------------------------------------------------------------------------------------

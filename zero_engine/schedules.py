@@ -18,12 +18,14 @@ far, starting at 0) from their documented formulas:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from .errors import suggest
+from .errors import ConfigError, suggest
+from .values import as_count, check_value_type, is_finite_number
 
 
 class _DeepSpeedSchedule:
@@ -164,3 +166,73 @@ def scheduler_class(name: str) -> type:
 
 def build_scheduler(section: Any, optimizer: torch.optim.Optimizer) -> Any:
     return scheduler_class(section.type)(optimizer, **section.params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks: at load (kinds and ranges of the parameters) and at initialize (a dry run).
+
+_COUNTS = {"warmup_num_steps", "total_num_steps"}
+_RATES = {"warmup_min_lr", "warmup_max_lr"}  # a number, or one per param group
+_RATIOS = {"warmup_min_ratio", "cos_min_ratio"}
+DRY_RUN_STEPS = 1000
+
+
+def check_schedule_param(path: str, key: str, value: Any, default: Any) -> Any:
+    """One keyword of a schedule, of the kind its default has (DeepSpeed's by name); returns
+    it, counts as integers."""
+    if key in _COUNTS:
+        count = as_count(value)
+        if count is None or count < (1 if key == "total_num_steps" else 0):
+            least = "a positive" if key == "total_num_steps" else "a non-negative"
+            raise ValueError(f"{path} = {value!r}: must be {least} integer")
+        return count
+    if key in _RATES:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not values or not all(is_finite_number(v) and v >= 0 for v in values):
+            raise ValueError(f"{path} = {value!r}: must be a non-negative number, or a list of them (one per group)")
+        return value
+    if key in _RATIOS:
+        if not (is_finite_number(value) and 0 <= value <= 1):
+            raise ValueError(f"{path} = {value!r}: must be a number in [0, 1]")
+        return value
+    if key == "warmup_type" and value not in ("log", "linear"):
+        raise ValueError(f"{path} = {value!r}: must be 'log' or 'linear'")
+    return check_value_type(path, value, default)
+
+
+def check_schedule_params(name: str, params: dict[str, Any]) -> None:
+    """What one keyword alone cannot say: a decay must end after its warm-up (else the rate is 0
+    for ever, or alternates)."""
+    if name in ("WarmupDecayLR", "WarmupCosineLR"):
+        total, warmup = params["total_num_steps"], params.get("warmup_num_steps", 1000)
+        if total <= warmup:
+            raise ValueError(
+                f"scheduler.params.total_num_steps = {total} must exceed warmup_num_steps = {warmup}"
+                f"{'' if 'warmup_num_steps' in params else ' (the default)'}: the decay runs between them"
+            )
+
+
+def dry_run(section: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Run the schedule ahead on a stand-in optimizer with the same groups: a rate that is not a
+    finite non-negative number, or an error from the schedule (``StepLR`` with ``step_size`` 0
+    divides by zero at its first step), fails `initialize` naming the schedule, not step 1000."""
+    stand_in = torch.optim.SGD([{"params": [torch.zeros(1)], "lr": g["lr"]} for g in optimizer.param_groups])
+    label = f"scheduler {section.type} with params {section.params}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            schedule = build_scheduler(section, stand_in)
+            for step in range(DRY_RUN_STEPS):
+                _check_rates(label, step, [group["lr"] for group in stand_in.param_groups])
+                stand_in.step()
+                schedule.step()
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 (whatever the schedule raises, named with it)
+        raise ConfigError(f"{label} fails when run: {type(err).__name__}: {err}") from None
+
+
+def _check_rates(label: str, step: int, rates: list[Any]) -> None:
+    for rate in rates:
+        if not (is_finite_number(float(rate)) and rate >= 0):
+            raise ConfigError(f"{label} gives a learning rate of {rate} at optimizer step {step}")
