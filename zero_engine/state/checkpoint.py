@@ -21,7 +21,14 @@ tag.
 Atomicity: every rank writes into ``DIR/.tmp-TAG`` and fsyncs; once all ranks have reported
 their files' checksums, rank 0 writes the manifest, renames the directory into place, and
 only then replaces ``latest`` (write, fsync, ``os.replace``). A process killed at any point
-leaves the previous checkpoint and ``latest`` untouched.
+leaves the previous checkpoint and ``latest`` untouched. Saving a tag again publishes the new
+copy complete as ``DIR/.next-TAG`` first, which is what the tag resolves to while it exists;
+then the old copy is renamed away and the new one renamed into place. A kill at any instant
+leaves the tag loadable (old or new copy), and the next save finishes the move.
+
+Failures: every phase ends with the ranks exchanging their outcome (`on_every_rank`), so an
+error on one rank (a full disk, a read-only directory, a ``client_state`` that would not load
+back) raises the same `CheckpointError` on every rank, and the staging directory is removed.
 
 Safety: every file is checked against the manifest before use, and read with
 ``torch.load(weights_only=True)``: loading never runs code from a checkpoint.
@@ -30,12 +37,15 @@ Safety: every file is checked against the manifest before use, and read with
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,6 +53,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors.torch import save_file
 
+from ..comm import Comm
 from ..config import ZeroEngineConfig
 from ..errors import CheckpointError
 from ..sharding.optimizer_shard import OptimizerTarget
@@ -84,29 +95,102 @@ class Resumable:
 # Saving
 
 
+def on_every_rank(
+    comm: Comm, action: str, work: Callable[[], Any], on_failure: Callable[[], None] | None = None
+) -> list[Any]:
+    """Run ``work`` here, then exchange every rank's outcome: its (JSON) result, or the error it
+    raised. When any rank failed, every rank raises the same error naming each failed rank and
+    its error, so no rank goes on into collectives the others never join: a `CheckpointError`,
+    or a `FileNotFoundError` when every failure was one (a job's "no checkpoint yet, start
+    fresh" test). One process raises its own error unchanged. ``on_failure`` runs first on
+    every rank, and no rank raises before every rank has run it."""
+    local: Exception | None = None
+    try:
+        outcome: dict[str, Any] = {"result": work()}
+    except Exception as err:  # noqa: BLE001 (every failure must reach the other ranks)
+        local, outcome = err, {"error": f"{type(err).__name__}: {err}", "type": type(err).__name__}
+    outcomes = comm.all_gather_json(outcome)
+    failed = [item for item in outcomes if "error" in item]
+    if failed and on_failure is not None:
+        on_failure()
+        comm.barrier()
+    if local is not None and len(outcomes) == 1:
+        raise local
+    if failed:
+        described = "; ".join(f"rank {rank}: {item['error']}" for rank, item in enumerate(outcomes) if "error" in item)
+        error = FileNotFoundError if all(item["type"] == "FileNotFoundError" for item in failed) else CheckpointError
+        raise error(f"{action} failed on {len(failed)} of {len(outcomes)} ranks (every rank raises this): {described}") from local
+    return [item["result"] for item in outcomes]
+
+
 def save(state: Resumable, counters: Counters, directory: str | Path, tag: str, client_state: Any = None) -> Path:
     """Write a checkpoint of ``state`` under ``directory``/``tag``; returns its path. Collective."""
-    if "/" in tag or tag.startswith(".") or tag == LATEST:
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain name")
     root = Path(directory)
     staging = root / f".tmp-{tag}"
     comm = state.model.comm
-    if comm.rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
-        staging.mkdir(parents=True)
-    comm.barrier()
-    written = {rank_file(comm.rank): _write(staging / rank_file(comm.rank), _rank_payload(state))}
-    if comm.rank == 0:
-        written[EXTRA] = _write(staging / EXTRA, _extra_payload(state, counters, client_state))
-    files: dict[str, dict[str, int | str]] = {}
-    for rank_files in comm.all_gather_json(written):
-        files.update(rank_files)
-    if comm.rank == 0:
-        manifest = _manifest(state, counters, tag, files)
-        _write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
-        _publish(root, staging, tag)
-    comm.barrier()
+
+    def prepare() -> str:
+        _check_tag(tag)
+        if comm.rank == 0:
+            _check_client_state(client_state)
+            _finish_publish(root, tag)  # a re-save of this tag killed half-way
+            shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+            staging.mkdir(parents=True)
+        return tag
+
+    tags = on_every_rank(comm, "save_checkpoint", prepare)
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"save_checkpoint: the ranks gave different tags ({', '.join(map(repr, tags))})")
+
+    def write() -> dict[str, dict[str, int | str]]:
+        written = {rank_file(comm.rank): _write(staging / rank_file(comm.rank), _rank_payload(state))}
+        if comm.rank == 0:
+            written[EXTRA] = _write(staging / EXTRA, _extra_payload(state, counters, client_state))
+        return written
+
+    def publish() -> None:
+        if comm.rank == 0:
+            manifest = _manifest(state, counters, tag, files)
+            _write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
+            _publish(root, staging, tag)
+
+    def remove_staging() -> None:  # nothing half-written stays behind
+        if comm.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    try:
+        files: dict[str, dict[str, int | str]] = {}
+        for rank_files in on_every_rank(comm, f"save_checkpoint to {staging}", write, remove_staging):
+            files.update(rank_files)
+        on_every_rank(comm, f"save_checkpoint publishing {root / tag}", publish, remove_staging)
+    except BaseException:  # a peer that died mid-save, an interrupt: remove what this rank can
+        remove_staging()
+        raise
     return root / tag
+
+
+def _check_tag(tag: Any) -> None:
+    if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not 'latest')")
+
+
+def _check_client_state(client_state: Any) -> None:
+    """``client_state`` must load back with ``weights_only=True`` (as every checkpoint file is
+    read): checked in memory before anything is written, or the saved checkpoint, model
+    included, would be refused at load."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(client_state, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as err:  # noqa: BLE001 (pickling and weights-only refusals alike)
+        detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), str(err).splitlines()[0])
+        raise ValueError(
+            f"client_state would not load back ({detail.strip()}): checkpoints are read with "
+            "torch.load(weights_only=True), which takes tensors, numbers, strings, None and lists, tuples and dicts "
+            "of them; convert the rest (vars(args) for an argparse.Namespace, str() or .isoformat() for a datetime, "
+            ".item() for a numpy scalar)"
+        ) from None
 
 
 def _rank_payload(state: Resumable) -> dict[str, Any]:
@@ -178,6 +262,7 @@ def _manifest(state: Resumable, counters: Counters, tag: str, files: dict[str, A
         "stage": state.stage,
         "world_size": model.comm.world_size,
         "shard_group_size": model.comm.num_shards,
+        "optimizer": type(state.optimizer).__name__,
         "config": state.config.model_dump(mode="json"),
         "params": params,
         "files": files,
@@ -185,36 +270,66 @@ def _manifest(state: Resumable, counters: Counters, tag: str, files: dict[str, A
 
 
 def _write(path: Path, payload: Any) -> dict[str, int | str]:
-    with open(path, "wb") as handle:
-        torch.save(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(path, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        raise OSError(f"{path}: writing failed: {err}") from err
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(path, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as err:
+        raise OSError(f"{path}: writing failed: {err}") from err
 
 
 def _publish(root: Path, staging: Path, tag: str) -> None:
     """Move the finished checkpoint into place, then point ``latest`` at it, each atomically."""
     _fsync_dir(staging)
     final = root / tag
-    if final.exists():  # re-saving a tag: the old one goes only once the new one is complete
-        retired = root / f".old-{tag}"
-        shutil.rmtree(retired, ignore_errors=True)
-        os.rename(final, retired)
-        os.rename(staging, final)
-        shutil.rmtree(retired)
+    if final.exists():  # re-saving a tag: the new copy is published whole before the old one moves
+        os.rename(staging, _pending(root, tag))
+        _fsync_dir(root)
+        _finish_publish(root, tag)
     else:
         os.rename(staging, final)
     _fsync_dir(root)
     _write_text(root / f".{LATEST}.tmp", tag)
     os.replace(root / f".{LATEST}.tmp", root / LATEST)
     _fsync_dir(root)
+
+
+def _pending(root: Path, tag: str) -> Path:
+    """Where a complete new copy of an existing tag waits to replace it."""
+    return root / f".next-{tag}"
+
+
+def _finish_publish(root: Path, tag: str) -> None:
+    """Put a pending new copy of ``tag`` in place of the old one (retired, then deleted); a
+    kill at any point leaves one of them where `tag_path` finds it."""
+    pending, final, retired = _pending(root, tag), root / tag, root / f".old-{tag}"
+    shutil.rmtree(retired, ignore_errors=True)
+    if not pending.exists():
+        return
+    if final.exists():
+        os.rename(final, retired)
+    os.rename(pending, final)
+    _fsync_dir(root)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def tag_path(root: Path, tag: str) -> Path:
+    """The directory holding ``tag``: its pending new copy while a re-save is being moved into
+    place (it exists only once complete), else ``root/tag``."""
+    pending = _pending(root, tag)
+    return pending if (pending / MANIFEST).is_file() else root / tag
 
 
 def _fsync_dir(path: Path) -> None:
@@ -274,7 +389,7 @@ def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint
         if not pointer.is_file():
             raise FileNotFoundError(f"{pointer}: no 'latest' file; is {root} a checkpoint directory?")
         tag = pointer.read_text().strip()
-    path = root / tag
+    path = tag_path(root, tag)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{manifest_path}: missing; {path} is not a complete checkpoint")
@@ -297,7 +412,16 @@ def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint
 
 
 def _load(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    """A checkpoint file, read without running code from it; a refusal names the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), "")
+        raise CheckpointError(
+            f"{path}: refused by torch.load(weights_only=True), which never runs code from a file "
+            f"({detail.strip() or str(err).splitlines()[0]}); only load it with weights_only=False if you trust "
+            "whoever wrote it"
+        ) from None
 
 
 class PieceIndex:
@@ -351,11 +475,20 @@ def load(
 ) -> Loaded:
     """Restore ``state`` from a checkpoint saved at any stage and world size; returns the saved
     counters and ``client_state``."""
-    checkpoint = open_checkpoint(directory, tag)
-    index = PieceIndex(checkpoint)
-    extra = _load(checkpoint.path / EXTRA)
     model = state.model
-    _check_fit(model, checkpoint, extra, strict)
+    read: list[Any] = []  # checkpoint, piece index, extra.pt
+
+    def open_and_check() -> None:
+        checkpoint = open_checkpoint(directory, tag)
+        read.extend([checkpoint, PieceIndex(checkpoint), _load(checkpoint.path / EXTRA)])
+        _check_fit(model, checkpoint, read[2], strict)
+        if load_optimizer_states:
+            _check_optimizer_type(checkpoint, state.optimizer)
+
+    # Every rank reads and checks first, then all restore or none does (a file missing on one
+    # node's disk fails every rank, not that one alone).
+    on_every_rank(model.comm, f"load_checkpoint from {directory}", open_and_check)
+    checkpoint, index, extra = read
     saved = checkpoint.manifest["params"]
     shapes = model.unit_param_shapes()
     fitting = {name for name, shape in shapes.items() if name in saved and saved[name]["shape"] == shape}
@@ -364,17 +497,32 @@ def load(
         name = unit.names[param_index]
         return index.assemble(name, start, numel) if name in fitting else None
 
-    model.load_kept(saved_values)  # each rank assembles only the elements it keeps
-    model.load_loose_state(extra["module"])
-    if load_optimizer_states:
-        _load_optimizer(state, index, extra, fitting)
-        if state.lr_scheduler is not None and extra["lr_scheduler"] is not None:
-            state.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        if state.loss_scaler is not None and extra["loss_scaler"] is not None:
-            state.loss_scaler.load_state_dict(extra["loss_scaler"])
-    if model.comm.rank < len(index.rng):
-        _restore_rng(index.rng[model.comm.rank], state.device)
+    def restore() -> None:
+        model.load_kept(saved_values)  # each rank assembles only the elements it keeps
+        model.load_loose_state(extra["module"])
+        if load_optimizer_states:
+            _load_optimizer(state, index, extra, fitting)
+            if state.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+                state.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+            if state.loss_scaler is not None and extra["loss_scaler"] is not None:
+                state.loss_scaler.load_state_dict(extra["loss_scaler"])
+        if model.comm.rank < len(index.rng):
+            _restore_rng(index.rng[model.comm.rank], state.device)
+
+    on_every_rank(model.comm, f"load_checkpoint from {checkpoint.path}", restore)
     return Loaded(Counters(extra["global_step"], extra["skipped_steps"]), extra["client_state"])
+
+
+def _check_optimizer_type(checkpoint: Checkpoint, optimizer: torch.optim.Optimizer) -> None:
+    """Optimizer state of another optimizer would fail at the first step (an SGD state has no
+    ``exp_avg``); checkpoints from before the manifest said are not checked."""
+    saved = checkpoint.manifest.get("optimizer")
+    ours = type(optimizer).__name__
+    if saved is not None and saved != ours:
+        raise CheckpointError(
+            f"{checkpoint.path / MANIFEST}: saved with optimizer {saved}, this engine's is {ours}: use the same "
+            "optimizer.type, or load with load_optimizer_states=False to take the model alone"
+        )
 
 
 def _load_optimizer(state: Resumable, index: PieceIndex, extra: dict[str, Any], fitting: set[str]) -> None:
