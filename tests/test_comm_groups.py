@@ -134,7 +134,7 @@ def test_control_traffic_uses_a_gloo_group_and_data_the_data_group(traffic: list
     for case, result in zip(CASES, per_rank[0]):
         assert result["control_backend"] == "gloo"
         calls = result["calls"]
-        assert any(key.startswith("each_rank") for key in calls) == (case["stage"] == 3), calls
+        assert any(key.startswith("each_rank") for key in calls), calls  # call rows; stage 3's rounds too
         assert any(key.startswith("all_gather_json") for key in calls), calls
         for key, roles in calls.items():
             method = key.split(":")[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,12 @@ from .memory import measure_memory
 from .optim import build_optimizer, check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
 from .precision import Precision, build_loss_scaler
-from .schedules import build_scheduler
+from .schedules import build_scheduler, dry_run
 from .sharding.build import build_units
 from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .sharding.lifecycle import Lifecycle
 from .sharding.optimizer_shard import step_shards
+from .sharding.schedule import Call
 from .sharding.stages import Stage, build_reducer, stage_for
 from .sharding.unit import FlatUnit
 from .state import checkpoint
@@ -62,6 +64,7 @@ def initialize(
     directory, or a state dict) sets the values it holds, each rank reading only what it
     keeps (`zero_engine.state.weights`).
     """
+    _check_not_wrapped(model)
     config = load_config(config)
     refuse_unbuilt_features(config)
     stage = stage_for(config.zero_optimization.stage)
@@ -108,6 +111,7 @@ class Engine:
         deferred: DeferredInit | None = None,
     ) -> None:
         self.module = model
+        _WRAPPED[model] = None
         self.config = config
         self.comm = comm
         self.stage = stage
@@ -117,6 +121,7 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._window_opened = False
+        self._train_call_agreed = False  # this micro-step's call row was sent (`_agree_on_call`)
         self._global_grad_norm: float | None = None
         self._scaling_backward = False  # inside engine.backward
         self._backwards_in_micro_step = 0  # finished since the last step()
@@ -143,6 +148,8 @@ class Engine:
         self.gatherer.attach_reducer(self.reducer)
         self.peak_step_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step
         self.optimizer = build_optimizer(config.optimizer, stage.level, _optimizer_groups(groups, self.units))
+        if config.scheduler:
+            dry_run(config.scheduler, self.optimizer)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
         self.loss_scaler = build_loss_scaler(config)
 
@@ -157,6 +164,8 @@ class Engine:
     # -- the training loop -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._agree_on_training()
         self._open_window()
         if self.lifecycle.state.in_backward:  # the last backward raised before autograd ran its end
             self.reducer.disarm()
@@ -173,6 +182,7 @@ class Engine:
         """Backward of ``loss * loss_scale / gradient_accumulation_steps``; reduces as the
         stage says (on boundaries, or every micro-step at stages 2-3). A plain
         ``loss.backward()`` reduces the same way, but neither divides nor scales."""
+        _check_loss(loss)
         self._scaling_backward = True
         try:
             (loss * (self.loss_scale / self.batch.gradient_accumulation_steps)).backward()
@@ -197,6 +207,7 @@ class Engine:
                 "at the accumulation boundary): call engine.step() after each backward, or add the losses and "
                 "call backward once"
             )
+        self._agree_on_training()
         self._open_window()
         self.reducer.pre_backward(boundary=boundary)
         self.gatherer.begin_backward()  # after: it tells the reducer which units get no gradient
@@ -215,12 +226,13 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._backwards_in_micro_step = 0
+        self._train_call_agreed = False
         if not boundary:
             return
         self._unscaled_backwards = 0
         used, squares = self._agree_on_used_params_and_norm()
         self._global_grad_norm = math.sqrt(squares) / self.loss_scale
-        if self.loss_scaler is not None and not math.isfinite(squares):
+        if not math.isfinite(squares):
             self._skip_step()
         else:
             self._update(used, self._gradient_multiplier())
@@ -233,6 +245,16 @@ class Engine:
         self._zero_grads()
         self.global_step += 1
         self._window_opened = False
+
+    def _agree_on_training(self) -> None:
+        """Once per micro-step, before its first collective: a call row, so that a rank that
+        skipped a collective call (a save on rank 0 only) is caught on every rank."""
+        if not self._train_call_agreed:
+            self._train_call_agreed = True
+            self._agree_on_call(Call.TRAIN)
+
+    def _agree_on_call(self, call: Call) -> None:
+        self.gatherer.agree_on_call(call, self.micro_steps)
 
     def _check_backwards(self) -> None:
         if self._backwards_in_micro_step == 0:
@@ -294,14 +316,25 @@ class Engine:
         self.peak_step_grad_bytes = step_shards(self.optimizer, shards, used, multiplier)
 
     def _skip_step(self) -> None:
-        """fp16 overflow on some rank: every rank leaves parameters and state untouched."""
-        assert self.loss_scaler is not None
+        """A non-finite gradient on some rank (fp16 overflow, or a NaN or inf loss or gradient
+        at any precision): every rank leaves parameters, optimizer state and the schedule
+        untouched. Logged at WARNING, except fp16's dynamic overflows, which are routine (the
+        scale adapts)."""
+        self.skipped_steps += 1
+        if self.loss_scaler is None:
+            if self.comm.rank == 0:
+                logger.warning(
+                    "step %d skipped: the gradient norm is not finite (a NaN or inf loss or gradient on some rank); "
+                    "parameters unchanged (%d skipped so far, engine.skipped_steps)",
+                    self.global_step, self.skipped_steps,
+                )
+            return
         scale = self.loss_scaler.scale
         self.loss_scaler.update(overflow=True)
-        self.skipped_steps += 1
         if self.comm.rank == 0:
-            logger.info(
-                "step %d skipped: fp16 gradient overflow; loss scale %g -> %g (%d skipped so far)",
+            log = logger.info if self.loss_scaler.dynamic and scale > self.loss_scaler.min_scale else logger.warning
+            log(
+                "step %d skipped: fp16 gradient overflow; loss scale %g -> %g (%d skipped so far, engine.skipped_steps)",
                 self.global_step, scale, self.loss_scaler.scale, self.skipped_steps,
             )
 
@@ -340,6 +373,8 @@ class Engine:
         needs the full model on any other rank; the other ranks get an empty dict.
         """
         self.gatherer.check_usable()
+        if any(unit.shard_master for unit in self.units):  # collective: every rank must be here
+            self._agree_on_call(Call.FULL_STATE_DICT)
         return self.model_state.full_state_dict(rank0_only=rank0_only)
 
     def memory_report(self) -> dict[str, int]:
@@ -379,6 +414,7 @@ class Engine:
                 f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "
                 f"{self.micro_steps % accumulation} of {accumulation}): call it after engine.step() on a boundary"
             )
+        self._agree_on_call(Call.SAVE_CHECKPOINT)
         counters = checkpoint.Counters(self.global_step, self.skipped_steps)
         tag = tag or f"global_step{self.global_step}"
         return checkpoint.save(self._resumable(), counters, directory, tag, client_state)
@@ -393,6 +429,7 @@ class Engine:
     ) -> Any:
         """Resume from ``directory`` (tag: the latest); returns the saved ``client_state``."""
         self.gatherer.check_usable()
+        self._agree_on_call(Call.LOAD_CHECKPOINT)
         loaded = checkpoint.load(
             self._resumable(), directory, tag, strict=strict, load_optimizer_states=load_optimizer_states
         )
@@ -411,6 +448,7 @@ class Engine:
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
         self.lifecycle.remove_hooks()
+        _WRAPPED.pop(self.module, None)
 
 
 def _optimizer_groups(groups: list[ParamGroup], units: list[FlatUnit]) -> list[dict[str, Any]]:
@@ -430,6 +468,35 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
         return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads])
     return norms.double().pow(2).sum()
+
+
+# Models an engine has hooked (until its close()): a second engine on one would run both
+# engines' hooks on every parameter.
+_WRAPPED: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
+
+
+def _check_not_wrapped(model: Any) -> None:
+    if isinstance(model, Engine):
+        raise TypeError("initialize(model, ...) got an Engine: pass the nn.Module (engine.module), or keep the engine")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
+    if model in _WRAPPED:
+        raise ValueError(
+            "initialize: this model is already wrapped by an engine (its hooks and flat parameters are in place): "
+            "call engine.close() on that engine first, or build a new model"
+        )
+
+
+def _check_loss(loss: Any) -> None:
+    """``engine.backward`` takes the scalar loss tensor (a model's output dict is a common slip)."""
+    if not torch.is_tensor(loss):
+        hint = " (pass the loss in it, e.g. outputs['loss'])" if isinstance(loss, dict) else ""
+        raise TypeError(f"engine.backward(loss): loss must be a scalar tensor, got {type(loss).__name__}{hint}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"engine.backward(loss): loss must be a scalar tensor, got shape {tuple(loss.shape)} (reduce it first, "
+            "e.g. loss.mean())"
+        )
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -51,7 +51,7 @@ def build_units(
             _agree_on_drawn_values(model, [], comm)
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
         units = _bucketed_units(named, position, comm, stage, zero, compute_dtype)
-        return _in_arrival_order(units, position), NoGather()
+        return _in_arrival_order(units, position), NoGather(comm)
     plans, resident = plan_module_units(
         model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
     )

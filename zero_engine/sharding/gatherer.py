@@ -38,19 +38,33 @@ from ..errors import DivergedRanksError
 from ..tree import iter_tensors
 from .lifecycle import Lifecycle, TrainingState
 from .reducer import GradReducer
-from .schedule import NO_UNIT, CollectiveSchedule, PassKind
+from .schedule import NO_UNIT, Call, CollectiveSchedule, PassKind, agree_on_call
 from .unit import FlatUnit, ShardedFlatUnit
 
 
 class NoGather:
     """Stages 0-2: parameters are always whole; nothing to gather."""
 
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.call_divergence = ""  # the DivergedRanksError's message once ranks were in different calls
+
     def begin_backward(self) -> None: ...
 
     def end_backward(self) -> None: ...
 
+    def agree_on_call(self, call: Call, count: int) -> None:
+        """Raise `DivergedRanksError` on every rank unless every rank is in ``call`` after
+        ``count`` micro-steps (see `zero_engine.sharding.schedule.agree_on_call`)."""
+        self.check_usable()
+        self.call_divergence = agree_on_call(self.comm, count, call) or ""
+        self.check_usable()
+
     def check_usable(self) -> None:
-        """Raise if the ranks' collectives are out of step (nothing at stages 0-2)."""
+        """After a divergence no later collective of this engine can pair up: every call
+        raises at once, on every rank."""
+        if self.call_divergence:
+            raise DivergedRanksError(self.call_divergence)
 
     def unit_complete(self, unit: FlatUnit) -> None: ...
 
@@ -80,9 +94,9 @@ class ParamGatherer(NoGather):
         max_live_numel: int,
         lifecycle: Lifecycle,
     ) -> None:
+        super().__init__(comm)
         self.units = list(units)
         self.lifecycle = lifecycle  # tracks the root's forward (its hooks run before these)
-        self.comm = comm
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
@@ -138,6 +152,22 @@ class ParamGatherer(NoGather):
         instead of issuing one (on NCCL an unmatched kernel would spin until the watchdog)."""
         if self._diverged:
             raise DivergedRanksError(f"{self.schedule.divergence} (raised earlier; this engine cannot go on)")
+
+    def agree_on_call(self, call: Call, count: int) -> None:
+        """The call row goes after this rank's rounds in flight (``count`` is the schedule's
+        own: passes finished). Training needs none: every pass sends rows (its drain at
+        least), and any of them pairs with another rank's call row."""
+        self.check_usable()
+        if call is Call.TRAIN:
+            return
+        self.schedule.agree_on_call(call)
+        # It launched the gathers agreed before (prefetches proposed for the next pass): let
+        # them complete and free them, so that every unit is sharded for the call (a load
+        # writes shards) and no buffer is abandoned to a collective in flight.
+        for index, unit in enumerate(self.units):
+            if unit.has_full_storage and not self._holds[index].held:
+                unit.wait_for_unshard()
+                self._reshard(index)
 
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         self.check_usable()

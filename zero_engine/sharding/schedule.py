@@ -25,6 +25,12 @@ wait for without waiting for a rank that waits for it.
 Rows from different passes cannot be reconciled (one rank runs two forwards before its
 backward, another one): every rank raises `DivergedRanksError` on the same round.
 
+The engine's collective calls (a training step's first forward or backward, saving, loading,
+exporting) open with a *call row* on the same control group (`agree_on_call`, at every stage):
+a rank that skipped a call (``if rank == 0: engine.save_checkpoint(...)``) pairs its next row
+with another rank's call row, and every rank raises `DivergedRanksError` naming each rank's call
+instead of pairing unrelated collectives until the timeout.
+
 Why nothing hangs: every rank launches a prefix of the same sequence of gathers, and launches
 everything it has queued before it blocks on a round; it waits only for gathers it launched and
 reductions every rank launched. See "Stage 3 with conditional computation" in
@@ -49,6 +55,52 @@ class PassKind(IntEnum):
     BETWEEN = 0  # between passes (rows proposing the next pass's first gathers)
     FORWARD = 1
     BACKWARD = 2
+    CALL = 3  # a call row: the third field is a `Call`
+
+
+class Call(IntEnum):
+    """The engine's collective calls, as call rows name them."""
+
+    TRAIN = 1  # the first forward or backward of a micro-step (stages 0-2)
+    SAVE_CHECKPOINT = 2
+    LOAD_CHECKPOINT = 3
+    FULL_STATE_DICT = 4
+
+    @property
+    def label(self) -> str:
+        return "training" if self is Call.TRAIN else f"{self.name.lower()}()"
+
+
+def call_row(count: int, call: Call) -> list[int]:
+    """A call row, shaped as the schedule's rows so that either may pair with the other."""
+    return [count, int(PassKind.CALL), int(call), 0]
+
+
+def call_divergence(rows: list[list[int]], describe_unit: Callable[[int], str] = str) -> str | None:
+    """The `DivergedRanksError` message when some rank sent a call row and the rows are not all
+    the same call after the same count; None otherwise."""
+    if all(row[1] != PassKind.CALL for row in rows) or all(row == rows[0] for row in rows):
+        return None
+    per_rank = ", ".join(f"rank {rank} {describe_row(row, describe_unit)}" for rank, row in enumerate(rows))
+    return (
+        f"ranks are in different calls: {per_rank}. save_checkpoint, load_checkpoint and (when state is sharded) "
+        "full_state_dict are collective: call them on every rank, at the same step. The ranks' collectives are "
+        "now out of step: end the job"
+    )
+
+
+def describe_row(row: list[int], describe_unit: Callable[[int], str] = str) -> str:
+    passes, kind, want = row[0], PassKind(row[1]), row[2]
+    if kind is PassKind.CALL:
+        return f"is in {Call(want).label} (count {passes})"
+    where = "between passes" if kind is PassKind.BETWEEN else f"is in {kind.name.lower()}"
+    asks = f"gathering {describe_unit(want)}" if want >= 0 else "asking for no unit"
+    return f"{where} after {passes} passes, {asks}"
+
+
+def agree_on_call(comm: Comm, count: int, call: Call) -> str | None:
+    """Stages 0-2: one call row; the divergence message if the ranks are in different calls."""
+    return call_divergence(comm.each_rank(call_row(count, call)).values())
 
 
 class Reductions(Protocol):
@@ -124,6 +176,13 @@ class CollectiveSchedule:
         row = [self.passes, int(self.kind), want, ready]
         self._rounds.append(_Round(want, self.comm.each_rank(row)))
 
+    def agree_on_call(self, call: Call) -> None:
+        """A call row after every round issued so far; raises `DivergedRanksError` on every
+        rank if the ranks are not all in this call."""
+        self._rounds.append(_Round(NO_UNIT, self.comm.each_rank(call_row(self.passes, call))))
+        self._read_all()
+        self.launch_all()  # the call's own collectives come next: no gather agreed before may be left
+
     def asked(self, unit: int) -> bool:
         """Whether this rank asked for ``unit`` in a round it has not read yet, or the gather
         of ``unit`` is agreed and not launched here yet."""
@@ -196,6 +255,8 @@ class CollectiveSchedule:
         if self.divergence:
             return rows
         self._check_same_pass(rows)
+        if rows[0][1] == PassKind.CALL:  # the same call on every rank: nothing to gather
+            return rows
         self.agreed_ready = max(self.agreed_ready, min(row[3] for row in rows))
         for unit in sorted({row[2] for row in rows if row[2] >= 0}):
             self._events.append(_Event(unit, unit == round_.want))
@@ -206,22 +267,19 @@ class CollectiveSchedule:
     def _check_same_pass(self, rows: list[list[int]]) -> None:
         passes = {row[0] for row in rows}
         kinds = {row[1] for row in rows} - {int(PassKind.BETWEEN)}
-        if len(passes) == 1 and len(kinds) <= 1:
+        message = call_divergence(rows, self.describe_unit)
+        if message is None and len(passes) == 1 and len(kinds) <= 1:
             return
-        per_rank = ", ".join(f"rank {rank} {self._describe_row(row)}" for rank, row in enumerate(rows))
-        self.divergence = (
-            f"stage 3 ranks diverged: {per_rank}. Ranks may run different modules within a pass, but every "
-            "rank must run the same passes (forwards and backwards through the model) in the same order. The "
-            "ranks' collectives are now out of step: end the job"
-        )
+        if message is None:
+            per_rank = ", ".join(f"rank {rank} {describe_row(row, self.describe_unit)}" for rank, row in enumerate(rows))
+            message = (
+                f"stage 3 ranks diverged: {per_rank}. Ranks may run different modules within a pass, but every "
+                "rank must run the same passes (forwards and backwards through the model) in the same order. The "
+                "ranks' collectives are now out of step: end the job"
+            )
+        self.divergence = message
         # Every rank agreed on the events of the earlier rounds and may be waiting for one of
         # them: launch them all, so each rank gets to read this round and raise too.
         self.launch_all()
         self._rounds.clear()
         raise DivergedRanksError(self.divergence)
-
-    def _describe_row(self, row: list[int]) -> str:
-        passes, kind, want = row[0], PassKind(row[1]), row[2]
-        where = "between passes" if kind is PassKind.BETWEEN else f"is in {kind.name.lower()}"
-        asks = f"gathering {self.describe_unit(want)}" if want >= 0 else "asking for no unit"
-        return f"{where} after {passes} passes, {asks}"
