@@ -89,6 +89,14 @@ def checkpoint_faults(rank: int, world_size: int, directory: str) -> dict:
     _train(engine, rank, world_size, range(2, 3))
     out["saved_after"] = engine.save_checkpoint(root).name
 
+    # A target that is a file (rank 0 prepares the directory) and tags that differ by rank:
+    # every rank raises, before any rank writes.
+    if rank == 0:
+        (root / "a-file").write_text("not a directory")
+    out["target_is_a_file"] = _outcome(lambda: engine.save_checkpoint(root / "a-file"))
+    out["tags_differ"] = _outcome(lambda: engine.save_checkpoint(root, tag=f"mine{rank}"))
+    out["after_refusals"] = sorted(p.name for p in root.iterdir())
+
     # A checkpoint missing on rank 1's disk: every rank raises, rank 0 restores nothing.
     before = engine.full_state_dict()
     out["missing_on_one"] = _outcome(lambda: engine.load_checkpoint(root if rank == 0 else root / "elsewhere"))
@@ -136,6 +144,12 @@ def test_checkpoint_faults_end_the_same_way_on_every_rank(tmp_path: Path) -> Non
         assert ".tmp-global_step2" in message, "the error names no path"
         assert out["after_full_disk"] == ["global_step1", "latest"], "the failed save left its staging directory"
         assert out["saved_after"] == "global_step3"
+
+        kind, message = out["target_is_a_file"]
+        assert kind == "CheckpointError" and "rank 0: " in message and "a-file" in message, out["target_is_a_file"]
+        kind, message = out["tags_differ"]
+        assert kind == "CheckpointError" and "different tags ('mine0', 'mine1')" in message, out["tags_differ"]
+        assert out["after_refusals"] == ["a-file", "global_step1", "global_step3", "latest"], out["after_refusals"]
 
         kind, message = out["missing_on_one"]
         assert kind == "FileNotFoundError" and "rank 1: FileNotFoundError" in message and "elsewhere" in message

@@ -129,18 +129,22 @@ def save(state: Resumable, counters: Counters, directory: str | Path, tag: str, 
     staging = root / f".tmp-{tag}"
     comm = state.model.comm
 
-    def prepare() -> str:
+    def check_tag() -> str:
         _check_tag(tag)
+        return tag
+
+    tags = on_every_rank(comm, "save_checkpoint", check_tag)
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"save_checkpoint: the ranks gave different tags ({', '.join(map(repr, tags))})")
+
+    def prepare() -> None:
         if comm.rank == 0:
             _check_client_state(client_state)
             _finish_publish(root, tag)  # a re-save of this tag killed half-way
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
             staging.mkdir(parents=True)
-        return tag
 
-    tags = on_every_rank(comm, "save_checkpoint", prepare)
-    if len(set(tags)) > 1:
-        raise CheckpointError(f"save_checkpoint: the ranks gave different tags ({', '.join(map(repr, tags))})")
+    on_every_rank(comm, "save_checkpoint", prepare)
 
     def write() -> dict[str, dict[str, int | str]]:
         written = {rank_file(comm.rank): _write(staging / rank_file(comm.rank), _rank_payload(state))}
