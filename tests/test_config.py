@@ -184,6 +184,8 @@ def test_deepspeed_keys_without_effect_are_named_when_set(caplog: pytest.LogCapt
         "fp16": {"auto_cast": True},
         "wall_clock_breakdown": True,
         "zero_allow_untested_optimizer": True,
+        "prescale_gradients": True, "gradient_predivide_factor": 2.0, "zero_force_ds_cpu_optimizer": False,
+        "memory_breakdown": True, "dump_state": True,
         "zero_optimization": {
             "contiguous_gradients": False, "reduce_scatter": False, "allgather_partitions": False,
             "allgather_bucket_size": 123, "round_robin_gradients": True, "sub_group_size": 7,
@@ -198,6 +200,24 @@ def test_deepspeed_keys_without_effect_are_named_when_set(caplog: pytest.LogCapt
         zero_engine.initialize(torch.nn.Linear(2, 2), {**base, **settings}).close()
     named = [r.getMessage().split(" = ")[0] for r in caplog.records if "has no effect here" in r.getMessage()]
     assert sorted(named) == sorted(NO_EFFECT)
+
+
+def test_deepspeed_only_sections_are_named_unless_switched_off(caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    from zero_engine.config import DEEPSPEED_SECTIONS
+
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    sections = {name: {"enabled": True, "output_path": "x"} for name in DEEPSPEED_SECTIONS}
+    sections["wandb"] = {"enabled": False, "project": "p"}  # switched off: silent
+    sections["activation_checkpointing"] = {"partition_activations": True}  # no switch: named
+    with caplog.at_level("WARNING", logger="zero_engine"):
+        zero_engine.initialize(torch.nn.Linear(2, 2), {**base, **sections}).close()
+    named = {r.getMessage().split(" section")[0].removeprefix("the ") for r in caplog.records
+             if "section has no effect here" in r.getMessage()}
+    assert named == set(DEEPSPEED_SECTIONS) - {"wandb"}
+    with pytest.raises(NotImplementedError, match=r"tensor_parallel.autotp_size = 2 \(tensor parallelism"):
+        zero_engine.initialize(torch.nn.Linear(2, 2), {**base, "tensor_parallel": {"autotp_size": 2}})
 
 
 def test_shard_group_size_resolves_and_names_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -252,3 +272,92 @@ def test_an_empty_config_file_is_refused(tmp_path: Path) -> None:
         empty = tmp_path / "empty.yaml"
         empty.write_text(text)
         assert f"{empty}: the config file is empty" in _error(empty)
+
+
+# -- DeepSpeed's spellings (issue 27) ----------------------------------------------------------
+
+
+def test_both_spellings_of_stage3_keys_and_deprecated_names(recwarn: pytest.WarningsRecorder) -> None:
+    short = zero_engine.load_config({"zero_optimization": {
+        "stage": 3, "max_live_parameters": 7, "prefetch_bucket_size": 5, "param_persistence_threshold": 3,
+        "max_reuse_distance": 2, "gather_16bit_weights_on_model_save": True,
+    }}).zero_optimization
+    assert (short.stage3_max_live_parameters, short.stage3_prefetch_bucket_size) == (7, 5)
+    assert (short.stage3_param_persistence_threshold, short.stage3_max_reuse_distance) == (3, 2)
+    assert short.stage3_gather_16bit_weights_on_model_save is True
+    assert not recwarn.list  # DeepSpeed's current spellings: no warning
+    with pytest.raises(ConfigError, match=r"max_live_parameters = 7 and zero_optimization.stage3_max_live_parameters = 8 "
+                       r"are two spellings of one key and disagree"):
+        zero_engine.load_config({"zero_optimization": {"max_live_parameters": 7, "stage3_max_live_parameters": 8}})
+    with pytest.warns(FutureWarning, match=r"stage3_gather_fp16_weights_on_model_save is DeepSpeed's deprecated name: "
+                      r"use zero_optimization.stage3_gather_16bit_weights_on_model_save"):
+        old = zero_engine.load_config({"zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True}})
+    assert old.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+    with pytest.warns(FutureWarning, match=r"cpu_offload is DeepSpeed's deprecated name: use "
+                      r"zero_optimization.offload_optimizer.device"):
+        offload = zero_engine.load_config({"zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert offload.zero_optimization.offload_optimizer.device == "cpu"
+
+
+def test_comments_hjson_and_errors_with_lines(tmp_path: Path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(
+        '{\n  "_comment": "a note",\n  // DeepSpeed reads hjson\n  "train_micro_batch_size_per_gpu": 2\n'
+        '  "zero_optimization": {"stage": 2, "_why": "memory",},\n}\n'
+    )
+    config = zero_engine.load_config(path)
+    assert (config.train_micro_batch_size_per_gpu, config.zero_optimization.stage) == (2, 2)
+    path.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n    "overlap_comm": \n}')
+    with pytest.raises(ConfigError, match=r"ds_config.json: not valid JSON: .*line 5"):
+        zero_engine.load_config(path)
+    path.write_text('{"steps_per_print": 100, "gradient_clipping": Infinity}')  # strict JSON's Infinity
+    with pytest.raises(ConfigError, match=r"gradient_clipping = inf: Input should be a finite number"):
+        zero_engine.load_config(path)
+
+
+def test_fused_adam_keywords_and_deepspeed_optimizers(caplog: pytest.LogCaptureFixture) -> None:
+    def optimizer(type_: str, **params: object) -> dict:
+        return {"optimizer": {"type": type_, "params": {"lr": 1e-3, **params}}}
+
+    assert zero_engine.load_config(optimizer("Adam", adam_w_mode=True, weight_decay=0.1)).optimizer.type == "AdamW"
+    assert zero_engine.load_config(optimizer("Adam", adam_w_mode=False)).optimizer.type == "Adam"
+    assert zero_engine.load_config(optimizer("AdamW", adam_w_mode=False)).optimizer.type == "AdamW"
+    with pytest.raises(ConfigError, match="bias_correction = false: torch's Adam and AdamW always correct"):
+        zero_engine.load_config(optimizer("Adam", bias_correction=False))
+    for name, nearest in (("Lamb", "AdamW"), ("OneBitAdam", "AdamW"), ("ZeroOneAdam", "AdamW")):
+        with pytest.raises(ConfigError, match=rf"optimizer.type = '{name}' is DeepSpeed's own: .*{nearest}"):
+            zero_engine.load_config(optimizer(name))
+    import torch
+
+    config = optimizer("Adam", torch_adam=True, weight_decay=0.1)
+    config["train_micro_batch_size_per_gpu"] = 1
+    with caplog.at_level("WARNING", logger="zero_engine"):
+        engine = zero_engine.initialize(torch.nn.Linear(2, 2), config)
+    assert type(engine.optimizer) is torch.optim.Adam
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "torch_adam has no effect here" in messages and "DeepSpeed's Adam decays as AdamW" in messages
+    engine.close()
+
+
+def test_every_error_of_a_file_in_one_message() -> None:
+    with pytest.raises(ConfigError) as info:
+        zero_engine.load_config({
+            "zero_optimization": {"stage": 5, "sub_group_size": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": -1}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -3}},
+        })
+    message = str(info.value)
+    assert "3 invalid setting(s)" in message, message
+    for part in ("zero_optimization.stage = 5", "optimizer.params.lr = -1", "scheduler.params.warmup_num_steps = -3"):
+        assert part in message, message
+    assert "sub_group_size" not in message  # DeepSpeed allows 0
+
+
+def test_auto_values_are_named_all_at_once() -> None:
+    with pytest.raises(ConfigError, match=r"'auto' is Hugging Face's placeholder.*give values for train_batch_size, "
+                       r"gradient_clipping, zero_optimization.reduce_bucket_size, scheduler.params.warmup_max_lr"):
+        zero_engine.load_config({
+            "train_batch_size": "auto", "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "shard_group_size": "auto"},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
+        })

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
+import hjson
 import torch
 import yaml
 from pydantic import (
@@ -24,10 +25,12 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     model_validator,
 )
 
+from .deepspeed_compat import translate
 from .errors import ConfigError, suggest
 from .schedules import check_schedule_param, check_schedule_params, scheduler_class
 from .values import check_value_type
@@ -69,13 +72,24 @@ class OptimizerConfig(_Section):
     type: str = Field("AdamW", description="A torch.optim class, case-insensitive (AdamW, Adam, SGD, ...).")
     params: dict[str, Any] = Field(
         default_factory=lambda: {"lr": 1e-3},
-        description="Keyword arguments of that optimizer, checked against its signature.",
+        description="Keyword arguments of that optimizer, checked against its signature. DeepSpeed's fused-Adam "
+        "keywords: adam_w_mode picks Adam or AdamW, torch_adam has no effect, bias_correction: false is refused.",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerConfig:
+        check_optimizer(self)  # beside the other sections' errors, not after them
+        return self
 
 
 class SchedulerConfig(_Section):
     type: str = Field(description="WarmupLR, WarmupDecayLR, WarmupCosineLR or a torch.optim.lr_scheduler class.")
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of that scheduler.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerConfig:
+        check_scheduler(self)
+        return self
 
 
 class FP16Config(_Section):
@@ -122,7 +136,7 @@ class ZeroOptimizationConfig(_Section):
     round_robin_gradients: bool = Field(False, description="DeepSpeed stage 1-2 option; accepted, no effect.")
     offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer offload; not built.")
     offload_param: OffloadConfig | None = Field(None, description="Parameter offload; not built.")
-    sub_group_size: PositiveCount = Field(
+    sub_group_size: Count = Field(
         1_000_000_000, description="DeepSpeed stage 3 option (optimizer sub-groups); accepted, no effect."
     )
     stage3_prefetch_bucket_size: Count = Field(
@@ -230,6 +244,27 @@ class ZeroEngineConfig(_Section):
     steps_per_print: PositiveCount = Field(10, description="Log every this many optimizer steps.")
     wall_clock_breakdown: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
     zero_allow_untested_optimizer: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    prescale_gradients: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    gradient_predivide_factor: Real = Field(1.0, gt=0, description="DeepSpeed option; accepted, no effect.")
+    zero_force_ds_cpu_optimizer: bool = Field(True, description="DeepSpeed option; accepted, no effect.")
+    memory_breakdown: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    dump_state: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    # DeepSpeed-only sections: accepted whole, logged at initialize unless switched off.
+    tensorboard: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    csv_monitor: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    wandb: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    comet: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    monitor_config: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    flops_profiler: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    comms_logger: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    comms_config: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    activation_checkpointing: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    aio: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    compile: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    data_types: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    checkpoint: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    tensor_parallel: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    _notes: list[str] = PrivateAttr(default_factory=list)  # from translating DeepSpeed's spellings
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> ZeroEngineConfig:
@@ -249,9 +284,6 @@ class ZeroEngineConfig(_Section):
                 f"zero_optimization.shard_group_size = {zero.shard_group_size!r} and its DeepSpeed alias "
                 f"mics_shard_size = {zero.mics_shard_size} disagree: set one of them"
             )
-        if self.scheduler is not None:
-            check_scheduler(self.scheduler)
-        check_optimizer(self.optimizer)
         return self
 
     def batch_sizes(self, world_size: int) -> BatchSizes:
@@ -311,11 +343,26 @@ def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
     }
 
 
+# DeepSpeed's own optimizers, and the nearest torch.optim one to use instead.
+DEEPSPEED_OPTIMIZERS = {
+    "lamb": "LAMB's layer-wise trust ratio is not in torch.optim; the nearest is AdamW (lower the learning rate)",
+    "onebitadam": "1-bit Adam compresses its communication, which is not built; AdamW is the same update",
+    "zerooneadam": "0/1 Adam compresses its communication, which is not built; AdamW is the same update",
+    "onebitlamb": "1-bit LAMB is not built; the nearest is AdamW",
+    "lion": "Lion is not in torch.optim; the nearest is AdamW",
+    "muadam": "MuAdam (muP) is not built; use AdamW with per-group learning rates (param_groups)",
+    "muadamw": "MuAdamW (muP) is not built; use AdamW with per-group learning rates (param_groups)",
+    "musgd": "MuSGD (muP) is not built; use SGD with per-group learning rates (param_groups)",
+}
+
+
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     classes = optimizer_classes()
     try:
         return classes[name.lower()]
     except KeyError:
+        if name.lower() in DEEPSPEED_OPTIMIZERS:
+            raise ValueError(f"optimizer.type = {name!r} is DeepSpeed's own: {DEEPSPEED_OPTIMIZERS[name.lower()]}") from None
         known = sorted(cls.__name__ for cls in classes.values())
         raise ValueError(f"optimizer.type = {name!r} is not a torch.optim optimizer{suggest(name, known)}") from None
 
@@ -391,12 +438,47 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.load_from_fp32_weights": "masters always load from the fp32 values in the checkpoint",
     "wall_clock_breakdown": "no timers are kept; comm_report() gives the bytes moved",
     "zero_allow_untested_optimizer": "every torch.optim optimizer is allowed (stages 1-3: elementwise ones)",
+    "prescale_gradients": "gradients are always averaged over the ranks; dividing before or after the sum is the "
+    "same arithmetic up to rounding (sums are fp32 unless communication_data_type says otherwise)",
+    "gradient_predivide_factor": "gradients are always averaged over the ranks; splitting the division around the "
+    "sum is the same arithmetic up to rounding (sums are fp32 unless communication_data_type says otherwise)",
+    "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer here; torch.optim's optimizers are used",
+    "memory_breakdown": "engine.memory_report() gives the bytes of model state each rank holds",
+    "dump_state": "no state dump; the resolved config is engine.config (zero-engine validate prints it)",
+}
+
+_MONITORS = "no monitor writers here: log losses, engine.get_lr() and engine.get_global_grad_norm() with your own"
+# DeepSpeed-only sections, with why each changes nothing here; logged at initialize unless
+# switched off (``enabled: false``). `zero_engine.features` refuses what asks for more.
+DEEPSPEED_SECTIONS: dict[str, str] = {
+    "tensorboard": _MONITORS,
+    "csv_monitor": _MONITORS,
+    "wandb": _MONITORS,
+    "comet": _MONITORS,
+    "monitor_config": _MONITORS,
+    "flops_profiler": "no FLOPs profiler here: use torch.profiler (with_flops=True)",
+    "comms_logger": "no communication logger: engine.comm_report() gives each step's bytes per collective",
+    "comms_config": "DeepSpeed's communication backend options; collectives here go through torch.distributed "
+    "(comm.* keys)",
+    "activation_checkpointing": "it configures deepspeed.checkpointing, which a model calls itself; use "
+    "torch.utils.checkpoint in the model",
+    "aio": "asynchronous I/O for NVMe offload, which is not built",
+    "compile": "the engine does not compile from the config; apply torch.compile to the model's blocks",
+    "data_types": "gradients accumulate in the dtype each stage keeps them in; it is not configurable",
+    "checkpoint": "checkpoints here always load at any stage and world size, and their tags are agreed between ranks",
+    "tensor_parallel": "there is no tensor parallelism here (a size above 1 is refused at initialize)",
 }
 
 
 def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
-    """One message for each `NO_EFFECT` key set to something other than its default."""
-    messages = []
+    """One message for each `NO_EFFECT` key set to something other than its default, each
+    DeepSpeed-only section given and not switched off, and each note from translating
+    DeepSpeed's spellings."""
+    messages = list(config._notes)
+    for name, why in DEEPSPEED_SECTIONS.items():
+        section = getattr(config, name)
+        if section is not None and section.get("enabled", True) is not False:
+            messages.append(f"the {name} section has no effect here: {why}")
     for path, why in NO_EFFECT.items():
         *sections, key = path.split(".")
         section: BaseModel = config
@@ -419,9 +501,15 @@ def load_config(source: str | Path | dict[str, Any] | ZeroEngineConfig) -> ZeroE
     if not isinstance(source, dict):
         raise ConfigError(f"{origin}: expected a mapping of keys at the top level, got {type(source).__name__}")
     try:
-        return ZeroEngineConfig.model_validate(source)
+        source, notes = translate(source)
+    except ValueError as err:
+        raise ConfigError(f"{origin}: {err}") from None
+    try:
+        config = ZeroEngineConfig.model_validate(source)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, origin)) from None
+    config._notes = notes
+    return config
 
 
 def _read_file(path: Path) -> Any:
@@ -434,13 +522,22 @@ def _read_file(path: Path) -> Any:
             if data is None:
                 raise ConfigError(f"{path}: the config file is empty (nothing but comments or blank lines)")
             return data
-        if path.suffix == ".json":
-            return json.loads(text, object_pairs_hook=_unique_pairs)
+        if path.suffix in (".json", ".hjson"):
+            return _read_json(text)
     except _DuplicateKey as err:
         raise ConfigError(f"{path}:{err}") from None
-    except (yaml.YAMLError, json.JSONDecodeError) as err:
+    except (yaml.YAMLError, hjson.HjsonDecodeError) as err:
         raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {err}") from None
     raise ConfigError(f"{path}: unknown config suffix {path.suffix!r}; use .yaml, .yml or .json")
+
+
+def _read_json(text: str) -> Any:
+    """Strict JSON first (it reads ``Infinity``, which Accelerate writes); else hjson, as
+    DeepSpeed reads its config: comments, trailing and missing commas. Errors name the line."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except json.JSONDecodeError:
+        return hjson.loads(text, object_pairs_hook=_unique_pairs)
 
 
 class _DuplicateKey(ValueError):
@@ -515,5 +612,10 @@ def key_reference(model: type[BaseModel] = ZeroEngineConfig, prefix: str = "") -
             text = field.description or ""
             if prefix + name in NO_EFFECT:
                 text = f"DeepSpeed option, no effect here: {NO_EFFECT[prefix + name]}. Logged at `initialize` when set."
+            elif not prefix and name in DEEPSPEED_SECTIONS:
+                text = (
+                    f"DeepSpeed section, accepted whole, no effect here: {DEEPSPEED_SECTIONS[name]}. Logged at "
+                    "`initialize` unless `enabled: false`."
+                )
             rows.append((prefix + name, default, text))
     return rows

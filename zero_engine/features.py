@@ -6,6 +6,8 @@ ignored. Settings that are off, or that mean "off" (``gradient_clipping: 0``), a
 
 from __future__ import annotations
 
+from typing import Any
+
 from .config import ZeroEngineConfig
 
 
@@ -17,7 +19,19 @@ def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
         offload = getattr(zero, key)
         if offload is not None and offload.device != "none":
             found.append(f"zero_optimization.{key}.device = {offload.device!r} (offloading)")
+    for key, size in _tensor_parallel_sizes(config.tensor_parallel or {}):
+        if size > 1:
+            found.append(f"tensor_parallel.{key} = {size} (tensor parallelism; data parallelism with ZeRO is built)")
     return found
+
+
+def _tensor_parallel_sizes(section: dict[str, Any]) -> list[tuple[str, Any]]:
+    """DeepSpeed's spellings of the tensor-parallel size (``autotp_size``, ``tp_size``, ``tp.tp_size``)."""
+    sizes = [(key, section[key]) for key in ("autotp_size", "tp_size") if isinstance(section.get(key), int)]
+    nested = section.get("tp")
+    if isinstance(nested, dict) and isinstance(nested.get("tp_size"), int):
+        sizes.append(("tp.tp_size", nested["tp_size"]))
+    return sizes
 
 
 def refuse_unbuilt_features(config: ZeroEngineConfig) -> None:

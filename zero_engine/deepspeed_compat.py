@@ -1,0 +1,152 @@
+"""DeepSpeed's other spellings of a config, translated before validation.
+
+A ``ds_config.json`` that DeepSpeed accepts should load here with every key honoured or
+accounted for. `translate` rewrites what DeepSpeed spells differently, on a copy of the raw
+mapping, and returns notes for `initialize` to log:
+
+- keys that start with ``_`` are comments (``"_comment": "..."``), at every level;
+- ``"auto"`` (Hugging Face's placeholder) is refused with every key that holds it named;
+- both spellings of the stage 3 keys (``max_live_parameters`` and
+  ``stage3_max_live_parameters``: DeepSpeed accepts either), refusing both at once with
+  different values;
+- deprecated names (``stage3_gather_fp16_weights_on_model_save``, ``cpu_offload``, ...),
+  each with a one-line `FutureWarning` naming the current key;
+- the keywords of DeepSpeed's fused Adam: ``adam_w_mode`` picks Adam or AdamW,
+  ``torch_adam`` has no effect (torch.optim is always used), ``bias_correction: false`` is
+  refused (torch's Adam always corrects).
+
+Sections and top-level keys that only DeepSpeed has (monitors, profilers, ...) are fields of
+the schema (`zero_engine.config`), so that the key table documents them.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+STAGE3_SHORT_NAMES = (
+    "max_live_parameters",
+    "max_reuse_distance",
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "gather_16bit_weights_on_model_save",
+)
+# Deprecated DeepSpeed names -> the current key (in zero_optimization).
+DEPRECATED_ZERO_KEYS = {
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+}
+# Deprecated offload switches -> (section, key in it, value when the switch is true).
+DEPRECATED_OFFLOAD = {
+    "cpu_offload": ("offload_optimizer", "device", "cpu"),
+    "cpu_offload_params": ("offload_param", "device", "cpu"),
+    "cpu_offload_use_pin_memory": ("offload_optimizer", "pin_memory", True),
+}
+
+
+# Keys of ours where "auto" is a value with its own meaning.
+OWN_AUTO = {"zero_optimization.shard_group_size", "comm.backend", "comm.primitives"}
+
+
+class ConfigFutureWarning(FutureWarning):
+    """A DeepSpeed key that still works but has a current name."""
+
+
+def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A copy of ``raw`` in this schema's spelling, and notes for `initialize` to log.
+    Raises ValueError naming both keys when two spellings of one key disagree."""
+    config = _without_comments(copy.deepcopy(raw))
+    auto = [path for path in _auto_paths(config) if path not in OWN_AUTO]
+    if auto:
+        raise ValueError(
+            f"'auto' is Hugging Face's placeholder, filled from TrainingArguments by its Trainer integration; "
+            f"plain initialize cannot fill it yet: give values for {', '.join(auto)}"
+        )
+    notes: list[str] = []
+    zero = config.get("zero_optimization")
+    if isinstance(zero, dict):
+        _merge_stage3_spellings(zero)
+        _rename_deprecated(zero)
+    optimizer = config.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
+        notes.extend(_translate_fused_adam(optimizer))
+    return config, notes
+
+
+def _auto_paths(value: Any, prefix: str = "") -> list[str]:
+    """Every key path whose value is the string ``"auto"``."""
+    if isinstance(value, dict):
+        return [path for key, item in value.items() for path in _auto_paths(item, f"{prefix}{key}.")]
+    return [prefix.rstrip(".")] if value == "auto" else []
+
+
+def _without_comments(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_comments(v) for k, v in value.items() if not (isinstance(k, str) and k.startswith("_"))}
+    if isinstance(value, list):
+        return [_without_comments(v) for v in value]
+    return value
+
+
+def _set_once(section: dict[str, Any], key: str, value: Any, source: str, where: str) -> None:
+    """``section[key] = value`` unless ``key`` is set already to something else."""
+    if key in section and section[key] != value:
+        raise ValueError(
+            f"{where}.{source} = {value!r} and {where}.{key} = {section[key]!r} are two spellings of one key "
+            "and disagree: keep one"
+        )
+    section[key] = value
+
+
+def _merge_stage3_spellings(zero: dict[str, Any]) -> None:
+    for short in STAGE3_SHORT_NAMES:
+        if short in zero:
+            _set_once(zero, f"stage3_{short}", zero.pop(short), short, "zero_optimization")
+
+
+def _rename_deprecated(zero: dict[str, Any]) -> None:
+    for old, new in DEPRECATED_ZERO_KEYS.items():
+        if old in zero:
+            _deprecated(f"zero_optimization.{old}", f"zero_optimization.{new}")
+            _set_once(zero, new, zero.pop(old), old, "zero_optimization")
+    for old, (section, key, on) in DEPRECATED_OFFLOAD.items():
+        if old in zero:
+            switched_on = zero.pop(old)
+            _deprecated(f"zero_optimization.{old}", f"zero_optimization.{section}.{key}")
+            if switched_on:
+                target = zero.setdefault(section, {})
+                if isinstance(target, dict):
+                    target.setdefault(key, on)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is DeepSpeed's deprecated name: use {new}", ConfigFutureWarning, stacklevel=4)
+
+
+def _translate_fused_adam(optimizer: dict[str, Any]) -> list[str]:
+    """DeepSpeed's FusedAdam keywords onto torch.optim's Adam and AdamW."""
+    params = optimizer["params"]
+    kind = str(optimizer.get("type", "AdamW")).lower()
+    notes = []
+    if "torch_adam" in params:
+        params.pop("torch_adam")
+        notes.append("optimizer.params.torch_adam has no effect here: torch.optim's optimizers are always used")
+    if params.pop("bias_correction", True) is not True:
+        raise ValueError(
+            "optimizer.params.bias_correction = false: torch's Adam and AdamW always correct the bias of their "
+            "moments; remove the key (true is the default)"
+        )
+    if "adam_w_mode" in params:
+        mode = params.pop("adam_w_mode")
+        if not isinstance(mode, bool):
+            raise ValueError(f"optimizer.params.adam_w_mode = {mode!r}: must be true or false")
+        if kind == "adam":  # DeepSpeed's AdamW ignores the switch: always decoupled
+            optimizer["type"] = "AdamW" if mode else "Adam"
+    elif kind == "adam" and params.get("weight_decay"):
+        notes.append(
+            "optimizer.type = 'Adam' with weight_decay: this is torch.optim.Adam (an L2 penalty); DeepSpeed's Adam "
+            "decays as AdamW unless adam_w_mode is false. Set type AdamW (or adam_w_mode: true) to match DeepSpeed"
+        )
+    return notes
