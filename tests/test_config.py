@@ -182,6 +182,8 @@ def test_deepspeed_keys_without_effect_are_named_when_set(caplog: pytest.LogCapt
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     settings = {
         "fp16": {"auto_cast": True},
+        "bf16": {"loss_scale": 128, "loss_scale_window": 10, "initial_scale_power": 8, "hysteresis": 3,
+                 "min_loss_scale": 2},
         "wall_clock_breakdown": True,
         "zero_allow_untested_optimizer": True,
         "prescale_gradients": True, "gradient_predivide_factor": 2.0, "zero_force_ds_cpu_optimizer": False,
@@ -216,8 +218,14 @@ def test_deepspeed_only_sections_are_named_unless_switched_off(caplog: pytest.Lo
     named = {r.getMessage().split(" section")[0].removeprefix("the ") for r in caplog.records
              if "section has no effect here" in r.getMessage()}
     assert named == set(DEEPSPEED_SECTIONS) - {"wandb"}
-    with pytest.raises(NotImplementedError, match=r"tensor_parallel.autotp_size = 2 \(tensor parallelism"):
-        zero_engine.initialize(torch.nn.Linear(2, 2), {**base, "tensor_parallel": {"autotp_size": 2}})
+    for refused, match in (
+        ({"tensor_parallel": {"autotp_size": 2}}, r"tensor_parallel.autotp_size = 2 \(tensor parallelism"),
+        ({"pipeline": {"pipeline_parallel_size": 4}}, r"pipeline.pipeline_parallel_size = 4 \(pipeline"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, r"zero_hpz_partition_size = 8 .*shard_group_size"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, r"zero_quantized_weights = true"),
+    ):
+        with pytest.raises(NotImplementedError, match=match):
+            zero_engine.initialize(torch.nn.Linear(2, 2), {**base, **refused})
 
 
 def test_shard_group_size_resolves_and_names_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    AfterValidator,
     ValidationError,
     model_validator,
 )
@@ -58,6 +59,8 @@ def _not_boolean(value: Any) -> Any:
 
 Count = Annotated[int, BeforeValidator(_parse_count), Field(ge=0)]
 PositiveCount = Annotated[int, BeforeValidator(_parse_count), Field(ge=1)]
+# DeepSpeed allows a bucket of 0 elements: every gradient flushes at once, as a bucket of 1 does.
+BucketSize = Annotated[int, BeforeValidator(_parse_count), Field(ge=0), AfterValidator(lambda size: max(size, 1))]
 Integer = Annotated[int, BeforeValidator(_not_boolean)]
 Real = Annotated[float, BeforeValidator(_not_boolean)]
 
@@ -105,6 +108,12 @@ class FP16Config(_Section):
 
 class BF16Config(_Section):
     enabled: bool = Field(False, description="Compute in bfloat16 with fp32 master weights.")
+    # fp16's loss-scaling keys, which DeepSpeed configs often copy into bf16 (DeepSpeed ignores them).
+    loss_scale: Real = Field(0.0, ge=0, description="Accepted; bf16 needs no loss scaling.")
+    loss_scale_window: PositiveCount = Field(1000, description="Accepted; bf16 needs no loss scaling.")
+    initial_scale_power: Integer = Field(16, ge=0, le=64, description="Accepted; bf16 needs no loss scaling.")
+    hysteresis: PositiveCount = Field(2, description="Accepted; bf16 needs no loss scaling.")
+    min_loss_scale: Real = Field(1.0, gt=0, description="Accepted; bf16 needs no loss scaling.")
 
 
 class OffloadConfig(_Section):
@@ -121,7 +130,7 @@ class ZeroOptimizationConfig(_Section):
     overlap_comm: bool = Field(True, description="Launch gradient reductions during backward, bucket by bucket.")
     contiguous_gradients: bool = Field(True, description="Gradients live in one flat buffer (always true here).")
     reduce_scatter: bool = Field(True, description="DeepSpeed option; stages 1-2 always reduce-scatter (fastest primitive per backend).")
-    reduce_bucket_size: PositiveCount = Field(
+    reduce_bucket_size: BucketSize = Field(
         2_000_000, description="Elements per gradient-reduction bucket (and per shard unit at stages 1-2; at stage 3 "
         "without stage3_wrap_modules, the parameter count that makes a module a unit)."
     )
@@ -177,6 +186,12 @@ class ZeroOptimizationConfig(_Section):
     mics_shard_size: Integer = Field(
         -1, ge=-1, description="DeepSpeed MiCS's name for shard_group_size; -1: unset."
     )
+    zero_hpz_partition_size: PositiveCount = Field(
+        1, description="ZeRO++ hierarchical partitioning: a secondary parameter copy per group of this many ranks; "
+        "not built, refused above 1 (shard_group_size gives node-local gathers)."
+    )
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ int8 weight gathers; not built, refused when on.")
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++ int4 gradient reductions; not built, refused when on.")
     ignore_unused_parameters: bool = Field(True, description="DeepSpeed option; parameters without gradients are always allowed.")
     elastic_checkpoint: bool = Field(False, description="DeepSpeed option; checkpoints here are always elastic.")
     load_from_fp32_weights: bool = Field(True, description="DeepSpeed option; masters always load from fp32.")
@@ -264,6 +279,7 @@ class ZeroEngineConfig(_Section):
     data_types: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     checkpoint: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     tensor_parallel: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    pipeline: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     _notes: list[str] = PrivateAttr(default_factory=list)  # from translating DeepSpeed's spellings
 
     @model_validator(mode="after")
@@ -445,6 +461,9 @@ NO_EFFECT: dict[str, str] = {
     "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer here; torch.optim's optimizers are used",
     "memory_breakdown": "engine.memory_report() gives the bytes of model state each rank holds",
     "dump_state": "no state dump; the resolved config is engine.config (zero-engine validate prints it)",
+    **{f"bf16.{key}": "bf16 needs no loss scaling" for key in (
+        "loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale"
+    )},
 }
 
 _MONITORS = "no monitor writers here: log losses, engine.get_lr() and engine.get_global_grad_norm() with your own"
@@ -467,6 +486,7 @@ DEEPSPEED_SECTIONS: dict[str, str] = {
     "data_types": "gradients accumulate in the dtype each stage keeps them in; it is not configurable",
     "checkpoint": "checkpoints here always load at any stage and world size, and their tags are agreed between ranks",
     "tensor_parallel": "there is no tensor parallelism here (a size above 1 is refused at initialize)",
+    "pipeline": "there is no pipeline parallelism here (pipeline_parallel_size above 1 is refused at initialize)",
 }
 
 

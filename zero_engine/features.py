@@ -19,6 +19,17 @@ def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
         offload = getattr(zero, key)
         if offload is not None and offload.device != "none":
             found.append(f"zero_optimization.{key}.device = {offload.device!r} (offloading)")
+    if zero.zero_hpz_partition_size > 1:
+        found.append(
+            f"zero_optimization.zero_hpz_partition_size = {zero.zero_hpz_partition_size} (ZeRO++ hierarchical "
+            "partitioning; zero_optimization.shard_group_size shards parameters within each node instead)"
+        )
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if getattr(zero, key):
+            found.append(f"zero_optimization.{key} = true (ZeRO++ quantized communication)")
+    pipeline = (config.pipeline or {}).get("pipeline_parallel_size", 1)
+    if isinstance(pipeline, int) and pipeline > 1:
+        found.append(f"pipeline.pipeline_parallel_size = {pipeline} (pipeline parallelism)")
     for key, size in _tensor_parallel_sizes(config.tensor_parallel or {}):
         if size > 1:
             found.append(f"tensor_parallel.{key} = {size} (tensor parallelism; data parallelism with ZeRO is built)")
