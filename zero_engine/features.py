@@ -11,6 +11,14 @@ from typing import Any
 from .config import ZeroEngineConfig
 
 
+# The keys `unbuilt_features` refuses when they ask for more than plain ZeRO data parallelism.
+REFUSED_WHEN_ON = (
+    "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "zero_optimization.zero_hpz_partition_size",
+    "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients", "tensor_parallel",
+    "pipeline",
+)
+
+
 def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
     """Key paths of the switched-on features this version cannot run."""
     zero = config.zero_optimization
