@@ -192,6 +192,7 @@ def test_deepspeed_keys_without_effect_are_named_when_set(caplog: pytest.LogCapt
             "contiguous_gradients": False, "reduce_scatter": False, "allgather_partitions": False,
             "allgather_bucket_size": 123, "round_robin_gradients": True, "sub_group_size": 7,
             "stage3_max_reuse_distance": 9, "stage3_gather_16bit_weights_on_model_save": True,
+            "model_persistence_threshold": 5,
             "ignore_unused_parameters": False, "elastic_checkpoint": True, "load_from_fp32_weights": False,
         },
     }

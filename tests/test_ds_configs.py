@@ -118,3 +118,79 @@ class _no_warning:
 
     def __exit__(self, *exc: object) -> None:
         self._catcher.__exit__(*exc)
+
+
+# -- honoured keys do what DeepSpeed's do: one row per key, in one process ------------------------
+
+
+def _linear_step(engine: Any) -> None:
+    import torch
+
+    engine.backward(engine(torch.ones(1, 4)).sum())
+    engine.step()
+
+
+def _update_norm(engine: Any) -> float:
+    import torch
+
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    _linear_step(engine)
+    return torch.cat([(p.detach() - b).flatten() for p, b in zip(engine.module.parameters(), before)]).norm().item()
+
+
+HONOURED: list[tuple[str, dict[str, Any], Any]] = [
+    ("zero_optimization.stage", {"zero_optimization": {"stage": 2}}, lambda e: e.stage.level == 2),
+    ("gradient_accumulation_steps", {"gradient_accumulation_steps": 3},
+     lambda e: e.batch.gradient_accumulation_steps == 3 and not e.is_gradient_accumulation_boundary()),
+    ("train_micro_batch_size_per_gpu", {"train_micro_batch_size_per_gpu": 5}, lambda e: e.batch.micro_batch_size == 5),
+    ("gradient_clipping", {"gradient_clipping": 0.01}, lambda e: abs(_update_norm(e) - 0.01) < 1e-4),
+    ("optimizer.type", {"optimizer": {"type": "SGD", "params": {"lr": 0.5}}},
+     lambda e: type(e.optimizer).__name__ == "SGD" and e.get_lr() == [0.5]),
+    ("optimizer.params.adam_w_mode", {"optimizer": {"type": "Adam", "params": {"lr": 0.1, "adam_w_mode": True}}},
+     lambda e: type(e.optimizer).__name__ == "AdamW"),
+    ("scheduler", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.2, "warmup_num_steps": 4,
+                                                                "warmup_type": "linear"}}},
+     lambda e: (_linear_step(e), e.get_lr())[1] == [pytest.approx(0.05)]),
+    ("fp16.initial_scale_power", {"fp16": {"enabled": True, "initial_scale_power": 5}}, lambda e: e.loss_scale == 32),
+    ("fp16.loss_scale", {"fp16": {"enabled": True, "loss_scale": 64}}, lambda e: e.loss_scale == 64),
+    ("bf16.enabled", {"bf16": {"enabled": True}}, lambda e: e.module.weight.dtype.is_floating_point
+     and str(e.module.weight.dtype) == "torch.bfloat16"),
+    ("communication_data_type", {"bf16": {"enabled": True}, "communication_data_type": "bf16"},
+     lambda e: str(e.precision.reduce_dtype) == "torch.bfloat16"),
+    ("zero_optimization.overlap_comm", {"zero_optimization": {"stage": 1, "overlap_comm": False}},
+     lambda e: e.reducer.overlap is False),
+    ("zero_optimization.reduce_bucket_size", {"zero_optimization": {"stage": 1, "reduce_bucket_size": 4}},
+     lambda e: len(e.units) == 2),  # the 4x4 weight and the bias, each its own unit
+    ("zero_optimization.stage3_prefetch_bucket_size", {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 7}},
+     lambda e: e.gatherer.prefetch_numel == 7),
+    ("zero_optimization.stage3_max_live_parameters", {"zero_optimization": {"stage": 3, "max_live_parameters": 9}},
+     lambda e: e.gatherer.max_live_numel == 9),
+    ("zero_optimization.stage3_param_persistence_threshold",
+     {"zero_optimization": {"stage": 3, "param_persistence_threshold": 5}},  # the bias (4) stays whole
+     lambda e: [len(unit.params) for unit in e.gatherer.units] == [1]),
+]
+
+
+@pytest.mark.parametrize("key, config, probe", HONOURED, ids=[row[0] for row in HONOURED])
+def test_an_honoured_key_changes_what_deepspeed_says(key: str, config: dict[str, Any], probe: Any) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 1.0}}}
+    engine = zero_engine.initialize(torch.nn.Linear(4, 4), {**base, **config})
+    try:
+        assert probe(engine), key
+    finally:
+        engine.close()
+
+
+def test_steps_per_print_logs_as_deepspeed_prints(caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    engine = zero_engine.initialize(torch.nn.Linear(4, 4), {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 2})
+    with caplog.at_level("INFO", logger="zero_engine"):
+        for _ in range(4):
+            _linear_step(engine)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"], lines
+    engine.close()

@@ -158,6 +158,9 @@ class ZeroOptimizationConfig(_Section):
         description="Stage 3: trainable parameters with fewer elements stay whole on every rank "
         "(their gradients and optimizer state are still sharded, as at stage 2).",
     )
+    stage3_model_persistence_threshold: Count = Field(
+        2**63 - 1, description="DeepSpeed option (a model-wide cap on parameters kept whole); accepted, no effect."
+    )
     stage3_max_live_parameters: Count = Field(
         1_000_000_000,
         description="Stage 3: no prefetch may raise the gathered elements above this (units in use are always "
@@ -256,7 +259,10 @@ class ZeroEngineConfig(_Section):
         default_factory=ZeroOptimizationConfig, description="What is sharded, and how gradients are reduced."
     )
     comm: CommConfig = Field(default_factory=CommConfig, description="Process group settings (ours).")
-    steps_per_print: PositiveCount = Field(10, description="Log every this many optimizer steps.")
+    steps_per_print: PositiveCount = Field(
+        10, description="Every this many optimizer steps, rank 0 logs the step, learning rates, gradient norm, loss "
+        "scale and skipped steps (logger zero_engine, INFO), as DeepSpeed prints them."
+    )
     wall_clock_breakdown: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
     zero_allow_untested_optimizer: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
     prescale_gradients: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
@@ -447,6 +453,8 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.sub_group_size": "the optimizer steps this rank's pieces, one unit at a time in low "
     "precision; there are no optimizer sub-groups",
     "zero_optimization.stage3_max_reuse_distance": "a unit is freed after each use and gathered again",
+    "zero_optimization.stage3_model_persistence_threshold": "parameters stay whole by "
+    "stage3_param_persistence_threshold alone; there is no model-wide cap",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoints hold fp32 masters at every "
     "stage; full_state_dict() gathers them",
     "zero_optimization.ignore_unused_parameters": "parameters without gradients are always allowed",

@@ -245,6 +245,12 @@ class Engine:
         self._zero_grads()
         self.global_step += 1
         self._window_opened = False
+        if self.comm.rank == 0 and self.global_step % self.config.steps_per_print == 0:
+            logger.info(
+                "step %d: lr %s, grad norm %.4g, loss scale %g, skipped steps %d",
+                self.global_step, [f"{lr:.3g}" for lr in self.get_lr()], self._global_grad_norm or 0.0,
+                self.loss_scale, self.skipped_steps,
+            )
 
     def _agree_on_training(self) -> None:
         """Once per micro-step, before its first collective: a call row, so that a rank that
