@@ -19,10 +19,10 @@ OURS = ("comm", "zero_optimization.shard_group_size", "zero_optimization.stage3_
 
 def status(path: str, default: str) -> str:
     """How a key fares against DeepSpeed's meaning of it."""
-    if path in NO_EFFECT or path in DEEPSPEED_SECTIONS:
-        return "no effect (named at initialize)"
     if path.startswith(REFUSED_WHEN_ON):
         return "refused when on"
+    if path in NO_EFFECT or path in DEEPSPEED_SECTIONS:
+        return "no effect (named at initialize)"
     if path.startswith(OURS):
         return "ours"
     return "section" if default == "section" else "honoured"

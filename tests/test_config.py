@@ -187,12 +187,16 @@ def test_deepspeed_keys_without_effect_are_named_when_set(caplog: pytest.LogCapt
         "wall_clock_breakdown": True,
         "zero_allow_untested_optimizer": True,
         "prescale_gradients": True, "gradient_predivide_factor": 2.0, "zero_force_ds_cpu_optimizer": False,
-        "memory_breakdown": True, "dump_state": True,
+        "memory_breakdown": True, "dump_state": True, "disable_allgather": True, "dataloader_drop_last": True,
+        "graph_harvesting": True, "seq_parallel_communication_data_type": "bf16",
         "zero_optimization": {
             "contiguous_gradients": False, "reduce_scatter": False, "allgather_partitions": False,
             "allgather_bucket_size": 123, "round_robin_gradients": True, "sub_group_size": 7,
             "stage3_max_reuse_distance": 9, "stage3_gather_16bit_weights_on_model_save": True,
-            "model_persistence_threshold": 5,
+            "model_persistence_threshold": 5, "memory_efficient_linear": False,
+            "stage3_module_granularity_threshold": 5, "stage3_use_all_reduce_for_fetch_params": True,
+            "mics_hierarchical_params_gather": True, "use_multi_rank_bucket_allreduce": False,
+            "log_trace_cache_warnings": True,
             "ignore_unused_parameters": False, "elastic_checkpoint": True, "load_from_fp32_weights": False,
         },
     }
@@ -214,16 +218,20 @@ def test_deepspeed_only_sections_are_named_unless_switched_off(caplog: pytest.Lo
     sections = {name: {"enabled": True, "output_path": "x"} for name in DEEPSPEED_SECTIONS}
     sections["wandb"] = {"enabled": False, "project": "p"}  # switched off: silent
     sections["activation_checkpointing"] = {"partition_activations": True}  # no switch: named
+    sections["amp"] = sections["torch_autocast"] = {"enabled": False}  # refused when on: silent when off
     with caplog.at_level("WARNING", logger="zero_engine"):
         zero_engine.initialize(torch.nn.Linear(2, 2), {**base, **sections}).close()
     named = {r.getMessage().split(" section")[0].removeprefix("the ") for r in caplog.records
              if "section has no effect here" in r.getMessage()}
-    assert named == set(DEEPSPEED_SECTIONS) - {"wandb"}
+    assert named == set(DEEPSPEED_SECTIONS) - {"wandb", "amp", "torch_autocast"}
     for refused, match in (
         ({"tensor_parallel": {"autotp_size": 2}}, r"tensor_parallel.autotp_size = 2 \(tensor parallelism"),
         ({"pipeline": {"pipeline_parallel_size": 4}}, r"pipeline.pipeline_parallel_size = 4 \(pipeline"),
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, r"zero_hpz_partition_size = 8 .*shard_group_size"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, r"zero_quantized_weights = true"),
+        ({"amp": {"enabled": True, "opt_level": "O1"}}, r"amp.enabled = true \(use bf16 or fp16 instead\)"),
+        ({"sparse_gradients": True}, r"sparse_gradients = true"),
+        ({"sequence_parallel_size": 2}, r"sequence_parallel_size = 2 \(sequence parallelism\)"),
     ):
         with pytest.raises(NotImplementedError, match=match):
             zero_engine.initialize(torch.nn.Linear(2, 2), {**base, **refused})

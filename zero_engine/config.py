@@ -195,6 +195,15 @@ class ZeroOptimizationConfig(_Section):
     )
     zero_quantized_weights: bool = Field(False, description="ZeRO++ int8 weight gathers; not built, refused when on.")
     zero_quantized_gradients: bool = Field(False, description="ZeRO++ int4 gradient reductions; not built, refused when on.")
+    zero_quantized_nontrainable_weights: bool = Field(
+        False, description="ZeRO++ int8 frozen weights; not built, refused when on."
+    )
+    memory_efficient_linear: bool = Field(True, description="DeepSpeed stage 3 option; accepted, no effect.")
+    stage3_module_granularity_threshold: Count = Field(0, description="DeepSpeed stage 3 option; accepted, no effect.")
+    stage3_use_all_reduce_for_fetch_params: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    mics_hierarchical_params_gather: bool = Field(False, description="DeepSpeed MiCS option; accepted, no effect.")
+    use_multi_rank_bucket_allreduce: bool = Field(True, description="DeepSpeed option; accepted, no effect.")
+    log_trace_cache_warnings: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
     ignore_unused_parameters: bool = Field(True, description="DeepSpeed option; parameters without gradients are always allowed.")
     elastic_checkpoint: bool = Field(False, description="DeepSpeed option; checkpoints here are always elastic.")
     load_from_fp32_weights: bool = Field(True, description="DeepSpeed option; masters always load from fp32.")
@@ -270,6 +279,13 @@ class ZeroEngineConfig(_Section):
     zero_force_ds_cpu_optimizer: bool = Field(True, description="DeepSpeed option; accepted, no effect.")
     memory_breakdown: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
     dump_state: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    disable_allgather: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    dataloader_drop_last: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    graph_harvesting: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    seq_parallel_communication_data_type: str = Field("fp32", description="DeepSpeed option; accepted, no effect.")
+    sparse_gradients: bool = Field(False, description="DeepSpeed option: sparse embedding gradients; refused when on.")
+    sequence_parallel_size: PositiveCount = Field(1, description="DeepSpeed option: Ulysses sequence parallelism; "
+                                                  "refused above 1.")
     # DeepSpeed-only sections: accepted whole, logged at initialize unless switched off.
     tensorboard: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     csv_monitor: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
@@ -286,6 +302,21 @@ class ZeroEngineConfig(_Section):
     checkpoint: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     tensor_parallel: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     pipeline: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    amp: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    torch_autocast: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    elasticity: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    autotuning: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    sparse_attention: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    curriculum_learning: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    data_efficiency: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    compression_training: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    quantize_training: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    weight_quantization: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    progressive_layer_drop: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    eigenvalue: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    hybrid_engine: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    nebula: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    timers: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     _notes: list[str] = PrivateAttr(default_factory=list)  # from translating DeepSpeed's spellings
 
     @model_validator(mode="after")
@@ -450,6 +481,13 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.allgather_bucket_size": "shards are gathered one unit at a time (reduce_bucket_size or "
     "stage3_wrap_modules cut the units)",
     "zero_optimization.round_robin_gradients": "each unit's gradient is reduce-scattered as one flat buffer",
+    "zero_optimization.memory_efficient_linear": "linear layers run as the model defines them; nothing is patched",
+    "zero_optimization.stage3_module_granularity_threshold": "stage3_wrap_modules or reduce_bucket_size pick the "
+    "unit modules",
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": "parameters are always all-gathered",
+    "zero_optimization.mics_hierarchical_params_gather": "gathers run inside each shard group in one step",
+    "zero_optimization.use_multi_rank_bucket_allreduce": "gradients are reduce-scattered unit by unit",
+    "zero_optimization.log_trace_cache_warnings": "there is no trace cache; the gather order is agreed each pass",
     "zero_optimization.sub_group_size": "the optimizer steps this rank's pieces, one unit at a time in low "
     "precision; there are no optimizer sub-groups",
     "zero_optimization.stage3_max_reuse_distance": "a unit is freed after each use and gathered again",
@@ -469,12 +507,16 @@ NO_EFFECT: dict[str, str] = {
     "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer here; torch.optim's optimizers are used",
     "memory_breakdown": "engine.memory_report() gives the bytes of model state each rank holds",
     "dump_state": "no state dump; the resolved config is engine.config (zero-engine validate prints it)",
+    "disable_allgather": "updated shards are always all-gathered",
+    "dataloader_drop_last": "the engine builds no data loader",
+    "graph_harvesting": "no CUDA graphs are captured",
+    "seq_parallel_communication_data_type": "there is no sequence parallelism",
     **{f"bf16.{key}": "bf16 needs no loss scaling" for key in (
         "loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale"
     )},
 }
 
-_MONITORS = "no monitor writers here: log losses, engine.get_lr() and engine.get_global_grad_norm() with your own"
+_MONITORS = "no monitor writers here: log losses, engine.get_lr() and engine.get_global_grad_norm() with your own logger"
 # DeepSpeed-only sections, with why each changes nothing here; logged at initialize unless
 # switched off (``enabled: false``). `zero_engine.features` refuses what asks for more.
 DEEPSPEED_SECTIONS: dict[str, str] = {
@@ -495,6 +537,21 @@ DEEPSPEED_SECTIONS: dict[str, str] = {
     "checkpoint": "checkpoints here always load at any stage and world size, and their tags are agreed between ranks",
     "tensor_parallel": "there is no tensor parallelism here (a size above 1 is refused at initialize)",
     "pipeline": "there is no pipeline parallelism here (pipeline_parallel_size above 1 is refused at initialize)",
+    "amp": "NVIDIA Apex AMP is refused when enabled: use bf16 or fp16, which keep fp32 masters",
+    "torch_autocast": "autocast is refused when enabled: bf16 or fp16 run the model on low-precision copies",
+    "elasticity": "the batch triple is fixed by the config; checkpoints load at any world size",
+    "autotuning": "no autotuner; zero-engine estimate gives per-rank memory by the formula",
+    "sparse_attention": "DeepSpeed's sparse attention kernels are not part of this engine",
+    "curriculum_learning": "the engine does not touch data or sequence lengths",
+    "data_efficiency": "the engine does not touch data sampling or routing",
+    "compression_training": "no compression of the model",
+    "quantize_training": "no quantization of the model",
+    "weight_quantization": "no quantization of the model",
+    "progressive_layer_drop": "layers run as the model defines them",
+    "eigenvalue": "no eigenvalue computation",
+    "hybrid_engine": "no inference engine here",
+    "nebula": "checkpoints are written by save_checkpoint in their own format",
+    "timers": "no timers are kept; comm_report() gives the bytes moved",
 }
 
 

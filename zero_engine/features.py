@@ -14,8 +14,9 @@ from .config import ZeroEngineConfig
 # The keys `unbuilt_features` refuses when they ask for more than plain ZeRO data parallelism.
 REFUSED_WHEN_ON = (
     "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "zero_optimization.zero_hpz_partition_size",
-    "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients", "tensor_parallel",
-    "pipeline",
+    "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients",
+    "zero_optimization.zero_quantized_nontrainable_weights", "tensor_parallel", "pipeline", "sparse_gradients",
+    "sequence_parallel_size", "amp", "torch_autocast",
 )
 
 
@@ -32,9 +33,16 @@ def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
             f"zero_optimization.zero_hpz_partition_size = {zero.zero_hpz_partition_size} (ZeRO++ hierarchical "
             "partitioning; zero_optimization.shard_group_size shards parameters within each node instead)"
         )
-    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
         if getattr(zero, key):
             found.append(f"zero_optimization.{key} = true (ZeRO++ quantized communication)")
+    if config.sparse_gradients:
+        found.append("sparse_gradients = true (sparse embedding gradients; gradients are dense flat buffers here)")
+    if config.sequence_parallel_size > 1:
+        found.append(f"sequence_parallel_size = {config.sequence_parallel_size} (sequence parallelism)")
+    for section, instead in (("amp", "bf16 or fp16"), ("torch_autocast", "bf16 or fp16")):
+        if (getattr(config, section) or {}).get("enabled"):
+            found.append(f"{section}.enabled = true (use {instead} instead)")
     pipeline = (config.pipeline or {}).get("pipeline_parallel_size", 1)
     if isinstance(pipeline, int) and pipeline > 1:
         found.append(f"pipeline.pipeline_parallel_size = {pipeline} (pipeline parallelism)")
