@@ -65,6 +65,11 @@ Integer = Annotated[int, BeforeValidator(_not_boolean)]
 Real = Annotated[float, BeforeValidator(_not_boolean)]
 
 
+def _deepspeed_option(default: Any) -> Any:
+    """A DeepSpeed key accepted so that its configs load; `NO_EFFECT` says why it changes nothing."""
+    return Field(default, description="DeepSpeed option; accepted, no effect.")
+
+
 class _Section(BaseModel):
     # Infinity and NaN are refused in every number (an infinite timeout overflowed at
     # initialize, an infinite static loss scale skipped every step).
@@ -200,10 +205,10 @@ class ZeroOptimizationConfig(_Section):
     )
     memory_efficient_linear: bool = Field(True, description="DeepSpeed stage 3 option; accepted, no effect.")
     stage3_module_granularity_threshold: Count = Field(0, description="DeepSpeed stage 3 option; accepted, no effect.")
-    stage3_use_all_reduce_for_fetch_params: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    stage3_use_all_reduce_for_fetch_params: bool = _deepspeed_option(False)
     mics_hierarchical_params_gather: bool = Field(False, description="DeepSpeed MiCS option; accepted, no effect.")
-    use_multi_rank_bucket_allreduce: bool = Field(True, description="DeepSpeed option; accepted, no effect.")
-    log_trace_cache_warnings: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    use_multi_rank_bucket_allreduce: bool = _deepspeed_option(True)
+    log_trace_cache_warnings: bool = _deepspeed_option(False)
     ignore_unused_parameters: bool = Field(True, description="DeepSpeed option; parameters without gradients are always allowed.")
     elastic_checkpoint: bool = Field(False, description="DeepSpeed option; checkpoints here are always elastic.")
     load_from_fp32_weights: bool = Field(True, description="DeepSpeed option; masters always load from fp32.")
@@ -272,17 +277,17 @@ class ZeroEngineConfig(_Section):
         10, description="Every this many optimizer steps, rank 0 logs the step, learning rates, gradient norm, loss "
         "scale and skipped steps (logger zero_engine, INFO), as DeepSpeed prints them."
     )
-    wall_clock_breakdown: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
-    zero_allow_untested_optimizer: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
-    prescale_gradients: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
+    wall_clock_breakdown: bool = _deepspeed_option(False)
+    zero_allow_untested_optimizer: bool = _deepspeed_option(False)
+    prescale_gradients: bool = _deepspeed_option(False)
     gradient_predivide_factor: Real = Field(1.0, gt=0, description="DeepSpeed option; accepted, no effect.")
-    zero_force_ds_cpu_optimizer: bool = Field(True, description="DeepSpeed option; accepted, no effect.")
-    memory_breakdown: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
-    dump_state: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
-    disable_allgather: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
-    dataloader_drop_last: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
-    graph_harvesting: bool = Field(False, description="DeepSpeed option; accepted, no effect.")
-    seq_parallel_communication_data_type: str = Field("fp32", description="DeepSpeed option; accepted, no effect.")
+    zero_force_ds_cpu_optimizer: bool = _deepspeed_option(True)
+    memory_breakdown: bool = _deepspeed_option(False)
+    dump_state: bool = _deepspeed_option(False)
+    disable_allgather: bool = _deepspeed_option(False)
+    dataloader_drop_last: bool = _deepspeed_option(False)
+    graph_harvesting: bool = _deepspeed_option(False)
+    seq_parallel_communication_data_type: str = _deepspeed_option("fp32")
     sparse_gradients: bool = Field(False, description="DeepSpeed option: sparse embedding gradients; refused when on.")
     sequence_parallel_size: PositiveCount = Field(1, description="DeepSpeed option: Ulysses sequence parallelism; "
                                                   "refused above 1.")
