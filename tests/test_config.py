@@ -368,6 +368,18 @@ def test_every_error_of_a_file_in_one_message() -> None:
     for part in ("zero_optimization.stage = 5", "optimizer.params.lr = -1", "scheduler.params.warmup_num_steps = -3"):
         assert part in message, message
     assert "sub_group_size" not in message  # DeepSpeed allows 0
+    # What DeepSpeed's spellings cannot be translated into comes with the field errors too.
+    with pytest.raises(ConfigError) as info:
+        zero_engine.load_config({
+            "train_batch_size": "auto",
+            "zero_optimization": {"stage": 5, "max_live_parameters": 1, "stage3_max_live_parameters": 2},
+            "optimizer": {"type": "Adam", "params": {"lr": 0.1, "bias_correction": False}},
+        })
+    message = str(info.value)
+    assert "4 invalid setting(s)" in message, message
+    for part in ("give values for train_batch_size", "two spellings of one key", "bias_correction = false",
+                 "zero_optimization.stage = 5"):
+        assert part in message, message
 
 
 def test_auto_values_are_named_all_at_once() -> None:

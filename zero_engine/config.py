@@ -590,15 +590,14 @@ def load_config(source: str | Path | dict[str, Any] | ZeroEngineConfig) -> ZeroE
         source = _read_file(Path(source))
     if not isinstance(source, dict):
         raise ConfigError(f"{origin}: expected a mapping of keys at the top level, got {type(source).__name__}")
+    translated = translate(source)
     try:
-        source, notes = translate(source)
-    except ValueError as err:
-        raise ConfigError(f"{origin}: {err}") from None
-    try:
-        config = ZeroEngineConfig.model_validate(source)
+        config = ZeroEngineConfig.model_validate(translated.config)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, origin)) from None
-    config._notes = notes
+        raise ConfigError(_format_errors(origin, translated.problems, err)) from None
+    if translated.problems:
+        raise ConfigError(_format_errors(origin, translated.problems))
+    config._notes = translated.notes
     return config
 
 
@@ -661,9 +660,12 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _format_errors(err: ValidationError, origin: str) -> str:
-    lines = [f"{origin}: {err.error_count()} invalid setting(s)"]
-    for item in err.errors():
+def _format_errors(origin: str, problems: list[str], err: ValidationError | None = None) -> str:
+    """One message for every problem of a config: translation problems, then field errors."""
+    items = err.errors() if err is not None else []
+    lines = [f"{origin}: {len(problems) + len(items)} invalid setting(s)"]
+    lines += [f"  {problem}" for problem in problems]
+    for item in items:
         loc = item["loc"]
         path = ".".join(str(part) for part in loc)
         message = item["msg"].removeprefix("Value error, ")

@@ -6,6 +6,9 @@ mapping, and returns notes for `initialize` to log:
 
 - keys that start with ``_`` are comments (``"_comment": "..."``), at every level;
 - ``"auto"`` (Hugging Face's placeholder) is refused with every key that holds it named;
+
+What cannot be translated is returned as problems, reported in one `ConfigError` with the
+validation errors of the rest (never in rounds).
 - both spellings of the stage 3 keys (``max_live_parameters`` and
   ``stage3_max_live_parameters``: DeepSpeed accepts either), refusing both at once with
   different values;
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 STAGE3_SHORT_NAMES = (
     "max_live_parameters",
@@ -54,25 +57,40 @@ class ConfigFutureWarning(FutureWarning):
     """A DeepSpeed key that still works but has a current name."""
 
 
-def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """A copy of ``raw`` in this schema's spelling, and notes for `initialize` to log.
-    Raises ValueError naming both keys when two spellings of one key disagree."""
+class Translated(NamedTuple):
+    config: dict[str, Any]  # in this schema's spelling
+    notes: list[str]  # for initialize to log
+    problems: list[str]  # what could not be translated, each naming its keys
+
+
+def translate(raw: dict[str, Any]) -> Translated:
+    """A copy of ``raw`` in this schema's spelling, notes, and the problems found."""
     config = _without_comments(copy.deepcopy(raw))
+    notes: list[str] = []
+    problems: list[str] = []
     auto = [path for path in _auto_paths(config) if path not in OWN_AUTO]
     if auto:
-        raise ValueError(
+        problems.append(
             f"'auto' is Hugging Face's placeholder, filled from TrainingArguments by its Trainer integration; "
             f"plain initialize cannot fill it yet: give values for {', '.join(auto)}"
         )
-    notes: list[str] = []
+        for path in auto:  # left out, so that they raise no second error each
+            *sections, key = path.split(".")
+            _section(config, sections).pop(key)
     zero = config.get("zero_optimization")
     if isinstance(zero, dict):
-        _merge_stage3_spellings(zero)
-        _rename_deprecated(zero)
+        _merge_stage3_spellings(zero, problems)
+        _rename_deprecated(zero, problems)
     optimizer = config.get("optimizer")
     if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
-        notes.extend(_translate_fused_adam(optimizer))
-    return config, notes
+        notes.extend(_translate_fused_adam(optimizer, problems))
+    return Translated(config, notes, problems)
+
+
+def _section(config: dict[str, Any], sections: list[str]) -> dict[str, Any]:
+    for name in sections:
+        config = config[name]
+    return config
 
 
 def _auto_paths(value: Any, prefix: str = "") -> list[str]:
@@ -90,27 +108,28 @@ def _without_comments(value: Any) -> Any:
     return value
 
 
-def _set_once(section: dict[str, Any], key: str, value: Any, source: str, where: str) -> None:
-    """``section[key] = value`` unless ``key`` is set already to something else."""
+def _set_once(section: dict[str, Any], key: str, value: Any, source: str, problems: list[str]) -> None:
+    """``section[key] = value`` unless ``key`` is set already to something else (a problem)."""
     if key in section and section[key] != value:
-        raise ValueError(
-            f"{where}.{source} = {value!r} and {where}.{key} = {section[key]!r} are two spellings of one key "
-            "and disagree: keep one"
+        problems.append(
+            f"zero_optimization.{source} = {value!r} and zero_optimization.{key} = {section[key]!r} are two "
+            "spellings of one key and disagree: keep one"
         )
+        return
     section[key] = value
 
 
-def _merge_stage3_spellings(zero: dict[str, Any]) -> None:
+def _merge_stage3_spellings(zero: dict[str, Any], problems: list[str]) -> None:
     for short in STAGE3_SHORT_NAMES:
         if short in zero:
-            _set_once(zero, f"stage3_{short}", zero.pop(short), short, "zero_optimization")
+            _set_once(zero, f"stage3_{short}", zero.pop(short), short, problems)
 
 
-def _rename_deprecated(zero: dict[str, Any]) -> None:
+def _rename_deprecated(zero: dict[str, Any], problems: list[str]) -> None:
     for old, new in DEPRECATED_ZERO_KEYS.items():
         if old in zero:
             _deprecated(f"zero_optimization.{old}", f"zero_optimization.{new}")
-            _set_once(zero, new, zero.pop(old), old, "zero_optimization")
+            _set_once(zero, new, zero.pop(old), old, problems)
     for old, (section, key, on) in DEPRECATED_OFFLOAD.items():
         if old in zero:
             switched_on = zero.pop(old)
@@ -125,7 +144,7 @@ def _deprecated(old: str, new: str) -> None:
     warnings.warn(f"{old} is DeepSpeed's deprecated name: use {new}", ConfigFutureWarning, stacklevel=4)
 
 
-def _translate_fused_adam(optimizer: dict[str, Any]) -> list[str]:
+def _translate_fused_adam(optimizer: dict[str, Any], problems: list[str]) -> list[str]:
     """DeepSpeed's FusedAdam keywords onto torch.optim's Adam and AdamW."""
     params = optimizer["params"]
     kind = str(optimizer.get("type", "AdamW")).lower()
@@ -134,15 +153,15 @@ def _translate_fused_adam(optimizer: dict[str, Any]) -> list[str]:
         params.pop("torch_adam")
         notes.append("optimizer.params.torch_adam has no effect here: torch.optim's optimizers are always used")
     if params.pop("bias_correction", True) is not True:
-        raise ValueError(
+        problems.append(
             "optimizer.params.bias_correction = false: torch's Adam and AdamW always correct the bias of their "
             "moments; remove the key (true is the default)"
         )
     if "adam_w_mode" in params:
         mode = params.pop("adam_w_mode")
         if not isinstance(mode, bool):
-            raise ValueError(f"optimizer.params.adam_w_mode = {mode!r}: must be true or false")
-        if kind == "adam":  # DeepSpeed's AdamW ignores the switch: always decoupled
+            problems.append(f"optimizer.params.adam_w_mode = {mode!r}: must be true or false")
+        elif kind == "adam":  # DeepSpeed's AdamW ignores the switch: always decoupled
             optimizer["type"] = "AdamW" if mode else "Adam"
     elif kind == "adam" and params.get("weight_decay"):
         notes.append(
