@@ -113,6 +113,13 @@ def checkpoint_faults(rank: int, world_size: int, directory: str) -> dict:
     _train(engine, rank, world_size, range(3, 4))
     engine.close()
 
+    # full_state_dict on rank 0 alone between a forward and its backward (stage 1: the peer's
+    # next collective is its boundary reduction): every rank raises.
+    engine = _engine(1)
+    loss = engine(*micro_batch(0, 0, rank, world_size, MICRO, 1))
+    out["between_forward_and_backward"] = _outcome(engine.full_state_dict if rank == 0 else loss.backward)
+    engine.close()
+
     # save_checkpoint on rank 0 alone (stage 0: its peer's next collective is a gradient
     # all-reduce) and full_state_dict on rank 0 alone at stage 3 (the peer's next forward
     # gathers): every rank raises, naming each rank's call. Last: the groups are spent.
@@ -158,6 +165,8 @@ def test_checkpoint_faults_end_the_same_way_on_every_rank(tmp_path: Path) -> Non
         kind, message = out["other_optimizer"]
         assert kind == "CheckpointError" and "saved with optimizer SGD, this engine's is AdamW" in message
 
+        kind, message = out["between_forward_and_backward"]
+        assert kind == "DivergedRanksError" and "rank 0 is in full_state_dict()" in message, message
         for stage in (0, 3):
             kind, message = out[f"rank0_only_{stage}"]
             assert kind == "DivergedRanksError", (stage, rank, out[f"rank0_only_{stage}"])

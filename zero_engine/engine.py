@@ -121,7 +121,8 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._window_opened = False
-        self._train_call_agreed = False  # this micro-step's call row was sent (`_agree_on_call`)
+        # This micro-step's call rows sent (`_agree_on_training`): by its forward, by its backward.
+        self._train_rows_sent = {"forward": False, "backward": False}
         self._global_grad_norm: float | None = None
         self._scaling_backward = False  # inside engine.backward
         self._backwards_in_micro_step = 0  # finished since the last step()
@@ -165,7 +166,7 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            self._agree_on_training()
+            self._agree_on_training("forward")
         self._open_window()
         if self.lifecycle.state.in_backward:  # the last backward raised before autograd ran its end
             self.reducer.disarm()
@@ -207,7 +208,7 @@ class Engine:
                 "at the accumulation boundary): call engine.step() after each backward, or add the losses and "
                 "call backward once"
             )
-        self._agree_on_training()
+        self._agree_on_training("backward")
         self._open_window()
         self.reducer.pre_backward(boundary=boundary)
         self.gatherer.begin_backward()  # after: it tells the reducer which units get no gradient
@@ -226,7 +227,7 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._backwards_in_micro_step = 0
-        self._train_call_agreed = False
+        self._train_rows_sent = {"forward": False, "backward": False}
         if not boundary:
             return
         self._unscaled_backwards = 0
@@ -252,11 +253,13 @@ class Engine:
                 self.loss_scale, self.skipped_steps,
             )
 
-    def _agree_on_training(self) -> None:
-        """Once per micro-step, before its first collective: a call row, so that a rank that
-        skipped a collective call (a save on rank 0 only) is caught on every rank."""
-        if not self._train_call_agreed:
-            self._train_call_agreed = True
+    def _agree_on_training(self, phase: str) -> None:
+        """A call row at the first forward and at the first backward of every micro-step, so
+        that a collective call made on some ranks only (a save under ``if rank == 0:``, between
+        steps or between a forward and its backward) meets another rank's row and is caught on
+        every rank (stages 0-2; stage 3's passes send rows of their own)."""
+        if not self._train_rows_sent[phase]:
+            self._train_rows_sent[phase] = True
             self._agree_on_call(Call.TRAIN)
 
     def _agree_on_call(self, call: Call) -> None:
