@@ -142,7 +142,7 @@ class EachRank(NamedTuple):
         return self.slots.tolist()
 
     def arrived(self) -> bool:
-        return all(work.is_completed() for work in self.pending.works)
+        return self.pending.done()
 
 
 class GroupComm:

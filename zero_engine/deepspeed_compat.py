@@ -6,9 +6,6 @@ mapping, and returns notes for `initialize` to log:
 
 - keys that start with ``_`` are comments (``"_comment": "..."``), at every level;
 - ``"auto"`` (Hugging Face's placeholder) is refused with every key that holds it named;
-
-What cannot be translated is returned as problems, reported in one `ConfigError` with the
-validation errors of the rest (never in rounds).
 - both spellings of the stage 3 keys (``max_live_parameters`` and
   ``stage3_max_live_parameters``: DeepSpeed accepts either), refusing both at once with
   different values;
@@ -18,13 +15,15 @@ validation errors of the rest (never in rounds).
   ``torch_adam`` has no effect (torch.optim is always used), ``bias_correction: false`` is
   refused (torch's Adam always corrects).
 
+What cannot be translated is returned as problems, reported in one `ConfigError` with the
+validation errors of the rest (never in rounds).
+
 Sections and top-level keys that only DeepSpeed has (monitors, profilers, ...) are fields of
 the schema (`zero_engine.config`), so that the key table documents them.
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Any, NamedTuple
 
@@ -65,7 +64,7 @@ class Translated(NamedTuple):
 
 def translate(raw: dict[str, Any]) -> Translated:
     """A copy of ``raw`` in this schema's spelling, notes, and the problems found."""
-    config = _without_comments(copy.deepcopy(raw))
+    config = _without_comments(raw)  # a copy: every mapping and list is rebuilt
     notes: list[str] = []
     problems: list[str] = []
     auto = [path for path in _auto_paths(config) if path not in OWN_AUTO]

@@ -10,7 +10,6 @@ from typing import Any
 
 from .config import ZeroEngineConfig
 
-
 # The keys `unbuilt_features` refuses when they ask for more than plain ZeRO data parallelism.
 REFUSED_WHEN_ON = (
     "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "zero_optimization.zero_hpz_partition_size",
@@ -40,9 +39,9 @@ def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
         found.append("sparse_gradients = true (sparse embedding gradients; gradients are dense flat buffers here)")
     if config.sequence_parallel_size > 1:
         found.append(f"sequence_parallel_size = {config.sequence_parallel_size} (sequence parallelism)")
-    for section, instead in (("amp", "bf16 or fp16"), ("torch_autocast", "bf16 or fp16")):
+    for section in ("amp", "torch_autocast"):
         if (getattr(config, section) or {}).get("enabled"):
-            found.append(f"{section}.enabled = true (use {instead} instead)")
+            found.append(f"{section}.enabled = true (use bf16 or fp16 instead)")
     pipeline = (config.pipeline or {}).get("pipeline_parallel_size", 1)
     if isinstance(pipeline, int) and pipeline > 1:
         found.append(f"pipeline.pipeline_parallel_size = {pipeline} (pipeline parallelism)")

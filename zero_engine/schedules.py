@@ -216,7 +216,7 @@ def dry_run(section: Any, optimizer: torch.optim.Optimizer) -> None:
     """Run the schedule ahead on a stand-in optimizer with the same groups: a rate that is not a
     finite non-negative number, or an error from the schedule (``StepLR`` with ``step_size`` 0
     divides by zero at its first step), fails `initialize` naming the schedule, not step 1000."""
-    stand_in = torch.optim.SGD([{"params": [torch.zeros(1)], "lr": g["lr"]} for g in optimizer.param_groups])
+    stand_in = torch.optim.SGD([{"params": [torch.zeros(1, device="cpu")], "lr": g["lr"]} for g in optimizer.param_groups])
     label = f"scheduler {section.type} with params {section.params}"
     try:
         with warnings.catch_warnings():

@@ -164,10 +164,7 @@ class ParamGatherer(NoGather):
         # It launched the gathers agreed before (prefetches proposed for the next pass): let
         # them complete and free them, so that every unit is sharded for the call (a load
         # writes shards) and no buffer is abandoned to a collective in flight.
-        for index, unit in enumerate(self.units):
-            if unit.has_full_storage and not self._holds[index].held:
-                unit.wait_for_unshard()
-                self._reshard(index)
+        self._free_unheld(wait=True)
 
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         self.check_usable()
@@ -364,9 +361,13 @@ class ParamGatherer(NoGather):
         self._complete(index)
         self.units[index].reshard()
 
-    def _free_unheld(self) -> None:
+    def _free_unheld(self, wait: bool = False) -> None:
+        """Free every gathered unit nobody here holds (``wait``: let its gather complete first,
+        rather than abandon the buffer to it)."""
         for index, unit in enumerate(self.units):
             if unit.has_full_storage and not self._holds[index].held:
+                if wait:
+                    unit.wait_for_unshard()
                 self._reshard(index)
 
     # -- accounting ------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ wait for without waiting for a rank that waits for it.
 Rows from different passes cannot be reconciled (one rank runs two forwards before its
 backward, another one): every rank raises `DivergedRanksError` on the same round.
 
-The engine's collective calls (a training step's first forward or backward, saving, loading,
-exporting) open with a *call row* on the same control group (`agree_on_call`, at every stage):
+The engine's collective calls (saving, loading, exporting; at stages 0-2 also a micro-step's
+first forward and first backward) open with a *call row* on the same control group (`agree_on_call`, at every stage):
 a rank that skipped a call (``if rank == 0: engine.save_checkpoint(...)``) pairs its next row
 with another rank's call row, and every rank raises `DivergedRanksError` naming each rank's call
 instead of pairing unrelated collectives until the timeout.
@@ -61,7 +61,7 @@ class PassKind(IntEnum):
 class Call(IntEnum):
     """The engine's collective calls, as call rows name them."""
 
-    TRAIN = 1  # the first forward or backward of a micro-step (stages 0-2)
+    TRAIN = 1  # a micro-step's first forward, and its first backward (stages 0-2)
     SAVE_CHECKPOINT = 2
     LOAD_CHECKPOINT = 3
     FULL_STATE_DICT = 4
@@ -265,21 +265,25 @@ class CollectiveSchedule:
     # -- ranks in different passes ---------------------------------------------------------------
 
     def _check_same_pass(self, rows: list[list[int]]) -> None:
-        passes = {row[0] for row in rows}
-        kinds = {row[1] for row in rows} - {int(PassKind.BETWEEN)}
-        message = call_divergence(rows, self.describe_unit)
-        if message is None and len(passes) == 1 and len(kinds) <= 1:
-            return
+        message = call_divergence(rows, self.describe_unit) or self._pass_divergence(rows)
         if message is None:
-            per_rank = ", ".join(f"rank {rank} {describe_row(row, self.describe_unit)}" for rank, row in enumerate(rows))
-            message = (
-                f"stage 3 ranks diverged: {per_rank}. Ranks may run different modules within a pass, but every "
-                "rank must run the same passes (forwards and backwards through the model) in the same order. The "
-                "ranks' collectives are now out of step: end the job"
-            )
+            return
         self.divergence = message
         # Every rank agreed on the events of the earlier rounds and may be waiting for one of
         # them: launch them all, so each rank gets to read this round and raise too.
         self.launch_all()
         self._rounds.clear()
         raise DivergedRanksError(self.divergence)
+
+    def _pass_divergence(self, rows: list[list[int]]) -> str | None:
+        """The message when the rows come from different passes; None when they do not."""
+        passes = {row[0] for row in rows}
+        kinds = {row[1] for row in rows} - {int(PassKind.BETWEEN)}
+        if len(passes) == 1 and len(kinds) <= 1:
+            return None
+        per_rank = ", ".join(f"rank {rank} {describe_row(row, self.describe_unit)}" for rank, row in enumerate(rows))
+        return (
+            f"stage 3 ranks diverged: {per_rank}. Ranks may run different modules within a pass, but every "
+            "rank must run the same passes (forwards and backwards through the model) in the same order. The "
+            "ranks' collectives are now out of step: end the job"
+        )

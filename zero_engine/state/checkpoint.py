@@ -113,7 +113,7 @@ def on_every_rank(
     failed = [item for item in outcomes if "error" in item]
     if failed and on_failure is not None:
         on_failure()
-        comm.barrier()
+        comm.each_rank(0).values()  # every rank has run it (on the control group, as every agreement)
     if local is not None and len(outcomes) == 1:
         raise local
     if failed:
@@ -186,7 +186,7 @@ def _check_client_state(client_state: Any) -> None:
     try:
         torch.save(client_state, buffer)
         buffer.seek(0)
-        torch.load(buffer, weights_only=True)
+        torch.load(buffer, map_location="cpu", weights_only=True)  # a GPU tensor is not copied back to the GPU
     except Exception as err:  # noqa: BLE001 (pickling and weights-only refusals alike)
         detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), str(err).splitlines()[0])
         raise ValueError(
