@@ -81,12 +81,16 @@ def call_divergence(rows: list[list[int]], describe_unit: Callable[[int], str] =
     the same call after the same count; None otherwise."""
     if all(row[1] != PassKind.CALL for row in rows) or all(row == rows[0] for row in rows):
         return None
-    per_rank = ", ".join(f"rank {rank} {describe_row(row, describe_unit)}" for rank, row in enumerate(rows))
     return (
-        f"ranks are in different calls: {per_rank}. save_checkpoint, load_checkpoint and (when state is sharded) "
+        f"ranks are in different calls: {describe_rows(rows, describe_unit)}. save_checkpoint, load_checkpoint and (when state is sharded) "
         "full_state_dict are collective: call them on every rank, at the same step. The ranks' collectives are "
         "now out of step: end the job"
     )
+
+
+def describe_rows(rows: list[list[int]], describe_unit: Callable[[int], str] = str) -> str:
+    """Every rank's row, for a divergence message."""
+    return ", ".join(f"rank {rank} {describe_row(row, describe_unit)}" for rank, row in enumerate(rows))
 
 
 def describe_row(row: list[int], describe_unit: Callable[[int], str] = str) -> str:
@@ -281,9 +285,8 @@ class CollectiveSchedule:
         kinds = {row[1] for row in rows} - {int(PassKind.BETWEEN)}
         if len(passes) == 1 and len(kinds) <= 1:
             return None
-        per_rank = ", ".join(f"rank {rank} {describe_row(row, self.describe_unit)}" for rank, row in enumerate(rows))
         return (
-            f"stage 3 ranks diverged: {per_rank}. Ranks may run different modules within a pass, but every "
+            f"stage 3 ranks diverged: {describe_rows(rows, self.describe_unit)}. Ranks may run different modules within a pass, but every "
             "rank must run the same passes (forwards and backwards through the model) in the same order. The "
             "ranks' collectives are now out of step: end the job"
         )
