@@ -111,7 +111,9 @@ class FSDP2System(TorchSystem):
 
 
 class EngineSystem:
-    def __init__(self, model: nn.Module, stage: int, bucket: int, shard_group_size: int | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, stage: int, bucket: int, shard_group_size: int | None = None, offload: str = ""
+    ) -> None:
         config = {
             "train_micro_batch_size_per_gpu": 1,  # batches are handed in directly
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
@@ -120,6 +122,7 @@ class EngineSystem:
             "zero_optimization": {
                 "stage": stage, "reduce_bucket_size": bucket, "stage3_wrap_modules": ["Block"],
                 "stage3_param_persistence_threshold": 0, "shard_group_size": shard_group_size,
+                **OFFLOAD[offload],
             },
         }
         self.engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
@@ -132,7 +135,7 @@ class EngineSystem:
 
     def memory(self) -> dict[str, int]:
         report = self.engine.memory_report()
-        keys = ("parameters", "gradients", "optimizer_states", "buffers", "peak_gradients", "peak_gathered_forward")
+        keys = ("parameters", "gradients", "optimizer_states", "buffers", "peak_gradients", "peak_gathered_forward", "host")
         return {key: report[key] for key in keys}
 
     def comm_bytes(self) -> int | None:
@@ -142,9 +145,18 @@ class EngineSystem:
         return self.engine.comm_report()["inter_group"]["sent"]
 
 
+# ``engineS+X``: CPU offload of the optimizer (opt), the parameters (param, stage 3) or both.
+_CPU = {"device": "cpu", "pin_memory": True}
+OFFLOAD = {
+    "": {}, "opt": {"offload_optimizer": _CPU}, "param": {"offload_param": _CPU},
+    "both": {"offload_optimizer": _CPU, "offload_param": _CPU},
+}
+
+
 def build_systems(names: list[str], model_config, bucket: int) -> dict[str, Callable]:
     """``ddp``, ``zero_redundancy``, ``fsdp2``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B
-    elements); ``/G`` after fsdp2 or an engine: hybrid sharding over groups of G ranks (HSDP)."""
+    elements); ``/G`` after fsdp2 or an engine: hybrid sharding over groups of G ranks (HSDP);
+    ``+opt``, ``+param``, ``+both`` after an engine: CPU offload (`OFFLOAD`)."""
     systems = {}
     for name in names:
         torch.manual_seed(0)
@@ -156,10 +168,12 @@ def build_systems(names: list[str], model_config, bucket: int) -> dict[str, Call
         elif base == "fsdp2":
             systems[name] = FSDP2System(model, shard_group_size)
         elif base.startswith("engine"):
+            base, _, offload = base.partition("+")
             stage, _, size = base.removeprefix("engine").partition("@")
-            systems[name] = EngineSystem(model, int(stage), int(float(size)) if size else bucket, shard_group_size)
+            bucket_size = int(float(size)) if size else bucket
+            systems[name] = EngineSystem(model, int(stage), bucket_size, shard_group_size, offload)
         else:
-            raise SystemExit(f"unknown system {name!r}: ddp, zero_redundancy, fsdp2[/G], engineS[@BUCKET][/G]")
+            raise SystemExit(f"unknown system {name!r}: ddp, zero_redundancy, fsdp2[/G], engineS[@BUCKET][+OFFLOAD][/G]")
     return systems
 
 
@@ -238,14 +252,14 @@ def markdown(result: dict) -> str:
         "(stages 0-2; stage 3 and FSDP2 move 3x)",
         "",
         f"| system | median step (ms) | {ref.replace('_', ' ')} | params MiB | grads MiB | optimizer MiB "
-        "| comm buffers MiB | peak grads MiB | peak gathered params MiB | comm MiB/step | across groups MiB/step "
-        "| max loss diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| comm buffers MiB | peak grads MiB | peak gathered params MiB | of these on the host MiB | comm MiB/step "
+        "| across groups MiB/step | max loss diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in result["systems"].items():
         comm = _mib(row["comm_bytes_per_step"])
         loss_key = next(k for k in row if k.startswith("max_loss_diff"))
-        extra = [_mib(row.get(key)) for key in ("buffers", "peak_gradients", "peak_gathered_forward")]
+        extra = [_mib(row.get(key)) for key in ("buffers", "peak_gradients", "peak_gathered_forward", "host")]
         lines.append(
             f"| {name} | {row['median_step_s'] * 1e3:.1f} | {row[ref]:.3f} | {_mib(row['parameters'])} "
             f"| {_mib(row['gradients'])} | {_mib(row['optimizer_states'])} | {' | '.join(extra)} | {comm} "

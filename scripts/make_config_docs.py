@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zero_engine.config import DEEPSPEED_SECTIONS, NO_EFFECT, key_reference
-from zero_engine.features import REFUSED_WHEN_ON
+from zero_engine.features import PARTLY_BUILT, REFUSED_WHEN_ON
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 BEGIN, END = "<!-- keys:begin -->", "<!-- keys:end -->"
@@ -19,6 +19,8 @@ OURS = ("comm", "zero_optimization.shard_group_size", "zero_optimization.stage3_
 
 def status(path: str, default: str) -> str:
     """How a key fares against DeepSpeed's meaning of it."""
+    if path in PARTLY_BUILT:
+        return PARTLY_BUILT[path]
     if path.startswith(REFUSED_WHEN_ON):
         return "refused when on"
     if path in NO_EFFECT or path in DEEPSPEED_SECTIONS:

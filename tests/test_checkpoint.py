@@ -23,11 +23,11 @@ LR, GLOBAL_BATCH, FIRST, SECOND = 0.05, 12, 3, 3
 SETUPS = {1: (4, 3), 2: (3, 2), 3: (2, 2), 4: (3, 1)}
 
 
-def _config(stage: int, world_size: int) -> dict:
+def _config(stage: int, world_size: int, **zero) -> dict:
     micro, accum = SETUPS[world_size]
     # At stage 3 the size policy makes embed, fc1 and fc2 units of their own.
     return engine_config(
-        stage, micro=micro, lr=LR, accum=accum, reduce_bucket_size=50, stage3_param_persistence_threshold=0
+        stage, micro=micro, lr=LR, accum=accum, reduce_bucket_size=50, stage3_param_persistence_threshold=0, **zero
     )
 
 
@@ -36,12 +36,14 @@ def _train(engine, rank: int, world_size: int, steps: range) -> list[list[float]
     return train_engine(engine, rank, world_size, steps, micro, accum)[0]
 
 
-def resume_jobs(rank: int, world_size: int, jobs: list[tuple[str, int, str]]) -> list[dict]:
-    """("save", stage, dir): train the first steps and save. ("load", stage, dir): resume."""
+def resume_jobs(rank: int, world_size: int, jobs: list[tuple]) -> list[dict]:
+    """("save", stage, dir): train the first steps and save. ("load", stage, dir): resume.
+    A fourth item holds more zero_optimization keys (offload)."""
     results = []
-    for kind, stage, directory in jobs:
+    for kind, stage, directory, *zero in jobs:
         model = make_model(seed=1 if kind == "load" else 0)  # a resumed model starts elsewhere
-        engine = zero_engine.initialize(model, _config(stage, world_size), param_groups=decay_groups(model))
+        config = _config(stage, world_size, **(zero[0] if zero else {}))
+        engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
         if kind == "save":
             losses = _train(engine, rank, world_size, range(FIRST))
             engine.save_checkpoint(directory, client_state={"note": "first", "step": FIRST})

@@ -65,7 +65,7 @@ def test_full_state_dict_has_every_key_on_cpu_fp32() -> None:
 @pytest.mark.parametrize(
     "sections, fragment",
     [
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device = 'cpu'"),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}}, "offload_optimizer.device = 'nvme'"),
         ({"optimizer": {"type": "Adafactor", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 1}},
          "Adafactor is not elementwise"),
         ({"optimizer": {"type": "LBFGS", "params": {"lr": 0.01}}}, "LBFGS needs a closure"),

@@ -43,7 +43,7 @@ def _config(case: dict) -> dict:
     return engine_config(
         case["stage"], micro=MICRO, lr=LR, accum=case["accum"], optimizer_params={"eps": EPS}, clip=case["clip"],
         dtype=case["dtype"], fp16={"loss_scale": STATIC_SCALE}, reduce_bucket_size=60,
-        stage3_param_persistence_threshold=0, shard_group_size=case.get("shard_group_size"),
+        stage3_param_persistence_threshold=0, shard_group_size=case.get("shard_group_size"), **case.get("zero", {}),
     )
 
 

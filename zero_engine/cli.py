@@ -2,7 +2,8 @@
 
     zero-engine validate CONFIG [--world-size N]        print the resolved config, or its errors
     zero-engine estimate CONFIG --params N [--world-size N] [--shard-group-size G]
-                                                         per-rank model-state bytes by the formula
+                                                         per-rank model-state bytes by the formula,
+                                                         host and device apart with offload
     zero-engine consolidate CHECKPOINT OUT [--tag T]     write a plain fp32 state_dict (.pt, .safetensors)
 """
 
@@ -66,6 +67,9 @@ def _estimate(args: argparse.Namespace) -> int:
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
     total = report.parameters + report.gradients + report.optimizer_states + report.master_parameters
     print(f"  {'total':18s} {total / 2**30:10.3f} GiB")
+    if report.host:
+        print(f"  {'on the host':18s} {report.host / 2**30:10.3f} GiB  (offload; on the device: "
+              f"{(total - report.host) / 2**30:.3f} GiB)")
     if zero.stage == 2:
         print(f"  + during backward up to two gradient buckets: "
               f"{2 * zero.reduce_bucket_size * 4 / 2**30:.3f} GiB (reduce_bucket_size)")

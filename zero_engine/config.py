@@ -122,12 +122,18 @@ class BF16Config(_Section):
 
 
 class OffloadConfig(_Section):
-    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where to offload; only 'none' is built.")
-    pin_memory: bool = Field(False, description="Pinned host memory for offloaded tensors.")
-    nvme_path: str | None = Field(None, description="NVMe directory for 'nvme' offload.")
-    buffer_count: PositiveCount = Field(4, description="Offload buffers in flight.")
+    device: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="'cpu': keep it in host memory (see Offload in the README); 'nvme' is refused (not built)."
+    )
+    pin_memory: bool = Field(
+        False, description="Page-locked host buffers, so copies overlap the GPU's work (ignored without CUDA)."
+    )
+    nvme_path: str | None = Field(None, description="NVMe directory for 'nvme' offload (not built).")
+    buffer_count: PositiveCount = Field(4, description="DeepSpeed's NVMe buffer count; accepted, no effect with 'cpu'.")
     fast_init: bool = Field(False, description="DeepSpeed's fast-init switch; accepted for compatibility.")
-    ratio: Real = Field(1.0, ge=0, le=1, description="Fraction of the optimizer offloaded.")
+    ratio: Real = Field(
+        1.0, ge=0, le=1, description="Fraction offloaded; below 1.0 (DeepSpeed's partial offload) is refused."
+    )
 
 
 class ZeroOptimizationConfig(_Section):
@@ -148,8 +154,14 @@ class ZeroOptimizationConfig(_Section):
         "Stage 3 always reduce-scatters every micro-step.",
     )
     round_robin_gradients: bool = Field(False, description="DeepSpeed stage 1-2 option; accepted, no effect.")
-    offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer offload; not built.")
-    offload_param: OffloadConfig | None = Field(None, description="Parameter offload; not built.")
+    offload_optimizer: OffloadConfig | None = Field(
+        None, description="Stages 1-3: this rank's fp32 master, gradient and optimizer state live on the host, "
+        "where the optimizer steps."
+    )
+    offload_param: OffloadConfig | None = Field(
+        None, description="Stage 3: the parameter shards live on the host and go to the device just before "
+        "their all-gather (no effect at stages 1-2)."
+    )
     sub_group_size: Count = Field(
         1_000_000_000, description="DeepSpeed stage 3 option (optimizer sub-groups); accepted, no effect."
     )
@@ -335,6 +347,13 @@ class ZeroEngineConfig(_Section):
                 "(gradients are computed in the compute dtype)"
             )
         zero = self.zero_optimization
+        for key in ("offload_optimizer", "offload_param"):
+            section = getattr(zero, key)
+            if zero.stage == 0 and section is not None and section.device != "none":
+                raise ValueError(
+                    f"zero_optimization.{key}.device = {section.device!r} needs zero_optimization.stage 1-3 "
+                    "(stage 0 replicates every state on every rank; offloading starts from a shard)"
+                )
         if zero.mics_shard_size == 0:
             raise ValueError("zero_optimization.mics_shard_size = 0: use -1 (unset) or a number of ranks per group")
         if zero.shard_group_size is not None and zero.mics_shard_size not in (-1, zero.shard_group_size):
@@ -577,6 +596,12 @@ def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
         value, default = getattr(section, key), type(section).model_fields[key].default
         if value != default:
             messages.append(f"{path} = {value!r} has no effect here: {why}")
+    zero = config.zero_optimization
+    if zero.stage < 3 and zero.offload_param is not None and zero.offload_param.device != "none":
+        messages.append(
+            f"zero_optimization.offload_param.device = {zero.offload_param.device!r} has no effect at stage "
+            f"{zero.stage}: parameters are whole on every rank below stage 3 (DeepSpeed ignores it there too)"
+        )
     return messages
 
 

@@ -23,7 +23,9 @@ from torch import nn
 from .comm import Comm, connect, local_cuda_device
 from .config import BatchSizes, ZeroEngineConfig, load_config, no_effect_settings
 from .features import refuse_unbuilt_features
-from .memory import measure_memory
+from . import offload
+from .memory import host_bytes_needed, measure_memory
+from .offload import offload_plan
 from .optim import build_optimizer, check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
 from .precision import Precision, build_loss_scaler
@@ -85,6 +87,7 @@ def initialize(
         elif param_init_fn is not None and comm.rank == 0:
             logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
         batch = config.batch_sizes(comm.world_size)
+        _check_host_memory(model, config, comm.world_size)
         engine = Engine(model, config, comm, stage, batch, groups, precision, device=device, deferred=deferred)
         if weights_file is not None:
             load_weights(engine.model_state, weights_file, file_names)
@@ -135,10 +138,12 @@ class Engine:
             for message in no_effect_settings(config):
                 logger.warning(message)
         self.device = device or _model_device(model)  # where parameters, gradients and state live
+        self.offload = offload_plan(zero)  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
         self.units, self.gatherer = build_units(
-            model, groups, comm, stage, zero, precision.compute_dtype, self.device, self.lifecycle, deferred
+            model, groups, comm, stage, zero, precision.compute_dtype, self.device, self.lifecycle, deferred,
+            self.offload,
         )
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype)
         self.reducer = build_reducer(
@@ -148,7 +153,9 @@ class Engine:
         )
         self.gatherer.attach_reducer(self.reducer)
         self.peak_step_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step
-        self.optimizer = build_optimizer(config.optimizer, stage.level, _optimizer_groups(groups, self.units))
+        self.optimizer = build_optimizer(
+            config.optimizer, stage.level, _optimizer_groups(groups, self.units), on_host=self.offload.optimizer
+        )
         if config.scheduler:
             dry_run(config.scheduler, self.optimizer)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
@@ -395,6 +402,7 @@ class Engine:
             self.reducer,
             self.gatherer.peaks(),
             self.peak_step_grad_bytes,
+            optimizer_on_host=self.offload.optimizer,
         )
         return report._asdict()
 
@@ -439,6 +447,8 @@ class Engine:
         """Resume from ``directory`` (tag: the latest); returns the saved ``client_state``."""
         self.gatherer.check_usable()
         self._agree_on_call(Call.LOAD_CHECKPOINT)
+        if self.offload.any:  # the last publish may still be reading the host masters this load overwrites
+            offload.wait_for_host_copies(self.device)
         loaded = checkpoint.load(
             self._resumable(), directory, tag, strict=strict, load_optimizer_states=load_optimizer_states
         )
@@ -472,11 +482,17 @@ def _optimizer_groups(groups: list[ParamGroup], units: list[FlatUnit]) -> list[d
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The squared L2 norm over all ``grads`` in float64, on ``device``: each tensor's norm in
-    fp32 (no copy of fp32 gradients; the old ``grad.double().pow(2)`` made two per shard)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads])
-    return norms.double().pow(2).sum()
+    fp32 (no copy of fp32 gradients; the old ``grad.double().pow(2)`` made two per shard),
+    computed where the tensor lives."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    by_place: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:  # offloaded shards are summed where they live (the host), then moved as one number
+        by_place.setdefault(grad.device, []).append(grad)
+    for place, group in by_place.items():
+        norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in group])
+        squares = norms.double().pow(2).sum()
+        total = total + (squares if place == device else squares.to(device, non_blocking=True))
+    return total
 
 
 # Models an engine has hooked (until its close()): a second engine on one would run both
@@ -537,6 +553,15 @@ def _check_device(device: torch.device) -> None:
             f"the model is on {device}, but this rank's GPU is {expected} (torchrun's LOCAL_RANK): "
             f"move it there first, model.to({str(expected)!r})"
         )
+
+
+def _check_host_memory(model: nn.Module, config: ZeroEngineConfig, world_size: int) -> None:
+    """With offload: the host state of every rank on this node must fit the node's available
+    memory, checked before any of it is allocated."""
+    if offload_plan(config.zero_optimization).any:
+        num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
+        needed = host_bytes_needed(config, num_params, world_size)
+        offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")
 
 
 def _check_params(model: nn.Module, precision: Precision) -> None:

@@ -12,11 +12,23 @@ from .config import ZeroEngineConfig
 
 # The keys `unbuilt_features` refuses when they ask for more than plain ZeRO data parallelism.
 REFUSED_WHEN_ON = (
-    "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "zero_optimization.zero_hpz_partition_size",
+    "zero_optimization.zero_hpz_partition_size",
     "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients",
     "zero_optimization.zero_quantized_nontrainable_weights", "tensor_parallel", "pipeline", "sparse_gradients",
     "sequence_parallel_size", "amp", "torch_autocast",
 )
+
+
+# Keys built in part: what of them is refused (for the key table in docs/config.md).
+PARTLY_BUILT = {
+    f"zero_optimization.{section}.{key}": status
+    for section in ("offload_optimizer", "offload_param")
+    for key, status in {
+        "device": "honoured ('nvme' refused)", "ratio": "honoured at 1.0 (below: refused)",
+        "nvme_path": "no effect ('nvme' refused)", "buffer_count": "no effect ('nvme' refused)",
+        "fast_init": "no effect ('nvme' refused)",
+    }.items()
+}
 
 
 def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
@@ -25,8 +37,18 @@ def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
     found = []
     for key in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, key)
-        if offload is not None and offload.device != "none":
-            found.append(f"zero_optimization.{key}.device = {offload.device!r} (offloading)")
+        if offload is None or offload.device == "none":
+            continue
+        if offload.device == "nvme":
+            found.append(
+                f"zero_optimization.{key}.device = 'nvme' (NVMe offload needs asynchronous file I/O, DeepSpeed's aio "
+                "extension; use 'cpu')"
+            )
+        elif offload.ratio < 1.0:
+            found.append(
+                f"zero_optimization.{key}.ratio = {offload.ratio} (partial offload, DeepSpeed's ZeRO-Offload++ "
+                "twin-flow; offloading all of it, ratio 1.0, is built)"
+            )
     if zero.zero_hpz_partition_size > 1:
         found.append(
             f"zero_optimization.zero_hpz_partition_size = {zero.zero_hpz_partition_size} (ZeRO++ hierarchical "

@@ -21,6 +21,7 @@ from torch import nn
 
 from .comm import tensor_bytes
 from .config import ZeroEngineConfig
+from .offload import OffloadPlan, offload_plan
 from .sharding.reducer import GradReducer
 from .sharding.unit import FlatUnit
 
@@ -37,6 +38,7 @@ class MemoryReport(NamedTuple):
     peak_gathered_forward: int = 0  # stage 3: most gathered (full) unit parameters alive in the last forward
     peak_gathered_backward: int = 0  # stage 3: the same in the last backward
     peak_step_gradients: int = 0  # fp32 copies of low-precision gradients alive at once in the last step
+    host: int = 0  # of the held-now kinds, what lives in host memory (offload); the rest is on the device
 
 
 # The fields of `MemoryReport` that count storage held now (the others are peaks).
@@ -93,15 +95,15 @@ def optimizer_bytes_per_param(name: str, params: dict) -> int:
 def estimate_from_config(
     config: ZeroEngineConfig, num_params: int, world_size: int, shard_group_size: int | None = None
 ) -> MemoryReport:
-    """The formula for a config: its stage, precision and optimizer. States are sharded over
-    the shard group (``shard_group_size``, else the config's for ``world_size``), not over
-    every rank: with hybrid sharding ``G`` takes the place of ``N``."""
+    """The formula for a config: its stage, precision, optimizer and offload. States are
+    sharded over the shard group (``shard_group_size``, else the config's for ``world_size``),
+    not over every rank: with hybrid sharding ``G`` takes the place of ``N``."""
     mixed = config.fp16.enabled or config.bf16.enabled
     if shard_group_size is None:
         shard_group_size = config.zero_optimization.shard_group_size_for(world_size)
     elif world_size % shard_group_size:
         raise ValueError(f"shard group size {shard_group_size} does not divide the world size {world_size}")
-    return formula_bytes(
+    report = formula_bytes(
         num_params,
         config.zero_optimization.stage,
         shard_group_size,
@@ -110,6 +112,37 @@ def estimate_from_config(
         optimizer_bytes=optimizer_bytes_per_param(config.optimizer.type, config.optimizer.params),
         master_bytes=4 if mixed else 0,
     )
+    zero = config.zero_optimization
+    return with_offload(report, offload_plan(zero), num_params, shard_group_size, mixed=mixed, stage=zero.stage)
+
+
+def with_offload(
+    report: MemoryReport, plan: OffloadPlan, num_params: int, shards: int, *, mixed: bool, stage: int
+) -> MemoryReport:
+    """The formula with `OffloadPlan` applied: offloaded, the shard's master is a separate fp32
+    host copy (also in fp32 training, except when the parameter shard is on the host too), its
+    gradient an fp32 host tensor (4 bytes, whatever the compute dtype; at stage 1 beside the
+    device's full gradients), and the optimizer state host memory."""
+    if not plan.any:
+        return report
+    per_rank = num_params * 4 // shards
+    host = 0
+    if plan.optimizer:
+        device_grads = report.gradients if stage == 1 else 0  # stage 1 keeps full gradients for backward
+        shared_master = plan.params and not mixed
+        report = report._replace(
+            gradients=device_grads + per_rank, peak_gradients=device_grads + per_rank,
+            master_parameters=0 if shared_master else per_rank,
+        )
+        host = report.master_parameters + per_rank + report.optimizer_states
+    if plan.params:
+        host += report.parameters
+    return report._replace(host=host)
+
+
+def host_bytes_needed(config: ZeroEngineConfig, num_params: int, world_size: int) -> int:
+    """What one rank will allocate on the host for offloaded state (formula, no padding)."""
+    return estimate_from_config(config, num_params, world_size).host
 
 
 def measure_memory(
@@ -119,10 +152,12 @@ def measure_memory(
     reducer: GradReducer,
     gathered_peaks: tuple[int, int] = (0, 0),
     step_grad_bytes: int = 0,
+    optimizer_on_host: bool = False,
 ) -> MemoryReport:
     """What this rank holds now, counted from the tensors themselves. ``loose_params`` are the
     parameters outside every unit (frozen ones), counted as they are stored; stage 3 units
-    count their shard (gathered copies are transient and reported as peaks)."""
+    count their shard (gathered copies are transient and reported as peaks). ``host`` counts
+    what offload put in host memory (``optimizer_on_host``: the optimizer's state too)."""
     optimizer_states = sum(
         tensor_bytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
     )
@@ -136,4 +171,5 @@ def measure_memory(
         peak_gathered_forward=gathered_peaks[0],
         peak_gathered_backward=gathered_peaks[1],
         peak_step_gradients=step_grad_bytes,
+        host=sum(unit.host_bytes for unit in units) + (optimizer_states if optimizer_on_host else 0),
     )

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..config import ZeroOptimizationConfig
+from ..offload import NO_OFFLOAD, OffloadPlan
 from ..param_groups import ParamGroup
 from .deferred_init import DeferredInit
 from .gatherer import NoGather, ParamGatherer
@@ -42,15 +43,18 @@ def build_units(
     device: torch.device,
     lifecycle: Lifecycle,
     deferred: DeferredInit | None = None,
+    offload: OffloadPlan = NO_OFFLOAD,
 ) -> tuple[list[FlatUnit], NoGather]:
-    """All units in reducer order, and what gathers them (nothing below stage 3)."""
+    """All units in reducer order, and what gathers them (nothing below stage 3). ``offload``
+    puts sharded state on the host: optimizer state in every unit, parameter shards in the
+    stage 3 units (resident parameters stay whole on the device, as DeepSpeed's persistent ones)."""
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
         if deferred is not None:
             deferred.materialize_all()
             _agree_on_drawn_values(model, [], comm)
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
-        units = _bucketed_units(named, position, comm, stage, zero, compute_dtype)
+        units = _bucketed_units(named, position, comm, stage, zero, compute_dtype, offload)
         return _in_arrival_order(units, position), NoGather(comm)
     plans, resident = plan_module_units(
         model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
@@ -58,7 +62,7 @@ def build_units(
     sharded = [
         ShardedFlatUnit(
             plan.params, plan.names, plan.group_indices, comm.shard_rank, comm.num_shards, label=plan.label,
-            compute_dtype=compute_dtype, device=device, materialize=_materializer(deferred, plan.params),
+            compute_dtype=compute_dtype, device=device, materialize=_materializer(deferred, plan.params), offload=offload,
         )
         for plan in plans
         if plan.params
@@ -78,7 +82,7 @@ def build_units(
     per_group: list[list[tuple[str, nn.Parameter, int]]] = [[] for _ in groups]
     for item in resident:
         per_group[item.group_index].append((item.name, item.param, item.group_index))
-    resident_units = _bucketed_units(per_group, position, comm, stage, zero, compute_dtype)
+    resident_units = _bucketed_units(per_group, position, comm, stage, zero, compute_dtype, offload)
     return _in_arrival_order([*sharded, *resident_units], position), gatherer
 
 
@@ -91,8 +95,10 @@ def _agree_on_drawn_values(model: nn.Module, sharded: Sequence[ShardedFlatUnit],
     whole = [tensor for tensor in (*model.parameters(), *model.buffers()) if tensor not in in_units]
     comm.broadcast([tensor.detach() for tensor in whole], src=0)
     if sharded and comm.num_replicas > 1:
-        comm.broadcast_across_groups([unit.optim.master for unit in sharded])
-        for unit in sharded:
+        staged = [unit.optim.master.to(unit.device) for unit in sharded]  # offloaded masters cross on the device
+        comm.broadcast_across_groups(staged)
+        for unit, values in zip(sharded, staged):
+            unit.optim.master.copy_(values)
             unit.optim.publish()
 
 
@@ -110,6 +116,7 @@ def _bucketed_units(
     stage: Stage,
     zero: ZeroOptimizationConfig,
     compute_dtype: torch.dtype,
+    offload: OffloadPlan,
 ) -> list[FlatUnit]:
     """Whole-parameter units of at most ``reduce_bucket_size`` elements, per param group."""
     units = []
@@ -127,6 +134,7 @@ def _bucketed_units(
                     shard_master=stage.shard_optimizer_state,
                     full_grads=not stage.streams_gradients(zero),
                     releases_grad=stage.releases_gradients,
+                    offload=offload,
                 )
             )
     return units

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from .. import offload
 from ..comm import HOST, Comm, Pending, TwoPhase, advance_in_order, tensor_bytes
 from .lifecycle import Lifecycle, TrainingState
 from .unit import FlatUnit
@@ -165,6 +166,16 @@ class GradReducer:
         if reducing:
             self._launch_until(len(self.units))
             self._finish()
+            self._finish_host_copies()
+
+    def _finish_host_copies(self) -> None:
+        """offload_optimizer: wait once for this backward's gradient copies to the host (the
+        one host sync an offloaded backward adds), then add any staged micro-step in."""
+        shards = [unit.optim for unit in self.units if unit.optim.host_grad]
+        if shards:
+            offload.wait_for_host_copies(shards[0].unit.device)
+            for shard in shards:
+                shard.finish_host_copies()
 
     def _launch_ready_units(self) -> None:
         stop = self._next_unit
@@ -286,6 +297,8 @@ class FullGradReducer(GradReducer):
         return unit.optim.ensure_grad()
 
     def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
+        if unit.optim.host_grad:  # the averaged shard is on the host (the device buffer was reduced elsewhere)
+            return unit.optim.ensure_grad()
         start, end = unit.layout.shard_range(unit.rank)
         return _full_grad(unit)[start:end]
 

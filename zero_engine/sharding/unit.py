@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..comm import DONE, Comm, Pending, tensor_bytes
+from ..offload import NO_OFFLOAD, OffloadPlan, copy_across, host_copy
 from .layout import UnitLayout
 from .optimizer_shard import OptimizerShard
 
@@ -50,8 +51,10 @@ class FlatUnit:
         releases_grad: bool = False,
         device: torch.device | None = None,
         materialize: Callable[[], None] | None = None,
+        offload: OffloadPlan = NO_OFFLOAD,
     ) -> None:
         self.params = list(params)
+        self.offload = offload
         self.shapes = [param.shape for param in self.params]  # stage 3 empties the parameters
         self.names = list(names)
         self.group_indices = list(group_indices)  # each parameter's optimizer param group
@@ -81,20 +84,24 @@ class FlatUnit:
             param.data = self.param_view(index)
         if full_grads:
             self.attach_grads()
-        elif not releases_grad:
+        elif not releases_grad and not offload.optimizer:  # a host gradient exists already
             self.optim.ensure_grad()
 
     def _make_optimizer_shard(
         self, full_fp32: torch.Tensor, owned_range: tuple[int, int], releases_grad: bool
     ) -> OptimizerShard:
-        """In fp32 the master is a view of the parameters; otherwise an fp32 copy of the
-        owned range, published into ``flat_param`` after each update."""
+        """In fp32 the master is a view of the parameters; otherwise (or offloaded: on the
+        host) an fp32 copy of the owned range, published into ``flat_param`` after each update."""
         start, end = owned_range
         fp32 = self.compute_dtype == torch.float32
-        master = self.flat_param[start:end] if fp32 else full_fp32[start:end].clone()
+        if self.offload.optimizer:
+            master, fp32 = host_copy(full_fp32[start:end], self.offload.pin_memory), False
+        else:
+            master = self.flat_param[start:end] if fp32 else full_fp32[start:end].clone()
         return OptimizerShard(
             self, owned_range, master, None if fp32 else self.flat_param[start:end],
             shaped_pieces=not self.shard_master, full_grad=self.flat_grad, releases_grad=releases_grad,
+            host_grad=self.offload.optimizer, pin_memory=self.offload.pin_memory,
         )
 
     def view_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
@@ -118,13 +125,20 @@ class FlatUnit:
 
     @property
     def grad_bytes(self) -> int:
-        """Gradient storage held now: the full flat buffer, or just this rank's shard."""
-        return tensor_bytes(self.flat_grad) if self.flat_grad is not None else self.optim.grad_bytes
+        """Gradient storage held now: the full flat buffer, or just this rank's shard (both at
+        stage 1 with offload_optimizer: the shard is then an fp32 host copy, not a view)."""
+        full = tensor_bytes(self.flat_grad) if self.flat_grad is not None else 0
+        return full + self.optim.grad_bytes
 
     @property
     def param_bytes(self) -> int:
         """Persistent parameter storage: the whole flat buffer (stages 0-2)."""
         return tensor_bytes(self.flat_param)
+
+    @property
+    def host_bytes(self) -> int:
+        """What of the unit's persistent state lives on the host (offload)."""
+        return self.optim.host_bytes
 
     def kept_range(self, index: int) -> tuple[int, int] | None:
         """The elements of parameter ``index`` (flattened) that this rank keeps, as
@@ -175,10 +189,11 @@ class ShardedFlatUnit(FlatUnit):
         compute_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
         materialize: Callable[[], None] | None = None,
+        offload: OffloadPlan = NO_OFFLOAD,
     ) -> None:
         super().__init__(
             params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, shard_master=True,
-            full_grads=False, releases_grad=True, device=device, materialize=materialize,
+            full_grads=False, releases_grad=True, device=device, materialize=materialize, offload=offload,
         )
         self.label = label  # the module path the unit stands for, for messages
         self._empty = torch.empty(0, dtype=compute_dtype, device=self.device)
@@ -191,16 +206,25 @@ class ShardedFlatUnit(FlatUnit):
         self, full_fp32: torch.Tensor, owned_range: tuple[int, int], releases_grad: bool
     ) -> OptimizerShard:
         """The unit keeps ``param_shard``, its shard in the compute dtype, made here beside the
-        master: in fp32 they are one tensor (no second copy), else the master is published into
-        it after each update."""
+        master: in fp32 they are one tensor when they live in one place (no second copy), else
+        the master is published into it after each update. ``offload_param`` puts the shard on
+        the host (cast on the device first), ``offload_optimizer`` the master."""
         start, end = owned_range
-        if self.compute_dtype == torch.float32:
-            self.param_shard = full_fp32[start:end].clone()
-            master, publish_to = self.param_shard, None
+        plan = self.offload
+        if plan.params:
+            self.param_shard = host_copy(self.flat_param[start:end], plan.pin_memory)
         else:
             self.param_shard = self.flat_param[start:end].clone()
+        if self.compute_dtype == torch.float32 and plan.params == plan.optimizer:
+            master, publish_to = self.param_shard, None
+        elif plan.optimizer:
+            master, publish_to = host_copy(full_fp32[start:end], plan.pin_memory), self.param_shard
+        else:
             master, publish_to = full_fp32[start:end].clone(), self.param_shard
-        return OptimizerShard(self, owned_range, master, publish_to, shaped_pieces=False, releases_grad=releases_grad)
+        return OptimizerShard(
+            self, owned_range, master, publish_to, shaped_pieces=False, releases_grad=releases_grad,
+            host_grad=plan.optimizer, pin_memory=plan.pin_memory,
+        )
 
     @property
     def has_full_storage(self) -> bool:
@@ -216,7 +240,7 @@ class ShardedFlatUnit(FlatUnit):
             for index, param in enumerate(self.params):
                 param.data = self.param_view(index)
         start, end = self.layout.shard_range(self.rank)
-        self.flat_param[start:end].copy_(self.param_shard)
+        copy_across(self.flat_param[start:end], self.param_shard)  # from the host with offload_param
         self._pending = Pending(self._pending.works + comm.all_gather(self.flat_param).works)
         self.state = ShardedState.GATHERING
 
@@ -243,6 +267,11 @@ class ShardedFlatUnit(FlatUnit):
     @property
     def param_bytes(self) -> int:
         return tensor_bytes(self.param_shard)
+
+    @property
+    def host_bytes(self) -> int:
+        shard = tensor_bytes(self.param_shard) if self.offload.params else 0
+        return shard + self.optim.host_bytes
 
     @property
     def gathered_bytes(self) -> int:

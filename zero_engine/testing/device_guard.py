@@ -19,6 +19,15 @@ index tensors, and records every host sync on a device tensor (``item()``, ``boo
 
 Tags live on storages, so views and ``param.data = view`` share them; a storage's tag is set
 when an operation first returns it. The guard costs a Python call per operation: tests only.
+
+Two more things a GPU would show, for offload:
+
+- memory: `device_bytes` is what the live device storages hold now, and `peak_device_bytes`
+  the most they held at once since `reset_peak` (taken after every operation), both counted
+  from the storages that exist, not from anyone's accounting;
+- asynchronous copies: a ``non_blocking`` copy from the device to the host is not a sync,
+  but until `zero_engine.offload.wait_for_host_copies` runs (recorded as a sync) the host
+  must not touch its destination: any host operation on it raises `DeviceMistake`.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import offload
 
 GUARDED_DEVICE = torch.device("cpu", 0)
 
@@ -52,6 +63,8 @@ _SYNC_OPS = frozenset(
         aten.unique_consecutive.default,
     }
 )
+# Operations that read no element (allowed on a host tensor an asynchronous copy is writing).
+_METADATA = frozenset({aten.is_pinned.default})
 _DEVICE_GETTER = torch._C.TensorBase.device
 _READ_BACKS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy})
 _HOST_MOVES = frozenset({torch.Tensor.to, torch.Tensor.cpu})
@@ -71,9 +84,12 @@ class DeviceGuard:
 
     def __init__(self) -> None:
         self._device_storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._copying_to_host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages an async copy writes
         self.syncs: list[HostSync] = []
+        self._peak: int | None = None  # tracked after `reset_peak`
         self._function_mode = _FunctionMode(self)
         self._dispatch_mode = _DispatchMode(self)
+        self._real_wait = offload.wait_for_host_copies
 
     def adopt(self, *owners: nn.Module | torch.Tensor) -> None:
         """The tensors of these modules (or these tensors) stand for tensors on the GPU."""
@@ -90,14 +106,53 @@ class DeviceGuard:
         syncs, self.syncs = self.syncs, []
         return syncs
 
+    def device_bytes(self) -> int:
+        """Bytes held now by the storages of live device tensors (a freed, ``resize_(0)``
+        storage holds none)."""
+        return sum(self.device_storage_sizes())
+
+    def device_storage_sizes(self) -> list[int]:
+        """The bytes of each live device storage that holds any (to say what `device_bytes` counted)."""
+        return [storage.nbytes() for storage, on_device in self._device_storages.items() if on_device and storage.nbytes()]
+
+    def reset_peak(self) -> None:
+        """Start tracking `peak_device_bytes` from what the device holds now."""
+        self._peak = self.device_bytes()
+
+    @property
+    def peak_device_bytes(self) -> int:
+        if self._peak is None:
+            raise RuntimeError("DeviceGuard.reset_peak() first")
+        return max(self._peak, self.device_bytes())
+
+    def _after_operation(self) -> None:
+        if self._peak is not None:
+            self._peak = max(self._peak, self.device_bytes())
+
     def __enter__(self) -> DeviceGuard:
         self._function_mode.__enter__()
         self._dispatch_mode.__enter__()
+        offload.wait_for_host_copies = self._wait_for_host_copies
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        offload.wait_for_host_copies = self._real_wait
         self._dispatch_mode.__exit__(kind, error, tb)
         self._function_mode.__exit__(kind, error, tb)
+
+    def _wait_for_host_copies(self, device: torch.device) -> None:
+        self._record_sync("wait_for_host_copies")
+        self._copying_to_host = WeakIdKeyDictionary()
+        self._real_wait(device)
+
+    def _check_not_copying(self, func: Any, inputs: list[torch.Tensor]) -> None:
+        """A host operation on the destination of an asynchronous copy still in flight."""
+        for tensor in inputs:
+            if tensor.untyped_storage() in self._copying_to_host:
+                raise DeviceMistake(
+                    f"{func} uses a host tensor {tuple(tensor.shape)} {tensor.dtype} that an asynchronous copy from "
+                    f"the device may still be writing (wait_for_host_copies first). At {_caller()}"
+                )
 
     def _tag(self, tensor: torch.Tensor, on_device: bool) -> None:
         self._device_storages[tensor.untyped_storage()] = on_device
@@ -152,18 +207,24 @@ class _DispatchMode(TorchDispatchMode):
         kwargs = kwargs or {}
         inputs = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         on_device = [self.guard.on_device(tensor) for tensor in inputs]
+        if self.guard._copying_to_host and func not in _METADATA and not (func in _TRANSFERS and any(on_device)):
+            self.guard._check_not_copying(func, inputs)
         if any(on_device):
-            self._check(func, args, inputs, on_device)
+            self._check(func, args, kwargs, inputs, on_device)
         out = func(*args, **kwargs)
         self._tag_outputs(func, kwargs, inputs, any(on_device), out)
+        self.guard._after_operation()
         return out
 
-    def _check(self, func: Any, args: tuple, inputs: list[torch.Tensor], on_device: list[bool]) -> None:
+    def _check(self, func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor], on_device: list[bool]) -> None:
         if func in _SYNC_OPS:
             self.guard._record_sync(str(func))
         if func in _TRANSFERS:
             if func is aten.copy_.default and on_device[1] and not on_device[0]:
-                self.guard._record_sync("copy_ to the host")
+                if args[2] if len(args) > 2 else kwargs.get("non_blocking", False):
+                    self.guard._copying_to_host[args[0].untyped_storage()] = True  # async: not a sync
+                else:
+                    self.guard._record_sync("copy_ to the host")
             return
         indices = [] if func not in _INDEXING else [leaf for leaf in tree_leaves(args[1:]) if torch.is_tensor(leaf)]
         host = [

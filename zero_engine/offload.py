@@ -1,0 +1,145 @@
+"""CPU offload: where the optimizer's state and the parameter shards live, and how bytes cross.
+
+`OffloadPlan` says what lives on the host (``offload_optimizer``: the fp32 master, the fp32
+step gradient and the optimizer's state of this rank's shard; ``offload_param``, stage 3: the
+parameter shard too). The rest of this module is the few operations that cross between the
+device and the host, kept here so the CUDA-only lines (pinned memory, stream waits) are in
+small named functions:
+
+- gradients go to the host once per reduction, already fp32 (upcast on the device: a host
+  dtype conversion inside a copy is what made DeepSpeed's offloaded backward 82x slower);
+- those copies are asynchronous (``non_blocking`` from pinned memory on a GPU), ordered by the
+  device's stream, and the host waits for them once, at the end of the backward that made them
+  (`wait_for_host_copies`), before it reads them;
+- updated values go back to the device in the master's dtype and are cast there.
+
+On a CPU-only torch there is no pinned memory (``pin_memory()`` raises) and copies are plain
+``copy_``; the waits do nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+HOST = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What a rank keeps on the host instead of the device."""
+
+    optimizer: bool = False  # fp32 master, fp32 step gradient and optimizer state of the shard
+    params: bool = False  # stage 3: the parameter shard (in the compute dtype)
+    pin_memory: bool = False  # host buffers page-locked (only where CUDA exists)
+
+    @property
+    def any(self) -> bool:
+        return self.optimizer or self.params
+
+
+NO_OFFLOAD = OffloadPlan()
+
+
+def offload_plan(zero: Any) -> OffloadPlan:
+    """The plan from a ``zero_optimization`` section (validated: `zero_engine.config`);
+    ``offload_param`` counts at stage 3 only (below it parameters are whole, as in DeepSpeed)."""
+    optimizer = zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
+    params = zero.stage == 3 and zero.offload_param is not None and zero.offload_param.device == "cpu"
+    pin = any(section is not None and section.device == "cpu" and section.pin_memory
+              for section in (zero.offload_optimizer, zero.offload_param))
+    return OffloadPlan(optimizer, params, pin)
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host buffer, page-locked when asked and possible (a copy from pinned memory can run
+    asynchronously beside the device's work)."""
+    return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=pin and _can_pin())
+
+
+def host_copy(values: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new host tensor holding ``values`` (flat), in ``dtype`` (default: theirs)."""
+    out = host_empty(values.numel(), dtype or values.dtype, pin)
+    out.copy_(values.reshape(-1))
+    return out
+
+
+def copy_to_host(destination: torch.Tensor, values: torch.Tensor) -> None:
+    """Start copying device ``values`` (same dtype: cast them on the device first) into the
+    host ``destination``. Asynchronous from pinned memory: read ``destination`` only after
+    `wait_for_host_copies`."""
+    if values.dtype != destination.dtype:
+        raise TypeError(f"copy_to_host: cast on the device first ({values.dtype} -> {destination.dtype})")
+    # non_blocking always: asynchronous into pinned memory; into pageable memory CUDA completes
+    # the copy before returning, so the wait that follows is a no-op for it.
+    destination.copy_(values, non_blocking=True)
+
+
+def copy_across(destination: torch.Tensor, values: torch.Tensor) -> None:
+    """Copy ``values`` into ``destination``, wherever each lives, casting on the device side:
+    host to device moves the host's own bytes and casts after the copy; device to host casts
+    before it (`copy_to_host`). On one side, a plain cast copy."""
+    if values.device == destination.device:
+        destination.copy_(values)
+    elif destination.device == HOST:
+        copy_to_host(destination, values.to(destination.dtype))
+    elif values.dtype == destination.dtype:
+        destination.copy_(values, non_blocking=values.is_pinned())
+    else:
+        destination.copy_(values.to(destination.device, non_blocking=values.is_pinned()))
+
+
+def wait_for_host_copies(device: torch.device) -> None:
+    """Block the host until the device's queued work (its copies to the host among it) is done."""
+    if device.type == "cuda":
+        _synchronize_cuda_stream(device)
+
+
+def _synchronize_cuda_stream(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
+def _can_pin() -> bool:
+    return torch.cuda.is_available()
+
+
+# -- host memory ---------------------------------------------------------------------------------
+
+
+def available_host_bytes() -> int | None:
+    """Memory the node can still give (Linux ``MemAvailable``); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def local_ranks() -> int:
+    """Ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``; 1 without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def check_host_memory(bytes_per_rank: int, what: str) -> None:
+    """Fail before allocating when the host state of every rank on this node does not fit in
+    the memory the node has available (host exhaustion is the common offload failure: the
+    kernel kills a rank mid-initialization, with no message)."""
+    available = available_host_bytes()
+    ranks = local_ranks()
+    if available is None or bytes_per_rank * ranks <= available:
+        return
+    gib = 2**30
+    raise MemoryError(
+        f"{what} puts {bytes_per_rank / gib:.2f} GiB per rank on the host, x {ranks} rank(s) on this node = "
+        f"{bytes_per_rank * ranks / gib:.2f} GiB, but the node has {available / gib:.2f} GiB available "
+        "(MemAvailable): use more nodes or ranks to shard over, offload less (offload_param off), or free memory"
+    )
