@@ -114,9 +114,11 @@ class EngineSystem:
     def __init__(
         self, model: nn.Module, stage: int, bucket: int, shard_group_size: int | None = None, offload: str = ""
     ) -> None:
+        offload, _, variant = offload.partition("-")
+        fused = {"fused": False} if variant == "unfused" else {}
         config = {
             "train_micro_batch_size_per_gpu": 1,  # batches are handed in directly
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, **fused}},
             # The stage 3 keys are ignored below stage 3. Blocks are units, as FSDP2's above;
             # every parameter is sharded, as FSDP2 does.
             "zero_optimization": {
@@ -145,7 +147,9 @@ class EngineSystem:
         return self.engine.comm_report()["inter_group"]["sent"]
 
 
-# ``engineS+X``: CPU offload of the optimizer (opt), the parameters (param, stage 3) or both.
+# ``engineS+X``: CPU offload of the optimizer (opt), the parameters (param, stage 3) or both;
+# ``engineS+X-unfused``: the same with the optimizer's plain per-tensor loop instead of the fused
+# CPU kernel offload picks (so the comparison with ``engineS`` isolates offload's bookkeeping).
 _CPU = {"device": "cpu", "pin_memory": True}
 OFFLOAD = {
     "": {}, "opt": {"offload_optimizer": _CPU}, "param": {"offload_param": _CPU},

@@ -359,3 +359,25 @@ def test_cli_estimate_shows_the_host_share(tmp_path: Path, capsys: pytest.Captur
     host_gib = float(out.split("on the host")[1].split()[0])
     assert host_gib == pytest.approx(4e9 / 2**30, abs=1e-3)
     assert f"on the device: {2e9 / 2**30:.3f} GiB" in out
+
+
+def test_a_resumed_run_keeps_its_own_optimizer_implementation(tmp_path: Path) -> None:
+    """Offload steps with the fused CPU kernel; a checkpoint carries the math (lr, betas, ...),
+    not that choice, so a run without offload resumes on torch's default, and the reverse."""
+    def engine(zero: dict) -> Engine:
+        model = make_model()
+        return zero_engine.initialize(model, _plain(2, **zero), param_groups=decay_groups(model))
+
+    offloaded = engine(OPTIMIZER)
+    train_engine(offloaded, 0, 1, range(1), 2, 1)
+    offloaded.save_checkpoint(tmp_path / "a")
+    plain = engine({})
+    plain.save_checkpoint(tmp_path / "b")
+    assert all(group["fused"] for group in offloaded.optimizer.param_groups)
+    resumed_plain, resumed_offloaded = engine({}), engine(OPTIMIZER)
+    resumed_plain.load_checkpoint(tmp_path / "a")
+    resumed_offloaded.load_checkpoint(tmp_path / "b")
+    assert not any(group["fused"] for group in resumed_plain.optimizer.param_groups)
+    assert all(group["fused"] for group in resumed_offloaded.optimizer.param_groups)
+    for each in (offloaded, plain, resumed_plain, resumed_offloaded):
+        each.close()

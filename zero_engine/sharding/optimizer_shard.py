@@ -17,12 +17,9 @@ optimizer updates (the rank's shard when optimizer state is sharded, the whole u
   so torch optimizers keep their per-tensor semantics piece by piece.
 
 Where the master and the gradient live is decided once, when the unit is built: on the unit's
-device, or on the host with ``offload_optimizer`` (`zero_engine.offload`). Offloaded, the step
-gradient is a persistent fp32 host tensor: each reduction's slice is upcast on the device and
-copied in (the first of a window overwrites it, so nothing is zeroed; a later micro-step's
-copy lands in a staging buffer that the host adds once the backward's copies are waited for),
-and the optimizer steps the host masters; `publish` copies them back. Nothing outside this
-module touches them by offset.
+device, or on the host with ``offload_optimizer`` (`zero_engine.offload`): then the step
+gradient is a `HostGradient` that reductions are copied into, the optimizer steps the host
+masters, and `publish` copies them back. Nothing outside this module touches them by offset.
 """
 
 from __future__ import annotations
@@ -34,8 +31,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 from ..comm import tensor_bytes
-from .. import offload
-from ..offload import copy_across, copy_to_host, host_empty
+from ..offload import copy_across
+from .host_gradient import HostGradient
 from .layout import UnitLayout
 
 
@@ -100,18 +97,11 @@ class OptimizerShard:
         self.publish_to = publish_to  # the compute copy of the range; None when the master is it
         self.releases_grad = releases_grad and not host_grad  # the gradient exists only from backward to step (stage 3)
         start, end = owned_range
-        self.host_grad = host_grad  # offload_optimizer: the step gradient is fp32 on the host
-        self._pin = pin_memory
-        self._window_started = False  # host gradient: holds this window's values (else the next copy overwrites)
-        self._staging: torch.Tensor | None = None  # host gradient: a later micro-step's copy, added after the wait
-        self._staged = False  # the staging buffer holds a copy not added yet
-        if host_grad:
-            self.grad: torch.Tensor | None = host_empty(end - start, torch.float32, pin_memory)
-            self._grad_is_view = False
-        else:
-            # Below stage 2 the step gradient is the owned range of the full gradient buffer.
-            self.grad = None if full_grad is None else full_grad[start:end]
-            self._grad_is_view = full_grad is not None
+        # offload_optimizer: the step gradient is fp32 on the host, written by copies.
+        self.host_grad = HostGradient(end - start, unit.device, pin_memory) if host_grad else None
+        # Below stage 2 the step gradient is the owned range of the full gradient buffer.
+        self.grad: torch.Tensor | None = None if full_grad is None or host_grad else full_grad[start:end]
+        self._grad_is_view = self.grad is not None
         self.targets = [
             OptimizerTarget(self.master[p.owned_offset : p.owned_offset + p.numel].view(p.shape), p)
             for p in self._owned_pieces(shaped_pieces)
@@ -160,10 +150,7 @@ class OptimizerShard:
     @property
     def host_bytes(self) -> int:
         """What of the master and the step gradient lives on the host (offload_optimizer)."""
-        if not self.host_grad:
-            return 0
-        staging = 0 if self._staging is None else tensor_bytes(self._staging)
-        return self.master_bytes + self.grad_bytes + staging
+        return 0 if self.host_grad is None else self.master_bytes + self.host_grad.nbytes
 
     def load_owned(self, index: int, values: torch.Tensor, values_start: int) -> None:
         """Set the owned part of parameter ``index`` from ``values`` (fp32, elements
@@ -182,24 +169,25 @@ class OptimizerShard:
 
     @property
     def grad_bytes(self) -> int:
+        if self.host_grad is not None:
+            return self.host_grad.nbytes
         return 0 if self.grad is None or self._grad_is_view else tensor_bytes(self.grad)
 
     def ensure_grad(self) -> torch.Tensor:
-        """The step gradient, allocated (zeros) if it was released (zeroed, on the host, if
-        no reduction wrote it in this window)."""
+        """The step gradient, allocated (zeros) if it was released."""
+        if self.host_grad is not None:
+            return self.host_grad.value()
         if self.grad is None:
             numel = self.owned_range[1] - self.owned_range[0]
             self.grad = torch.zeros(numel, dtype=self.unit.compute_dtype, device=self.unit.device)
-        elif self.host_grad and not self._window_started:
-            self.grad.zero_()
-            self._window_started = True
         return self.grad
 
     def add_reduced(self, reduced: torch.Tensor, scale: float) -> None:
         """Add ``scale * reduced`` (this range, summed over ranks) into the step gradient; a
-        released gradient is made from it, no zeros pass."""
-        if self.host_grad:
-            self._send_to_host(reduced if scale == 1.0 and reduced.dtype == torch.float32 else reduced.float() * scale)
+        released gradient is made from it, no zeros pass. Offloaded, it is cast to fp32 and
+        scaled on the device, then copied."""
+        if self.host_grad is not None:
+            self.host_grad.receive(reduced if scale == 1.0 and reduced.dtype == torch.float32 else reduced.float() * scale)
         elif self.grad is None:
             self.grad = torch.mul(reduced, scale).to(self.unit.compute_dtype)
         else:
@@ -209,54 +197,27 @@ class OptimizerShard:
         """The averaged gradient of the range, reduced outside the gradient (through a copy in
         another dtype, or on the device while the gradient is on the host): copy it in.
         Reduced in place, there is nothing to do."""
-        if self.host_grad:
-            self._window_started = False  # stages 0-1 reduce once per window: the copy is the window's value
-            self._send_to_host(averaged.float())
+        if self.host_grad is not None:  # stages 0-1 reduce once per window: the copy is the window's value
+            self.host_grad.replace(averaged.float())
             return
         grad = self.ensure_grad()
         if averaged.data_ptr() != grad.data_ptr():
             grad.copy_(averaged)
 
-    def _send_to_host(self, update: torch.Tensor) -> None:
-        """Start the copy of a device fp32 ``update`` to the host gradient: over it on the
-        window's first, else into the staging buffer (added by `finish_host_copies`)."""
-        assert self.grad is not None
-        if not self._window_started:
-            copy_to_host(self.grad, update)
-            self._window_started = True
-            return
-        if self._staged:  # a second backward in one micro-step reached this unit: add the first one's copy first
-            offload.wait_for_host_copies(self.unit.device)
-            self.finish_host_copies()
-        if self._staging is None:
-            self._staging = host_empty(self.grad.numel(), torch.float32, self._pin)
-        copy_to_host(self._staging, update)
-        self._staged = True
-
-    def finish_host_copies(self) -> None:
-        """After the wait for this backward's copies: add a staged micro-step into the gradient
-        (one host add per later micro-step of a window; the first copies without one)."""
-        if self._staged and self.grad is not None and self._staging is not None:
-            self.grad.add_(self._staging)
-            self._staged = False
-
     def move_grad_into(self, destination: torch.Tensor) -> None:
         """Add the gradient accumulated so far into ``destination`` and zero it (hybrid
         sharding carries the window's gradient across groups once)."""
-        if self.host_grad:
-            if self._window_started:  # the next copy overwrites it: nothing zeroed under a copy in flight
-                destination.add_(self.grad.to(destination.device, non_blocking=self.grad.is_pinned()))
-                self._window_started = False
-            return
-        if self.grad is not None:
+        if self.host_grad is not None:
+            self.host_grad.move_into(destination)
+        elif self.grad is not None:
             destination.add_(self.grad)
             self.grad.zero_()
 
     def clear_grad(self) -> None:
         """After a step: release the gradient (stage 3) or zero it for the next window (a host
         gradient is overwritten by the window's first copy instead)."""
-        if self.host_grad:
-            self._window_started = False
+        if self.host_grad is not None:
+            self.host_grad.clear()
         elif self.releases_grad:
             self.grad = None
         elif self.grad is not None and not self._grad_is_view:

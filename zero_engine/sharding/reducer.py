@@ -171,11 +171,11 @@ class GradReducer:
     def _finish_host_copies(self) -> None:
         """offload_optimizer: wait once for this backward's gradient copies to the host (the
         one host sync an offloaded backward adds), then add any staged micro-step in."""
-        shards = [unit.optim for unit in self.units if unit.optim.host_grad]
-        if shards:
-            offload.wait_for_host_copies(shards[0].unit.device)
-            for shard in shards:
-                shard.finish_host_copies()
+        host_grads = [unit.optim.host_grad for unit in self.units if unit.optim.host_grad is not None]
+        if host_grads:
+            offload.wait_for_host_copies(host_grads[0].device)
+            for grad in host_grads:
+                grad.finish()
 
     def _launch_ready_units(self) -> None:
         stop = self._next_unit
@@ -297,7 +297,7 @@ class FullGradReducer(GradReducer):
         return unit.optim.ensure_grad()
 
     def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
-        if unit.optim.host_grad:  # the averaged shard is on the host (the device buffer was reduced elsewhere)
+        if unit.optim.host_grad is not None:  # the averaged shard is on the host (the device buffer was reduced elsewhere)
             return unit.optim.ensure_grad()
         start, end = unit.layout.shard_range(unit.rank)
         return _full_grad(unit)[start:end]

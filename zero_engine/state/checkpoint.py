@@ -529,6 +529,11 @@ def _check_optimizer_type(checkpoint: Checkpoint, optimizer: torch.optim.Optimiz
         )
 
 
+# Param-group options that choose torch's implementation, not the math: kept from the resuming
+# run (offload picks the fused CPU kernel; a run without offload keeps torch's default).
+IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
 def _load_optimizer(state: Resumable, index: PieceIndex, extra: dict[str, Any], fitting: set[str]) -> None:
     """Group options, and the state of every piece whose parameter fits the checkpoint."""
     optimizer = state.optimizer
@@ -538,8 +543,8 @@ def _load_optimizer(state: Resumable, index: PieceIndex, extra: dict[str, Any], 
             f"the checkpoint has {len(groups)} optimizer param groups, the engine {len(optimizer.param_groups)}:"
             " pass the same param_groups, or load with load_optimizer_states=False"
         )
-    for group, options in zip(optimizer.param_groups, groups):
-        group.update(options)
+    for group, options in zip(optimizer.param_groups, groups):  # how to compute is this run's choice (offload)
+        group.update({key: value for key, value in options.items() if key not in IMPLEMENTATION_OPTIONS})
     optimizer.state.clear()
     group_of = {param: group for group in optimizer.param_groups for param in group["params"]}
     for target in state.targets():

@@ -1,0 +1,82 @@
+"""offload_optimizer: the step gradient of one optimizer shard, fp32 in host memory.
+
+Reductions happen on the device; each reduced slice (cast to fp32 there) is copied to the host
+asynchronously, and the host reads the gradient only after the backward's one wait
+(`zero_engine.offload.wait_for_host_copies`). Accumulating over micro-steps without zeroing
+anything under a copy in flight:
+
+- the window's first copy overwrites the gradient (nothing is zeroed between windows);
+- a later micro-step's copy lands in a staging buffer, added on the host after the wait: one
+  host add over the shard per later micro-step (the staging buffer exists only once a window
+  has more than one micro-step);
+- hybrid sharding takes the window's part back to the device once (`move_into`), and the next
+  copy overwrites it again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import offload
+from ..comm import tensor_bytes
+from ..offload import copy_to_host, host_empty
+
+
+class HostGradient:
+    """The fp32 host gradient of ``numel`` elements and where its window stands."""
+
+    def __init__(self, numel: int, device: torch.device, pin_memory: bool) -> None:
+        self.device = device  # where the copies come from
+        self.pin_memory = pin_memory
+        self.values = host_empty(numel, torch.float32, pin_memory)
+        self._started = False  # ``values`` holds this window's gradient (else the next copy overwrites it)
+        self._staging: torch.Tensor | None = None
+        self._staged = False  # the staging buffer holds a copy not added yet
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.values) + (0 if self._staging is None else tensor_bytes(self._staging))
+
+    def receive(self, update: torch.Tensor) -> None:
+        """Start copying a device fp32 ``update`` in: over the values on the window's first,
+        else into the staging buffer (added by `finish`)."""
+        if not self._started:
+            copy_to_host(self.values, update)
+            self._started = True
+            return
+        if self._staged:  # a second backward in one micro-step: add the first one's copy first
+            offload.wait_for_host_copies(self.device)
+            self.finish()
+        if self._staging is None:
+            self._staging = host_empty(self.values.numel(), torch.float32, self.pin_memory)
+        copy_to_host(self._staging, update)
+        self._staged = True
+
+    def replace(self, update: torch.Tensor) -> None:
+        """The window's whole gradient (stages 0-1 reduce once per window)."""
+        self._started = False
+        self.receive(update)
+
+    def finish(self) -> None:
+        """After the wait for this backward's copies: add a staged micro-step in."""
+        if self._staged and self._staging is not None:
+            self.values.add_(self._staging)
+            self._staged = False
+
+    def value(self) -> torch.Tensor:
+        """The window's gradient (zeros if no reduction wrote it)."""
+        if not self._started:
+            self.values.zero_()
+            self._started = True
+        return self.values
+
+    def move_into(self, destination: torch.Tensor) -> None:
+        """Add the window's gradient so far into the device ``destination``; the next copy
+        starts the window anew (so nothing is zeroed under the copy to the device)."""
+        if self._started:
+            destination.add_(self.values.to(destination.device, non_blocking=self.values.is_pinned()))
+            self._started = False
+
+    def clear(self) -> None:
+        """After a step: the next window's first copy overwrites the values."""
+        self._started = False
