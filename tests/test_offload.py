@@ -132,9 +132,13 @@ def _device_bound(engine: Engine, guard: DeviceGuard) -> int:
     """What the device may hold between steps: the compute parameters (whole below stage 3,
     the shard at stage 3 unless offload_param), the full gradients stage 1 keeps for backward,
     stage 2's pooled gradient buckets, the frozen parameters (compute copy and fp32 values) and
-    the model's buffers. Nothing of the optimizer, unless only the parameters are offloaded."""
+    the model's buffers. Nothing of the optimizer, unless only the parameters are offloaded.
+    Plus the step's agreement vector (the used-mask and the squared norm, float64): gloo's work
+    object may still hold it for a moment after its wait returned (seen in about one run in
+    ten, by its size: 8 bytes per trainable parameter and one more)."""
     frozen = [*engine.model_state.loose_params, *engine.model_state.loose_masters.values()]
-    held = engine.reducer.buffer_bytes() + sum(t.untyped_storage().nbytes() for t in frozen)
+    agreement = 8 * (engine.reducer.num_params + 1)
+    held = agreement + engine.reducer.buffer_bytes() + sum(t.untyped_storage().nbytes() for t in frozen)
     for unit in engine.units:
         if unit.sharded_params:
             held += 0 if engine.offload.params else unit.param_shard.untyped_storage().nbytes()
@@ -180,7 +184,7 @@ def guarded_offload(rank: int, world_size: int, cases: list[dict]) -> list[dict]
                     engine.step()
                     syncs.append([sync.what for sync in guard.take_syncs()])
                     del tokens, targets, loss
-                gc.collect()  # what Python's cycle collector would free at some point is not held
+                gc.collect()  # unreachable cycles are not held memory (Python frees them when it runs)
                 between_steps.append(guard.device_bytes())
                 bounds.append(_device_bound(engine, guard))
                 if between_steps[-1] > bounds[-1]:  # for the failure message: every live device storage
@@ -191,10 +195,12 @@ def guarded_offload(rank: int, world_size: int, cases: list[dict]) -> list[dict]
             )
             frozen = [*engine.model_state.loose_params, *engine.model_state.loose_masters.values(), *model.buffers()]
             frozen_and_buffers = sum(t.untyped_storage().nbytes() for t in frozen if guard.on_device(t))
+            agreement = 8 * (engine.reducer.num_params + 1)
             engine.close()
         results.append({
             "syncs": syncs, "between_steps": between_steps, "bounds": bounds, "peak": max(peaks),
             "offloaded_on_device": on_device, "shard_bytes": shard_bytes, "frozen_and_buffers": frozen_and_buffers,
+            "agreement": agreement,
         })
     return results
 
@@ -217,8 +223,10 @@ def test_offloaded_state_stays_on_the_host_and_the_host_waits_once_per_backward(
             for held, bound in zip(result["between_steps"], result["bounds"]):
                 assert isinstance(bound, int) and held <= bound, f"{where}: the device holds {held} bytes, bound {bound}"
             if case["zero"] is BOTH:
-                # Between steps nothing of the model but its buffer and its frozen parameters.
-                assert result["between_steps"] == [result["frozen_and_buffers"]] * 2, where
+                # Between steps nothing of the model but its buffer and its frozen parameters
+                # (and perhaps the agreement vector still held by gloo, see `_device_bound`).
+                for held in result["between_steps"]:
+                    assert held - result["frozen_and_buffers"] in (0, result["agreement"]), where
             # One wait per backward whose gradients crossed to the host (stage 1: the boundary's
             # only), and the step's one read-back of the used-mask and the norm.
             crossing = "wait_for_host_copies"

@@ -9,6 +9,7 @@ overflow), unscale and clip, update this rank's masters, gather the updated para
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -52,6 +53,7 @@ def initialize(
     param_groups: Iterable[Any] | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     weights: WeightsSource | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> Engine:
     """Wrap ``model`` for ZeRO training as ``config`` (path, dict or `ZeroEngineConfig`) says.
 
@@ -65,9 +67,14 @@ def initialize(
     safetensors file, a Hugging Face directory, a torch state dict file, a checkpoint
     directory, or a state dict) sets the values it holds, each rank reading only what it
     keeps (`zero_engine.state.weights`).
+
+    ``lr_scheduler`` builds a schedule from the engine's optimizer (``lambda optimizer:
+    LambdaLR(optimizer, fn)``), for a config without a ``scheduler`` section; like the config's,
+    it steps on applied optimizer steps only and is saved in checkpoints.
     """
     _check_not_wrapped(model)
     config = load_config(config)
+    _check_scheduler_factory(lr_scheduler, config)
     refuse_unbuilt_features(config)
     stage = stage_for(config.zero_optimization.stage)
     optimizer_cls = check_optimizer_for_stage(config.optimizer, stage.level)
@@ -88,7 +95,10 @@ def initialize(
             logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
         batch = config.batch_sizes(comm.world_size)
         _check_host_memory(model, config, comm.world_size)
-        engine = Engine(model, config, comm, stage, batch, groups, precision, device=device, deferred=deferred)
+        engine = Engine(
+            model, config, comm, stage, batch, groups, precision, device=device, deferred=deferred,
+            lr_scheduler=lr_scheduler,
+        )
         if weights_file is not None:
             load_weights(engine.model_state, weights_file, file_names)
     finally:
@@ -112,6 +122,7 @@ class Engine:
         *,
         device: torch.device | None = None,
         deferred: DeferredInit | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         self.module = model
         _WRAPPED[model] = None
@@ -122,6 +133,9 @@ class Engine:
         self.precision = precision
         self.global_step = 0
         self.micro_steps = 0
+        self._window_micro_steps = 0  # micro-steps since the last boundary
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._step_applied = False  # whether the last boundary updated the parameters
         self.skipped_steps = 0
         self._window_opened = False
         # This micro-step's call rows sent (`_agree_on_training`): by its forward, by its backward.
@@ -159,6 +173,8 @@ class Engine:
         if config.scheduler:
             dry_run(config.scheduler, self.optimizer)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
+        if lr_scheduler is not None:
+            self.lr_scheduler = lr_scheduler(self.optimizer)
         self.loss_scaler = build_loss_scaler(config)
 
     # -- construction --------------------------------------------------------------------------
@@ -186,16 +202,32 @@ class Engine:
                     tensor.register_hook(self._on_output_grad)
         return output
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backward of ``loss * loss_scale / gradient_accumulation_steps``; reduces as the
-        stage says (on boundaries, or every micro-step at stages 2-3). A plain
-        ``loss.backward()`` reduces the same way, but neither divides nor scales."""
+        stage says (on boundaries, or every micro-step at stages 2-3). ``scale_wrt_gas=False``
+        leaves the division to the caller (Hugging Face's Trainer divides by its own count, a
+        short last window included). A plain ``loss.backward()`` reduces the same way, but
+        neither divides nor scales."""
         _check_loss(loss)
+        divisor = self.batch.gradient_accumulation_steps if scale_wrt_gas else 1
         self._scaling_backward = True
         try:
-            (loss * (self.loss_scale / self.batch.gradient_accumulation_steps)).backward()
+            (loss * (self.loss_scale / divisor)).backward()
         finally:
             self._scaling_backward = False
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """For code written for DDP (and Hugging Face's accumulation): a context that changes
+        nothing and never raises. Whether a backward reduces is the engine's decision, from the
+        accumulation boundary: stages 0-1 reduce only there; stages 2-3 reduce every micro-step
+        into the rank's shard, since no rank keeps the whole gradient."""
+        return contextlib.nullcontext()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated since the last optimizer step (``step()`` on a
+        boundary clears them itself). Local: no collective."""
+        del set_to_none  # the engine's gradient buffers are zeroed, or released at stage 3, either way
+        self._zero_grads()
 
     # -- backward, however it is called ----------------------------------------------------------
 
@@ -233,14 +265,17 @@ class Engine:
         self._check_backwards()
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self._window_micro_steps += 1
         self._backwards_in_micro_step = 0
         self._train_rows_sent = {"forward": False, "backward": False}
         if not boundary:
             return
+        self._window_micro_steps = 0
         self._unscaled_backwards = 0
         used, squares = self._agree_on_used_params_and_norm()
         self._global_grad_norm = math.sqrt(squares) / self.loss_scale
-        if not math.isfinite(squares):
+        self._step_applied = math.isfinite(squares)
+        if not self._step_applied:
             self._skip_step()
         else:
             self._update(used, self._gradient_multiplier())
@@ -285,8 +320,24 @@ class Engine:
             )
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-batch is the last of its accumulation window."""
-        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+        """Whether the current micro-batch is the last of its accumulation window: every
+        ``gradient_accumulation_steps``-th, unless `set_gradient_accumulation_boundary` said."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self._window_micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say whether the coming micro-step ends its window, as DeepSpeed's engine takes it
+        (Hugging Face's Trainer says so for each one, and ends an epoch's short last window
+        early). Holds until set again; None goes back to counting. Set it before the
+        micro-step's backward (stages 0-1 decide there whether to reduce). Every rank must say
+        the same."""
+        self._boundary_override = is_boundary
+
+    def was_step_applied(self) -> bool:
+        """Whether the last boundary's ``step()`` updated the parameters (False after a step
+        skipped for a non-finite gradient, e.g. an fp16 overflow, and before the first)."""
+        return self._step_applied
 
     @property
     def loss_scale(self) -> float:
@@ -425,11 +476,11 @@ class Engine:
         ``torch.load(weights_only=True)`` can read back (tensors, numbers, strings, containers).
         """
         self.gatherer.check_usable()
-        accumulation = self.batch.gradient_accumulation_steps
-        if self.micro_steps % accumulation:
+        if self._window_micro_steps:
             raise RuntimeError(
                 f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "
-                f"{self.micro_steps % accumulation} of {accumulation}): call it after engine.step() on a boundary"
+                f"{self._window_micro_steps} of {self.batch.gradient_accumulation_steps}): call it after "
+                "engine.step() on a boundary"
             )
         self._agree_on_call(Call.SAVE_CHECKPOINT)
         counters = checkpoint.Counters(self.global_step, self.skipped_steps)
@@ -454,6 +505,7 @@ class Engine:
         )
         self.global_step, self.skipped_steps = loaded.counters
         self.micro_steps = self.global_step * self.batch.gradient_accumulation_steps
+        self._window_micro_steps = 0
         return loaded.client_state
 
     def _resumable(self) -> checkpoint.Resumable:
@@ -552,6 +604,27 @@ def _check_device(device: torch.device) -> None:
         raise ValueError(
             f"the model is on {device}, but this rank's GPU is {expected} (torchrun's LOCAL_RANK): "
             f"move it there first, model.to({str(expected)!r})"
+        )
+
+
+def _check_scheduler_factory(factory: Any, config: ZeroEngineConfig) -> None:
+    """``lr_scheduler=`` is a callable of the optimizer (the engine builds the optimizer over its
+    shards, so a schedule made beforehand would drive another one), and not beside a config
+    ``scheduler``."""
+    if factory is None:
+        return
+    if hasattr(factory, "state_dict") and hasattr(factory, "step"):
+        raise TypeError(
+            "initialize(lr_scheduler=...): pass a function of the optimizer, e.g. lambda optimizer: "
+            f"{type(factory).__name__}(optimizer, ...), not a {type(factory).__name__} built on another optimizer "
+            "(the engine builds its own, over this rank's shards)"
+        )
+    if not callable(factory):
+        raise TypeError(f"initialize(lr_scheduler=...): expected a function of the optimizer, got {type(factory).__name__}")
+    if config.scheduler:
+        raise ValueError(
+            f"initialize(lr_scheduler=...) and the config's scheduler section ({config.scheduler.type}) both give a "
+            "schedule: keep one"
         )
 
 
