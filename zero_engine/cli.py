@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from .config import load_config
+from .config import auto_keys, load_config
 from .errors import ConfigError
 from .features import unbuilt_features
 from .memory import estimate_from_config
@@ -45,6 +45,9 @@ def _validate(args: argparse.Namespace) -> int:
     print(json.dumps(resolved, indent=2))
     for feature in unbuilt_features(config):
         print(f"warning: not built yet, initialize will refuse: {feature}", file=sys.stderr)
+    for key in auto_keys(config):
+        print(f"note: {key} is 'auto': initialize fills it (the batch sizes from the world size, the bucket sizes "
+              "from the model's hidden size)", file=sys.stderr)
     return 0
 
 

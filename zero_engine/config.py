@@ -57,6 +57,13 @@ def _not_boolean(value: Any) -> Any:
     return value
 
 
+def _never_when_infinite(value: Any) -> Any:
+    """Infinity as "never" (Accelerate writes ``steps_per_print: inf`` into every config)."""
+    if isinstance(value, float) and value == math.inf or isinstance(value, str) and value.lower() in ("inf", "infinity"):
+        return None
+    return value
+
+
 Count = Annotated[int, BeforeValidator(_parse_count), Field(ge=0)]
 PositiveCount = Annotated[int, BeforeValidator(_parse_count), Field(ge=1)]
 # DeepSpeed allows a bucket of 0 elements: every gradient flushes at once, as a bucket of 1 does.
@@ -285,9 +292,10 @@ class ZeroEngineConfig(_Section):
         default_factory=ZeroOptimizationConfig, description="What is sharded, and how gradients are reduced."
     )
     comm: CommConfig = Field(default_factory=CommConfig, description="Process group settings (ours).")
-    steps_per_print: PositiveCount = Field(
+    steps_per_print: Annotated[PositiveCount | None, BeforeValidator(_never_when_infinite)] = Field(
         10, description="Every this many optimizer steps, rank 0 logs the step, learning rates, gradient norm, loss "
-        "scale and skipped steps (logger zero_engine, INFO), as DeepSpeed prints them."
+        "scale and skipped steps (logger zero_engine, INFO), as DeepSpeed prints them. Infinity (Accelerate writes "
+        "it) or null: never."
     )
     wall_clock_breakdown: bool = _deepspeed_option(False)
     zero_allow_untested_optimizer: bool = _deepspeed_option(False)
@@ -335,6 +343,7 @@ class ZeroEngineConfig(_Section):
     nebula: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     timers: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     _notes: list[str] = PrivateAttr(default_factory=list)  # from translating DeepSpeed's spellings
+    _auto: list[str] = PrivateAttr(default_factory=list)  # "auto" keys initialize fills (deepspeed_compat)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> ZeroEngineConfig:
@@ -579,6 +588,11 @@ DEEPSPEED_SECTIONS: dict[str, str] = {
 }
 
 
+def auto_keys(config: ZeroEngineConfig) -> list[str]:
+    """The keys given as ``"auto"`` that `initialize` fills (`zero_engine.auto_values`)."""
+    return list(config._auto)
+
+
 def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
     """One message for each `NO_EFFECT` key set to something other than its default, each
     DeepSpeed-only section given and not switched off, and each note from translating
@@ -623,6 +637,7 @@ def load_config(source: str | Path | dict[str, Any] | ZeroEngineConfig) -> ZeroE
     if translated.problems:
         raise ConfigError(_format_errors(origin, translated.problems))
     config._notes = translated.notes
+    config._auto = translated.auto
     return config
 
 

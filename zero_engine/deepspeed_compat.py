@@ -5,7 +5,10 @@ accounted for. `translate` rewrites what DeepSpeed spells differently, on a copy
 mapping, and returns notes for `initialize` to log:
 
 - keys that start with ``_`` are comments (``"_comment": "..."``), at every level;
-- ``"auto"`` (Hugging Face's placeholder) is refused with every key that holds it named;
+- ``"auto"`` (Hugging Face's placeholder): where plain ``initialize`` can fill it (`FILLED_AT_INITIALIZE`:
+  the batch sizes from the world size, the bucket sizes from the model's hidden size) the key
+  is left out and listed in ``Translated.auto``; anywhere else it is refused with every key
+  that holds it named;
 - both spellings of the stage 3 keys (``max_live_parameters`` and
   ``stage3_max_live_parameters``: DeepSpeed accepts either), refusing both at once with
   different values;
@@ -50,6 +53,15 @@ DEPRECATED_OFFLOAD = {
 
 # Keys of ours where "auto" is a value with its own meaning.
 OWN_AUTO = {"zero_optimization.shard_group_size", "comm.backend", "comm.primitives"}
+# "auto" that `zero_engine.auto_values.fill_auto` fills at initialize, as Hugging Face's
+# integration does: the batch triple from the world size and the other two, the bucket sizes
+# from the model's hidden size (stage 3 keys in their long spelling).
+AUTO_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+AUTO_BUCKET_KEYS = (
+    "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+)
+FILLED_AT_INITIALIZE = frozenset((*AUTO_BATCH_KEYS, *AUTO_BUCKET_KEYS))
 
 
 class ConfigFutureWarning(FutureWarning):
@@ -60,6 +72,7 @@ class Translated(NamedTuple):
     config: dict[str, Any]  # in this schema's spelling
     notes: list[str]  # for initialize to log
     problems: list[str]  # what could not be translated, each naming its keys
+    auto: list[str]  # keys left out for initialize to fill (`FILLED_AT_INITIALIZE`)
 
 
 def translate(raw: dict[str, Any]) -> Translated:
@@ -68,14 +81,16 @@ def translate(raw: dict[str, Any]) -> Translated:
     notes: list[str] = []
     problems: list[str] = []
     auto = [path for path in _auto_paths(config) if path not in OWN_AUTO]
-    if auto:
+    unfillable = [path for path in auto if _long_spelling(path) not in FILLED_AT_INITIALIZE]
+    if unfillable:
         problems.append(
             f"'auto' is Hugging Face's placeholder, filled from TrainingArguments by its Trainer integration; "
-            f"plain initialize cannot fill it yet: give values for {', '.join(auto)}"
+            "plain initialize fills only the batch sizes (from the world size) and the bucket sizes (from the "
+            f"model's hidden size): give values for {', '.join(unfillable)}"
         )
-        for path in auto:  # left out, so that they raise no second error each
-            *sections, key = path.split(".")
-            _section(config, sections).pop(key)
+    for path in auto:  # left out: filled at initialize, or reported above (and no second error each)
+        *sections, key = path.split(".")
+        _section(config, sections).pop(key)
     zero = config.get("zero_optimization")
     if isinstance(zero, dict):
         _merge_stage3_spellings(zero, problems)
@@ -83,7 +98,14 @@ def translate(raw: dict[str, Any]) -> Translated:
     optimizer = config.get("optimizer")
     if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
         notes.extend(_translate_fused_adam(optimizer, problems))
-    return Translated(config, notes, problems)
+    filled = [_long_spelling(path) for path in auto if _long_spelling(path) in FILLED_AT_INITIALIZE]
+    return Translated(config, notes, problems, filled)
+
+
+def _long_spelling(path: str) -> str:
+    """A stage 3 key in its ``stage3_`` spelling (DeepSpeed accepts both)."""
+    section, _, key = path.rpartition(".")
+    return f"{section}.stage3_{key}" if section == "zero_optimization" and key in STAGE3_SHORT_NAMES else path
 
 
 def _section(config: dict[str, Any], sections: list[str]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from .comm import Comm, connect, local_cuda_device
 from .config import BatchSizes, ZeroEngineConfig, load_config, no_effect_settings
 from .features import refuse_unbuilt_features
 from . import offload
+from .auto_values import fill_auto
 from .memory import host_bytes_needed, measure_memory
 from .offload import offload_plan
 from .optim import build_optimizer, check_optimizer_for_stage
@@ -73,7 +74,7 @@ def initialize(
     it steps on applied optimizer steps only and is saved in checkpoints.
     """
     _check_not_wrapped(model)
-    config = load_config(config)
+    config = fill_auto(load_config(config), model)
     _check_scheduler_factory(lr_scheduler, config)
     refuse_unbuilt_features(config)
     stage = stage_for(config.zero_optimization.stage)
@@ -288,7 +289,8 @@ class Engine:
         self._zero_grads()
         self.global_step += 1
         self._window_opened = False
-        if self.comm.rank == 0 and self.global_step % self.config.steps_per_print == 0:
+        every = self.config.steps_per_print
+        if self.comm.rank == 0 and every is not None and self.global_step % every == 0:
             logger.info(
                 "step %d: lr %s, grad norm %.4g, loss scale %g, skipped steps %d",
                 self.global_step, [f"{lr:.3g}" for lr in self.get_lr()], self._global_grad_norm or 0.0,
