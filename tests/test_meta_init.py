@@ -289,10 +289,9 @@ def gpt2_grid(rank: int, world_size: int, directory: str) -> list[dict]:
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
             "optimizer": {"type": "AdamW", "params": {"lr": GPT2_LR, "weight_decay": 0.0}},
-            # Threshold 0: every parameter sharded at stage 3 (the default keeps all 28 whole).
-            "zero_optimization": {
-                "stage": stage, "stage3_wrap_modules": ["GPT2Block"], "stage3_param_persistence_threshold": 0,
-            },
+            # Threshold 0: every parameter sharded at stage 3 (the default keeps all 28 whole). No
+            # stage3_wrap_modules: the model's _no_split_modules (GPT2Block) cuts the units.
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         }
         engine = zero_engine.initialize(model, config, weights=directory)
         initial = engine.full_state_dict()
@@ -303,7 +302,8 @@ def gpt2_grid(rank: int, world_size: int, directory: str) -> list[dict]:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        out.append({"initial": initial, "losses": losses, "trained": engine.full_state_dict()})
+        units = sorted(unit.label for unit in engine.units if unit.sharded_params)
+        out.append({"initial": initial, "losses": losses, "trained": engine.full_state_dict(), "units": units})
         engine.close()
     return out
 
@@ -344,6 +344,7 @@ def test_hugging_face_gpt2_from_meta_with_its_saved_weights(world_size: int, gpt
     per_rank = run_on_ranks(world_size, gpt2_grid, str(gpt2_directory), timeout=300, allow_numpy=True)
     ref_losses, ref_trained = _gpt2_reference(gpt2_directory, world_size)
     for rank, results in enumerate(per_rank):
+        assert results[3]["units"] == ["<root>", "transformer.h.0", "transformer.h.1"], results[3]["units"]
         for stage, result in enumerate(results):
             assert result["initial"].keys() == saved.keys()
             for name, value in saved.items():

@@ -316,3 +316,24 @@ def test_a_module_skipped_on_one_rank_trains_as_at_stage_0(skip_step: int, uneve
     for states in run_on_ranks(3, skip_on_one_rank, skip_step, uneven, timeout=120):
         for name, value in states[0].items():
             assert (states[3][name] - value).abs().max().item() <= TOL, name
+
+
+def test_units_follow_no_split_modules_unless_the_config_names_classes() -> None:
+    """A Hugging Face model declares its blocks in ``_no_split_modules``: without
+    ``stage3_wrap_modules`` those are the units; the config's list wins; a model that declares
+    nothing (or only classes it does not have) keeps the size rule."""
+    from zero_engine.param_groups import resolve_param_groups
+    from zero_engine.sharding.module_plan import plan_module_units
+
+    def labels(model: torch.nn.Module, wrap: list[str] | None) -> list[str]:
+        groups = resolve_param_groups(model, None, torch.optim.AdamW)
+        plans, _ = plan_module_units(model, groups, wrap, min_unit_numel=10**9, persistence_threshold=0)
+        return [plan.label for plan in plans]
+
+    model = make_model()
+    assert labels(model, None) == ["<root>"]  # the size rule, at a limit nothing reaches
+    model._no_split_modules = {"Linear", "NotInThisModel"}  # a set, as transformers 5 keeps it
+    assert labels(model, None) == ["<root>", "frozen", "fc1", "fc2", "head"]
+    assert labels(model, ["LayerNorm"]) == ["<root>", "norm"]
+    model._no_split_modules = ["NotInThisModel"]
+    assert labels(model, None) == ["<root>"]

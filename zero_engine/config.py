@@ -200,8 +200,9 @@ class ZeroOptimizationConfig(_Section):
     )
     stage3_wrap_modules: list[str] | None = Field(
         None,
-        description="Stage 3: class names whose modules become units (e.g. [Block]); unset: every module whose "
-        "not yet wrapped parameters reach reduce_bucket_size elements. The rest form the root unit.",
+        description="Stage 3: class names whose modules become units (e.g. [Block]); unset: the classes a Hugging "
+        "Face model declares in _no_split_modules (e.g. GPT2Block), else every module whose not yet wrapped "
+        "parameters reach reduce_bucket_size elements. The rest form the root unit.",
     )
     shard_group_size: PositiveCount | Literal["auto"] | None = Field(
         None,

@@ -1,8 +1,10 @@
 """Stage 3: which modules become units, which parameters each unit owns, what each needs.
 
 A *unit module* is the model itself (the root) and every submodule picked by the wrap policy:
-its class named in ``stage3_wrap_modules``, or, without that list, every module whose not yet
-wrapped trainable parameters reach ``min_unit_numel`` elements (bottom-up, like FSDP's
+its class named in ``stage3_wrap_modules``; without that list, its class named in the model's
+``_no_split_modules`` (Hugging Face models declare their blocks there: ``["GPT2Block"]``), as
+Accelerate's FSDP plugin and DeepSpeed's leaf-module logic read it; otherwise every module whose
+not yet wrapped trainable parameters reach ``min_unit_numel`` elements (bottom-up, like FSDP's
 size-based policy). A unit owns the trainable parameters registered in its part of the tree
 (its subtree minus nested unit modules). A parameter registered twice (tied weights) is owned
 by the unit that registers it first, in ``named_parameters`` order, and *used* by every unit
@@ -58,8 +60,11 @@ def plan_module_units(
         param: (index, name) for index, group in enumerate(groups) for name, param in zip(group.names, group.params)
     }
     sharded = {param for param in in_group if param.numel() >= persistence_threshold}
+    declared = declared_unit_classes(model)
     if wrap_classes:
         unit_modules = _modules_of_classes(model, wrap_classes)
+    elif declared:
+        unit_modules = _modules_of_classes(model, declared)
     else:
         unit_modules = _modules_by_size(model, sharded, min_unit_numel)
     plans: dict[int, ModuleUnitPlan] = {id(model): ModuleUnitPlan("", model)}
@@ -94,6 +99,18 @@ def plan_module_units(
         if param not in sharded
     ]
     return list(plans.values()), resident
+
+
+def declared_unit_classes(model: nn.Module) -> list[str]:
+    """The block classes a Hugging Face model declares in ``_no_split_modules`` (on the model or
+    a wrapped model inside it), those it has; empty for other models."""
+    present = {type(module).__name__ for module in model.modules()}
+    declared: list[str] = []
+    for module in model.modules():
+        for name in sorted(getattr(module, "_no_split_modules", None) or ()):  # a set in transformers 5
+            if isinstance(name, str) and name in present and name not in declared:
+                declared.append(name)
+    return declared
 
 
 def _modules_of_classes(model: nn.Module, wrap_classes: Sequence[str]) -> set[nn.Module]:
