@@ -143,6 +143,39 @@ class OffloadConfig(_Section):
     )
 
 
+class _FileMonitorConfig(_Section):
+    enabled: bool = Field(False, description="Write the training events (rank 0).")
+    output_path: str = Field("", description="Directory for the files (empty: DeepSpeed's default under ~).")
+    job_name: str = Field("DeepSpeedJobName", description="Subdirectory of output_path for this run.")
+
+
+class TensorBoardConfig(_FileMonitorConfig):
+    """DeepSpeed's ``tensorboard`` section (needs the tensorboard package)."""
+
+
+class CsvMonitorConfig(_FileMonitorConfig):
+    """DeepSpeed's ``csv_monitor`` section: one CSV file per event."""
+
+
+class WandbConfig(_Section):
+    enabled: bool = Field(False, description="Log the training events to Weights & Biases (rank 0; needs wandb).")
+    team: str | None = Field(None, description="wandb entity.")
+    group: str | None = Field(None, description="wandb run group.")
+    project: str = Field("deepspeed", description="wandb project.")
+
+
+class CometConfig(_Section):
+    enabled: bool = Field(False, description="Log the training events to Comet (rank 0; needs comet_ml).")
+    samples_log_interval: PositiveCount = Field(100, description="Log every this many samples.")
+    project: str | None = Field(None, description="Comet project.")
+    workspace: str | None = Field(None, description="Comet workspace.")
+    api_key: str | None = Field(None, description="Comet API key (else Comet's own configuration).")
+    experiment_name: str | None = Field(None, description="Comet experiment name.")
+    experiment_key: str | None = Field(None, description="Resume this Comet experiment.")
+    online: bool | None = Field(None, description="Comet online mode.")
+    mode: str | None = Field(None, description="Comet mode (get, create, get_or_create).")
+
+
 class ZeroOptimizationConfig(_Section):
     stage: Integer = Field(0, ge=0, le=3, description="0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters.")
     overlap_comm: bool = Field(True, description="Launch gradient reductions during backward, bucket by bucket.")
@@ -313,10 +346,11 @@ class ZeroEngineConfig(_Section):
     sequence_parallel_size: PositiveCount = Field(1, description="DeepSpeed option: Ulysses sequence parallelism; "
                                                   "refused above 1.")
     # DeepSpeed-only sections: accepted whole, logged at initialize unless switched off.
-    tensorboard: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
-    csv_monitor: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
-    wandb: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
-    comet: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    # Monitors, DeepSpeed's keys and event names (zero_engine.monitor).
+    tensorboard: TensorBoardConfig | None = Field(None, description="TensorBoard event files (needs tensorboard).")
+    csv_monitor: CsvMonitorConfig | None = Field(None, description="One CSV file per training event.")
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases (needs wandb).")
+    comet: CometConfig | None = Field(None, description="Comet (needs comet_ml).")
     monitor_config: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     flops_profiler: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     comms_logger: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
@@ -550,14 +584,10 @@ NO_EFFECT: dict[str, str] = {
     )},
 }
 
-_MONITORS = "no monitor writers here: log losses, engine.get_lr() and engine.get_global_grad_norm() with your own logger"
+_MONITORS = "DeepSpeed's internal wrapper of the monitor sections: give tensorboard, csv_monitor, wandb or comet at the top level"
 # DeepSpeed-only sections, with why each changes nothing here; logged at initialize unless
 # switched off (``enabled: false``). `zero_engine.features` refuses what asks for more.
 DEEPSPEED_SECTIONS: dict[str, str] = {
-    "tensorboard": _MONITORS,
-    "csv_monitor": _MONITORS,
-    "wandb": _MONITORS,
-    "comet": _MONITORS,
     "monitor_config": _MONITORS,
     "flops_profiler": "no FLOPs profiler here: use torch.profiler (with_flops=True)",
     "comms_logger": "no communication logger: engine.comm_report() gives each step's bytes per collective",

@@ -27,6 +27,7 @@ from .features import refuse_unbuilt_features
 from . import offload
 from .auto_values import fill_auto
 from .memory import host_bytes_needed, measure_memory
+from .monitor import Event, build_monitors, check_monitor_packages
 from .offload import offload_plan
 from .optim import build_optimizer, check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
@@ -76,6 +77,7 @@ def initialize(
     _check_not_wrapped(model)
     config = fill_auto(load_config(config), model)
     _check_scheduler_factory(lr_scheduler, config)
+    check_monitor_packages(config)
     refuse_unbuilt_features(config)
     stage = stage_for(config.zero_optimization.stage)
     optimizer_cls = check_optimizer_for_stage(config.optimizer, stage.level)
@@ -177,6 +179,9 @@ class Engine:
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer)
         self.loss_scaler = build_loss_scaler(config)
+        self.monitors = build_monitors(config) if comm.rank == 0 else []  # DeepSpeed's monitor sections
+        self._window_loss: torch.Tensor | None = None  # losses given to backward in this window (monitors)
+        self._window_backwards = 0
 
     # -- construction --------------------------------------------------------------------------
 
@@ -210,6 +215,10 @@ class Engine:
         short last window included). A plain ``loss.backward()`` reduces the same way, but
         neither divides nor scales."""
         _check_loss(loss)
+        if self.monitors:  # summed on the device; read back once per step
+            value = loss.detach().float().reshape(())
+            self._window_loss = value if self._window_loss is None else self._window_loss + value
+            self._window_backwards += 1
         divisor = self.batch.gradient_accumulation_steps if scale_wrt_gas else 1
         self._scaling_backward = True
         try:
@@ -289,6 +298,8 @@ class Engine:
         self._zero_grads()
         self.global_step += 1
         self._window_opened = False
+        if self.monitors:
+            self._write_monitors()
         every = self.config.steps_per_print
         if self.comm.rank == 0 and every is not None and self.global_step % every == 0:
             logger.info(
@@ -296,6 +307,20 @@ class Engine:
                 self.global_step, [f"{lr:.3g}" for lr in self.get_lr()], self._global_grad_norm or 0.0,
                 self.loss_scale, self.skipped_steps,
             )
+
+    def _write_monitors(self) -> None:
+        """The step's events, DeepSpeed's names, against samples seen (`zero_engine.monitor`)."""
+        samples = self.global_step * self.batch.train_batch_size
+        events: list[Event] = [("Train/Samples/lr", self.get_lr()[0], samples)]
+        if self._window_loss is not None:
+            events.insert(0, ("Train/Samples/train_loss", self._window_loss.item() / self._window_backwards, samples))
+        if self._global_grad_norm is not None:
+            events.append(("Train/Samples/grad_norm", self._global_grad_norm, samples))
+        if self.loss_scaler is not None:
+            events.append(("Train/Samples/loss_scale", self.loss_scale, samples))
+        for writer in self.monitors:
+            writer.write(events)
+        self._window_loss, self._window_backwards = None, 0
 
     def _agree_on_training(self, phase: str) -> None:
         """A call row at the first forward and at the first backward of every micro-step, so
@@ -521,6 +546,9 @@ class Engine:
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
         self.lifecycle.remove_hooks()
+        for writer in self.monitors:
+            writer.close()
+        self.monitors = []
         _WRAPPED.pop(self.module, None)
 
 

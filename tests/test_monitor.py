@@ -1,0 +1,84 @@
+"""DeepSpeed's monitor sections: the CSV rows and TensorBoard events read back hold the values
+the engine reported (loss, learning rate, gradient norm, fp16 loss scale) against samples seen,
+written by rank 0 alone; a monitor whose package is missing fails at initialize."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+import zero_engine
+from configs import engine_config
+from harness import run_on_ranks
+from models import decay_groups, make_model, micro_batch
+from zero_engine import ConfigError
+
+MICRO, ACCUM, STEPS = 2, 2, 3
+
+
+def monitored(rank: int, world_size: int, directory: str) -> dict:
+    config = engine_config(2, micro=MICRO, lr=0.01, accum=ACCUM, dtype="fp16", fp16={"initial_scale_power": 8})
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 4}}
+    for section in ("csv_monitor", "tensorboard"):
+        config[section] = {"enabled": True, "output_path": str(Path(directory) / f"rank{rank}"), "job_name": "run"}
+    model = make_model()
+    engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
+    reported: dict[str, list] = {"loss": [], "lr": [], "grad_norm": [], "loss_scale": []}
+    for step in range(STEPS):
+        losses = []
+        for micro in range(ACCUM):
+            loss = engine(*micro_batch(step, micro, rank, world_size, MICRO, ACCUM))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        reported["loss"].append(sum(losses) / ACCUM)
+        reported["lr"].append(engine.get_lr()[0])
+        reported["grad_norm"].append(engine.get_global_grad_norm())
+        reported["loss_scale"].append(engine.loss_scale)
+    samples = engine.batch.train_batch_size
+    engine.close()
+    return {"reported": reported, "samples": samples}
+
+
+def _csv(path: Path) -> list[tuple[int, float]]:
+    with path.open() as handle:
+        rows = list(csv.reader(handle))
+    return [(int(step), float(value)) for step, value in rows[1:]]
+
+
+def test_csv_and_tensorboard_hold_what_the_engine_reported(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    results = run_on_ranks(2, monitored, str(tmp_path), allow_numpy=True)  # TensorBoard's writer uses numpy
+    rank0 = results[0]
+    steps = [rank0["samples"] * (step + 1) for step in range(STEPS)]
+    names = {"loss": "Train/Samples/train_loss", "lr": "Train/Samples/lr", "grad_norm": "Train/Samples/grad_norm",
+             "loss_scale": "Train/Samples/loss_scale"}
+    events = EventAccumulator(str(tmp_path / "rank0" / "run"))
+    events.Reload()
+    for key, name in names.items():
+        expected = list(zip(steps, rank0["reported"][key]))
+        written = _csv(tmp_path / "rank0" / "run" / (name.replace("/", "_") + ".csv"))
+        assert [s for s, _ in written] == steps, name
+        assert [v for _, v in written] == pytest.approx([v for _, v in expected], rel=1e-6), name
+        scalars = [(e.step, e.value) for e in events.Scalars(name)]
+        assert [s for s, _ in scalars] == steps, name
+        assert [v for _, v in scalars] == pytest.approx([v for _, v in expected], rel=1e-6), name  # float32 in events
+    assert not (tmp_path / "rank1").exists(), "only rank 0 writes"
+
+
+@pytest.mark.parametrize("section, package", [("wandb", "wandb"), ("comet", "comet_ml")])
+def test_a_monitor_without_its_package_fails_at_initialize(section: str, package: str) -> None:
+    try:  # wandb and comet_ml are not dependencies; this machine has neither
+        __import__(package)
+        pytest.skip(f"{package} is installed here")
+    except ImportError:
+        pass
+    config = engine_config(1, micro=MICRO, lr=0.01)
+    config[section] = {"enabled": True}
+    with pytest.raises(ConfigError, match=rf"{section}.enabled = true needs the {package} package"):
+        zero_engine.initialize(make_model(), config)
+    config[section] = {"enabled": False}  # switched off: silent
+    zero_engine.initialize(make_model(), config).close()
