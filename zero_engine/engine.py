@@ -237,7 +237,8 @@ class Engine:
         """Drop the gradients accumulated since the last optimizer step (``step()`` on a
         boundary clears them itself). Local: no collective."""
         del set_to_none  # the engine's gradient buffers are zeroed, or released at stage 3, either way
-        self._zero_grads()
+        if self._window_micro_steps or self._backwards_in_micro_step:  # else clean since the last step
+            self._zero_grads()
 
     # -- backward, however it is called ----------------------------------------------------------
 
