@@ -25,6 +25,7 @@ from .comm import Comm, connect, local_cuda_device
 from .config import BatchSizes, ZeroEngineConfig, load_config, no_effect_settings
 from .features import refuse_unbuilt_features
 from . import offload
+from .accumulation import AccumulationWindow
 from .auto_values import fill_auto
 from .memory import host_bytes_needed, measure_memory
 from .monitor import Event, build_monitors, check_monitor_packages
@@ -135,9 +136,7 @@ class Engine:
         self.batch = batch
         self.precision = precision
         self.global_step = 0
-        self.micro_steps = 0
-        self._window_micro_steps = 0  # micro-steps since the last boundary
-        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self.window = AccumulationWindow(batch.gradient_accumulation_steps)  # where the loop is in its window
         self._step_applied = False  # whether the last boundary updated the parameters
         self.skipped_steps = 0
         self._window_opened = False
@@ -145,8 +144,6 @@ class Engine:
         self._train_rows_sent = {"forward": False, "backward": False}
         self._global_grad_norm: float | None = None
         self._scaling_backward = False  # inside engine.backward
-        self._backwards_in_micro_step = 0  # finished since the last step()
-        self._unscaled_backwards = 0  # in this accumulation window, not through engine.backward
         zero = config.zero_optimization
         self._sync_from_rank0()
         if comm.rank == 0:
@@ -237,7 +234,7 @@ class Engine:
         """Drop the gradients accumulated since the last optimizer step (``step()`` on a
         boundary clears them itself). Local: no collective."""
         del set_to_none  # the engine's gradient buffers are zeroed, or released at stage 3, either way
-        if self._window_micro_steps or self._backwards_in_micro_step:  # else clean since the last step
+        if self.window.has_gradients:  # else clean since the last step
             self._zero_grads()
 
     # -- backward, however it is called ----------------------------------------------------------
@@ -252,7 +249,7 @@ class Engine:
         if self.lifecycle.state.in_backward:
             return
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary and self._backwards_in_micro_step and not self.reducer.reduces_every_micro_step:
+        if boundary and self.window.backwards and not self.reducer.reduces_every_micro_step:
             raise RuntimeError(
                 "a second backward in the micro-step whose gradients were already reduced (stages 0-1 reduce once, "
                 "at the accumulation boundary): call engine.step() after each backward, or add the losses and "
@@ -267,22 +264,16 @@ class Engine:
     def _end_backward(self) -> None:
         self.gatherer.end_backward()  # first: other ranks may need its drain rows to end their backward
         self.reducer.post_backward()
-        self._backwards_in_micro_step += 1
-        self._unscaled_backwards += 0 if self._scaling_backward else 1  # still inside engine.backward if scaled
+        self.window.backward_done(scaled=self._scaling_backward)  # still inside engine.backward if scaled
 
     def step(self) -> None:
         """Call after every micro-batch's backward; updates only on accumulation boundaries."""
         self.gatherer.check_usable()
         self._check_backwards()
-        boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        self._window_micro_steps += 1
-        self._backwards_in_micro_step = 0
+        boundary = self.window.end_micro_step()
         self._train_rows_sent = {"forward": False, "backward": False}
         if not boundary:
             return
-        self._window_micro_steps = 0
-        self._unscaled_backwards = 0
         used, squares = self._agree_on_used_params_and_norm()
         self._global_grad_norm = math.sqrt(squares) / self.loss_scale
         self._step_applied = math.isfinite(squares)
@@ -333,15 +324,15 @@ class Engine:
             self._agree_on_call(Call.TRAIN)
 
     def _agree_on_call(self, call: Call) -> None:
-        self.gatherer.agree_on_call(call, self.micro_steps)
+        self.gatherer.agree_on_call(call, self.window.micro_steps)
 
     def _check_backwards(self) -> None:
-        if self._backwards_in_micro_step == 0:
+        if self.window.backwards == 0:
             raise RuntimeError(
-                f"engine.step() without a backward since the last step() (micro-step {self.micro_steps}): "
+                f"engine.step() without a backward since the last step() (micro-step {self.window.micro_steps}): "
                 "call engine.backward(loss) (or loss.backward()) on the output of engine(...) first"
             )
-        if self.loss_scaler is not None and self._unscaled_backwards:
+        if self.loss_scaler is not None and self.window.unscaled_backwards:
             raise RuntimeError(
                 "fp16 loss scaling is on, but a backward did not go through engine.backward(loss) (a plain "
                 "loss.backward() applies no loss scale, so small gradients underflow): use engine.backward(loss)"
@@ -350,9 +341,7 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window: every
         ``gradient_accumulation_steps``-th, unless `set_gradient_accumulation_boundary` said."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self._window_micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+        return self.window.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Say whether the coming micro-step ends its window, as DeepSpeed's engine takes it
@@ -360,7 +349,12 @@ class Engine:
         early). Holds until set again; None goes back to counting. Set it before the
         micro-step's backward (stages 0-1 decide there whether to reduce). Every rank must say
         the same."""
-        self._boundary_override = is_boundary
+        self.window.set_boundary(is_boundary)
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-steps (``step()`` calls) so far."""
+        return self.window.micro_steps
 
     def was_step_applied(self) -> bool:
         """Whether the last boundary's ``step()`` updated the parameters (False after a step
@@ -504,10 +498,10 @@ class Engine:
         ``torch.load(weights_only=True)`` can read back (tensors, numbers, strings, containers).
         """
         self.gatherer.check_usable()
-        if self._window_micro_steps:
+        if self.window.in_window:
             raise RuntimeError(
                 f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "
-                f"{self._window_micro_steps} of {self.batch.gradient_accumulation_steps}): call it after "
+                f"{self.window.in_window} of {self.batch.gradient_accumulation_steps}): call it after "
                 "engine.step() on a boundary"
             )
         self._agree_on_call(Call.SAVE_CHECKPOINT)
@@ -532,8 +526,7 @@ class Engine:
             self._resumable(), directory, tag, strict=strict, load_optimizer_states=load_optimizer_states
         )
         self.global_step, self.skipped_steps = loaded.counters
-        self.micro_steps = self.global_step * self.batch.gradient_accumulation_steps
-        self._window_micro_steps = 0
+        self.window.restart(self.global_step)
         return loaded.client_state
 
     def _resumable(self) -> checkpoint.Resumable:
