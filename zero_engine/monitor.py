@@ -25,6 +25,11 @@ from .config import ZeroEngineConfig
 from .errors import ConfigError
 
 Event = tuple[str, float, int]  # name, value, samples seen
+# Sections that need a package: the module to import, the package to install.
+_PACKAGES = {
+    "tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+    "comet": ("comet_ml", "comet_ml"),
+}
 
 
 class MonitorWriter(Protocol):
@@ -56,7 +61,7 @@ class CsvWriter:
 
 class TensorBoardWriter:
     def __init__(self, directory: Path) -> None:
-        writer = _import("torch.utils.tensorboard", "tensorboard", "tensorboard")
+        writer = _import("tensorboard")
         self.writer = writer.SummaryWriter(log_dir=str(directory))
 
     def write(self, events: list[Event]) -> None:
@@ -70,7 +75,7 @@ class TensorBoardWriter:
 
 class WandbWriter:
     def __init__(self, section: Any) -> None:
-        self.wandb = _import("wandb", "wandb", "wandb")
+        self.wandb = _import("wandb")
         self.wandb.init(project=section.project, group=section.group, entity=section.team)
 
     def write(self, events: list[Event]) -> None:
@@ -83,7 +88,7 @@ class WandbWriter:
 
 class CometWriter:
     def __init__(self, section: Any) -> None:
-        comet_ml = _import("comet_ml", "comet", "comet_ml")
+        comet_ml = _import("comet")
         options = {
             key: getattr(section, key)
             for key in ("project", "workspace", "api_key", "experiment_key", "online", "mode")
@@ -109,13 +114,10 @@ class CometWriter:
 
 def check_monitor_packages(config: ZeroEngineConfig) -> None:
     """Fail at initialize, on every rank, when a monitor is on and its package is missing."""
-    for section, module, package in (
-        ("tensorboard", "torch.utils.tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"),
-        ("comet", "comet_ml", "comet_ml"),
-    ):
+    for section in _PACKAGES:
         value = getattr(config, section)
         if value is not None and value.enabled:
-            _import(module, section, package)
+            _import(section)
 
 
 def build_monitors(config: ZeroEngineConfig) -> list[MonitorWriter]:
@@ -135,7 +137,9 @@ def build_monitors(config: ZeroEngineConfig) -> list[MonitorWriter]:
     return writers
 
 
-def _import(module: str, section: str, package: str) -> Any:
+def _import(section: str) -> Any:
+    """The module the ``section`` writes through; a `ConfigError` naming the package if missing."""
+    module, package = _PACKAGES[section]
     try:
         return importlib.import_module(module)
     except ImportError as err:

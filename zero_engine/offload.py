@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-HOST = torch.device("cpu")
+from .comm import HOST
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,9 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=pin and _can_pin())
 
 
-def host_copy(values: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A new host tensor holding ``values`` (flat), in ``dtype`` (default: theirs)."""
-    out = host_empty(values.numel(), dtype or values.dtype, pin)
+def host_copy(values: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A new host tensor holding ``values`` (flat), in their dtype (cast them on the device first)."""
+    out = host_empty(values.numel(), values.dtype, pin)
     out.copy_(values.reshape(-1))
     return out
 

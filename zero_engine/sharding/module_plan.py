@@ -60,10 +60,9 @@ def plan_module_units(
         param: (index, name) for index, group in enumerate(groups) for name, param in zip(group.names, group.params)
     }
     sharded = {param for param in in_group if param.numel() >= persistence_threshold}
-    declared = declared_unit_classes(model)
     if wrap_classes:
         unit_modules = _modules_of_classes(model, wrap_classes)
-    elif declared:
+    elif declared := declared_unit_classes(model):
         unit_modules = _modules_of_classes(model, declared)
     else:
         unit_modules = _modules_by_size(model, sharded, min_unit_numel)

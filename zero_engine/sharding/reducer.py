@@ -111,6 +111,8 @@ class GradReducer:
         self.may_wait_for = may_wait_for
         self._settled: set[int] = set()  # units that get no gradient here this backward
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
+        # offload_optimizer: the units' host gradients, waited for at the end of a reducing backward.
+        self._host_grads = [unit.optim.host_grad for unit in self.units if unit.optim.host_grad is not None]
         self._handles: list[Any] = []
         for unit_index, unit in enumerate(self.units):
             for param_index, param in enumerate(unit.params):
@@ -171,10 +173,9 @@ class GradReducer:
     def _finish_host_copies(self) -> None:
         """offload_optimizer: wait once for this backward's gradient copies to the host (the
         one host sync an offloaded backward adds), then add any staged micro-step in."""
-        host_grads = [unit.optim.host_grad for unit in self.units if unit.optim.host_grad is not None]
-        if host_grads:
-            offload.wait_for_host_copies(host_grads[0].device)
-            for grad in host_grads:
+        if self._host_grads:
+            offload.wait_for_host_copies(self._host_grads[0].device)
+            for grad in self._host_grads:
                 grad.finish()
 
     def _launch_ready_units(self) -> None:
