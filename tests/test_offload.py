@@ -28,7 +28,9 @@ from zero_engine.cli import main as cli_main
 from zero_engine.engine import Engine
 from zero_engine.errors import ConfigError
 from zero_engine.memory import estimate_from_config
+from zero_engine.comm import HOST
 from zero_engine.testing.device_guard import DeviceGuard, DeviceMistake
+from zero_engine.testing.process_memory import live_tensor_bytes
 
 OPTIMIZER = {"offload_optimizer": {"device": "cpu"}}
 PARAMS = {"offload_param": {"device": "cpu"}}
@@ -337,15 +339,23 @@ def test_host_memory_is_checked_before_anything_is_allocated(monkeypatch: pytest
     zero_engine.initialize(model, _plain(3, **BOTH)).close()
 
 
-def test_memory_report_and_estimate_agree_on_host_bytes() -> None:
-    """One rank, stage 3, bf16, both offloaded: the measured host bytes are what the formula
-    says (the optimizer state, masters and gradients, 16 bytes per parameter, plus the bf16
-    parameter shard; no padding at one rank)."""
-    model = make_model()
-    config = engine_config(3, micro=2, lr=0.01, dtype="bf16", stage3_param_persistence_threshold=0, **BOTH)
-    engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
-    train_engine(engine, 0, 1, range(1), 2, 1)
-    measured = engine.memory_report()
+def test_host_bytes_as_the_process_holds_them_the_report_and_the_estimate_agree() -> None:
+    """One rank, stage 3, bf16, both offloaded, the model adopted as device tensors: the host
+    storages the engine added (live tensors, counted from the storages) are what
+    `memory_report()` says, and that is the formula (the optimizer state, masters and gradients,
+    16 bytes per parameter, plus the bf16 parameter shard; no padding at one rank)."""
+    with DeviceGuard() as guard:
+        model = make_model()
+        guard.adopt(model)
+        before = live_tensor_bytes(HOST)
+        config = engine_config(3, micro=2, lr=0.01, dtype="bf16", stage3_param_persistence_threshold=0, **BOTH)
+        engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
+        train_engine(engine, 0, 1, range(1), 2, 1, device=engine.device)
+        added = live_tensor_bytes(HOST) - before
+        measured = engine.memory_report()
+        # Beside the model state, stage 3 keeps one host row of 4 int64 per rank for agreements.
+        assert added == measured["host"] + 4 * 8
+        engine.close()
     whole = make_model()  # stage 3 left the model's parameters empty
     num_params = sum(p.numel() for p in whole.parameters() if p.requires_grad)
     estimate = estimate_from_config(zero_engine.load_config(config), num_params, 1)
@@ -353,7 +363,6 @@ def test_memory_report_and_estimate_agree_on_host_bytes() -> None:
     # Measured: Adam has no state for the parameter no rank used, and one step count per tensor.
     steps = sum(s["step"].numel() * 4 for s in engine.optimizer.state.values())
     assert measured["host"] == estimate.host - 8 * whole.unused.numel() + steps
-    engine.close()
 
 
 def test_cli_estimate_shows_the_host_share(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
