@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     data = TextBatches(load_corpus(), model.config.context)
     log = print if rank == 0 else (lambda *a, **k: None)
     if engine.comm.num_replicas > 1:  # hybrid sharding: every rank says which ranks it shards and replicates with
-        print(f"rank {rank} on node {os.environ.get('GROUP_RANK', '0')}: shard group {engine.comm.shard_group_ranks}, "
-              f"replica group {engine.comm.replica_group_ranks}", flush=True)
+        line = (f"rank {rank} on node {os.environ.get('GROUP_RANK', '0')}: shard group {engine.comm.shard_group_ranks}, "
+                f"replica group {engine.comm.replica_group_ranks}\n")
+        sys.stdout.write(line)  # one write, newline included: the ranks share the launcher's stdout
+        sys.stdout.flush()
     log(f"zero_engine stage {engine.stage.level} on {world} rank(s) ({engine.comm.backend}); "
         f"{num_params / 1e6:.2f}M parameters; global batch "
         f"{engine.batch.train_batch_size} x {model.config.context} tokens; unigram baseline "
