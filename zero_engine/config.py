@@ -654,13 +654,8 @@ def load_config(source: str | Path | dict[str, Any] | ZeroEngineConfig) -> ZeroE
     """A validated config from a ``.yaml``/``.yml``/``.json`` path, a dict, or a config object."""
     if isinstance(source, ZeroEngineConfig):
         return source
-    origin = "config dict"
-    if isinstance(source, (str, Path)):
-        origin = str(source)
-        source = _read_file(Path(source))
-    if not isinstance(source, dict):
-        raise ConfigError(f"{origin}: expected a mapping of keys at the top level, got {type(source).__name__}")
-    translated = translate(source)
+    raw, origin = read_config_mapping(source)
+    translated = translate(raw)
     try:
         config = ZeroEngineConfig.model_validate(translated.config)
     except ValidationError as err:
@@ -670,6 +665,18 @@ def load_config(source: str | Path | dict[str, Any] | ZeroEngineConfig) -> ZeroE
     config._notes = translated.notes
     config._auto = translated.auto
     return config
+
+
+def read_config_mapping(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The raw mapping of a config file or dict, not yet translated or validated (integrations
+    fill Hugging Face's ``"auto"`` in it first), and where it came from, for error messages."""
+    origin = "config dict"
+    if isinstance(source, (str, Path)):
+        origin = str(source)
+        source = _read_file(Path(source))
+    if not isinstance(source, dict):
+        raise ConfigError(f"{origin}: expected a mapping of keys at the top level, got {type(source).__name__}")
+    return source, origin
 
 
 def _read_file(path: Path) -> Any:

@@ -455,8 +455,9 @@ class Engine:
         return self.train(False)
 
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The complete module state on CPU, same keys as ``state_dict()``, parameters as their
-        fp32 masters. Collective when masters are sharded: call it on every rank.
+        """The complete module state on CPU, same keys as ``state_dict()`` (tied parameters'
+        names share one tensor, as there), parameters as their fp32 masters. Collective when
+        masters are sharded: call it on every rank.
 
         ``rank0_only=True`` gathers onto rank 0 alone, one unit at a time, so exporting never
         needs the full model on any other rank; the other ranks get an empty dict.

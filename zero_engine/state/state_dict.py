@@ -39,8 +39,8 @@ class ModelState:
     # -- reading -----------------------------------------------------------------------------
 
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The complete module state on CPU, same keys as ``state_dict()``, parameters as their
-        fp32 masters. Collective when masters are sharded; with ``rank0_only`` gathered onto
+        """The complete module state on CPU, same keys as ``state_dict()`` (tied parameters'
+        names share one tensor, as there), parameters as their fp32 masters. Collective when masters are sharded; with ``rank0_only`` gathered onto
         rank 0 alone, one unit at a time (other ranks get an empty dict)."""
         keep = not rank0_only or self.comm.rank == 0
         values: dict[nn.Parameter, torch.Tensor] = {}
@@ -54,10 +54,15 @@ class ModelState:
         values.update(self.loose_masters)
         by_name = dict(self.module.named_parameters(remove_duplicate=False))
         state = {}
+        copies: dict[nn.Parameter, torch.Tensor] = {}  # a tied parameter's names share one tensor, as in state_dict()
         for name, tensor in self.module.state_dict().items():
-            source = values.get(by_name[name], tensor) if name in by_name else tensor
-            dtype = torch.float32 if name in by_name else tensor.dtype
-            state[name] = source.detach().to("cpu", dtype, copy=True)
+            if name not in by_name:
+                state[name] = tensor.detach().to("cpu", copy=True)
+                continue
+            param = by_name[name]
+            if param not in copies:
+                copies[param] = values.get(param, tensor).detach().to("cpu", torch.float32, copy=True)
+            state[name] = copies[param]
         return state
 
     def full_master(self, unit: FlatUnit, rank0_only: bool = False) -> torch.Tensor:
