@@ -111,9 +111,9 @@ def trainer_runs(rank: int, world_size: int, root: str, cases: list[tuple[str, A
 
     train, evaluation = _Tokens(SAMPLES, seed=1), _Tokens(8, seed=2)
     results: dict[str, Any] = {}
-    for name, (kind, config, resume_from) in cases:
+    for name, (kind, config, resume_from, *overrides) in cases:
         directory = Path(root) / name
-        args = _arguments(str(directory))
+        args = _arguments(str(directory), **(overrides[0] if overrides else {}))
         if kind == "ddp":
             trainer = Trainer(model=_model(), args=args, train_dataset=train, eval_dataset=evaluation)
         elif kind == "zero":
@@ -158,6 +158,7 @@ CASES = [
     ("auto-2-resumed", ("zero", auto_config(2), "auto-2")),
     ("auto-3-resumed-from-stage-1", ("zero", auto_config(3), "auto-1")),
     ("meta-3", ("zero-meta", auto_config(3), None)),
+    ("bf16-3", ("zero", auto_config(3), None, {"bf16": True})),
 ]
 
 
@@ -222,6 +223,17 @@ def test_a_model_built_on_the_meta_device_trains_as_the_eager_one(runs: dict) ->
     ddp, meta = runs["rank0"]["ddp"], runs["rank0"]["meta-3"]
     _assert_logs_close(meta["logs"], ddp["logs"], "meta stage 3")
     _assert_weights_close(meta["weights"], ddp["weights"], "meta stage 3")
+
+
+def test_bf16_arguments_switch_the_engine_to_bf16(runs: dict) -> None:
+    """``bf16=True`` fills ``bf16.enabled: auto``: the engine computes in bf16 with fp32 masters
+    (the plain Trainer autocasts instead, so only bf16's precision is asked of the losses)."""
+    ddp, bf16 = runs["rank0"]["ddp"], runs["rank0"]["bf16-3"]
+    assert [entry["step"] for entry in bf16["logs"]] == [entry["step"] for entry in ddp["logs"]]
+    for mine, theirs in zip(bf16["logs"], ddp["logs"]):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=3e-2)
+        assert mine["loss"] != theirs["loss"]  # bf16 did run
+    assert {str(tensor.dtype) for tensor in bf16["weights"].values()} == {"torch.float32"}  # the masters are saved
 
 
 def test_evaluate_at_every_stage_matches_the_plain_trainer(runs: dict) -> None:
