@@ -100,7 +100,7 @@ CI_GRID = [
 ]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])  # 3: padding
 def test_mixed_precision_matches_the_policy_reference(world_size: int) -> None:
     per_rank = run_on_ranks(world_size, precision_grid, CI_GRID)
     for index, case in enumerate(CI_GRID):
