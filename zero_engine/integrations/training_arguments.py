@@ -24,19 +24,13 @@ Duck-typed on the arguments: nothing here imports transformers.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
-from .. import ConfigError
+from .config_filling import AUTO, Authority, Rule, fill
 
-AUTO = "auto"
-
-
-class Rule(NamedTuple):
-    path: str  # dotted key in the DeepSpeed config
-    value: Any  # what the Trainer runs with
-    source: str  # which TrainingArguments give it, for the error
-    when_absent: bool  # also set the key when the config leaves it out
+TRAINING_ARGUMENTS = Authority(
+    heading="the Trainer's TrainingArguments", giver="TrainingArguments give", filled_from="TrainingArguments"
+)
 
 
 def argument_rules(args: Any, world_size: int) -> list[Rule]:
@@ -77,11 +71,11 @@ def schedule_rules(args: Any, max_steps: int) -> list[Rule]:
 def fill_from_arguments(raw: dict[str, Any], args: Any, world_size: int, origin: str) -> dict[str, Any]:
     """A copy of the raw config with the arguments' ``"auto"`` filled; a `ConfigError` listing
     every value that disagrees with the arguments."""
-    return _fill(raw, argument_rules(args, world_size), origin)
+    return fill(raw, argument_rules(args, world_size), origin, TRAINING_ARGUMENTS)
 
 
 def fill_schedule(raw: dict[str, Any], args: Any, max_steps: int, origin: str) -> dict[str, Any]:
-    return _fill(raw, schedule_rules(args, max_steps), origin)
+    return fill(raw, schedule_rules(args, max_steps), origin, TRAINING_ARGUMENTS)
 
 
 def provisional_schedule(raw: dict[str, Any]) -> dict[str, Any]:
@@ -95,41 +89,3 @@ def provisional_schedule(raw: dict[str, Any]) -> dict[str, Any]:
         if params.get(key) == AUTO:
             params[key] = stand_in
     return config
-
-
-def _fill(raw: dict[str, Any], rules: Iterable[Rule], origin: str) -> dict[str, Any]:
-    config = copy.deepcopy(raw)
-    mismatches = []
-    for rule in rules:
-        *sections, key = rule.path.split(".")
-        section = _section(config, sections, create=rule.when_absent)
-        if section is None or (key not in section and not rule.when_absent):
-            continue
-        if key not in section or section[key] == AUTO:
-            section[key] = rule.value
-        elif not _same(section[key], rule.value):
-            mismatches.append(f"{rule.path} = {section[key]!r}, but TrainingArguments give {rule.source} = {rule.value!r}")
-    if mismatches:
-        raise ConfigError(
-            f"{origin}: values that disagree with the Trainer's TrainingArguments:\n- " + "\n- ".join(mismatches)
-            + '\nSet them to "auto" (filled from TrainingArguments) or make the two agree.'
-        )
-    return config
-
-
-def _section(config: dict[str, Any], names: list[str], *, create: bool) -> dict[str, Any] | None:
-    for name in names:
-        if not isinstance(config.get(name), dict):
-            if not create or name in config:
-                return None
-            config[name] = {}
-        config = config[name]
-    return config
-
-
-def _same(given: Any, expected: Any) -> bool:
-    if isinstance(given, (list, tuple)) and isinstance(expected, (list, tuple)):
-        return len(given) == len(expected) and all(_same(a, b) for a, b in zip(given, expected))
-    if isinstance(given, bool) or isinstance(expected, bool):
-        return type(given) is type(expected) and given == expected
-    return given == expected

@@ -43,6 +43,8 @@ from transformers import Trainer
 
 from .. import ConfigError, Engine, initialize, load_config
 from ..config import optimizer_class, read_config_mapping
+from .config_filling import optimizer_section
+from .engine_model import EngineModel
 from .training_arguments import fill_from_arguments, fill_schedule, provisional_schedule
 
 __all__ = ["ZeroEngineTrainer"]
@@ -79,7 +81,7 @@ class ZeroEngineTrainer(Trainer):
         self._zero_weights = zero_weights
         self._zero_param_init_fn = zero_param_init_fn
         self.zero_engine: Engine | None = None
-        self._engine_model: _EngineModel | None = None
+        self._engine_model: EngineModel | None = None
         self._step_lr: float | None = None  # the rate the last optimizer step used
 
     def _refuse_unsupported_arguments(self) -> None:
@@ -113,7 +115,7 @@ class ZeroEngineTrainer(Trainer):
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None) -> Any:
         if self.zero_engine is None:
             self.zero_engine = self._build_engine(max_steps)
-            self._engine_model = _EngineModel(self.zero_engine)
+            self._engine_model = EngineModel(self.zero_engine)
         engine = self.zero_engine
         self.optimizer = _SteppedByEngine(engine.optimizer)
         self.lr_scheduler = _SteppedByEngine(engine.lr_scheduler)
@@ -140,15 +142,8 @@ class ZeroEngineTrainer(Trainer):
             cls, kwargs = self.optimizer_cls_and_kwargs
         else:
             cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
-        if not (inspect.isclass(cls) and cls.__module__.startswith("torch.optim")):
-            name = getattr(cls, "__qualname__", repr(cls))
-            raise ConfigError(
-                f"TrainingArguments.optim = {str(getattr(self.args.optim, 'value', self.args.optim))!r} builds {getattr(cls, '__module__', '?')}.{name}; the "
-                "engine builds torch.optim optimizers over its shards: choose a torch one (e.g. optim='adamw_torch') "
-                "or give the config an optimizer section"
-            )
-        params = {key: list(value) if isinstance(value, tuple) else value for key, value in kwargs.items()}
-        return {"type": cls.__name__, "params": params}
+        optim = str(getattr(self.args.optim, "value", self.args.optim))
+        return optimizer_section(cls, kwargs, f"TrainingArguments.optim = {optim!r}")
 
     def _decay_groups(self, optimizer_type: str) -> list[dict[str, Any]] | None:
         """The Trainer's two groups: weight decay on every parameter but biases and norms."""
@@ -258,28 +253,6 @@ class ZeroEngineTrainer(Trainer):
                 f"only its weights: start from them with zero_weights={str(checkpoint)!r} instead of resuming"
             )
         self._require_engine().load_checkpoint(checkpoint)
-
-
-class _EngineModel(nn.Module):
-    """What the Trainer's loop calls as its model (where it would hold DDP): forward through the
-    engine. The Hugging Face model stays ``trainer.model``."""
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__()
-        self.module = engine.module
-        self.engine = engine
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad(set_to_none)
-
-    def no_sync(self) -> Any:
-        return self.engine.no_sync()
-
-    def _get_name(self) -> str:  # the Trainer picks the label smoother's shift by the model's class name
-        return self.module._get_name()
 
 
 class _SteppedByEngine:

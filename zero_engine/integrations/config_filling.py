@@ -1,0 +1,84 @@
+"""A raw config's ``"auto"`` filled from a training framework's own settings, and the values
+that disagree with them refused, all in one error (as Hugging Face's integration does for its
+TrainingArguments). Each integration lists its `Rule`\ s; this fills them on a copy of the
+raw mapping, before it is validated."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+from .. import ConfigError
+
+AUTO = "auto"
+
+
+class Rule(NamedTuple):
+    path: str  # dotted key in the DeepSpeed config
+    value: Any  # what the framework runs with
+    source: str  # which of its settings give it, for the error
+    when_absent: bool  # also set the key when the config leaves it out
+
+
+class Authority(NamedTuple):
+    """Who the values come from, as the error names it."""
+
+    heading: str  # "values that disagree with {heading}"
+    giver: str  # "..., but {giver} {source} = {value}"
+    filled_from: str  # 'Set them to "auto" (filled from {filled_from})'
+
+
+def fill(raw: dict[str, Any], rules: Iterable[Rule], origin: str, authority: Authority) -> dict[str, Any]:
+    """A copy of ``raw`` with the rules' ``"auto"`` (and, where a rule says, absent keys)
+    filled; a `ConfigError` listing every value that disagrees with its rule."""
+    config = copy.deepcopy(raw)
+    mismatches = []
+    for rule in rules:
+        *sections, key = rule.path.split(".")
+        section = _section(config, sections, create=rule.when_absent)
+        if section is None or (key not in section and not rule.when_absent):
+            continue
+        if key not in section or section[key] == AUTO:
+            section[key] = rule.value
+        elif not _same(section[key], rule.value):
+            mismatches.append(f"{rule.path} = {section[key]!r}, but {authority.giver} {rule.source} = {rule.value!r}")
+    if mismatches:
+        raise ConfigError(
+            f"{origin}: values that disagree with {authority.heading}:\n- " + "\n- ".join(mismatches)
+            + f'\nSet them to "auto" (filled from {authority.filled_from}) or make the two agree.'
+        )
+    return config
+
+
+def _section(config: dict[str, Any], names: list[str], *, create: bool) -> dict[str, Any] | None:
+    for name in names:
+        if not isinstance(config.get(name), dict):
+            if not create or name in config:
+                return None
+            config[name] = {}
+        config = config[name]
+    return config
+
+
+def _same(given: Any, expected: Any) -> bool:
+    if isinstance(given, (list, tuple)) and isinstance(expected, (list, tuple)):
+        return len(given) == len(expected) and all(_same(a, b) for a, b in zip(given, expected))
+    if isinstance(given, bool) or isinstance(expected, bool):
+        return type(given) is type(expected) and given == expected
+    return given == expected
+
+
+def optimizer_section(cls: Any, options: dict[str, Any], described: str) -> dict[str, Any]:
+    """The config's ``optimizer`` section for a framework's optimizer: a ``torch.optim`` class
+    and its keyword options (the engine builds that optimizer anew over its shards), else a
+    `ConfigError` saying what ``described`` built."""
+    if not (inspect.isclass(cls) and cls.__module__.startswith("torch.optim")):
+        name = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', repr(cls))}"
+        raise ConfigError(
+            f"{described} builds {name}; the engine builds torch.optim optimizers over its shards: choose a torch "
+            "one or give the config an optimizer section"
+        )
+    params = {key: list(value) if isinstance(value, tuple) else value for key, value in options.items()}
+    return {"type": cls.__name__, "params": params}
