@@ -1,6 +1,6 @@
 """A raw config's ``"auto"`` filled from a training framework's own settings, and the values
 that disagree with them refused, all in one error (as Hugging Face's integration does for its
-TrainingArguments). Each integration lists its `Rule`\ s; this fills them on a copy of the
+TrainingArguments). Each integration lists its rules (`Rule`); this fills them on a copy of the
 raw mapping, before it is validated."""
 
 from __future__ import annotations
