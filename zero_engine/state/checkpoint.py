@@ -645,6 +645,11 @@ def load_consolidated(directory: str | Path, tag: str | None = None) -> dict[str
     return state
 
 
+def load_client_state(directory: str | Path, tag: str | None = None) -> Any:
+    """The ``client_state`` the checkpoint was saved with, without torch.distributed."""
+    return _load(open_checkpoint(directory, tag).path / EXTRA)["client_state"]
+
+
 def write_state_dict(state: dict[str, torch.Tensor], out: str | Path) -> None:
     """Save ``state`` as ``.pt`` or ``.safetensors``, by the suffix of ``out``."""
     out = Path(out)
