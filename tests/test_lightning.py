@@ -140,7 +140,7 @@ def lightning_runs(rank: int, world_size: int, root: str, cases: list[tuple[str,
             accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=EPOCHS,
             accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.5, logger=logger, log_every_n_steps=1,
             callbacks=[*callbacks, checkpoints], enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0,
+            num_sanity_val_steps=0, precision=case.get("precision", "32-true"),
         )
         train, val = _data()
         resume = case.get("resume")
@@ -184,8 +184,9 @@ CASES = [
     ("stage-2-resumed", {"strategy": "zero", "config": _config(2), "resume": "stage-2"}),
     ("stage-3-resumed-from-1", {"strategy": "zero", "config": _config(3), "resume": "stage-1"}),
     ("meta-3", {"strategy": "zero", "config": _config(3), "meta": True}),
-    ("mismatch", {"strategy": "zero", "config": _config(1, gradient_accumulation_steps=4, gradient_clipping=1.0),
-                  "expect_error": True}),
+    ("bf16-2", {"strategy": "zero", "config": _config(2, bf16={"enabled": "auto"}), "precision": "bf16-mixed"}),
+    ("mismatch", {"strategy": "zero", "config": _config(1, gradient_accumulation_steps=4, gradient_clipping=1.0,
+                                                        bf16={"enabled": True}), "expect_error": True}),
 ]
 
 
@@ -252,7 +253,7 @@ def test_each_stage_logs_and_ends_as_lightning_ddp(runs: dict, stage: int) -> No
     assert zero["val_loss"] == pytest.approx(ddp["val_loss"], abs=TOLERANCE)  # validate() through the engine
 
 
-def test_clipping_and_the_schedule_were_in_play(runs: dict) -> None:
+def test_clipping_was_in_play(runs: dict) -> None:
     norms = _steps(runs["ddp"]["rows"], "grad_norm").values()
     assert max(norms) > 0.5  # gradient_clip_val 0.5 clipped some step
 
@@ -286,6 +287,17 @@ def test_a_config_that_disagrees_with_the_trainer_names_both(runs: dict) -> None
     message = runs["mismatch"]["error"]
     assert "gradient_accumulation_steps = 4, but the Lightning Trainer has accumulate_grad_batches = 2" in message
     assert "gradient_clipping = 1.0, but the Lightning Trainer has gradient_clip_val = 0.5" in message
+    assert "bf16.enabled = True, but the Lightning Trainer has precision='32-true' = False" in message
+
+
+def test_bf16_mixed_runs_the_engine_in_bf16(runs: dict) -> None:
+    """``precision="bf16-mixed"`` fills ``bf16.enabled: auto``: bf16 compute on fp32 masters
+    (Lightning's DDP autocasts instead), so only bf16's precision is asked of the losses."""
+    bf16, ddp = _steps(runs["bf16-2"]["rows"], "train_loss"), _steps(runs["ddp"]["rows"], "train_loss")
+    assert sorted(bf16) == sorted(ddp)
+    assert all(bf16[step] == pytest.approx(ddp[step], rel=5e-2, abs=2e-2) for step in ddp)
+    assert bf16 != ddp
+    assert {str(value.dtype) for value in runs["bf16-2"]["weights"].values()} == {"torch.float32"}
 
 
 def test_a_checkpoint_resumes_at_another_stage_and_world_size(runs: dict, root: Path) -> None:
@@ -299,3 +311,12 @@ def test_a_checkpoint_resumes_at_another_stage_and_world_size(runs: dict, root: 
         assert sorted(result["weights"]) == sorted(saved)
         for key in saved:
             assert (result["weights"][key] == saved[key]).all(), key
+
+
+def test_the_strategy_names_are_registered_on_import() -> None:
+    from lightning.pytorch import Trainer
+
+    from zero_engine.integrations.lightning import ZeroEngineStrategy
+
+    trainer = Trainer(strategy="zero_engine_stage_2", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, ZeroEngineStrategy) and trainer.strategy.stage == 2
