@@ -14,7 +14,8 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 BEGIN, END = "<!-- keys:begin -->", "<!-- keys:end -->"
 # Keys DeepSpeed does not have.
 OURS = ("comm", "zero_optimization.shard_group_size", "zero_optimization.stage3_wrap_modules",
-        "zero_optimization.reduce_scatter_each_micro_step")
+        "zero_optimization.reduce_scatter_each_micro_step", "zero_optimization.memory_budget_gib",
+        "zero_optimization.activation_memory_gib", "zero_optimization.memory_margin_gib")
 
 
 def status(path: str, default: str) -> str:

@@ -12,7 +12,7 @@ import yaml
 import zero_engine
 from zero_engine import ConfigError, load_config
 from zero_engine.cli import main as cli_main
-from zero_engine.config import resolve_batch_sizes
+from zero_engine.config import auto_keys, no_effect_settings, resolve_batch_sizes
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*"))
 
@@ -392,3 +392,27 @@ def test_auto_values_are_named_all_at_once() -> None:
             "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "shard_group_size": "auto"},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
         })
+
+
+@pytest.mark.parametrize(
+    "zero, line",
+    [
+        ({"stage": 4}, "zero_optimization.stage = 4: Input should be less than or equal to 3; or Input should be 'auto'"),
+        ({"stage": True}, "zero_optimization.stage = True: a number is expected, not a boolean; or Input should be 'auto'"),
+        ({"shard_group_size": 0}, "zero_optimization.shard_group_size = 0: Input should be greater than or equal to 1; "
+                                  "or Input should be 'auto'"),
+    ],
+)
+def test_a_value_outside_every_member_of_a_union_is_one_error_in_plain_words(zero: dict, line: str) -> None:
+    """pydantic reports each member of ``0-3 | 'auto'`` apart, under its internal name; one line
+    per key instead, naming the key path as written."""
+    with pytest.raises(ConfigError) as caught:
+        load_config({"zero_optimization": zero})
+    assert str(caught.value).splitlines() == ["config dict: 1 invalid setting(s)", f"  {line}"]
+
+
+def test_stage_auto_loads_and_a_budget_without_it_is_named() -> None:
+    config = load_config({"zero_optimization": {"stage": "auto", "memory_budget_gib": 2}})
+    assert config.zero_optimization.stage == "auto" and auto_keys(config) == []
+    config = load_config({"zero_optimization": {"stage": 1, "memory_budget_gib": 2}})
+    assert any("memory_budget_gib = 2.0 has no effect" in note for note in no_effect_settings(config))

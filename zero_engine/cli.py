@@ -1,9 +1,10 @@
 """The ``zero-engine`` console script.
 
     zero-engine validate CONFIG [--world-size N]        print the resolved config, or its errors
-    zero-engine estimate CONFIG --params N [--world-size N] [--shard-group-size G]
+    zero-engine estimate CONFIG --params N [--world-size N] [--shard-group-size G] [--largest-unit N]
                                                          per-rank model-state bytes by the formula,
-                                                         host and device apart with offload
+                                                         host and device apart with offload; with
+                                                         stage: auto, every candidate and the choice
     zero-engine consolidate CHECKPOINT OUT [--tag T]     write a plain fp32 state_dict (.pt, .safetensors)
 """
 
@@ -13,10 +14,11 @@ import argparse
 import json
 import sys
 
-from .config import auto_keys, load_config
+from .config import ZeroEngineConfig, auto_keys, load_config
 from .errors import ConfigError
 from .features import unbuilt_features
 from .memory import estimate_from_config
+from .stage_choice import candidates, choose, format_table
 from .state.checkpoint import load_consolidated, write_state_dict
 from .values import as_count
 
@@ -54,6 +56,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
+        if config.zero_optimization.stage == "auto":
+            return _estimate_auto(config, args)
         group = args.shard_group_size or config.zero_optimization.shard_group_size_for(args.world_size)
         report = estimate_from_config(config, args.params, args.world_size, group)
     except (ConfigError, ValueError) as err:
@@ -76,6 +80,33 @@ def _estimate(args: argparse.Namespace) -> int:
     if zero.stage == 2:
         print(f"  + during backward up to two gradient buckets: "
               f"{2 * zero.reduce_bucket_size * 4 / 2**30:.3f} GiB (reduce_bucket_size)")
+    return 0
+
+
+def _estimate_auto(config: ZeroEngineConfig, args: argparse.Namespace) -> int:
+    """``stage: auto``: every candidate as `initialize` weighs it (stage_choice), the largest
+    stage 3 unit given by ``--largest-unit`` (initialize measures it on the model)."""
+    if args.shard_group_size:
+        config = config.model_copy(update={"zero_optimization": config.zero_optimization.model_copy(
+            update={"shard_group_size": args.shard_group_size})})
+    element = 2 if (config.fp16.enabled or config.bf16.enabled) else 4
+    table = candidates(config, args.params, args.world_size, args.largest_unit * element)
+    zero = config.zero_optimization
+    print(f"stage auto, {args.params:,} trainable parameters, {args.world_size} rank(s); per rank, on the device "
+          f"(the largest stage 3 unit: {args.largest_unit:,} parameters{'' if args.largest_unit else ', --largest-unit'}):")
+    if zero.memory_budget_gib is None:
+        print(format_table(table, None, None))
+        print("memory_budget_gib is unset: on a GPU, initialize uses its free memory less "
+              f"memory_margin_gib ({zero.memory_margin_gib} GiB)")
+        return 0
+    budget = int(zero.memory_budget_gib * 2**30)
+    try:
+        chosen = choose(table, budget)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(format_table(table, budget, chosen))
+    print(f"initialize would choose {chosen.name} (budget {zero.memory_budget_gib} GiB per rank)")
     return 0
 
 
@@ -104,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--world-size", type=_positive_count, default=1, help="data-parallel ranks")
     estimate.add_argument(
         "--shard-group-size", type=_positive_count, help="ranks per shard group (hybrid sharding); default: the config's"
+    )
+    estimate.add_argument(
+        "--largest-unit", type=_positive_count, default=0,
+        help="stage: auto: parameters of the largest stage 3 unit (initialize measures it on the model)",
     )
     estimate.set_defaults(run=_estimate)
     consolidate = verbs.add_parser("consolidate", help="turn a checkpoint into a plain state_dict file")

@@ -526,6 +526,20 @@ def choose_backend(requested: str, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def expected_world_size() -> int:
+    """The world size `connect` will find, before connecting: the existing group's, else
+    torchrun's ``WORLD_SIZE``, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
+
+
+def free_cuda_bytes(device: torch.device) -> int:
+    """CUDA only: the device's free memory, as the driver reports it."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return free
+
+
 def local_cuda_device() -> torch.device:
     """CUDA only: this rank's GPU, one per local rank as torchrun numbers them (``LOCAL_RANK``,
     0 without torchrun), among the GPUs this process sees: where each process sees only its own

@@ -70,6 +70,7 @@ PositiveCount = Annotated[int, BeforeValidator(_parse_count), Field(ge=1)]
 BucketSize = Annotated[int, BeforeValidator(_parse_count), Field(ge=0), AfterValidator(lambda size: max(size, 1))]
 Integer = Annotated[int, BeforeValidator(_not_boolean)]
 Real = Annotated[float, BeforeValidator(_not_boolean)]
+StageNumber = Annotated[int, BeforeValidator(_not_boolean), Field(ge=0, le=3)]
 
 
 def _deepspeed_option(default: Any) -> Any:
@@ -177,7 +178,22 @@ class CometConfig(_Section):
 
 
 class ZeroOptimizationConfig(_Section):
-    stage: Integer = Field(0, ge=0, le=3, description="0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters.")
+    stage: StageNumber | Literal["auto"] = Field(
+        0, description="0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters. 'auto': the lowest "
+        "stage, then stage 3 with offload, whose per-rank memory fits memory_budget_gib, chosen at initialize "
+        "(the table is logged; zero-engine estimate prints it)."
+    )
+    memory_budget_gib: Real | None = Field(
+        None, gt=0, description="stage: auto: device memory per rank for model states, the largest gathered unit "
+        "and activation_memory_gib. unset: on a GPU its free memory less memory_margin_gib; on CPU required."
+    )
+    activation_memory_gib: Real = Field(
+        1.0, ge=0, description="stage: auto: the allowance for activations counted in every candidate."
+    )
+    memory_margin_gib: Real = Field(
+        2.0, ge=0, description="stage: auto on a GPU without memory_budget_gib: free device memory less this "
+        "(the CUDA context, the allocator's fragmentation, other processes)."
+    )
     overlap_comm: bool = Field(True, description="Launch gradient reductions during backward, bucket by bucket.")
     contiguous_gradients: bool = Field(True, description="Gradients live in one flat buffer (always true here).")
     reduce_scatter: bool = Field(True, description="DeepSpeed option; stages 1-2 always reduce-scatter (fastest primitive per backend).")
@@ -642,7 +658,12 @@ def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
         if value != default:
             messages.append(f"{path} = {value!r} has no effect here: {why}")
     zero = config.zero_optimization
-    if zero.stage < 3 and zero.offload_param is not None and zero.offload_param.device != "none":
+    if zero.stage != "auto" and zero.memory_budget_gib is not None:
+        messages.append(
+            f"zero_optimization.memory_budget_gib = {zero.memory_budget_gib} has no effect: it is the budget of "
+            "stage: auto, and the stage is set"
+        )
+    if zero.stage != "auto" and zero.stage < 3 and zero.offload_param is not None and zero.offload_param.device != "none":
         messages.append(
             f"zero_optimization.offload_param.device = {zero.offload_param.device!r} has no effect at stage "
             f"{zero.stage}: parameters are whole on every rank below stage 3 (DeepSpeed ignores it there too)"
@@ -740,7 +761,7 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _format_errors(origin: str, problems: list[str], err: ValidationError | None = None) -> str:
     """One message for every problem of a config: translation problems, then field errors."""
-    items = err.errors() if err is not None else []
+    items = _merged_union_errors(err.errors() if err is not None else [])
     lines = [f"{origin}: {len(problems) + len(items)} invalid setting(s)"]
     lines += [f"  {problem}" for problem in problems]
     for item in items:
@@ -755,6 +776,28 @@ def _format_errors(origin: str, problems: list[str], err: ValidationError | None
         else:
             lines.append(f"  {message}")
     return "\n".join(lines)
+
+
+# pydantic's names for the members of a union (``int``, ``literal['auto']``, ``function-after[...]``).
+_UNION_TAGS = {"int", "str", "float", "bool", "none", "list", "dict"}
+
+
+def _merged_union_errors(items: list[Any]) -> list[Any]:
+    """One error per key for a value that fits no member of a union (``stage: 4`` against
+    ``0-3 | 'auto'``), the members' messages joined, without pydantic's member names in the path."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for item in items:
+        loc = tuple(part for part in item["loc"] if not _is_union_tag(part))
+        key = (loc, repr(item.get("input")))
+        if key in merged:
+            merged[key]["msg"] += f"; or {item['msg'].removeprefix('Value error, ')}"
+        else:
+            merged[key] = {**item, "loc": loc}
+    return list(merged.values())
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or "(" in part or part in _UNION_TAGS)
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:

@@ -52,7 +52,7 @@ DEPRECATED_OFFLOAD = {
 
 
 # Keys of ours where "auto" is a value with its own meaning.
-OWN_AUTO = {"zero_optimization.shard_group_size", "comm.backend", "comm.primitives"}
+OWN_AUTO = {"zero_optimization.stage", "zero_optimization.shard_group_size", "comm.backend", "comm.primitives"}
 # "auto" that `zero_engine.auto_values.fill_auto` fills at initialize, as Hugging Face's
 # integration does: the batch triple from the world size and the other two, the bucket sizes
 # from the model's hidden size (stage 3 keys in their long spelling).

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import Comm, connect, local_cuda_device
-from .config import BatchSizes, ZeroEngineConfig, load_config, no_effect_settings
+from .comm import Comm, connect, expected_world_size, local_cuda_device
+from .config import BatchSizes, ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .features import refuse_unbuilt_features
 from . import offload
 from .accumulation import AccumulationWindow
@@ -34,6 +34,7 @@ from .optim import build_optimizer, check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
 from .precision import Precision, build_loss_scaler
 from .schedules import build_scheduler, dry_run
+from .stage_choice import resolve_stage
 from .sharding.build import build_units
 from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .sharding.lifecycle import Lifecycle
@@ -79,11 +80,12 @@ def initialize(
     config = fill_auto(load_config(config), model)
     _check_scheduler_factory(lr_scheduler, config)
     check_monitor_packages(config)
+    groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
+    config, stage_table = resolve_stage(config, model, groups, expected_world_size(), materialization_device(model))
     refuse_unbuilt_features(config)
     stage = stage_for(config.zero_optimization.stage)
-    optimizer_cls = check_optimizer_for_stage(config.optimizer, stage.level)
+    check_optimizer_for_stage(config.optimizer, stage.level)
     precision = Precision.from_config(config)
-    groups = resolve_param_groups(model, param_groups, optimizer_cls)
     _check_params(model, precision)
     weights_file = open_weights(weights) if weights is not None else None
     try:
@@ -91,6 +93,8 @@ def initialize(
         device = materialization_device(model)
         _check_device(device)
         comm = connect(config, device)
+        if stage_table is not None and comm.rank == 0:
+            logger.info(stage_table)
         deferred = None
         if has_meta_tensors(model):
             base_seed = comm.each_rank(draw_base_seed() if comm.rank == 0 else 0).values()[0]

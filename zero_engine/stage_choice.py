@@ -1,0 +1,152 @@
+"""``zero_optimization.stage: auto``: the lowest stage, then stage 3 with offload, whose
+per-rank device memory fits a budget, picked at `initialize` before anything is built.
+
+DeepSpeed's autotuner runs trial jobs; FSDP and Accelerate have nothing. Here the choice is the
+estimator's arithmetic, so `zero-engine estimate` prints the same table. A candidate's device
+bytes per rank are:
+
+- the ZeRO formula for the model's trainable parameters (`memory.estimate_from_config`:
+  parameters, gradients, optimizer states and fp32 masters, less what offload keeps on the host),
+- at stage 3, the largest unit gathered whole, in the compute dtype (forward and backward hold
+  it beside the shards; its gradient is reduced into the shard's place),
+- ``activation_memory_gib``, an allowance the user sets (1 GiB unless told).
+
+Candidates in order: stages 0, 1, 2, 3, then stage 3 with the optimizer offloaded, then with the
+parameters offloaded too. The budget is ``memory_budget_gib``, or on a GPU its free memory less
+``memory_margin_gib``. The chosen config is the same as that stage set by hand, so training,
+checkpoints and reports are those of that stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .comm import free_cuda_bytes
+from .config import OffloadConfig, ZeroEngineConfig
+from .errors import ConfigError
+from .memory import estimate_from_config
+from .param_groups import ParamGroup
+from .sharding.module_plan import plan_module_units
+
+GIB = 2**30
+CANDIDATES: list[tuple[str, dict[str, Any]]] = [
+    ("stage 0", {"stage": 0}),
+    ("stage 1", {"stage": 1}),
+    ("stage 2", {"stage": 2}),
+    ("stage 3", {"stage": 3}),
+    ("stage 3 + offload_optimizer", {"stage": 3, "offload_optimizer": OffloadConfig(device="cpu")}),
+    (
+        "stage 3 + offload_optimizer + offload_param",
+        {"stage": 3, "offload_optimizer": OffloadConfig(device="cpu"), "offload_param": OffloadConfig(device="cpu")},
+    ),
+]
+
+
+class Candidate(NamedTuple):
+    name: str
+    config: ZeroEngineConfig  # the config with this stage (and offload) set
+    states: int  # model states on the device, by the formula
+    gathered: int  # the largest unit gathered whole (stage 3)
+    activations: int
+    host: int  # what offload keeps in host memory
+
+    @property
+    def device(self) -> int:
+        return self.states + self.gathered + self.activations
+
+
+def candidates(config: ZeroEngineConfig, num_params: int, world_size: int, largest_unit_bytes: int) -> list[Candidate]:
+    """Every candidate's figures, in the order they are tried."""
+    zero = config.zero_optimization
+    if zero.offload_optimizer is not None or zero.offload_param is not None:
+        raise ConfigError(
+            "zero_optimization.stage = 'auto' chooses offload itself: leave offload_optimizer and offload_param out"
+        )
+    activations = int(zero.activation_memory_gib * GIB)
+    table = []
+    for name, update in CANDIDATES:
+        settled = zero.model_copy(update={**update, "memory_budget_gib": None})  # as if set by hand
+        chosen = config.model_copy(update={"zero_optimization": settled})
+        report = estimate_from_config(chosen, num_params, world_size)
+        states = report.parameters + report.gradients + report.optimizer_states + report.master_parameters
+        gathered = largest_unit_bytes if update["stage"] == 3 else 0
+        table.append(Candidate(name, chosen, states - report.host, gathered, activations, report.host))
+    return table
+
+
+def choose(table: Sequence[Candidate], budget: int) -> Candidate:
+    """The first candidate that fits ``budget`` bytes, else a `ConfigError` with the table."""
+    for candidate in table:
+        if candidate.device <= budget:
+            return candidate
+    raise ConfigError(
+        f"zero_optimization.stage = 'auto': nothing fits the budget of {_size(budget)} per rank:\n"
+        + format_table(table, budget, None)
+        + "\nRaise memory_budget_gib, lower activation_memory_gib, or add ranks"
+    )
+
+
+def format_table(table: Sequence[Candidate], budget: int | None, chosen: Candidate | None) -> str:
+    """One line per candidate: device total and its parts, host bytes, whether it fits
+    ``budget`` (no verdict without one)."""
+    lines = []
+    for candidate in table:
+        fits = "" if budget is None else "  [fits]" if candidate.device <= budget else "  [too large]"
+        mark = "  [chosen]" if candidate is chosen else fits
+        host = f", host {_size(candidate.host)}" if candidate.host else ""
+        lines.append(
+            f"  {candidate.name:44s} {_size(candidate.device):>12s} = states {_size(candidate.states)} + "
+            f"gathered unit {_size(candidate.gathered)} + activations {_size(candidate.activations)}{host}{mark}"
+        )
+    return "\n".join(lines)
+
+
+def _size(size: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
+        if size >= scale:
+            return f"{size / scale:.3f} {unit}"
+    return f"{size / 2**10:.3f} KiB"
+
+
+def budget_bytes(config: ZeroEngineConfig, device: torch.device) -> int:
+    zero = config.zero_optimization
+    if zero.memory_budget_gib is not None:
+        return int(zero.memory_budget_gib * GIB)
+    if device.type == "cuda":
+        return free_cuda_bytes(device) - int(zero.memory_margin_gib * GIB)
+    raise ConfigError(
+        "zero_optimization.stage = 'auto' needs zero_optimization.memory_budget_gib (GiB per rank) on "
+        f"{device.type}: only a GPU's free memory can stand in for it"
+    )
+
+
+def largest_unit_bytes(model: nn.Module, groups: Sequence[ParamGroup], config: ZeroEngineConfig) -> int:
+    """Stage 3's largest unit gathered whole, in the compute dtype (the units stage 3 would cut)."""
+    zero = config.zero_optimization
+    plans, _resident = plan_module_units(
+        model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
+    )
+    element = 2 if (config.fp16.enabled or config.bf16.enabled) else 4
+    return max((sum(param.numel() for param in plan.params) * element for plan in plans), default=0)
+
+
+def resolve_stage(
+    config: ZeroEngineConfig, model: nn.Module, groups: Sequence[ParamGroup], world_size: int, device: torch.device
+) -> tuple[ZeroEngineConfig, str | None]:
+    """``config`` with ``stage: auto`` replaced by the chosen stage (and offload), and the
+    table to log; a config with a stage set comes back as it is."""
+    if config.zero_optimization.stage != "auto":
+        return config, None
+    num_params = sum(param.numel() for group in groups for param in group.params)
+    table = candidates(config, num_params, world_size, largest_unit_bytes(model, groups, config))
+    budget = budget_bytes(config, device)
+    chosen = choose(table, budget)
+    text = (
+        f"zero_optimization.stage = 'auto' chose {chosen.name} for a budget of {_size(budget)} per rank "
+        f"({num_params:,} trainable parameters, {world_size} rank(s)):\n{format_table(table, budget, chosen)}"
+    )
+    return chosen.config, text
