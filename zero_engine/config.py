@@ -247,6 +247,11 @@ class ZeroOptimizationConfig(_Section):
         False, description="DeepSpeed option; accepted, no effect: checkpoints hold fp32 masters at every stage, "
         "and full_state_dict() gathers them."
     )
+    recompute_units: bool = Field(
+        False, description="Recompute each unit's activations in backward instead of keeping them (torch's "
+        "non-reentrant checkpoint around each unit module: stage 3's units, the same modules at stages 0-2; units "
+        "holding other units are left whole). At stage 3 the backward's gather serves the recomputation."
+    )
     stage3_wrap_modules: list[str] | None = Field(
         None,
         description="Stage 3: class names whose modules become units (e.g. [Block]); unset: the classes a Hugging "
@@ -609,8 +614,8 @@ DEEPSPEED_SECTIONS: dict[str, str] = {
     "comms_logger": "no communication logger: engine.comm_report() gives each step's bytes per collective",
     "comms_config": "DeepSpeed's communication backend options; collectives here go through torch.distributed "
     "(comm.* keys)",
-    "activation_checkpointing": "it configures deepspeed.checkpointing, which a model calls itself; use "
-    "torch.utils.checkpoint in the model",
+    "activation_checkpointing": "it configures deepspeed.checkpointing, which a model calls itself; "
+    "zero_optimization.recompute_units recomputes each unit instead (or use torch.utils.checkpoint in the model)",
     "aio": "asynchronous I/O for NVMe offload, which is not built",
     "compile": "the engine does not compile from the config; apply torch.compile to the model's blocks",
     "data_types": "gradients accumulate in the dtype each stage keeps them in; it is not configurable",

@@ -38,7 +38,9 @@ from .stage_choice import resolve_stage
 from .sharding.build import build_units
 from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .sharding.lifecycle import Lifecycle
+from .sharding.module_plan import leaf_unit_modules
 from .sharding.optimizer_shard import step_shards
+from .sharding.recompute import Recompute
 from .sharding.schedule import Call
 from .sharding.stages import Stage, build_reducer, stage_for
 from .sharding.unit import FlatUnit
@@ -164,6 +166,11 @@ class Engine:
             self.offload,
         )
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype)
+        self.recompute = Recompute(
+            leaf_unit_modules(model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size,
+                              zero.stage3_param_persistence_threshold)
+            if zero.recompute_units else []
+        )
         self.reducer = build_reducer(
             stage, self.units, comm, zero, precision.reduce_dtype, lifecycle=self.lifecycle,
             on_unit_complete=self.gatherer.unit_complete, on_unarmed_grad=self._begin_backward,
@@ -544,6 +551,7 @@ class Engine:
         """Remove the engine's hooks from the model's parameters and modules."""
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
+        self.recompute.remove()
         self.lifecycle.remove_hooks()
         for writer in self.monitors:
             writer.close()

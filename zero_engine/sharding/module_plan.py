@@ -141,3 +141,15 @@ def _modules_by_size(model: nn.Module, sharded: set[nn.Parameter], min_unit_nume
 
     remaining(model)
     return chosen
+
+
+def leaf_unit_modules(
+    model: nn.Module, groups: Sequence[ParamGroup], wrap_classes: Sequence[str] | None, min_unit_numel: int,
+    persistence_threshold: int,
+) -> list[nn.Module]:
+    """The modules stage 3 makes units of (at any stage: the same policy), the root aside, and
+    only those holding no other unit module: what ``recompute_units`` checkpoints."""
+    plans, _ = plan_module_units(model, groups, wrap_classes, min_unit_numel, persistence_threshold)
+    modules = [plan.module for plan in plans if plan.module is not model]
+    planned = {id(module) for module in modules}
+    return [module for module in modules if not any(id(sub) in planned for sub in module.modules() if sub is not module)]
