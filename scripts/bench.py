@@ -115,6 +115,7 @@ class EngineSystem:
         self, model: nn.Module, stage: int, bucket: int, shard_group_size: int | None = None, offload: str = ""
     ) -> None:
         offload, _, variant = offload.partition("-")
+        compile_units, offload = offload == "compile", "" if offload == "compile" else offload
         fused = {"fused": False} if variant == "unfused" else {}
         config = {
             "train_micro_batch_size_per_gpu": 1,  # batches are handed in directly
@@ -128,6 +129,8 @@ class EngineSystem:
             },
         }
         self.engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
+        if compile_units:
+            self.engine.compile()  # inductor, each Block's forward
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         loss = self.engine(tokens, targets)
@@ -147,6 +150,7 @@ class EngineSystem:
         return self.engine.comm_report()["inter_group"]["sent"]
 
 
+# ``engineS+compile``: engine.compile() (each Block's forward compiled by inductor).
 # ``engineS+X``: CPU offload of the optimizer (opt), the parameters (param, stage 3) or both;
 # ``engineS+X-unfused``: the same with the optimizer's plain per-tensor loop instead of the fused
 # CPU kernel offload picks (so the comparison with ``engineS`` isolates offload's bookkeeping).

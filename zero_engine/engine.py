@@ -40,7 +40,7 @@ from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tenso
 from .sharding.lifecycle import Lifecycle
 from .sharding.module_plan import leaf_unit_modules
 from .sharding.optimizer_shard import step_shards
-from .sharding.recompute import Recompute
+from .sharding.unit_forwards import WrappedForwards, compiled, recomputed
 from .sharding.schedule import Call
 from .sharding.stages import Stage, build_reducer, stage_for
 from .sharding.unit import FlatUnit
@@ -166,11 +166,12 @@ class Engine:
             self.offload,
         )
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype)
-        self.recompute = Recompute(
-            leaf_unit_modules(model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size,
-                              zero.stage3_param_persistence_threshold)
-            if zero.recompute_units else []
+        # Stage 3's leaf unit modules (the same modules at stages 0-2): recomputed, compiled.
+        self._unit_modules = leaf_unit_modules(
+            model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
         )
+        self.recompute = WrappedForwards(self._unit_modules if zero.recompute_units else [], recomputed)
+        self._compiled: WrappedForwards | None = None
         self.reducer = build_reducer(
             stage, self.units, comm, zero, precision.reduce_dtype, lifecycle=self.lifecycle,
             on_unit_complete=self.gatherer.unit_complete, on_unarmed_grad=self._begin_backward,
@@ -456,6 +457,16 @@ class Engine:
             self.comm.reset_report()
             self._window_opened = True
 
+    def compile(self, **options: Any) -> Engine:
+        """``torch.compile(**options)`` each unit module's forward: stage 3's leaf units, the same
+        modules at stages 0-2, or the whole model's forward when it has no such module. The
+        engine's hooks run around the compiled forwards, never inside a graph; names, state
+        dicts and checkpoints stay eager's. Call it once, before or between steps."""
+        if self._compiled is not None:
+            raise RuntimeError("engine.compile() was called already; call engine.close() and build a new engine to change it")
+        self._compiled = WrappedForwards(self._unit_modules or [self.module], compiled(options))
+        return self
+
     # -- module state and reports ----------------------------------------------------------------
 
     def train(self, mode: bool = True) -> Engine:
@@ -551,6 +562,8 @@ class Engine:
         """Remove the engine's hooks from the model's parameters and modules."""
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
+        if self._compiled is not None:
+            self._compiled.remove()
         self.recompute.remove()
         self.lifecycle.remove_hooks()
         for writer in self.monitors:
@@ -594,6 +607,12 @@ def _check_not_wrapped(model: Any) -> None:
         raise TypeError("initialize(model, ...) got an Engine: pass the nn.Module (engine.module), or keep the engine")
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
+    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        raise TypeError(
+            "initialize(model, ...) got a torch.compile'd model, whose parameters are all named '_orig_mod.*' and "
+            "whose graph would hold the engine's hooks: pass the module itself (model._orig_mod), then call "
+            "engine.compile(**the same options) to compile each unit with the hooks outside the graph"
+        )
     if model in _WRAPPED:
         raise ValueError(
             "initialize: this model is already wrapped by an engine (its hooks and flat parameters are in place): "
