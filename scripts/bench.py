@@ -115,7 +115,8 @@ class EngineSystem:
         self, model: nn.Module, stage: int, bucket: int, shard_group_size: int | None = None, offload: str = ""
     ) -> None:
         offload, _, variant = offload.partition("-")
-        compile_units, offload = offload == "compile", "" if offload == "compile" else offload
+        compile_units, recompute = offload == "compile", offload == "recompute"
+        offload = "" if compile_units or recompute else offload
         fused = {"fused": False} if variant == "unfused" else {}
         config = {
             "train_micro_batch_size_per_gpu": 1,  # batches are handed in directly
@@ -125,6 +126,7 @@ class EngineSystem:
             "zero_optimization": {
                 "stage": stage, "reduce_bucket_size": bucket, "stage3_wrap_modules": ["Block"],
                 "stage3_param_persistence_threshold": 0, "shard_group_size": shard_group_size,
+                "recompute_units": recompute,
                 **OFFLOAD[offload],
             },
         }
@@ -150,7 +152,8 @@ class EngineSystem:
         return self.engine.comm_report()["inter_group"]["sent"]
 
 
-# ``engineS+compile``: engine.compile() (each Block's forward compiled by inductor).
+# ``engineS+compile``: engine.compile() (each Block's forward compiled by inductor);
+# ``engineS+recompute``: zero_optimization.recompute_units (each Block recomputed in backward).
 # ``engineS+X``: CPU offload of the optimizer (opt), the parameters (param, stage 3) or both;
 # ``engineS+X-unfused``: the same with the optimizer's plain per-tensor loop instead of the fused
 # CPU kernel offload picks (so the comparison with ``engineS`` isolates offload's bookkeeping).
