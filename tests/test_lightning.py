@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from harness import run_on_ranks
 
@@ -57,6 +58,13 @@ def _module_class() -> Any:
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             x, y = batch
             self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("test_loss", F.l1_loss(self(x), y), sync_dist=True)
+
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self(batch[0])
 
         def configure_optimizers(self) -> Any:
             decayed = [p for name, p in self.named_parameters() if name.endswith("weight") and p.dim() > 1]
@@ -153,11 +161,15 @@ def lightning_runs(rank: int, world_size: int, root: str, cases: list[tuple[str,
             results[name] = {"error": str(err)}
             continue
         metrics = trainer.validate(model, val, verbose=False)[0]
+        if case.get("test_and_predict"):
+            metrics.update(trainer.test(model, val, verbose=False)[0])
+            metrics["predictions"] = torch.cat(trainer.predict(model, val))
         if case["strategy"] == "ddp":
             weights = {key: value.detach().clone() for key, value in model.state_dict().items()}
         else:
             weights = trainer.strategy.engine.full_state_dict()
-        results[name] = {"rows": logger.rows, "weights": weights, "val_loss": metrics["val_loss"]}
+        results[name] = {"rows": logger.rows, "weights": weights, "val_loss": metrics["val_loss"],
+                         "test_loss": metrics.get("test_loss"), "predictions": metrics.get("predictions")}
         if case.get("export") and rank == 0:
             out = convert_to_lightning_checkpoint(
                 Path(root) / name / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", Path(root) / f"{name}.ckpt"
@@ -175,12 +187,12 @@ def _config(stage: int, **extra: Any) -> dict[str, Any]:
 
 
 CASES = [
-    ("ddp", {"strategy": "ddp"}),
+    ("ddp", {"strategy": "ddp", "test_and_predict": True}),
     ("ddp-resumed", {"strategy": "ddp", "resume": "ddp"}),
     ("stage-0", {"strategy": "zero", "config": _config(0, gradient_clipping="auto")}),
     ("stage-1", {"strategy": "zero", "config": _config(1, gradient_accumulation_steps="auto"), "export": True}),
     ("stage-2", {"strategy": "zero", "config": _config(2, gradient_accumulation_steps=ACCUMULATE)}),
-    ("stage-3", {"strategy": "zero", "config": _config(3)}),
+    ("stage-3", {"strategy": "zero", "config": _config(3), "test_and_predict": True}),
     ("stage-2-resumed", {"strategy": "zero", "config": _config(2), "resume": "stage-2"}),
     ("stage-3-resumed-from-1", {"strategy": "zero", "config": _config(3), "resume": "stage-1"}),
     ("meta-3", {"strategy": "zero", "config": _config(3), "meta": True}),
@@ -251,6 +263,13 @@ def test_each_stage_logs_and_ends_as_lightning_ddp(runs: dict, stage: int) -> No
         _assert_close(_steps(zero["rows"], key), _steps(ddp["rows"], key), f"stage {stage} {key}")
     _assert_weights_close(zero["weights"], ddp["weights"], f"stage {stage}")
     assert zero["val_loss"] == pytest.approx(ddp["val_loss"], abs=TOLERANCE)  # validate() through the engine
+
+
+def test_test_and_predict_run_through_the_engine_at_stage_3(runs: dict) -> None:
+    ddp, zero = runs["ddp"], runs["stage-3"]
+    assert zero["test_loss"] == pytest.approx(ddp["test_loss"], abs=TOLERANCE)
+    assert zero["predictions"].shape == ddp["predictions"].shape == (8, 1)  # this rank's half of 16 rows
+    assert torch.allclose(zero["predictions"], ddp["predictions"], atol=TOLERANCE)
 
 
 def test_clipping_was_in_play(runs: dict) -> None:
