@@ -71,7 +71,9 @@ def auto_config(stage: int) -> dict[str, Any]:
     return {
         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto", "steps_per_print": float("inf"),
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "optimizer": {
+            "type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
         "scheduler": {"type": "WarmupDecayLR", "params": {
             "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto",
             "warmup_type": "linear",  # the Trainer's "linear" schedule, step for step

@@ -70,7 +70,10 @@ def _module_class() -> Any:
             decayed = [p for name, p in self.named_parameters() if name.endswith("weight") and p.dim() > 1]
             others = [p for name, p in self.named_parameters() if not (name.endswith("weight") and p.dim() > 1)]
             optimizer = torch.optim.AdamW(
-                [{"params": decayed, "weight_decay": self.hparams.weight_decay}, {"params": others, "weight_decay": 0.0}],
+                [
+                    {"params": decayed, "weight_decay": self.hparams.weight_decay},
+                    {"params": others, "weight_decay": 0.0},
+                ],
                 lr=self.hparams.lr,
             )
             warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))

@@ -97,10 +97,10 @@ def test_recomputed_units_train_the_same_with_less_activation_memory_and_no_extr
             last_kept, last_recomputed = kept["steps"][-1], recomputed["steps"][-1]  # the first one warmed up
             # Autograd keeps each block's fc1 input, GELU input and fc2 input (2.3 MB a block)
             # without; with, only what lies outside the blocks (the head's input).
-            assert last_recomputed["saved"] < 0.2 * last_kept["saved"], (stage, last_recomputed, last_kept)
-            assert last_recomputed["forward_growth"] < 0.5 * last_kept["forward_growth"], (stage, last_recomputed,
-                                                                                          last_kept)
-            assert last_recomputed["step_peak"] < 0.75 * last_kept["step_peak"], (stage, last_recomputed, last_kept)
+            figures = (stage, last_recomputed, last_kept)
+            assert last_recomputed["saved"] < 0.2 * last_kept["saved"], figures
+            assert last_recomputed["forward_growth"] < 0.5 * last_kept["forward_growth"], figures
+            assert last_recomputed["step_peak"] < 0.75 * last_kept["step_peak"], figures
             assert last_recomputed["gathered"] == last_kept["gathered"], stage  # stage 3: gathers unchanged
             if stage == 3:
                 assert last_kept["gathered"] > 0

@@ -128,8 +128,8 @@ def test_estimate_prints_the_table_initialize_weighs(tmp_path: Path, capsys: pyt
     from zero_engine.cli import main
     from zero_engine.stage_choice import choose, format_table
 
-    raw = {"bf16": {"enabled": True}, "zero_optimization": {"stage": "auto", "memory_budget_gib": 40,
-                                                           "activation_memory_gib": 4}}
+    zero = {"stage": "auto", "memory_budget_gib": 40, "activation_memory_gib": 4}
+    raw = {"bf16": {"enabled": True}, "zero_optimization": zero}
     path = tmp_path / "auto.json"
     path.write_text(json.dumps(raw))
     assert main(["estimate", str(path), "--params", "7e9", "--world-size", "8", "--largest-unit", "2e8"]) == 0

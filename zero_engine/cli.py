@@ -92,8 +92,9 @@ def _estimate_auto(config: ZeroEngineConfig, args: argparse.Namespace) -> int:
     element = 2 if (config.fp16.enabled or config.bf16.enabled) else 4
     table = candidates(config, args.params, args.world_size, args.largest_unit * element)
     zero = config.zero_optimization
+    unit = f"{args.largest_unit:,} parameters" if args.largest_unit else "not given: --largest-unit N"
     print(f"stage auto, {args.params:,} trainable parameters, {args.world_size} rank(s); per rank, on the device "
-          f"(the largest stage 3 unit: {args.largest_unit:,} parameters{'' if args.largest_unit else ', --largest-unit'}):")
+          f"(the largest stage 3 unit: {unit}):")
     if zero.memory_budget_gib is None:
         print(format_table(table, None, None))
         print("memory_budget_gib is unset: on a GPU, initialize uses its free memory less "

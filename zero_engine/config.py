@@ -668,7 +668,8 @@ def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
             f"zero_optimization.memory_budget_gib = {zero.memory_budget_gib} has no effect: it is the budget of "
             "stage: auto, and the stage is set"
         )
-    if zero.stage != "auto" and zero.stage < 3 and zero.offload_param is not None and zero.offload_param.device != "none":
+    offload_param = zero.offload_param is not None and zero.offload_param.device != "none"
+    if zero.stage != "auto" and zero.stage < 3 and offload_param:
         messages.append(
             f"zero_optimization.offload_param.device = {zero.offload_param.device!r} has no effect at stage "
             f"{zero.stage}: parameters are whole on every rank below stage 3 (DeepSpeed ignores it there too)"

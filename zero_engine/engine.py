@@ -74,6 +74,9 @@ def initialize(
     directory, or a state dict) sets the values it holds, each rank reading only what it
     keeps (`zero_engine.state.weights`).
 
+    ``zero_optimization.stage: auto`` is settled first: the lowest stage (then stage 3 with
+    offload) whose per-rank memory fits the budget (`zero_engine.stage_choice`), logged on rank 0.
+
     ``lr_scheduler`` builds a schedule from the engine's optimizer (``lambda optimizer:
     LambdaLR(optimizer, fn)``), for a config without a ``scheduler`` section; like the config's,
     it steps on applied optimizer steps only and is saved in checkpoints.
@@ -463,7 +466,9 @@ class Engine:
         engine's hooks run around the compiled forwards, never inside a graph; names, state
         dicts and checkpoints stay eager's. Call it once, before or between steps."""
         if self._compiled is not None:
-            raise RuntimeError("engine.compile() was called already; call engine.close() and build a new engine to change it")
+            raise RuntimeError(
+                "engine.compile() was called already; call engine.close() and build a new engine to change it"
+            )
         self._compiled = WrappedForwards(self._unit_modules or [self.module], compiled(options))
         return self
 

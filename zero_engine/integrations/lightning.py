@@ -81,7 +81,9 @@ class ZeroEngineStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         if kwargs.get("precision_plugin") is not None:
-            raise ValueError("ZeroEngineStrategy: set the precision with Trainer(precision=...), not a precision plugin")
+            raise ValueError(
+                "ZeroEngineStrategy: set the precision with Trainer(precision=...), not a precision plugin"
+            )
         super().__init__(**kwargs)
         self._raw, self._origin = _raw_config(config)
         load_config(_provisional(self._raw))  # every error of the file now, not at fit()

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from .. import ConfigError, Engine, initialize, load_config
+from .. import Engine, initialize, load_config
 from ..config import optimizer_class, read_config_mapping
 from .config_filling import optimizer_section
 from .engine_model import EngineModel
@@ -87,7 +87,9 @@ class ZeroEngineTrainer(Trainer):
     def _refuse_unsupported_arguments(self) -> None:
         args = self.args
         if args.deepspeed or self.is_deepspeed_enabled:
-            raise ValueError("ZeroEngineTrainer: pass the DeepSpeed config as zero_config=, not TrainingArguments.deepspeed")
+            raise ValueError(
+                "ZeroEngineTrainer: pass the DeepSpeed config as zero_config=, not TrainingArguments.deepspeed"
+            )
         if args.fsdp:
             raise ValueError("ZeroEngineTrainer: TrainingArguments.fsdp is another sharding engine; leave it unset")
         if self.model_init is not None:

@@ -152,4 +152,6 @@ def leaf_unit_modules(
     plans, _ = plan_module_units(model, groups, wrap_classes, min_unit_numel, persistence_threshold)
     modules = [plan.module for plan in plans if plan.module is not model]
     planned = {id(module) for module in modules}
-    return [module for module in modules if not any(id(sub) in planned for sub in module.modules() if sub is not module)]
+    return [
+        module for module in modules if not any(id(sub) in planned for sub in module.modules() if sub is not module)
+    ]
