@@ -206,3 +206,29 @@ def train_reference_policy(
                 c.copy_(m)
         losses.append(sum(window) / len(window))
     return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}, norms
+
+
+class Block(nn.Module):
+    """A residual MLP block (4x wide inside): a unit with activations worth recomputing."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class BlockStack(nn.Module):
+    """``depth`` `Block`s and a linear head, trained on mean squared error."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return F.mse_loss(self.head(x), y)

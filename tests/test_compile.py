@@ -14,37 +14,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
+from models import BlockStack
 from zero_engine import load_consolidated
 
 STEPS, MICRO, WIDTH = 4, 8, 16
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(WIDTH, 4 * WIDTH)
-        self.fc2 = nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(x)))
-
-
-class Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return F.mse_loss(self.head(x), y)
 
 
 def _train(engine: Any, rank: int) -> tuple[list[float], list[int]]:
@@ -69,7 +46,7 @@ def compiled_runs(rank: int, world_size: int, stages: list[int], options: dict, 
             torch.manual_seed(0)
             config = engine_config(stage, micro=MICRO, lr=0.01, stage3_wrap_modules=["Block"],
                                    stage3_param_persistence_threshold=0)
-            engine = zero_engine.initialize(Blocks(), config)
+            engine = zero_engine.initialize(BlockStack(WIDTH, 3), config)
             if compile_it:
                 engine.compile(**options)
                 compiled_forwards = [type(m).__name__ for m in engine._compiled.modules]
@@ -113,4 +90,4 @@ def test_inductor_compiled_units_train_as_eager(tmp_path: Path) -> None:
 
 def test_a_model_compiled_before_initialize_is_refused_with_the_fix() -> None:
     with pytest.raises(TypeError, match=r"pass the module itself \(model._orig_mod\), then call engine.compile"):
-        zero_engine.initialize(torch.compile(Blocks()), engine_config(0, micro=MICRO, lr=0.01))
+        zero_engine.initialize(torch.compile(BlockStack(WIDTH, 3)), engine_config(0, micro=MICRO, lr=0.01))

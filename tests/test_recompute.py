@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
+from models import BlockStack
 from zero_engine.testing.process_memory import (
     SavedTensorMeter,
     peak_resident_bytes,
@@ -25,28 +24,6 @@ from zero_engine.testing.process_memory import (
 )
 
 WIDTH, DEPTH, BATCH = 64, 6, 1024  # a block's activations: ~2.3 MB, its input 256 KB
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(WIDTH, 4 * WIDTH)
-        self.fc2 = nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(x)))
-
-
-class Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return F.mse_loss(self.head(x), y)
 
 
 def _measured(engine: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
@@ -76,7 +53,7 @@ def recompute_runs(rank: int, world_size: int, stages: list[int]) -> dict[str, A
             torch.manual_seed(0)
             config = engine_config(stage, micro=BATCH, lr=0.01, stage3_wrap_modules=["Block"],
                                    stage3_param_persistence_threshold=0, recompute_units=recompute)
-            engine = zero_engine.initialize(Blocks(), config)
+            engine = zero_engine.initialize(BlockStack(WIDTH, DEPTH), config)
             steps = [_measured(engine, x, y) for x, y in batches]
             results[(stage, recompute)] = {"steps": steps, "state": engine.full_state_dict()}
             engine.close()
