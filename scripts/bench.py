@@ -8,8 +8,12 @@ medians inside one job are reported. Baselines: DistributedDataParallel with Ada
 with torch's ZeroRedundancyOptimizer, and FSDP2 (``fully_shard`` on every Block, then the
 root: the same units as the engine's stage 3). Writes JSON and a markdown table.
 
+``--device cuda`` runs the same systems on this rank's GPU (``cuda:LOCAL_RANK``) over NCCL: the
+same command gives GPU figures.
+
 Peak RSS cannot be told apart between systems sharing a process, so ``--rss`` runs ONE system
-per job and reports each rank's peak resident set above what it was before the model existed:
+per job and reports each rank's peak resident set above what it was before the model existed
+(with ``--device cuda``: the peak of ``torch.cuda.max_memory_allocated`` above that level):
 
     for s in ddp fsdp2 engine3; do torchrun --nproc_per_node=2 scripts/bench.py --rss --systems $s; done
 """
@@ -46,7 +50,8 @@ class TorchSystem:
     free_grads = False  # DDP keeps its gradient storage between steps
 
     def __init__(self, model: nn.Module, sharded_optimizer: bool) -> None:
-        self.model = DistributedDataParallel(model)
+        device = next(model.parameters()).device
+        self.model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         groups = decay_groups(model, WEIGHT_DECAY)
         if sharded_optimizer:
             self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=LR)
@@ -90,7 +95,7 @@ class FSDP2System(TorchSystem):
         mesh = None
         if shard_group_size:
             shape = (dist.get_world_size() // shard_group_size, shard_group_size)
-            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(next(model.parameters()).device.type, shape, mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         self.model = fully_shard(model, mesh=mesh)
@@ -164,14 +169,14 @@ OFFLOAD = {
 }
 
 
-def build_systems(names: list[str], model_config, bucket: int) -> dict[str, Callable]:
+def build_systems(names: list[str], model_config, bucket: int, device: torch.device) -> dict[str, Callable]:
     """``ddp``, ``zero_redundancy``, ``fsdp2``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B
     elements); ``/G`` after fsdp2 or an engine: hybrid sharding over groups of G ranks (HSDP);
     ``+opt``, ``+param``, ``+both`` after an engine: CPU offload (`OFFLOAD`)."""
     systems = {}
     for name in names:
         torch.manual_seed(0)
-        model = GPT(model_config)
+        model = GPT(model_config).to(device)
         base, _, group = name.partition("/")
         shard_group_size = int(group) if group else None
         if base in ("ddp", "zero_redundancy"):
@@ -191,18 +196,21 @@ def build_systems(names: list[str], model_config, bucket: int) -> dict[str, Call
 def run(args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model_config = PRESETS[args.model]
-    systems = build_systems(args.systems, model_config, args.bucket)
+    device = _device(args.device)
+    systems = build_systems(args.systems, model_config, args.bucket, device)
     data = TextBatches(load_corpus(), model_config.context)
     times: dict[str, list[float]] = {name: [] for name in systems}
     losses: dict[str, list[float]] = {name: [] for name in systems}
     names = list(systems)
     for step in range(args.warmup + args.steps):
-        batch = data.rank_batch(step, 0, rank, world, args.micro_batch, 1)
+        batch = [t.to(device) for t in data.rank_batch(step, 0, rank, world, args.micro_batch, 1)]
         rotation = names[step % len(names):] + names[: step % len(names)]
         for name in rotation:
+            _synchronize(device)
             dist.barrier()
             start = time.perf_counter()
             losses[name].append(systems[name].train_step(*batch))
+            _synchronize(device)
             dist.barrier()
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
@@ -234,20 +242,54 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def peak_rss(args: argparse.Namespace) -> dict:
-    """One system alone: each rank's peak resident set above its level before the model."""
+    """One system alone: each rank's peak resident set (on CUDA: allocated device memory) above
+    its level before the model."""
     (name,) = args.systems
     model_config = PRESETS[args.model]
+    device = _device(args.device)
     data = TextBatches(load_corpus(), model_config.context)
-    before = _max_rss_bytes()
-    system = build_systems([name], model_config, args.bucket)[name]
+    before = _peak_bytes(device)
+    system = build_systems([name], model_config, args.bucket, device)[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(args.warmup + args.steps):
-        system.train_step(*data.rank_batch(step, 0, rank, world, args.micro_batch, 1))
-    grown = torch.tensor([_max_rss_bytes() - before], dtype=torch.int64)
-    per_rank = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        system.train_step(*[t.to(device) for t in data.rank_batch(step, 0, rank, world, args.micro_batch, 1)])
+    grown = torch.tensor([_peak_bytes(device) - before], dtype=torch.int64, device=device)
+    per_rank = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(per_rank, grown)
-    return {"model": args.model, "system": name, "steps": args.warmup + args.steps,
-            "micro_batch": args.micro_batch, "peak_rss_growth_bytes_per_rank": [int(t.item()) for t in per_rank]}
+    return {"model": args.model, "system": name, "steps": args.warmup + args.steps, "device": device.type,
+            "micro_batch": args.micro_batch, "peak_growth_bytes_per_rank": [int(t.item()) for t in per_rank]}
+
+
+def _device(kind: str) -> torch.device:
+    if kind == "cuda":
+        return _local_cuda_device()
+    return torch.device("cpu")
+
+
+def _local_cuda_device() -> torch.device:
+    """CUDA only: this rank's GPU, set as the current device."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        _cuda_synchronize(device)
+
+
+def _cuda_synchronize(device: torch.device) -> None:
+    """CUDA only: the step's kernels are done before the clock is read."""
+    torch.cuda.synchronize(device)
+
+
+def _peak_bytes(device: torch.device) -> int:
+    return _cuda_max_allocated(device) if device.type == "cuda" else _max_rss_bytes()
+
+
+def _cuda_max_allocated(device: torch.device) -> int:
+    """CUDA only: the caching allocator's high-water mark of allocated bytes."""
+    return torch.cuda.max_memory_allocated(device)
 
 
 def _max_rss_bytes() -> int:
@@ -291,9 +333,10 @@ def main() -> None:
     parser.add_argument("--bucket", type=int, default=2_000_000, help="engine reduce_bucket_size (elements)")
     parser.add_argument("--out", default="runs/bench", help="writes OUT-MODEL.json and OUT-MODEL.md")
     parser.add_argument("--rss", action="store_true", help="peak RSS of the one system in --systems")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: this rank's GPU, NCCL")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     if args.rss:
         result = peak_rss(args)
         if dist.get_rank() == 0:
