@@ -342,3 +342,15 @@ def test_the_strategy_names_are_registered_on_import() -> None:
 
     trainer = Trainer(strategy="zero_engine_stage_2", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, ZeroEngineStrategy) and trainer.strategy.stage == 2
+
+
+def test_stage_auto_builds_configure_model_eagerly() -> None:
+    """Whether stage 3 (and so the meta device) fits is known only once the model exists."""
+    from zero_engine.integrations.lightning import ZeroEngineStrategy
+
+    strategy = ZeroEngineStrategy({"zero_optimization": {"stage": "auto", "memory_budget_gib": 1}})
+    assert strategy.stage == "auto"
+    with strategy.model_sharded_context():
+        assert not torch.empty(1).is_meta
+    with ZeroEngineStrategy({"zero_optimization": {"stage": 3}}).model_sharded_context():
+        assert torch.empty(1).is_meta

@@ -18,7 +18,7 @@ from harness import run_on_ranks
 from models import make_model, train_engine
 from zero_engine import ConfigError, load_config, load_consolidated
 from zero_engine.param_groups import resolve_param_groups
-from zero_engine.stage_choice import GIB, candidates, largest_unit_bytes
+from zero_engine.stage_choice import GIB, candidates, largest_unit_numel
 
 WORLD, MICRO = 2, 2
 ZERO = {"reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0, "activation_memory_gib": 0.0}
@@ -33,7 +33,7 @@ def _table() -> list[Any]:
     model = make_model()
     groups = resolve_param_groups(model, None, torch.optim.AdamW)
     num_params = sum(p.numel() for group in groups for p in group.params)
-    return candidates(config, num_params, WORLD, largest_unit_bytes(model, groups, config)), num_params
+    return candidates(config, num_params, WORLD, largest_unit_numel(model, groups, config)), num_params
 
 
 def test_the_table_is_the_zero_formula_plus_the_largest_unit() -> None:
@@ -134,7 +134,7 @@ def test_estimate_prints_the_table_initialize_weighs(tmp_path: Path, capsys: pyt
     path.write_text(json.dumps(raw))
     assert main(["estimate", str(path), "--params", "7e9", "--world-size", "8", "--largest-unit", "2e8"]) == 0
     printed = capsys.readouterr().out
-    table = candidates(load_config(raw), 7 * 10**9, 8, 2 * 10**8 * 2)  # bf16: 2 bytes per gathered element
+    table = candidates(load_config(raw), 7 * 10**9, 8, 2 * 10**8)
     assert format_table(table, 40 * GIB, choose(table, 40 * GIB)) in printed
     assert "initialize would choose stage 1" in printed
     assert "stage 0                                       108.308 GiB = states 104.308 GiB" in printed  # 16 B/param

@@ -72,7 +72,7 @@ def _estimate(args: argparse.Namespace) -> int:
           f"{args.params:,} trainable parameters; per rank, without padding and activations:")
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
-    total = report.parameters + report.gradients + report.optimizer_states + report.master_parameters
+    total = report.model_states
     print(f"  {'total':18s} {total / 2**30:10.3f} GiB")
     if report.host:
         print(f"  {'on the host':18s} {report.host / 2**30:10.3f} GiB  (offload; on the device: "
@@ -89,8 +89,7 @@ def _estimate_auto(config: ZeroEngineConfig, args: argparse.Namespace) -> int:
     if args.shard_group_size:
         config = config.model_copy(update={"zero_optimization": config.zero_optimization.model_copy(
             update={"shard_group_size": args.shard_group_size})})
-    element = 2 if (config.fp16.enabled or config.bf16.enabled) else 4
-    table = candidates(config, args.params, args.world_size, args.largest_unit * element)
+    table = candidates(config, args.params, args.world_size, args.largest_unit)
     zero = config.zero_optimization
     unit = f"{args.largest_unit:,} parameters" if args.largest_unit else "not given: --largest-unit N"
     print(f"stage auto, {args.params:,} trainable parameters, {args.world_size} rank(s); per rank, on the device "

@@ -509,6 +509,11 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
         raise ValueError(f"optimizer.type = {name!r} is not a torch.optim optimizer{suggest(name, known)}") from None
 
 
+def optimizer_options(cls: type[torch.optim.Optimizer]) -> frozenset[str]:
+    """The keywords an optimizer class takes besides its parameters: what a param group may set."""
+    return frozenset(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+
+
 def check_optimizer(section: OptimizerConfig) -> None:
     cls = optimizer_class(section.type)
     signature = inspect.signature(cls.__init__).parameters

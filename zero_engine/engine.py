@@ -86,7 +86,8 @@ def initialize(
     _check_scheduler_factory(lr_scheduler, config)
     check_monitor_packages(config)
     groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
-    config, stage_table = resolve_stage(config, model, groups, expected_world_size(), materialization_device(model))
+    device = materialization_device(model)
+    config, stage_table = resolve_stage(config, model, groups, expected_world_size(), device)
     refuse_unbuilt_features(config)
     stage = stage_for(config.zero_optimization.stage)
     check_optimizer_for_stage(config.optimizer, stage.level)
@@ -95,7 +96,6 @@ def initialize(
     weights_file = open_weights(weights) if weights is not None else None
     try:
         file_names = match_weights(model, weights_file) if weights_file is not None else {}
-        device = materialization_device(model)
         _check_device(device)
         comm = connect(config, device)
         if stage_table is not None and comm.rank == 0:
@@ -169,11 +169,8 @@ class Engine:
             self.offload,
         )
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype)
-        # Stage 3's leaf unit modules (the same modules at stages 0-2): recomputed, compiled.
-        self._unit_modules = leaf_unit_modules(
-            model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
-        )
-        self.recompute = WrappedForwards(self._unit_modules if zero.recompute_units else [], recomputed)
+        self._groups = groups
+        self.recompute = WrappedForwards(self._leaf_unit_modules() if zero.recompute_units else [], recomputed)
         self._compiled: WrappedForwards | None = None
         self.reducer = build_reducer(
             stage, self.units, comm, zero, precision.reduce_dtype, lifecycle=self.lifecycle,
@@ -469,8 +466,17 @@ class Engine:
             raise RuntimeError(
                 "engine.compile() was called already; call engine.close() and build a new engine to change it"
             )
-        self._compiled = WrappedForwards(self._unit_modules or [self.module], compiled(options))
+        self._compiled = WrappedForwards(self._leaf_unit_modules() or [self.module], compiled(options))
         return self
+
+    def _leaf_unit_modules(self) -> list[nn.Module]:
+        """Stage 3's unit modules holding no other (the same modules at stages 0-2): what is
+        recomputed and compiled."""
+        zero = self.config.zero_optimization
+        return leaf_unit_modules(
+            self.module, self._groups, zero.stage3_wrap_modules, zero.reduce_bucket_size,
+            zero.stage3_param_persistence_threshold,
+        )
 
     # -- module state and reports ----------------------------------------------------------------
 

@@ -40,6 +40,11 @@ class MemoryReport(NamedTuple):
     peak_step_gradients: int = 0  # fp32 copies of low-precision gradients alive at once in the last step
     host: int = 0  # of the held-now kinds, what lives in host memory (offload); the rest is on the device
 
+    @property
+    def model_states(self) -> int:
+        """The formula's four kinds together: parameters, gradients, optimizer states, masters."""
+        return self.parameters + self.gradients + self.optimizer_states + self.master_parameters
+
 
 # The fields of `MemoryReport` that count storage held now (the others are peaks).
 HELD_NOW = ("parameters", "gradients", "optimizer_states", "master_parameters", "buffers")

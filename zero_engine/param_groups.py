@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from .config import optimizer_options
 
 
 @dataclass
@@ -40,7 +41,7 @@ def resolve_param_groups(
             raise ValueError("param_groups is empty: pass None to optimize every trainable parameter")
         if all(isinstance(item, torch.Tensor) for item in raw):
             raw = [{"params": raw}]
-    accepted = set(inspect.signature(optimizer_cls.__init__).parameters) - {"self", "params"}
+    accepted = optimizer_options(optimizer_cls)
     groups: list[ParamGroup] = []
     seen: dict[nn.Parameter, int] = {}
     for index, item in enumerate(raw):

@@ -30,6 +30,7 @@ from .config import OffloadConfig, ZeroEngineConfig
 from .errors import ConfigError
 from .memory import estimate_from_config
 from .param_groups import ParamGroup
+from .precision import Precision
 from .sharding.module_plan import plan_module_units
 
 GIB = 2**30
@@ -59,22 +60,23 @@ class Candidate(NamedTuple):
         return self.states + self.gathered + self.activations
 
 
-def candidates(config: ZeroEngineConfig, num_params: int, world_size: int, largest_unit_bytes: int) -> list[Candidate]:
-    """Every candidate's figures, in the order they are tried."""
+def candidates(config: ZeroEngineConfig, num_params: int, world_size: int, largest_unit_numel: int) -> list[Candidate]:
+    """Every candidate's figures, in the order they are tried; the largest stage 3 unit counted
+    gathered whole in the compute dtype."""
     zero = config.zero_optimization
     if zero.offload_optimizer is not None or zero.offload_param is not None:
         raise ConfigError(
             "zero_optimization.stage = 'auto' chooses offload itself: leave offload_optimizer and offload_param out"
         )
     activations = int(zero.activation_memory_gib * GIB)
+    gathered_unit = largest_unit_numel * Precision.from_config(config).compute_dtype.itemsize
     table = []
     for name, update in CANDIDATES:
         settled = zero.model_copy(update={**update, "memory_budget_gib": None})  # as if set by hand
         chosen = config.model_copy(update={"zero_optimization": settled})
         report = estimate_from_config(chosen, num_params, world_size)
-        states = report.parameters + report.gradients + report.optimizer_states + report.master_parameters
-        gathered = largest_unit_bytes if update["stage"] == 3 else 0
-        table.append(Candidate(name, chosen, states - report.host, gathered, activations, report.host))
+        gathered = gathered_unit if update["stage"] == 3 else 0
+        table.append(Candidate(name, chosen, report.model_states - report.host, gathered, activations, report.host))
     return table
 
 
@@ -124,14 +126,13 @@ def budget_bytes(config: ZeroEngineConfig, device: torch.device) -> int:
     )
 
 
-def largest_unit_bytes(model: nn.Module, groups: Sequence[ParamGroup], config: ZeroEngineConfig) -> int:
-    """Stage 3's largest unit gathered whole, in the compute dtype (the units stage 3 would cut)."""
+def largest_unit_numel(model: nn.Module, groups: Sequence[ParamGroup], config: ZeroEngineConfig) -> int:
+    """The parameters of stage 3's largest unit (of the units stage 3 would cut)."""
     zero = config.zero_optimization
     plans, _resident = plan_module_units(
         model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
     )
-    element = 2 if (config.fp16.enabled or config.bf16.enabled) else 4
-    return max((sum(param.numel() for param in plan.params) * element for plan in plans), default=0)
+    return max((sum(param.numel() for param in plan.params) for plan in plans), default=0)
 
 
 def resolve_stage(
@@ -142,7 +143,7 @@ def resolve_stage(
     if config.zero_optimization.stage != "auto":
         return config, None
     num_params = sum(param.numel() for group in groups for param in group.params)
-    table = candidates(config, num_params, world_size, largest_unit_bytes(model, groups, config))
+    table = candidates(config, num_params, world_size, largest_unit_numel(model, groups, config))
     budget = budget_bytes(config, device)
     chosen = choose(table, budget)
     text = (

@@ -52,6 +52,18 @@ def fill(raw: dict[str, Any], rules: Iterable[Rule], origin: str, authority: Aut
     return config
 
 
+def with_stand_ins(raw: dict[str, Any], stand_ins: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``raw`` with each of these paths that still says ``"auto"`` set to its stand-in:
+    a valid value, so that everything else is validated before the framework knows the real one."""
+    config = copy.deepcopy(raw)
+    for path, value in stand_ins.items():
+        *sections, key = path.split(".")
+        section = _section(config, sections, create=False)
+        if section is not None and section.get(key) == AUTO:
+            section[key] = value
+    return config
+
+
 def _section(config: dict[str, Any], names: list[str], *, create: bool) -> dict[str, Any] | None:
     for name in names:
         if not isinstance(config.get(name), dict):

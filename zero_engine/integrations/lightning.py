@@ -35,7 +35,6 @@ strategy changes, through Lightning's public seams (the ``Strategy`` and ``Preci
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
 from typing import Any
@@ -50,9 +49,9 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
 from .. import ConfigError, Engine, ZeroEngineConfig, initialize, load_config
-from ..config import auto_keys, read_config_mapping
-from ..state.checkpoint import load_client_state, load_consolidated
-from .config_filling import AUTO, Authority, Rule, fill, optimizer_section
+from ..config import auto_keys, optimizer_options, read_config_mapping
+from ..state.checkpoint import load_client_state, load_consolidated, write_atomically
+from .config_filling import AUTO, Authority, Rule, fill, optimizer_section, with_stand_ins
 from .engine_model import EngineModel
 
 __all__ = ["ZeroEngineStrategy", "convert_to_lightning_checkpoint"]
@@ -60,6 +59,10 @@ __all__ = ["ZeroEngineStrategy", "convert_to_lightning_checkpoint"]
 LIGHTNING = Authority(
     heading="the Lightning Trainer's arguments", giver="the Lightning Trainer has", filled_from="the Lightning Trainer"
 )
+# What the Lightning Trainer decides, standing in for "auto" until it is known (validation).
+TRAINER_STAND_INS = {
+    "gradient_accumulation_steps": 1, "gradient_clipping": 0.0, "fp16.enabled": False, "bf16.enabled": False,
+}
 # Lightning's precision -> (fp16, bf16) of the engine: mixed precision with fp32 masters.
 PRECISIONS = {"32-true": (False, False), "16-mixed": (True, False), "bf16-mixed": (False, True)}
 
@@ -86,7 +89,8 @@ class ZeroEngineStrategy(DDPStrategy):
             )
         super().__init__(**kwargs)
         self._raw, self._origin = _raw_config(config)
-        load_config(_provisional(self._raw))  # every error of the file now, not at fit()
+        # Every error of the file now, not at fit(): what the Trainer decides stands in meanwhile.
+        load_config(with_stand_ins(self._raw, TRAINER_STAND_INS))
         self._weights = weights
         self._param_init_fn = param_init_fn
         self.engine: Engine | None = None
@@ -103,9 +107,10 @@ class ZeroEngineStrategy(DDPStrategy):
                 )
 
     @property
-    def stage(self) -> int:
+    def stage(self) -> int | str:
+        """The config's ``zero_optimization.stage`` (``"auto"`` until the engine chooses)."""
         zero = self._raw.get("zero_optimization")
-        return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+        return zero.get("stage", 0) if isinstance(zero, dict) else 0
 
     # -- building the engine ---------------------------------------------------------------------
 
@@ -113,7 +118,7 @@ class ZeroEngineStrategy(DDPStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """At stage 3, ``configure_model`` builds on the meta device: no rank ever holds the
         whole model; the engine materializes it unit by unit (``weights=``, ``param_init_fn=``)."""
-        if self.stage < 3:
+        if self.stage != 3:  # 'auto' too: whether stage 3 fits is known only once the model is built
             yield
             return
         with torch.device("meta"):
@@ -144,6 +149,7 @@ class ZeroEngineStrategy(DDPStrategy):
     def _build_engine(self, trainer: Trainer, module: LightningModule) -> Engine:
         raw = fill(self._raw, _trainer_rules(trainer, self._raw), self._origin, LIGHTNING)
         groups, schedule = None, None
+        self._lightning_schedules = []  # this module's, not a module built before
         if "optimizer" not in raw:
             optimizers, schedules = _init_optimizers_and_lr_schedulers(module)
             if len(optimizers) != 1 or len(schedules) > 1:
@@ -263,11 +269,7 @@ def convert_to_lightning_checkpoint(checkpoint_dir: str | Path, output_file: str
     without zero_engine or torch.distributed (DeepSpeed's ``convert_zero_checkpoint_to_fp32_state_dict``)."""
     state = dict(load_client_state(checkpoint_dir) or {})
     state["state_dict"] = load_consolidated(checkpoint_dir)
-    output = Path(output_file)
-    staging = output.with_name(f".{output.name}.tmp")
-    torch.save(state, staging)
-    staging.replace(output)  # never half-written
-    return output
+    return write_atomically(Path(output_file), lambda staging: torch.save(state, staging))
 
 
 def _raw_config(config: Any) -> tuple[dict[str, Any], str]:
@@ -281,22 +283,6 @@ def _raw_config(config: Any) -> tuple[dict[str, Any], str]:
             target[key] = AUTO
         return raw, "ZeroEngineConfig"
     return read_config_mapping(config)
-
-
-def _provisional(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with what the Trainer decides still ``"auto"`` standing in as a valid value."""
-    stand_ins = [Rule(path, value, "", False) for path, value in (
-        ("gradient_accumulation_steps", 1), ("gradient_clipping", 0.0), ("fp16.enabled", False),
-        ("bf16.enabled", False),
-    )]
-    only_auto = [rule for rule in stand_ins if _value(raw, rule.path) == AUTO]
-    return fill(raw, only_auto, "", LIGHTNING)
-
-
-def _value(raw: dict[str, Any], path: str) -> Any:
-    for name in path.split("."):
-        raw = raw.get(name) if isinstance(raw, dict) else None
-    return raw
 
 
 def _trainer_rules(trainer: Trainer, raw: dict[str, Any]) -> list[Rule]:
@@ -325,7 +311,7 @@ def _rebuilt_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any]
     shards: its class, its defaults and every group's options (as they are now: a schedule may
     have set the learning rate already)."""
     cls = type(optimizer)
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    accepted = optimizer_options(cls)
     section = optimizer_section(cls, {k: v for k, v in optimizer.defaults.items() if k in accepted},
                                 f"configure_optimizers' {cls.__name__}")
     groups = [

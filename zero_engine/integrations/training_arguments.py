@@ -23,10 +23,9 @@ Duck-typed on the arguments: nothing here imports transformers.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-from .config_filling import AUTO, Authority, Rule, fill
+from .config_filling import Authority, Rule, fill, with_stand_ins
 
 TRAINING_ARGUMENTS = Authority(
     heading="the Trainer's TrainingArguments", giver="TrainingArguments give", filled_from="TrainingArguments"
@@ -81,11 +80,4 @@ def fill_schedule(raw: dict[str, Any], args: Any, max_steps: int, origin: str) -
 def provisional_schedule(raw: dict[str, Any]) -> dict[str, Any]:
     """The config with its schedule's step counts still ``"auto"`` standing in as the least
     and the greatest count, to validate everything else before the Trainer knows ``max_steps``."""
-    config = copy.deepcopy(raw)
-    scheduler = config.get("scheduler")
-    params = scheduler.get("params") if isinstance(scheduler, dict) else None
-    stand_ins = {"warmup_num_steps": 1, "total_num_steps": 2**31 - 1}
-    for key, stand_in in stand_ins.items() if isinstance(params, dict) else ():
-        if params.get(key) == AUTO:
-            params[key] = stand_in
-    return config
+    return with_stand_ins(raw, {"scheduler.params.warmup_num_steps": 1, "scheduler.params.total_num_steps": 2**31 - 1})

@@ -32,7 +32,6 @@ what no file holds), the counterpart of DeepSpeed's ``zero.Init``; see the READM
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from torch import nn
 from transformers import Trainer
 
 from .. import Engine, initialize, load_config
-from ..config import optimizer_class, read_config_mapping
+from ..config import optimizer_class, optimizer_options, read_config_mapping
 from .config_filling import optimizer_section
 from .engine_model import EngineModel
 from .training_arguments import fill_from_arguments, fill_schedule, provisional_schedule
@@ -149,8 +148,7 @@ class ZeroEngineTrainer(Trainer):
 
     def _decay_groups(self, optimizer_type: str) -> list[dict[str, Any]] | None:
         """The Trainer's two groups: weight decay on every parameter but biases and norms."""
-        accepted = inspect.signature(optimizer_class(optimizer_type).__init__).parameters
-        if "weight_decay" not in accepted:
+        if "weight_decay" not in optimizer_options(optimizer_class(optimizer_type)):
             return None
         decayed = set(self.get_decay_parameter_names(self.model))
         named = [(name, param) for name, param in self.model.named_parameters() if param.requires_grad]

@@ -653,12 +653,19 @@ def load_client_state(directory: str | Path, tag: str | None = None) -> Any:
 def write_state_dict(state: dict[str, torch.Tensor], out: str | Path) -> None:
     """Save ``state`` as ``.pt`` or ``.safetensors``, by the suffix of ``out``."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.tmp")
     if out.suffix == ".safetensors":
-        save_file({k: v.contiguous().clone() for k, v in state.items()}, str(staging))  # no shared storage
+        unshared = {k: v.contiguous().clone() for k, v in state.items()}  # safetensors refuses shared storage
+        write_atomically(out, lambda staging: save_file(unshared, str(staging)))
     elif out.suffix == ".pt":
-        torch.save(state, staging)
+        write_atomically(out, lambda staging: torch.save(state, staging))
     else:
         raise ValueError(f"{out}: unknown suffix {out.suffix!r}; use .pt or .safetensors")
+
+
+def write_atomically(out: Path, write: Callable[[Path], Any]) -> Path:
+    """``write`` a staging file beside ``out``, then put it in place: ``out`` is never half-written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.tmp")
+    write(staging)
     os.replace(staging, out)
+    return out

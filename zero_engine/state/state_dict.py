@@ -40,28 +40,28 @@ class ModelState:
 
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The complete module state on CPU, same keys as ``state_dict()`` (tied parameters'
-        names share one tensor, as there), parameters as their fp32 masters. Collective when masters are sharded; with ``rank0_only`` gathered onto
-        rank 0 alone, one unit at a time (other ranks get an empty dict)."""
+        names share one tensor, as there), parameters as their fp32 masters. Collective when
+        masters are sharded; with ``rank0_only`` gathered onto rank 0 alone, one unit at a time
+        (other ranks get an empty dict)."""
         keep = not rank0_only or self.comm.rank == 0
-        values: dict[nn.Parameter, torch.Tensor] = {}
+        # One CPU fp32 copy per parameter, made once: a unit's straight from its full master.
+        copies: dict[nn.Parameter, torch.Tensor] = {}
         for unit in self.units:
             full = self.full_master(unit, rank0_only)
             if keep:
                 for index, param in enumerate(unit.params):
-                    values[param] = unit.view_of(full, index).to("cpu", copy=True)
+                    copies[param] = unit.view_of(full, index).to("cpu", torch.float32, copy=True)
         if not keep:
             return {}
-        values.update(self.loose_masters)
         by_name = dict(self.module.named_parameters(remove_duplicate=False))
         state = {}
-        copies: dict[nn.Parameter, torch.Tensor] = {}  # a tied parameter's names share one tensor, as in state_dict()
         for name, tensor in self.module.state_dict().items():
             if name not in by_name:
                 state[name] = tensor.detach().to("cpu", copy=True)
                 continue
             param = by_name[name]
-            if param not in copies:
-                copies[param] = values.get(param, tensor).detach().to("cpu", torch.float32, copy=True)
+            if param not in copies:  # outside every unit: a frozen parameter, as its fp32 value
+                copies[param] = self.loose_masters.get(param, tensor).detach().to("cpu", torch.float32, copy=True)
             state[name] = copies[param]
         return state
 
