@@ -65,7 +65,7 @@ def each_way(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])  # 3: padding; 2 ranks elsewhere
 def test_plain_backward_trains_exactly_as_engine_backward(world_size: int) -> None:
     per_rank = run_on_ranks(world_size, each_way, CASES)
     initial = make_model().state_dict()

@@ -67,17 +67,27 @@ def _global_means(per_rank: list[dict]) -> list[float]:
     return means
 
 
-def test_resume_at_another_stage_and_world_size(tmp_path: Path) -> None:
-    # (stage, world size) saved -> (stage, world size) resumed.
-    pairs = {"a": ((3, 4), (1, 2)), "b": ((0, 1), (2, 3)), "c": ((2, 2), (3, 4)), "d": ((1, 3), (0, 1))}
+# (stage, world size) saved -> (stage, world size) resumed, each chain in three spawns: the
+# first's checkpoint is resumed by the second, which saves what the third resumes. The fast run
+# keeps the sharded chain; the slow run adds the one through a single process.
+RESUME_CHAINS = {
+    "sharded": {"a": ((3, 4), (1, 2)), "c": ((2, 2), (3, 4))},
+    "from and to one process": {"b": ((0, 1), (2, 3)), "d": ((1, 3), (0, 1))},
+}
+
+
+@pytest.mark.parametrize(
+    "chain", ["sharded", pytest.param("from and to one process", marks=pytest.mark.slow)]
+)
+def test_resume_at_another_stage_and_world_size(tmp_path: Path, chain: str) -> None:
+    pairs = RESUME_CHAINS[chain]
+    (first, ((stage1, world1), (stage2, world2))), (second, ((stage3, world3), (stage4, world4))) = pairs.items()
+    assert world2 == world3, "the middle spawn resumes one chain's checkpoint and saves the other's"
     d = {key: str(tmp_path / key) for key in pairs}
     plan = [
-        (4, [("save", 3, d["a"])]),
-        (1, [("save", 0, d["b"])]),
-        (2, [("load", 1, d["a"]), ("save", 2, d["c"])]),
-        (3, [("load", 2, d["b"]), ("save", 1, d["d"])]),
-        (4, [("load", 3, d["c"])]),
-        (1, [("load", 0, d["d"])]),
+        (world1, [("save", stage1, d[first])]),
+        (world2, [("load", stage2, d[first]), ("save", stage3, d[second])]),
+        (world4, [("load", stage4, d[second])]),
     ]
     outcome: dict[tuple[str, str], list[dict]] = {}
     for world_size, jobs in plan:

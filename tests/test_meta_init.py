@@ -113,7 +113,9 @@ def init_grid(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+)  # 3: padding
 def test_meta_init_is_the_same_model_at_every_stage_and_world_size(world_size: int) -> None:
     per_rank = run_on_ranks(world_size, init_grid, timeout=240)
     expected = reference_init(TrapModel, init_trap_model)
@@ -250,7 +252,7 @@ def padded_weights_grid(rank: int, world_size: int, files: dict[str, str]) -> di
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_weights_read_into_padded_stage3_units(tmp_path: Path, world_size: int) -> None:
     files, values = _write_weight_files(tmp_path)
     for rank, result in enumerate(run_on_ranks(world_size, padded_weights_grid, files, timeout=240)):
