@@ -315,8 +315,21 @@ def _full_grad(unit: FlatUnit) -> torch.Tensor:
 
 
 class _Bucket(NamedTuple):
+    """A unit's gradients on their way to its reduce-scatter. Not zero-filled: a parameter's
+    first gradient is copied in, later ones added, and what got none (the padding, unused
+    parameters) is zeroed at launch, so the common backward writes each element once."""
+
     storage: torch.Tensor  # reusable, sized for the largest unit
     flat: torch.Tensor  # the unit's padded view of it
+    arrived: bytearray  # 1 where the unit's parameter has its gradient in ``flat``
+
+    def zero_missing(self, unit: FlatUnit) -> None:
+        """Zero every element no gradient was written to (before the reduction reads them)."""
+        layout = unit.layout
+        for index, offset in enumerate(layout.param_offsets):
+            if not self.arrived[index]:
+                self.flat[offset : offset + layout.param_numels[index]].zero_()
+        self.flat[layout.unpadded_numel :].zero_()
 
 
 class ShardedGradReducer(GradReducer):
@@ -371,7 +384,12 @@ class ShardedGradReducer(GradReducer):
         if grad is None:
             raise RuntimeError(f"post-accumulate-grad hook of {unit.names[param_index]!r} found no gradient")
         offset = unit.layout.param_offsets[param_index]
-        bucket.flat[offset : offset + grad.numel()].add_(grad.reshape(-1))
+        target = bucket.flat[offset : offset + grad.numel()]
+        if bucket.arrived[param_index]:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+            bucket.arrived[param_index] = 1
         self._record_peak(extra=grad.numel() * grad.element_size())
         param.grad = None  # the full gradient lives only in the bucket now
 
@@ -385,15 +403,14 @@ class ShardedGradReducer(GradReducer):
             storage = torch.empty(numel, dtype=self.reduce_dtype, device=unit.device)
         self._num_live += 1
         self._live_bytes += tensor_bytes(storage)
-        flat = storage[: unit.layout.padded_numel]
-        flat.zero_()
-        return _Bucket(storage, flat)
+        return _Bucket(storage, storage[: unit.layout.padded_numel], bytearray(len(unit.params)))
 
     def _launch(self, unit_index: int) -> None:
         unit = self.units[unit_index]
         bucket = self._filling.pop(unit_index, None)
         if bucket is None:  # no gradient here this backward; other ranks may have some
             bucket = self._acquire(unit)
+        bucket.zero_missing(unit)
         if self.comm.num_replicas == 1:
             self._in_flight.append((unit, bucket, self.comm.reduce_scatter_sum(bucket.flat), False))
         else:
