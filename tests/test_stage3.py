@@ -17,6 +17,7 @@ from configs import engine_config
 from harness import run_on_ranks
 from models import DeepModel, decay_groups, make_model, train_engine, train_reference
 from zero_engine.memory import HELD_NOW
+from zero_engine.sharding.schedule import PASS_DONE, PassKind, make_row, row_wants
 from zero_engine.testing.process_memory import live_tensor_bytes
 from structured import StructuredModel, structured_batch
 
@@ -124,8 +125,65 @@ def _deep_steps(engine, rank: int, steps: range, **forward: object) -> None:
         engine.step()
 
 
-def behaviour(rank: int, world_size: int) -> dict:
+class RootScaled(DeepModel):
+    """DeepModel with a parameter of the model itself: a root unit, gathered for the whole forward."""
+
+    def __init__(self) -> None:
+        super().__init__(WIDTH)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x: torch.Tensor, **options: int) -> torch.Tensor:
+        return super().forward(x * self.scale, **options)
+
+
+def _root_engine():
+    torch.manual_seed(0)
+    return zero_engine.initialize(RootScaled(), _deep_config())
+
+
+def rows_and_root(rank: int) -> dict:
+    """The agreement rows a steady-state step sends, and where the root unit is gathered."""
     out: dict = {}
+    engine = _root_engine()
+    root = [unit for index, unit in enumerate(engine.gatherer.units) if index in engine.gatherer.root_units]
+    _deep_steps(engine, rank, range(2))  # the order is recorded; the forward's first window is agreed
+    rows: list[list[int]] = []
+    each_rank = engine.comm.each_rank
+    engine.comm.each_rank = lambda row: rows.append(list(row)) or each_rank(row)
+    loss = engine(_deep_batch(2, rank))
+    out["forward_rows"] = [row for row in rows if row[2] != PASS_DONE]  # drains depend on timing
+    out["gathered_after_forward"] = [unit.has_full_storage for unit in engine.gatherer.units]
+    engine.backward(loss)
+    engine.step()
+    engine.comm.each_rank = each_rank
+    out["gathered_after_backward"] = [unit.has_full_storage for unit in engine.gatherer.units]
+    with torch.no_grad():
+        engine(_deep_batch(3, rank))
+    out["root_after_no_grad"] = root[0].has_full_storage
+    # A call between a forward and its backward lets the kept root go; the backward gathers it again.
+    loss = engine(_deep_batch(4, rank))
+    engine.full_state_dict()
+    out["root_after_call"] = root[0].has_full_storage
+    engine.backward(loss)
+    engine.step()
+    out["with_call"] = engine.full_state_dict()
+    engine.close()
+    engine = _root_engine()
+    _deep_steps(engine, rank, range(2))
+    engine.backward(engine(_deep_batch(2, rank)))
+    engine.step()
+    with torch.no_grad():
+        engine(_deep_batch(3, rank))
+    _deep_steps(engine, rank, range(4, 5))
+    out["without_call"] = engine.full_state_dict()
+    out["root_index"] = engine.gatherer.root_units
+    out["labels"] = [unit.label for unit in engine.gatherer.units]
+    engine.close()
+    return out
+
+
+def behaviour(rank: int, world_size: int) -> dict:
+    out: dict = {"rows_and_root": rows_and_root(rank)}
 
     # Memory and traffic on 8 units, measured in the second step (optimizer state exists).
     for name, zero in {"default": {}, "live_limit": {"stage3_max_live_parameters": WIDTH * WIDTH + WIDTH}}.items():
@@ -248,12 +306,11 @@ def test_stage3_memory_traffic_export_and_failures(world_size: int) -> None:
         assert not any(default["gathered_after_backward"]), "units stayed gathered after backward"
         # The report is what the process holds between backward and step: the storages behind
         # every live tensor (gathered units freed; what autograd saved is measured as the
-        # process holds it in test_stage3_memory.py), besides the agreements the gatherer has
-        # already proposed for the next pass (at most 3 rounds in flight, a row of 4 int64 per
-        # rank each) and at most one reduced bucket whose completed gloo work has not yet let go
-        # of it.
+        # process holds it in test_stage3_memory.py), besides the agreement the gatherer has
+        # already proposed for the next pass (one round in flight, a row of int64 per rank) and
+        # at most one reduced bucket whose completed gloo work has not yet let go of it.
         held = sum(memory[key] for key in HELD_NOW)
-        rounds = 3 * 4 * 8 * world_size
+        rounds = 8 * len(make_row(0, PassKind.FORWARD, [], 0)) * world_size
         assert 0 <= default["live"] - held <= rounds + max(unit_bytes), (rank, default["live"], memory)
         # Forward holds the running unit and the prefetched next one; a live limit of one unit
         # stops prefetching.
@@ -284,6 +341,24 @@ def test_stage3_memory_traffic_export_and_failures(world_size: int) -> None:
         for mode in ("reentrant", "non_reentrant"):
             for name, value in out["checkpointing"][None].items():
                 assert (out["checkpointing"][mode][name] - value).abs().max().item() <= TOL, (mode, name)
+        _check_rows_and_root(out["rows_and_root"])
+
+
+def _check_rows_and_root(out: dict) -> None:
+    """A forward that follows the recorded order agrees on its gathers a window at a time. Of
+    its 9 units (the root, then layers 0-7), the end of the last backward agreed the first
+    window (root, layers 0-2); the forward asks for the next two (layers 3-6, then 7) and, at
+    its end, for the backward's first (layers 7-4): 3 rows, where a row per gather sent 9. The
+    root unit stays gathered from the forward into its backward, and only there."""
+    rows, (root,), layer = out["forward_rows"], out["root_index"], out["labels"].index
+    assert out["labels"][root] == "<root>"
+    expected = [[3, 4, 5, 6], [7], [7, 6, 5, 4]]
+    assert [row_wants(row) for row in rows] == [[layer(f"layers.{k}") for k in wants] for wants in expected], rows
+    assert [index for index, gathered in enumerate(out["gathered_after_forward"]) if gathered] == [root]
+    assert not any(out["gathered_after_backward"])
+    assert not out["root_after_no_grad"] and not out["root_after_call"]
+    for name, value in out["without_call"].items():
+        assert torch.equal(out["with_call"][name], value), name
 
 
 def skip_on_one_rank(rank: int, world_size: int, skip_step: int, uneven: bool) -> dict[int, dict]:

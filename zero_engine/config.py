@@ -224,7 +224,7 @@ class ZeroOptimizationConfig(_Section):
     stage3_prefetch_bucket_size: Count = Field(
         50_000_000,
         description="Stage 3: the next unit (in recorded order) is gathered ahead of use if it has at most this "
-        "many elements.",
+        "many elements; the gathers agreed ahead in one exchange (a window of up to 4 units) hold at most this many.",
     )
     stage3_param_persistence_threshold: Count = Field(
         100_000,
@@ -236,8 +236,8 @@ class ZeroOptimizationConfig(_Section):
     )
     stage3_max_live_parameters: Count = Field(
         1_000_000_000,
-        description="Stage 3: no prefetch may raise the gathered elements above this (units in use are always "
-        "gathered).",
+        description="Stage 3: no prefetch or window of gathers agreed ahead may raise the gathered elements "
+        "above this (units in use are always gathered).",
     )
     stage3_max_reuse_distance: Count = Field(
         1_000_000_000,

@@ -15,18 +15,25 @@ gradients: ranks that run different modules (a mixture of experts, a data-depend
 take part in each other's gathers instead of hanging, aborting in the transport on mismatched
 sizes or filling one unit with another's values. Agreeing synchronously before every gather
 stalls every rank at every gather (about 8% of a step here, see ``docs/benchmarks.md``), so
-each prefetch also proposes the unit it expects to prefetch next; that agreement completes in
-the background and the next prefetch launches without waiting. A proposal that turns out wrong
-costs a wasted gather, never a wrong one.
+gathers are proposed ahead, a *window* of the recorded order at a time (up to
+`WANTS_PER_ROW` units in one round): at the end of a pass for the next one's first units, and
+when a prefetch reaches the end of what is agreed. The agreement completes in the background
+and the prefetches launch without waiting. A proposal that turns out wrong costs a wasted
+gather, never a wrong one.
 
-Prefetching runs one unit ahead, bounded by ``stage3_prefetch_bucket_size`` (a larger unit is
-not prefetched) and ``stage3_max_live_parameters`` (no prefetch that would exceed it).
+Prefetching launches one unit ahead, bounded by ``stage3_prefetch_bucket_size`` (a larger unit
+is not prefetched; a window holds at most this many elements) and
+``stage3_max_live_parameters`` (no prefetch or window that would exceed it).
+
+The root unit stays gathered from the end of a forward that a backward follows to its backward
+(as FSDP2 keeps its root): that backward starts with it, and it is held through the forward
+anyway, so this saves a gather and costs no memory at any peak.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +45,7 @@ from ..errors import DivergedRanksError
 from ..tree import iter_tensors
 from .lifecycle import Lifecycle, TrainingState
 from .reducer import GradReducer
-from .schedule import NO_UNIT, Call, CollectiveSchedule, PassKind, agree_on_call
+from .schedule import WANTS_PER_ROW, Call, CollectiveSchedule, PassKind, agree_on_call
 from .unit import FlatUnit, ShardedFlatUnit
 
 
@@ -80,6 +87,12 @@ class NoGather:
     def peaks(self) -> tuple[int, int]:
         return 0, 0
 
+    @property
+    def root_units(self) -> tuple[int, ...]:
+        """The units of the root module's own parameters (kept gathered from a forward into its
+        backward at stage 3)."""
+        return ()
+
 
 class ParamGatherer(NoGather):
     """Gathers and frees `ShardedFlatUnit` s around the forward and backward of their modules."""
@@ -117,6 +130,8 @@ class ParamGatherer(NoGather):
         # The root's outer hooks bracket every forward, whoever calls the model: registered
         # first (pre) and last (post), so they run around the unit hooks of the root itself.
         self._root_needs = next((needs for module, needs in hooked if module is root), ())
+        self._root = root
+        self._kept: list[int] = []  # root units left gathered at the end of a forward, for its backward
         self._handles = [root.register_forward_pre_hook(self._enter_root)]
         for module, needs in hooked:
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, needs)))
@@ -124,6 +139,10 @@ class ParamGatherer(NoGather):
                 module.register_forward_hook(functools.partial(self._post_forward, needs), always_call=True)
             )
         self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
+
+    @property
+    def root_units(self) -> tuple[int, ...]:
+        return self._root_needs
 
     # -- a whole forward ---------------------------------------------------------------------
 
@@ -161,6 +180,7 @@ class ParamGatherer(NoGather):
         if call is Call.TRAIN:
             return
         self.schedule.agree_on_call(call)
+        self._release_kept()  # a backward that follows gathers the root again
         # It launched the gathers agreed before (prefetches proposed for the next pass): let
         # them complete and free them, so that every unit is sharded for the call (a load
         # writes shards) and no buffer is abandoned to a collective in flight.
@@ -183,11 +203,22 @@ class ParamGatherer(NoGather):
         if self.lifecycle.forward_depth == 0:
             if self._order:
                 self._recorded = self._order
-            self._end_pass()
             backward_follows = any(t.requires_grad for t in iter_tensors(output))
+            if backward_follows:  # kept for the backward, which starts with them
+                for index in self._kept:
+                    self._holds[index].backward = True
+            self._kept = []
+            self._end_pass()  # frees what nobody holds (kept units too, when no backward follows)
             self._propose_next_pass(backward_follows)
 
+    def _release_kept(self) -> None:
+        """Let the units kept for a backward go (they are freed with the next unheld units)."""
+        for index in self._root_needs:
+            self._holds[index].backward = False
+        self._kept = []
+
     def _release_all(self) -> None:
+        self._kept = []
         self._holds = [_Holds() for _ in self.units]
         if not self._diverged:
             self.schedule.launch_all()
@@ -245,9 +276,14 @@ class ParamGatherer(NoGather):
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(hook)
+        keep = module is self._root and torch.is_grad_enabled()
         for index in needs:
             self._holds[index].forward = max(0, self._holds[index].forward - 1)
-            if not self._holds[index].held:
+            if self._holds[index].held:
+                continue
+            if keep:
+                self._kept.append(index)  # `_exit_root` decides, once it sees whether a backward follows
+            else:
                 self._reshard(index)
 
     def _pre_backward(self, needs: tuple[int, ...], grad: torch.Tensor) -> None:
@@ -257,7 +293,7 @@ class ParamGatherer(NoGather):
                 self._holds[index].backward = True
                 self._ensure_gathered(index)
         if not self._prefetch_after(needs, self._recorded[::-1]):
-            self.schedule.issue(NO_UNIT)  # still tell the ranks which reductions are launched here
+            self.schedule.issue()  # still tell the ranks which reductions are launched here
 
     # -- gathering -------------------------------------------------------------------------------
 
@@ -272,38 +308,65 @@ class ParamGatherer(NoGather):
         self.units[index].wait_for_unshard(wait=not self._diverged)
 
     def _prefetch_after(self, needs: tuple[int, ...], order: list[int]) -> bool:
-        """Start gathering the unit that followed ``needs`` in ``order``, if it fits, and
-        propose the one after it for the next prefetch; whether a round was issued.
+        """Start gathering the unit that followed ``needs`` in ``order``, if it fits, and,
+        when the one after it is not agreed yet, propose the window that starts there; whether
+        a round was issued.
 
-        Every decision here reads what is *claimed* (gathered, or agreed and not launched
-        yet), never whether a gather was launched already: a rank launches agreed gathers early
-        before it blocks, and the ranks must still issue the same rounds in the same order
-        when they run the same modules, or the rounds would pair one rank's proposal with
-        another's and gather units twice."""
+        Every decision to issue a round reads what is *claimed* (gathered, or agreed and not
+        launched yet), never whether a gather was launched already: a rank launches agreed
+        gathers early before it blocks, and the ranks must still issue the same rounds in the
+        same order when they run the same modules, or the rounds would pair one rank's proposal
+        with another's and gather units twice. Launching an agreed gather early is this rank's
+        own choice: every rank launches the same sequence, each when it needs to."""
         positions = [order.index(index) for index in needs if index in order]
         if not positions:
             return False
         after = max(positions)
-        if after + 1 < len(order) and self._fits(order[after + 1]):
+        if after + 1 < len(order):
             following = order[after + 1]
-            if not self.units[following].has_full_storage:
-                self._gather(following)
-        if after + 2 < len(order) and self._prefetchable(order[after + 2]):
-            self.schedule.issue(order[after + 2])
-            return True
+            if self.units[following].has_full_storage:
+                pass
+            elif self.schedule.queued(following):
+                if self._fits(following, counting=self._gathered):
+                    self._gather(following)
+            elif self._fits(following, counting=self._claimed):
+                self._gather(following)  # agreed first: a round
+        if after + 2 < len(order) and not self._claimed(order[after + 2]):
+            window = self._window(order[after + 2 :])
+            if window:
+                self.schedule.issue(window)
+                return True
         return False
 
     def _claimed(self, index: int) -> bool:
         return self.units[index].has_full_storage or self.schedule.asked(index)
 
-    def _prefetchable(self, index: int) -> bool:
-        return not self._claimed(index) and self.units[index].layout.padded_numel <= self.prefetch_numel
+    def _gathered(self, index: int) -> bool:
+        return self.units[index].has_full_storage
 
-    def _fits(self, index: int) -> bool:
-        """Prefetching ``index`` stays within both limits (counting every claimed unit)."""
+    def _fits(self, index: int, counting: Callable[[int], bool]) -> bool:
+        """Prefetching ``index`` stays within both limits, counting the units ``counting`` says."""
         numel = self.units[index].layout.padded_numel
-        others = sum(unit.layout.padded_numel for i, unit in enumerate(self.units) if i != index and self._claimed(i))
+        others = sum(unit.layout.padded_numel for i, unit in enumerate(self.units) if i != index and counting(i))
         return numel <= self.prefetch_numel and others + numel <= self.max_live_numel
+
+    def _window(self, expected: list[int]) -> list[int]:
+        """The units to propose in one round: the first unclaimed ones of ``expected``, at most
+        `WANTS_PER_ROW`, together within ``stage3_prefetch_bucket_size`` and, with every claimed
+        unit, within ``stage3_max_live_parameters`` (a rank that blocks on a round launches
+        everything agreed first)."""
+        claimed = sum(unit.layout.padded_numel for i, unit in enumerate(self.units) if self._claimed(i))
+        budget = min(self.prefetch_numel, self.max_live_numel - claimed)
+        window: list[int] = []
+        for index in dict.fromkeys(expected):
+            if self._claimed(index):
+                continue
+            numel = self.units[index].layout.padded_numel
+            if numel > budget or len(window) == WANTS_PER_ROW:
+                break
+            window.append(index)
+            budget -= numel
+        return window
 
     # -- agreeing on every gather (see `zero_engine.sharding.schedule`) -------------------------
 
@@ -311,13 +374,8 @@ class ParamGatherer(NoGather):
         """Launch the gather of ``index`` once every rank has agreed on it."""
         self.schedule.need(index)
 
-    def _propose(self, index: int) -> None:
-        """Start agreeing on ``index`` as a coming gather, without waiting."""
-        if not self._claimed(index):
-            self.schedule.issue(index)
-
     def _propose_next_pass(self, backward_follows: bool) -> None:
-        """Propose the first gathers of the pass expected next, so it starts without waiting:
+        """Propose the first window of the pass expected next, so it starts without waiting:
         a backward starts at the root's output and runs the recorded order backwards; a
         forward runs it forwards. A wrong guess costs a wasted gather, never a wrong one."""
         if self._diverged:
@@ -326,8 +384,9 @@ class ParamGatherer(NoGather):
             expected = [*self._root_needs, *reversed(self._recorded)]
         else:
             expected = list(self._recorded)
-        for index in dict.fromkeys(expected[:3] if backward_follows else expected[:2]):
-            self._propose(index)
+        window = self._window(expected)
+        if window:
+            self.schedule.issue(window)
 
     def _launch_gather(self, index: int, wanted: bool) -> None:
         """The schedule's turn for this gather: every rank launches it (again, in place, where

@@ -8,13 +8,16 @@ some expert on some rank).
 So no rank decides alone. The ranks exchange small rows of facts in *rounds* (`Comm.each_rank`
 on the control group): each rank issues its rounds in its own time, but the k-th round of
 every rank is one all-reduce, so every rank reads the same rows for it. A row says which pass
-the rank is in (forward or backward, counted), which unit it wants gathered next (or none), and
-how many units, in the reducer's order, have their reductions launched here (or ready to be).
-From a round's rows every rank queues the same gathers: every unit some rank wants, in unit
-order. Each rank launches its queue in order, a gather when its unit is needed (a prefetch
-agreed early still launches late), so a rank takes part in the gathers of units only other
-ranks want. A rank with nothing more to ask at the end of a pass sends rows that say so
-("drain") until every rank's row does, so every rank issues the same number of rounds per pass.
+the rank is in (forward or backward, counted), which units it wants gathered next (up to
+`WANTS_PER_ROW`, in the order it expects to use them, or none), and how many units, in the
+reducer's order, have their reductions launched here (or ready to be). From a round's rows
+every rank queues the same gathers: every unit some rank wants, each rank's first wants before
+their second ones. One round agrees on a window of the order a rank expects (the previous
+pass's), so a pass that follows it needs a round per window, not per gather. Each rank
+launches its queue in order, a gather when its unit is needed (a prefetch agreed early still
+launches late), so a rank takes part in the gathers of units only other ranks want. A rank
+with nothing more to ask at the end of a pass sends rows that say so ("drain") until every
+rank's row does, so every rank issues the same number of rounds per pass.
 
 Reduce-scatters run on a group of their own (`zero_engine.comm.Comm.reduce_group`), in the
 reducer's unit order on every rank, launched as gradients complete; a rank where a parameter
@@ -40,7 +43,7 @@ reductions every rank launched. See "Stage 3 with conditional computation" in
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 from typing import NamedTuple, Protocol
 
@@ -49,6 +52,11 @@ from ..errors import DivergedRanksError
 
 NO_UNIT = -1  # a row that asks for no gather
 PASS_DONE = -2  # a row that asks for no gather and has nothing left to ask in this pass
+# How many gathers one row may ask for: a prefetch window agreed in one round. Each round is a
+# small all-reduce that costs ~0.25 ms to launch on gloo, and one the ranks may wait on; a
+# rank that blocks on a round first launches what it has queued, so the window also bounds
+# what a rank whose modules differ from the others' may gather ahead of use.
+WANTS_PER_ROW = 4
 
 
 class PassKind(IntEnum):
@@ -71,9 +79,21 @@ class Call(IntEnum):
         return "training" if self is Call.TRAIN else f"{self.name.lower()}()"
 
 
+def make_row(passes: int, kind: PassKind, wants: Sequence[int], ready: int) -> list[int]:
+    """A row: ``[passes, kind, first want, ready, further wants...]``, padded with `NO_UNIT`
+    (the first want stays at index 2, where a call row has its call)."""
+    first, *more = [*wants, *[NO_UNIT] * (WANTS_PER_ROW - len(wants))]
+    return [passes, int(kind), first, ready, *more]
+
+
+def row_wants(row: Sequence[int]) -> list[int]:
+    """The units a row asks for, in its rank's order of use."""
+    return [unit for unit in (row[2], *row[4:]) if unit >= 0]
+
+
 def call_row(count: int, call: Call) -> list[int]:
     """A call row, shaped as the schedule's rows so that either may pair with the other."""
-    return [count, int(PassKind.CALL), int(call), 0]
+    return make_row(count, PassKind.CALL, [int(call)], 0)
 
 
 def call_divergence(rows: list[list[int]], describe_unit: Callable[[int], str] = str) -> str | None:
@@ -94,11 +114,12 @@ def describe_rows(rows: list[list[int]], describe_unit: Callable[[int], str] = s
 
 
 def describe_row(row: list[int], describe_unit: Callable[[int], str] = str) -> str:
-    passes, kind, want = row[0], PassKind(row[1]), row[2]
+    passes, kind = row[0], PassKind(row[1])
     if kind is PassKind.CALL:
-        return f"is in {Call(want).label} (count {passes})"
+        return f"is in {Call(row[2]).label} (count {passes})"
     where = "between passes" if kind is PassKind.BETWEEN else f"is in {kind.name.lower()}"
-    asks = f"gathering {describe_unit(want)}" if want >= 0 else "asking for no unit"
+    wants = row_wants(row)
+    asks = f"gathering {', '.join(describe_unit(unit) for unit in wants)}" if wants else "asking for no unit"
     return f"{where} after {passes} passes, {asks}"
 
 
@@ -123,7 +144,7 @@ class _NoReductions:
 
 
 class _Round(NamedTuple):
-    want: int  # what this rank's row asked for
+    wants: tuple[int, ...]  # what this rank's row asked for
     agreement: EachRank
 
 
@@ -164,7 +185,7 @@ class CollectiveSchedule:
         """Drain: rows that ask for nothing until every rank's row says it is done with the
         pass, then launch every agreed gather."""
         while True:
-            self.issue(PASS_DONE)
+            self.issue([PASS_DONE])
             if all(row[2] == PASS_DONE for row in self._read_all()):
                 break
         self.launch_all()
@@ -173,24 +194,25 @@ class CollectiveSchedule:
 
     # -- rounds ------------------------------------------------------------------------------
 
-    def issue(self, want: int) -> None:
-        """Start a round whose row asks for ``want`` (a unit index, `NO_UNIT` or `PASS_DONE`),
+    def issue(self, wants: Sequence[int] = ()) -> None:
+        """Start a round whose row asks for ``wants`` (at most `WANTS_PER_ROW` unit indices, in
+        this rank's order of use; none to only report reductions; ``[PASS_DONE]`` to drain),
         without waiting."""
         ready = self.reductions.ready_units() if self.kind is PassKind.BACKWARD else 0
-        row = [self.passes, int(self.kind), want, ready]
-        self._rounds.append(_Round(want, self.comm.each_rank(row)))
+        row = make_row(self.passes, self.kind, wants, ready)
+        self._rounds.append(_Round(tuple(wants), self.comm.each_rank(row)))
 
     def agree_on_call(self, call: Call) -> None:
         """A call row after every round issued so far; raises `DivergedRanksError` on every
         rank if the ranks are not all in this call."""
-        self._rounds.append(_Round(NO_UNIT, self.comm.each_rank(call_row(self.passes, call))))
+        self._rounds.append(_Round((), self.comm.each_rank(call_row(self.passes, call))))
         self._read_all()
         self.launch_all()  # the call's own collectives come next: no gather agreed before may be left
 
     def asked(self, unit: int) -> bool:
         """Whether this rank asked for ``unit`` in a round it has not read yet, or the gather
         of ``unit`` is agreed and not launched here yet."""
-        return any(round_.want == unit for round_ in self._rounds) or self._queued(unit)
+        return any(unit in round_.wants for round_ in self._rounds) or self._queued(unit)
 
     def launched_everywhere(self, reduction: int) -> bool | None:
         """Whether the rows say every rank has launched ``reduction`` (in the reducer's order),
@@ -216,7 +238,7 @@ class CollectiveSchedule:
             if self.is_gathered(unit):
                 return
         if not self._queued(unit):
-            self.issue(unit)
+            self.issue([unit])
             self._read_all()
             if self.is_gathered(unit) and not self._queued(unit):
                 return
@@ -234,6 +256,12 @@ class CollectiveSchedule:
             event = self._events.popleft()
             self.launch_gather(event.index, event.wanted)
         self.reductions.launch_second_phases(self.agreed_ready)
+
+    def queued(self, unit: int) -> bool:
+        """Whether the gather of ``unit`` is agreed and not launched here yet (reading the
+        rounds that have arrived)."""
+        self._read_arrived()
+        return self._queued(unit)
 
     def _queued(self, unit: int) -> bool:
         return any(event.index == unit for event in self._events)
@@ -262,8 +290,12 @@ class CollectiveSchedule:
         if rows[0][1] == PassKind.CALL:  # the same call on every rank: nothing to gather
             return rows
         self.agreed_ready = max(self.agreed_ready, min(row[3] for row in rows))
-        for unit in sorted({row[2] for row in rows if row[2] >= 0}):
-            self._events.append(_Event(unit, unit == round_.want))
+        wants = [row_wants(row) for row in rows]
+        agreed: dict[int, None] = {}  # each rank's first wants, then their second ones, ...
+        for position in range(WANTS_PER_ROW):
+            agreed.update((row[position], None) for row in wants if position < len(row))
+        for unit in agreed:
+            self._events.append(_Event(unit, unit in round_.wants))
         return rows
 
     # -- ranks in different passes ---------------------------------------------------------------
