@@ -11,6 +11,12 @@ root: the same units as the engine's stage 3). Writes JSON and a markdown table.
 ``--device cuda`` runs the same systems on this rank's GPU (``cuda:LOCAL_RANK``) over NCCL: the
 same command gives GPU figures.
 
+``--baseline REV`` loads the package as it was at git revision REV next to the current one, so
+``base:engine3`` (that revision's stage 3) and ``engine3`` alternate in ONE job: a change's
+speed-up is the ratio of their medians, without the noise between jobs. ``--profile N`` prints
+the N functions with the most time of their own, per system, from rank 0's cProfile of the
+timed steps (and writes them next to the table).
+
 Peak RSS cannot be told apart between systems sharing a process, so ``--rss`` runs ONE system
 per job and reports each rank's peak resident set above what it was before the model existed
 (with ``--device cuda``: the peak of ``torch.cuda.max_memory_allocated`` above that level):
@@ -21,13 +27,20 @@ per job and reports each rank's peak resident set above what it was before the m
 from __future__ import annotations
 
 import argparse
+import cProfile
+import importlib
+import io
 import json
+import pstats
+import subprocess
+import tempfile
 import os
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -117,7 +130,8 @@ class FSDP2System(TorchSystem):
 
 class EngineSystem:
     def __init__(
-        self, model: nn.Module, stage: int, bucket: int, shard_group_size: int | None = None, offload: str = ""
+        self, model: nn.Module, stage: int, bucket: int, shard_group_size: int | None = None, offload: str = "",
+        package: Any = zero_engine,
     ) -> None:
         offload, _, variant = offload.partition("-")
         compile_units, recompute = offload == "compile", offload == "recompute"
@@ -131,11 +145,11 @@ class EngineSystem:
             "zero_optimization": {
                 "stage": stage, "reduce_bucket_size": bucket, "stage3_wrap_modules": ["Block"],
                 "stage3_param_persistence_threshold": 0, "shard_group_size": shard_group_size,
-                "recompute_units": recompute,
+                **({"recompute_units": True} if recompute else {}),  # a baseline may predate the key
                 **OFFLOAD[offload],
             },
         }
-        self.engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
+        self.engine = package.initialize(model, config, param_groups=decay_groups(model))
         if compile_units:
             self.engine.compile()  # inductor, each Block's forward
 
@@ -169,15 +183,23 @@ OFFLOAD = {
 }
 
 
-def build_systems(names: list[str], model_config, bucket: int, device: torch.device) -> dict[str, Callable]:
+def build_systems(
+    names: list[str], model_config, bucket: int, device: torch.device, baseline: Any = None
+) -> dict[str, Callable]:
     """``ddp``, ``zero_redundancy``, ``fsdp2``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B
     elements); ``/G`` after fsdp2 or an engine: hybrid sharding over groups of G ranks (HSDP);
-    ``+opt``, ``+param``, ``+both`` after an engine: CPU offload (`OFFLOAD`)."""
+    ``+opt``, ``+param``, ``+both`` after an engine: CPU offload (`OFFLOAD`); ``base:`` before an
+    engine: the ``--baseline`` revision's package."""
     systems = {}
     for name in names:
         torch.manual_seed(0)
         model = GPT(model_config).to(device)
-        base, _, group = name.partition("/")
+        package = zero_engine
+        if name.startswith("base:"):
+            if baseline is None:
+                raise SystemExit(f"{name!r} needs --baseline REV")
+            package = baseline
+        base, _, group = name.removeprefix("base:").partition("/")
         shard_group_size = int(group) if group else None
         if base in ("ddp", "zero_redundancy"):
             systems[name] = TorchSystem(model, sharded_optimizer=base == "zero_redundancy")
@@ -187,7 +209,7 @@ def build_systems(names: list[str], model_config, bucket: int, device: torch.dev
             base, _, offload = base.partition("+")
             stage, _, size = base.removeprefix("engine").partition("@")
             bucket_size = int(float(size)) if size else bucket
-            systems[name] = EngineSystem(model, int(stage), bucket_size, shard_group_size, offload)
+            systems[name] = EngineSystem(model, int(stage), bucket_size, shard_group_size, offload, package)
         else:
             raise SystemExit(f"unknown system {name!r}: ddp, zero_redundancy, fsdp2[/G], engineS[@BUCKET][+OFFLOAD][/G]")
     return systems
@@ -197,9 +219,10 @@ def run(args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model_config = PRESETS[args.model]
     device = _device(args.device)
-    systems = build_systems(args.systems, model_config, args.bucket, device)
+    systems = build_systems(args.systems, model_config, args.bucket, device, load_baseline(args.baseline))
     data = TextBatches(load_corpus(), model_config.context)
     times: dict[str, list[float]] = {name: [] for name in systems}
+    profiles = {name: cProfile.Profile() for name in systems} if args.profile and rank == 0 else {}
     losses: dict[str, list[float]] = {name: [] for name in systems}
     names = list(systems)
     for step in range(args.warmup + args.steps):
@@ -208,8 +231,13 @@ def run(args: argparse.Namespace) -> dict:
         for name in rotation:
             _synchronize(device)
             dist.barrier()
+            profile = profiles.get(name) if step >= args.warmup else None
             start = time.perf_counter()
+            if profile is not None:
+                profile.enable()
             losses[name].append(systems[name].train_step(*batch))
+            if profile is not None:
+                profile.disable()
             _synchronize(device)
             dist.barrier()
             if step >= args.warmup:
@@ -230,6 +258,7 @@ def run(args: argparse.Namespace) -> dict:
         }
     return {
         "model": args.model,
+        "profiles": {name: _top_functions(profile, args.profile, args.steps) for name, profile in profiles.items()},
         "num_params": num_params,
         "world_size": world,
         "backend": dist.get_backend(),
@@ -239,6 +268,29 @@ def run(args: argparse.Namespace) -> dict:
         "theory_comm_bytes_per_step": round(2 * (world - 1) / world * 4 * num_params),
         "systems": rows,
     }
+
+
+def load_baseline(revision: str | None) -> Any:
+    """The package as it was at git ``revision``, imported as ``zero_engine_baseline`` (its
+    modules import each other relatively, so the copy runs beside the current package)."""
+    if revision is None:
+        return None
+    root = Path(__file__).resolve().parent.parent
+    target = Path(tempfile.mkdtemp(prefix="zero_engine_baseline_"))
+    command = ["git", "-C", str(root), "archive", revision, "zero_engine"]
+    archive = subprocess.run(command, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    (target / "zero_engine").rename(target / "zero_engine_baseline")
+    sys.path.insert(0, str(target))
+    return importlib.import_module("zero_engine_baseline")
+
+
+def _top_functions(profile: cProfile.Profile, count: int, steps: int) -> str:
+    """The ``count`` functions with the most time of their own, per step."""
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out)
+    stats.sort_stats("tottime").print_stats(count)
+    return f"(cProfile of rank 0, {steps} timed steps: divide the times by {steps} for one step)\n" + out.getvalue()
 
 
 def peak_rss(args: argparse.Namespace) -> dict:
@@ -334,6 +386,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench", help="writes OUT-MODEL.json and OUT-MODEL.md")
     parser.add_argument("--rss", action="store_true", help="peak RSS of the one system in --systems")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: this rank's GPU, NCCL")
+    parser.add_argument("--baseline", help="git revision whose package the base:engineS systems run")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print each system's top N functions")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -351,6 +405,10 @@ def main() -> None:
         table = markdown(result)
         out.with_suffix(".md").write_text(table)
         print(table)
+        if result["profiles"]:
+            text = "\n".join(f"## {name}\n{profile}" for name, profile in result["profiles"].items())
+            out.with_name(out.name + "-profile.txt").write_text(text)
+            print(text)
     dist.destroy_process_group()
 
 
