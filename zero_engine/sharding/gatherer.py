@@ -268,7 +268,7 @@ class ParamGatherer(NoGather):
             self._ensure_gathered(index)
             if index not in self._order:
                 self._order.append(index)
-        self._prefetch_after(needs, self._recorded)
+        self._prefetch_after(needs, self._recorded, window=WANTS_PER_ROW)
 
     def _post_forward(self, needs: tuple[int, ...], module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
@@ -292,7 +292,7 @@ class ParamGatherer(NoGather):
             if not self._holds[index].backward:
                 self._holds[index].backward = True
                 self._ensure_gathered(index)
-        if not self._prefetch_after(needs, self._recorded[::-1]):
+        if not self._prefetch_after(needs, self._recorded[::-1], window=1):
             self.schedule.issue()  # still tell the ranks which reductions are launched here
 
     # -- gathering -------------------------------------------------------------------------------
@@ -307,10 +307,15 @@ class ParamGatherer(NoGather):
         other ranks may never send)."""
         self.units[index].wait_for_unshard(wait=not self._diverged)
 
-    def _prefetch_after(self, needs: tuple[int, ...], order: list[int]) -> bool:
+    def _prefetch_after(self, needs: tuple[int, ...], order: list[int], window: int) -> bool:
         """Start gathering the unit that followed ``needs`` in ``order``, if it fits, and,
-        when the one after it is not agreed yet, propose the window that starts there; whether
-        a round was issued.
+        when the one after it is not agreed yet, propose the window (of up to ``window`` units)
+        that starts there; whether a round was issued.
+
+        The backward proposes one unit at a time: it sends a row per unit anyway (each reports
+        the reductions launched, which the reducer needs before it may wait for one), and a
+        longer queue of agreed gathers would keep the reducer from waiting (it may not wait
+        while a gather is queued), costing a gradient bucket more.
 
         Every decision to issue a round reads what is *claimed* (gathered, or agreed and not
         launched yet), never whether a gather was launched already: a rank launches agreed
@@ -332,9 +337,9 @@ class ParamGatherer(NoGather):
             elif self._fits(following, counting=self._claimed):
                 self._gather(following)  # agreed first: a round
         if after + 2 < len(order) and not self._claimed(order[after + 2]):
-            window = self._window(order[after + 2 :])
-            if window:
-                self.schedule.issue(window)
+            proposal = self._window(order[after + 2 :], window)
+            if proposal:
+                self.schedule.issue(proposal)
                 return True
         return False
 
@@ -350,11 +355,11 @@ class ParamGatherer(NoGather):
         others = sum(unit.layout.padded_numel for i, unit in enumerate(self.units) if i != index and counting(i))
         return numel <= self.prefetch_numel and others + numel <= self.max_live_numel
 
-    def _window(self, expected: list[int]) -> list[int]:
+    def _window(self, expected: list[int], size: int = WANTS_PER_ROW) -> list[int]:
         """The units to propose in one round: the first unclaimed ones of ``expected``, at most
-        `WANTS_PER_ROW`, together within ``stage3_prefetch_bucket_size`` and, with every claimed
-        unit, within ``stage3_max_live_parameters`` (a rank that blocks on a round launches
-        everything agreed first)."""
+        ``size``, together within ``stage3_prefetch_bucket_size`` and, with every claimed unit,
+        within ``stage3_max_live_parameters`` (a rank that blocks on a round launches everything
+        agreed first)."""
         claimed = sum(unit.layout.padded_numel for i, unit in enumerate(self.units) if self._claimed(i))
         budget = min(self.prefetch_numel, self.max_live_numel - claimed)
         window: list[int] = []
@@ -362,7 +367,7 @@ class ParamGatherer(NoGather):
             if self._claimed(index):
                 continue
             numel = self.units[index].layout.padded_numel
-            if numel > budget or len(window) == WANTS_PER_ROW:
+            if numel > budget or len(window) == size:
                 break
             window.append(index)
             budget -= numel
@@ -376,15 +381,15 @@ class ParamGatherer(NoGather):
 
     def _propose_next_pass(self, backward_follows: bool) -> None:
         """Propose the first window of the pass expected next, so it starts without waiting:
-        a backward starts at the root's output and runs the recorded order backwards; a
-        forward runs it forwards. A wrong guess costs a wasted gather, never a wrong one."""
+        a backward starts at the root's output and runs the recorded order backwards (its first
+        two units: the rest one at a time, see `_prefetch_after`); a forward runs it forwards.
+        A wrong guess costs a wasted gather, never a wrong one."""
         if self._diverged:
             return
         if backward_follows:
-            expected = [*self._root_needs, *reversed(self._recorded)]
+            window = self._window([*self._root_needs, *reversed(self._recorded)], size=2)
         else:
-            expected = list(self._recorded)
-        window = self._window(expected)
+            window = self._window(self._recorded)
         if window:
             self.schedule.issue(window)
 
