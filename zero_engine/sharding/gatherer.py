@@ -327,15 +327,11 @@ class ParamGatherer(NoGather):
         if not positions:
             return False
         after = max(positions)
-        if after + 1 < len(order):
+        if after + 1 < len(order) and not self.units[order[after + 1]].has_full_storage:
             following = order[after + 1]
-            if self.units[following].has_full_storage:
-                pass
-            elif self.schedule.queued(following):
-                if self._fits(following, counting=self._gathered):
-                    self._gather(following)
-            elif self._fits(following, counting=self._claimed):
-                self._gather(following)  # agreed first: a round
+            agreed = self.schedule.queued(following)
+            if self._fits(following, counting=self._gathered if agreed else self._claimed):
+                self._gather(following)  # not agreed yet: a round first
         if after + 2 < len(order) and not self._claimed(order[after + 2]):
             proposal = self._window(order[after + 2 :], window)
             if proposal:
