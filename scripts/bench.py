@@ -31,17 +31,17 @@ import cProfile
 import importlib
 import io
 import json
-import pstats
-import subprocess
-import tempfile
 import os
+import pstats
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist

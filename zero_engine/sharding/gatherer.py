@@ -131,7 +131,6 @@ class ParamGatherer(NoGather):
         # first (pre) and last (post), so they run around the unit hooks of the root itself.
         self._root_needs = next((needs for module, needs in hooked if module is root), ())
         self._root = root
-        self._kept: list[int] = []  # root units left gathered at the end of a forward, for its backward
         self._handles = [root.register_forward_pre_hook(self._enter_root)]
         for module, needs in hooked:
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, needs)))
@@ -204,21 +203,18 @@ class ParamGatherer(NoGather):
             if self._order:
                 self._recorded = self._order
             backward_follows = any(t.requires_grad for t in iter_tensors(output))
-            if backward_follows:  # kept for the backward, which starts with them
-                for index in self._kept:
-                    self._holds[index].backward = True
-            self._kept = []
-            self._end_pass()  # frees what nobody holds (kept units too, when no backward follows)
+            if backward_follows:  # the root's units still gathered are kept for the backward, which starts with them
+                for index in self._root_needs:
+                    self._holds[index].backward = self.units[index].has_full_storage
+            self._end_pass()  # frees what nobody holds (the root's units too, when no backward follows)
             self._propose_next_pass(backward_follows)
 
     def _release_kept(self) -> None:
-        """Let the units kept for a backward go (they are freed with the next unheld units)."""
+        """Let the root's units kept for a backward go (they are freed with the next unheld units)."""
         for index in self._root_needs:
             self._holds[index].backward = False
-        self._kept = []
 
     def _release_all(self) -> None:
-        self._kept = []
         self._holds = [_Holds() for _ in self.units]
         if not self._diverged:
             self.schedule.launch_all()
@@ -281,9 +277,7 @@ class ParamGatherer(NoGather):
             self._holds[index].forward = max(0, self._holds[index].forward - 1)
             if self._holds[index].held:
                 continue
-            if keep:
-                self._kept.append(index)  # `_exit_root` decides, once it sees whether a backward follows
-            else:
+            if not keep:  # the root's units: `_exit_root` decides, once it sees whether a backward follows
                 self._reshard(index)
 
     def _pre_backward(self, needs: tuple[int, ...], grad: torch.Tensor) -> None:
