@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,16 @@ def _train(engine: Any, rank: int, world_size: int, steps: range, poison: int | 
 
 def _engine(stage: int, optimizer: str = "AdamW", **options: Any) -> Any:
     return zero_engine.initialize(make_model(), engine_config(stage, micro=MICRO, lr=0.05, optimizer=optimizer, **options))
+
+
+def _wait_for(path: Path, seconds: float) -> bool:
+    """Whether ``path`` appears within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _outcome(call: Any) -> tuple[str, str]:
@@ -113,6 +124,22 @@ def checkpoint_faults(rank: int, world_size: int, directory: str) -> dict:
     _train(engine, rank, world_size, range(3, 4))
     engine.close()
 
+    # A backward's call row is read before its first reduction, not when it is sent: rank 0
+    # ends a micro-step that reduces nothing (stage 0, accumulation 2) before rank 1 has sent
+    # its row (rank 1 waits for rank 0's file first). Then both step together.
+    engine = _engine(0, accum=2)
+    rank0_done = root.parent / "rank0-done"
+    if rank == 0:
+        _train(engine, rank, world_size, range(1))
+        rank0_done.touch()
+    else:
+        loss = engine(*micro_batch(0, 0, rank, world_size, MICRO, 1))
+        out["peer_ended_first"] = _wait_for(rank0_done, seconds=60)
+        engine.backward(loss)
+        engine.step()
+    out["stepped_after"] = _train(engine, rank, world_size, range(1, 2))
+    engine.close()
+
     # full_state_dict on rank 0 alone between a forward and its backward (stage 1: the peer's
     # next collective is its boundary reduction): every rank raises.
     engine = _engine(1)
@@ -121,16 +148,19 @@ def checkpoint_faults(rank: int, world_size: int, directory: str) -> dict:
     engine.close()
 
     # save_checkpoint on rank 0 alone (stage 0: its peer's next collective is a gradient
-    # all-reduce) and full_state_dict on rank 0 alone at stage 3 (the peer's next forward
-    # gathers): every rank raises, naming each rank's call. Last: the groups are spent.
-    for stage, call in ((0, lambda e: e.save_checkpoint(root, tag="rank0")), (3, lambda e: e.full_state_dict())):
-        diverging = _engine(stage)
-        _train(diverging, rank, world_size, range(1))
+    # all-reduce; with accumulation the peer's first micro-step reduces nothing, so its row is
+    # read when it sends the next one) and full_state_dict on rank 0 alone at stage 3 (the
+    # peer's next forward gathers): every rank raises, naming each rank's call, and a new
+    # engine works after the first two. Last: the groups are spent.
+    save, export = (lambda e: e.save_checkpoint(root, tag="rank0")), (lambda e: e.full_state_dict())
+    for case, stage, accum, call in (("0", 0, 1, save), ("0_accumulating", 0, 2, save), ("3", 3, 1, export)):
+        diverging = _engine(stage, accum=accum)
+        _train(diverging, rank, world_size, range(accum))
         on_rank0_only = functools.partial(call, diverging) if rank == 0 else functools.partial(
-            _train, diverging, rank, world_size, range(1, 3)
+            _train, diverging, rank, world_size, range(accum, 3 * accum)
         )
-        out[f"rank0_only_{stage}"] = _outcome(on_rank0_only)
-        out[f"refused_later_{stage}"] = _outcome(functools.partial(diverging.save_checkpoint, root, tag="later"))
+        out[f"rank0_only_{case}"] = _outcome(on_rank0_only)
+        out[f"refused_later_{case}"] = _outcome(functools.partial(diverging.save_checkpoint, root, tag="later"))
         diverging.close()
     return out
 
@@ -165,15 +195,19 @@ def test_checkpoint_faults_end_the_same_way_on_every_rank(tmp_path: Path) -> Non
         kind, message = out["other_optimizer"]
         assert kind == "CheckpointError" and "saved with optimizer SGD, this engine's is AdamW" in message
 
+        if rank == 1:
+            assert out["peer_ended_first"], "rank 0 waited for rank 1's call row before any reduction"
+        assert math.isfinite(out["stepped_after"][0])
+
         kind, message = out["between_forward_and_backward"]
         assert kind == "DivergedRanksError" and "rank 0 is in full_state_dict()" in message, message
-        for stage in (0, 3):
-            kind, message = out[f"rank0_only_{stage}"]
-            assert kind == "DivergedRanksError", (stage, rank, out[f"rank0_only_{stage}"])
-            call = "save_checkpoint()" if stage == 0 else "full_state_dict()"
+        for case in ("0", "0_accumulating", "3"):
+            kind, message = out[f"rank0_only_{case}"]
+            assert kind == "DivergedRanksError", (case, rank, out[f"rank0_only_{case}"])
+            call = "full_state_dict()" if case == "3" else "save_checkpoint()"
             assert f"rank 0 is in {call}" in message, message
             assert "rank 1 is in training" in message or "rank 1 is in forward" in message, message
-            assert out[f"refused_later_{stage}"][0] == "DivergedRanksError"
+            assert out[f"refused_later_{case}"][0] == "DivergedRanksError"
     assert open_checkpoint(directory, "global_step3").manifest["optimizer"] == "AdamW"
     assert open_checkpoint(directory, "sgd").manifest["optimizer"] == "SGD"
 

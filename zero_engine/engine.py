@@ -149,8 +149,7 @@ class Engine:
         self._step_applied = False  # whether the last boundary updated the parameters
         self.skipped_steps = 0
         self._window_opened = False
-        # This micro-step's call rows sent (`_agree_on_training`): by its forward, by its backward.
-        self._train_rows_sent = {"forward": False, "backward": False}
+        self._train_row_sent = False  # this micro-step's call row (`_agree_on_training`)
         self._global_grad_norm: float | None = None
         self._scaling_backward = False  # inside engine.backward
         zero = config.zero_optimization
@@ -203,8 +202,6 @@ class Engine:
     # -- the training loop -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
-            self._agree_on_training("forward")
         self._open_window()
         if self.lifecycle.state.in_backward:  # the last backward raised before autograd ran its end
             self.reducer.disarm()
@@ -267,7 +264,7 @@ class Engine:
                 "at the accumulation boundary): call engine.step() after each backward, or add the losses and "
                 "call backward once"
             )
-        self._agree_on_training("backward")
+        self._agree_on_training()
         self._open_window()
         self.reducer.pre_backward(boundary=boundary)
         self.gatherer.begin_backward()  # after: it tells the reducer which units get no gradient
@@ -283,9 +280,10 @@ class Engine:
         self.gatherer.check_usable()
         self._check_backwards()
         boundary = self.window.end_micro_step()
-        self._train_rows_sent = {"forward": False, "backward": False}
+        self._train_row_sent = False
         if not boundary:
             return
+        self.gatherer.read_calls()  # before the step's collectives (stages 0-2: a row sent and not read yet)
         used, squares = self._agree_on_used_params_and_norm()
         self._global_grad_norm = math.sqrt(squares) / self.loss_scale
         self._step_applied = math.isfinite(squares)
@@ -326,13 +324,15 @@ class Engine:
             writer.write(events)
         self._window_loss, self._window_backwards = None, 0
 
-    def _agree_on_training(self, phase: str) -> None:
-        """A call row at the first forward and at the first backward of every micro-step, so
-        that a collective call made on some ranks only (a save under ``if rank == 0:``, between
-        steps or between a forward and its backward) meets another rank's row and is caught on
-        every rank (stages 0-2; stage 3's passes send rows of their own)."""
-        if not self._train_rows_sent[phase]:
-            self._train_rows_sent[phase] = True
+    def _agree_on_training(self) -> None:
+        """A call row at the first backward of every micro-step, so that a collective call made
+        on some ranks only (a save under ``if rank == 0:``, between steps or between a forward
+        and its backward) meets another rank's row and is caught on every rank (stages 0-2;
+        stage 3's passes send rows of their own). The row is read before the micro-step's
+        first reduction, not here; a forward issues no collective at stages 0-2, so it needs
+        no row of its own (``docs/benchmarks.md``: one cost 1-3% of a step on 2 CPU ranks)."""
+        if not self._train_row_sent:
+            self._train_row_sent = True
             self._agree_on_call(Call.TRAIN)
 
     def _agree_on_call(self, call: Call) -> None:

@@ -40,21 +40,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Comm
+from ..comm import Comm, EachRank
 from ..errors import DivergedRanksError
 from ..tree import iter_tensors
 from .lifecycle import Lifecycle, TrainingState
 from .reducer import GradReducer
-from .schedule import WANTS_PER_ROW, Call, CollectiveSchedule, PassKind, agree_on_call
+from .schedule import WANTS_PER_ROW, Call, CollectiveSchedule, PassKind, call_divergence, call_row
 from .unit import FlatUnit, ShardedFlatUnit
 
 
 class NoGather:
-    """Stages 0-2: parameters are always whole; nothing to gather."""
+    """Stages 0-2: parameters are always whole; nothing to gather. Still the keeper of the
+    call rows (`agree_on_call`)."""
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.call_divergence = ""  # the DivergedRanksError's message once ranks were in different calls
+        self._unread_call: EachRank | None = None  # a training call row sent and not read yet
 
     def begin_backward(self) -> None: ...
 
@@ -62,10 +64,28 @@ class NoGather:
 
     def agree_on_call(self, call: Call, count: int) -> None:
         """Raise `DivergedRanksError` on every rank unless every rank is in ``call`` after
-        ``count`` micro-steps (see `zero_engine.sharding.schedule.agree_on_call`)."""
+        ``count`` micro-steps (see `zero_engine.sharding.schedule.call_row`).
+
+        A training row is only sent here: a backward issues no collective before its first
+        reduction, which reads it (`read_calls`), so the round completes behind the compute
+        instead of stalling every rank (``docs/benchmarks.md``). Any other call reads its row
+        at once: its own collectives come next. Every earlier row is read before a new one is
+        sent, so at most one is unread, and after a divergence every rank has sent the same
+        rows (the control group stays usable for a new engine)."""
+        self.read_calls()
+        self._unread_call = self.comm.each_rank(call_row(count, call))
+        if call is not Call.TRAIN:
+            self.read_calls()
+
+    def read_calls(self) -> None:
+        """Read the call row sent and not read yet, if any (waiting for the other ranks' where
+        needed), before any other collective: raise `DivergedRanksError` if the rows are
+        different calls (every rank reads that round, so every rank raises)."""
         self.check_usable()
-        self.call_divergence = agree_on_call(self.comm, count, call) or ""
-        self.check_usable()
+        if self._unread_call is not None:
+            rows, self._unread_call = self._unread_call.values(), None
+            self.call_divergence = call_divergence(rows) or ""
+            self.check_usable()
 
     def check_usable(self) -> None:
         """After a divergence no later collective of this engine can pair up: every call
@@ -76,7 +96,8 @@ class NoGather:
     def unit_complete(self, unit: FlatUnit) -> None: ...
 
     def attach_reducer(self, reducer: GradReducer) -> None:
-        """Stages 0-2: nothing to tell the reducer."""
+        """Stages 0-2: the reducer reads the call rows before it launches a reduction."""
+        reducer.before_launch = self.read_calls
 
     def may_wait_for_reduction(self, index: int) -> bool:
         """Stages 0-2: always (see `ParamGatherer.may_wait_for_reduction`)."""

@@ -109,6 +109,9 @@ class GradReducer:
         # Asked before a backward waits for a unit's reduction to make room for a bucket
         # (stage 3: whether every rank has launched it; None: not known yet); None: always.
         self.may_wait_for = may_wait_for
+        # Called before a reduction is launched (stages 0-2: the training call row sent at the
+        # backward's start is read there, `zero_engine.sharding.gatherer.NoGather.read_calls`).
+        self.before_launch: Callable[[], None] | None = None
         self._settled: set[int] = set()  # units that get no gradient here this backward
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
         # offload_optimizer: the units' host gradients, waited for at the end of a reducing backward.
@@ -188,6 +191,8 @@ class GradReducer:
 
     def _launch_until(self, stop: int) -> None:
         """Launch the reductions of every unit before ``stop`` not launched yet, in order."""
+        if self._next_unit < stop and self.before_launch is not None:
+            self.before_launch()
         while self._next_unit < stop:
             self._launch(self._next_unit)
             self._next_unit += 1

@@ -29,10 +29,12 @@ Rows from different passes cannot be reconciled (one rank runs two forwards befo
 backward, another one): every rank raises `DivergedRanksError` on the same round.
 
 The engine's collective calls (saving, loading, exporting; at stages 0-2 also a micro-step's
-first forward and first backward) open with a *call row* on the same control group (`agree_on_call`, at every stage):
-a rank that skipped a call (``if rank == 0: engine.save_checkpoint(...)``) pairs its next row
-with another rank's call row, and every rank raises `DivergedRanksError` naming each rank's call
-instead of pairing unrelated collectives until the timeout.
+first backward) open with a *call row* on the same control group
+(`CollectiveSchedule.agree_on_call`; at stages 0-2 `NoGather.agree_on_call`, which reads a
+training row only before the next reduction): a rank that skipped a call
+(``if rank == 0: engine.save_checkpoint(...)``) pairs its next row with another rank's call
+row, and every rank raises `DivergedRanksError` naming each rank's call instead of pairing
+unrelated collectives until the timeout.
 
 Why nothing hangs: every rank launches a prefix of the same sequence of gathers, and launches
 everything it has queued before it blocks on a round; it waits only for gathers it launched and
@@ -69,7 +71,7 @@ class PassKind(IntEnum):
 class Call(IntEnum):
     """The engine's collective calls, as call rows name them."""
 
-    TRAIN = 1  # a micro-step's first forward, and its first backward (stages 0-2)
+    TRAIN = 1  # a micro-step's first backward (stages 0-2)
     SAVE_CHECKPOINT = 2
     LOAD_CHECKPOINT = 3
     FULL_STATE_DICT = 4
@@ -121,11 +123,6 @@ def describe_row(row: list[int], describe_unit: Callable[[int], str] = str) -> s
     wants = row_wants(row)
     asks = f"gathering {', '.join(describe_unit(unit) for unit in wants)}" if wants else "asking for no unit"
     return f"{where} after {passes} passes, {asks}"
-
-
-def agree_on_call(comm: Comm, count: int, call: Call) -> str | None:
-    """Stages 0-2: one call row; the divergence message if the ranks are in different calls."""
-    return call_divergence(comm.each_rank(call_row(count, call)).values())
 
 
 class Reductions(Protocol):
