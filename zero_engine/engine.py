@@ -202,6 +202,7 @@ class Engine:
     # -- the training loop -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.gatherer.check_usable()  # after ranks diverged, every call raises
         self._open_window()
         if self.lifecycle.state.in_backward:  # the last backward raised before autograd ran its end
             self.reducer.disarm()
