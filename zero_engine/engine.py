@@ -284,7 +284,7 @@ class Engine:
         self._train_row_sent = False
         if not boundary:
             return
-        self.gatherer.read_calls()  # before the step's collectives (stages 0-2: a row sent and not read yet)
+        self.gatherer.read_call_row()  # before the step's collectives (stages 0-2: a row sent and not read yet)
         used, squares = self._agree_on_used_params_and_norm()
         self._global_grad_norm = math.sqrt(squares) / self.loss_scale
         self._step_applied = math.isfinite(squares)

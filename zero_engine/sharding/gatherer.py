@@ -67,17 +67,17 @@ class NoGather:
         ``count`` micro-steps (see `zero_engine.sharding.schedule.call_row`).
 
         A training row is only sent here: a backward issues no collective before its first
-        reduction, which reads it (`read_calls`), so the round completes behind the compute
+        reduction, which reads it (`read_call_row`), so the round completes behind the compute
         instead of stalling every rank (``docs/benchmarks.md``). Any other call reads its row
         at once: its own collectives come next. Every earlier row is read before a new one is
         sent, so at most one is unread, and after a divergence every rank has sent the same
         rows (the control group stays usable for a new engine)."""
-        self.read_calls()
+        self.read_call_row()
         self._unread_call = self.comm.each_rank(call_row(count, call))
         if call is not Call.TRAIN:
-            self.read_calls()
+            self.read_call_row()
 
-    def read_calls(self) -> None:
+    def read_call_row(self) -> None:
         """Read the call row sent and not read yet, if any (waiting for the other ranks' where
         needed), before any other collective: raise `DivergedRanksError` if the rows are
         different calls (every rank reads that round, so every rank raises)."""
@@ -97,7 +97,7 @@ class NoGather:
 
     def attach_reducer(self, reducer: GradReducer) -> None:
         """Stages 0-2: the reducer reads the call rows before it launches a reduction."""
-        reducer.before_launch = self.read_calls
+        reducer.before_launch = self.read_call_row
 
     def may_wait_for_reduction(self, index: int) -> bool:
         """Stages 0-2: always (see `ParamGatherer.may_wait_for_reduction`)."""

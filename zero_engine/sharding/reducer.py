@@ -110,7 +110,7 @@ class GradReducer:
         # (stage 3: whether every rank has launched it; None: not known yet); None: always.
         self.may_wait_for = may_wait_for
         # Called before a reduction is launched (stages 0-2: the training call row sent at the
-        # backward's start is read there, `zero_engine.sharding.gatherer.NoGather.read_calls`).
+        # backward's start is read there, `zero_engine.sharding.gatherer.NoGather.read_call_row`).
         self.before_launch: Callable[[], None] | None = None
         self._settled: set[int] = set()  # units that get no gradient here this backward
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
