@@ -6,7 +6,7 @@
 
 from .config import ZeroEngineConfig, load_config
 from .engine import Engine, initialize
-from .errors import CheckpointError, ConfigError, DivergedRanksError
+from .errors import CheckpointError, ConfigError, DivergedRanksError, ShardedParameterError
 from .state.checkpoint import load_consolidated
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "DivergedRanksError",
     "Engine",
+    "ShardedParameterError",
     "ZeroEngineConfig",
     "initialize",
     "load_config",

@@ -23,6 +23,7 @@ from torch import nn
 
 from .comm import Comm, connect, expected_world_size, local_cuda_device
 from .config import BatchSizes, ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
+from .errors import ShardedParameterError
 from .features import refuse_unbuilt_features
 from . import offload
 from .accumulation import AccumulationWindow
@@ -208,7 +209,13 @@ class Engine:
             self.reducer.disarm()
         if self.precision.mixed:
             args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
-        output = self.module(*args, **kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 (re-raised as it is unless stage 3 can say more)
+            explained = self.gatherer.explain_failed_forward(error)
+            if explained is None:
+                raise
+            raise ShardedParameterError(explained) from error
         if torch.is_grad_enabled():
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:  # its gradient is the first a backward through the model computes

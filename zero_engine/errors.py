@@ -18,6 +18,11 @@ class DivergedRanksError(RuntimeError):
     """Ranks are about to gather different units: their forward passes took different paths."""
 
 
+class ShardedParameterError(RuntimeError):
+    """Stage 3: a forward used a sharded parameter where the engine cannot gather it; the message
+    names the parameter, the code that used it and the fix."""
+
+
 def suggest(name: str, known: list[str]) -> str:
     """A clause for an error about an unknown ``name``: the closest of ``known``, or all of them."""
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)

@@ -2,7 +2,12 @@
 
 Forward: a unit module's pre-hook gathers the units it needs (counted, so nested and tied
 uses share one gather) and starts the all-gather of the next unit in the order recorded by
-the previous forward; its post-hook releases them, and a unit nobody holds is freed. The
+the previous forward; its post-hook releases them, and a unit nobody holds is freed. A sharded
+parameter read during a forward while no hook holds its unit (a head's ``F.linear(h,
+self.embed.weight)``, the members of a container whose own forward never runs) gathers its
+unit where it is read (`zero_engine.sharding.param_access`): the unit joins what the module
+running then needs, in this forward (until that module's forward ends) and in every later
+forward and backward, as DeepSpeed registers an external parameter. The
 post-hook also puts a hook on the module's output tensors: the first gradient that reaches
 one of them, at the start of the module's backward, gathers its units again (and prefetches
 the next in reverse forward order). A unit is freed in backward once all of its parameters
@@ -33,6 +38,8 @@ anyway, so this saves a gather and costs no memory at any peak.
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,12 +48,15 @@ import torch
 from torch import nn
 
 from ..comm import Comm, EachRank
-from ..errors import DivergedRanksError
+from ..errors import DivergedRanksError, ShardedParameterError
 from ..tree import iter_tensors
 from .lifecycle import Lifecycle, TrainingState
+from .param_access import ReadWatch, unserved_reads, watch_reads
 from .reducer import GradReducer
 from .schedule import WANTS_PER_ROW, Call, CollectiveSchedule, PassKind, call_divergence, call_row
 from .unit import FlatUnit, ShardedFlatUnit
+
+logger = logging.getLogger("zero_engine")
 
 
 class NoGather:
@@ -105,6 +115,11 @@ class NoGather:
 
     def remove_hooks(self) -> None: ...
 
+    def explain_failed_forward(self, error: BaseException) -> str | None:
+        """Stage 3: why a forward failed, when it used a sharded parameter the engine did not
+        gather; nothing to say below stage 3."""
+        return None
+
     def peaks(self) -> tuple[int, int]:
         return 0, 0
 
@@ -148,21 +163,30 @@ class ParamGatherer(NoGather):
         self._recorded: list[int] = []  # the last complete forward's order, for prefetching
         self.peak_forward_bytes = 0
         self.peak_backward_bytes = 0
+        # What each hooked module needs gathered while it runs (a read served outside the hooks
+        # adds to it), the root always among them; the hooked modules running, innermost last.
+        self._needs: dict[nn.Module, tuple[int, ...]] = {root: ()}
+        self._needs.update(hooked)
+        self._running: list[nn.Module] = []
+        self._root = root
+        self._forward_thread = threading.get_ident()
+        self._unit_of = {param: index for index, unit in enumerate(self.units) for param in unit.params}
+        self._read_watch = ReadWatch(self._on_read)
+        self._unwatch = watch_reads(
+            [module for module in root.modules() if any(p in self._unit_of for p in module._parameters.values())],
+            self._read_watch,
+        )
         # The root's outer hooks bracket every forward, whoever calls the model: registered
         # first (pre) and last (post), so they run around the unit hooks of the root itself.
-        self._root_needs = next((needs for module, needs in hooked if module is root), ())
-        self._root = root
         self._handles = [root.register_forward_pre_hook(self._enter_root)]
-        for module, needs in hooked:
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, needs)))
-            self._handles.append(
-                module.register_forward_hook(functools.partial(self._post_forward, needs), always_call=True)
-            )
+        for module in self._needs:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
 
     @property
     def root_units(self) -> tuple[int, ...]:
-        return self._root_needs
+        return self._needs[self._root]
 
     # -- a whole forward ---------------------------------------------------------------------
 
@@ -211,6 +235,8 @@ class ParamGatherer(NoGather):
         if self.lifecycle.forward_depth == 1:  # the outermost call
             if any(unit.has_full_storage for unit in self.units):
                 self._release_all()  # a backward raised half-way, or no backward came
+            self._forward_thread = threading.get_ident()
+            self._read_watch.active = True
             self.schedule.begin_pass(PassKind.FORWARD)
             if self._backward_ended:
                 self._ran, self._backward_ended = set(), False
@@ -221,18 +247,19 @@ class ParamGatherer(NoGather):
         """Runs even when the forward raised (``always_call``): every unit hook has released
         its units by then, so a failed forward leaves nothing gathered."""
         if self.lifecycle.forward_depth == 0:
+            self._read_watch.active = False
             if self._order:
                 self._recorded = self._order
             backward_follows = any(t.requires_grad for t in iter_tensors(output))
             if backward_follows:  # the root's units still gathered are kept for the backward, which starts with them
-                for index in self._root_needs:
+                for index in self.root_units:
                     self._holds[index].backward = self.units[index].has_full_storage
             self._end_pass()  # frees what nobody holds (the root's units too, when no backward follows)
             self._propose_next_pass(backward_follows)
 
     def _release_kept(self) -> None:
         """Let the root's units kept for a backward go (they are freed with the next unheld units)."""
-        for index in self._root_needs:
+        for index in self.root_units:
             self._holds[index].backward = False
 
     def _release_all(self) -> None:
@@ -270,6 +297,7 @@ class ParamGatherer(NoGather):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._unwatch()
 
     def peaks(self) -> tuple[int, int]:
         """Most gathered-parameter bytes alive in the last forward and the last backward."""
@@ -277,7 +305,9 @@ class ParamGatherer(NoGather):
 
     # -- module hooks ----------------------------------------------------------------------------
 
-    def _pre_forward(self, needs: tuple[int, ...], module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        needs = self._needs[module]
+        self._running.append(module)
         self._free_served()
         self._ran.update(needs)
         for index in needs:
@@ -287,7 +317,10 @@ class ParamGatherer(NoGather):
                 self._order.append(index)
         self._prefetch_after(needs, self._recorded, window=WANTS_PER_ROW)
 
-    def _post_forward(self, needs: tuple[int, ...], module: nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        needs = self._needs[module]  # with what reads served in this forward added
+        if self._running and self._running[-1] is module:
+            self._running.pop()
         if torch.is_grad_enabled():
             hook = functools.partial(self._pre_backward, needs)
             for tensor in iter_tensors(output):
@@ -309,6 +342,78 @@ class ParamGatherer(NoGather):
                 self._ensure_gathered(index)
         if not self._prefetch_after(needs, self._recorded[::-1], window=1):
             self.schedule.issue()  # still tell the ranks which reductions are launched here
+
+    # -- parameters read outside the hooks (see `zero_engine.sharding.param_access`) -------------
+
+    def _on_read(self, param: nn.Parameter) -> None:
+        """A module's parameter was read during a forward: gather its unit there unless some
+        module running holds it already (the common case: its own module's forward)."""
+        index = self._unit_of.get(param)
+        if index is not None and not self._holds[index].forward and not torch.compiler.is_compiling():
+            self._serve_read(index, param)
+
+    def _serve_read(self, index: int, param: nn.Parameter) -> None:
+        """The module running now (the innermost hooked one) needs unit ``index`` from here on:
+        gathered now and held until that module's forward ends, and in every later forward and
+        backward of it, with its other units."""
+        holder = self._running[-1] if self._running else self._root
+        if threading.get_ident() != self._forward_thread:
+            raise ShardedParameterError(
+                f"stage 3: parameter {self._name_of(param)!r} (unit {self.units[index].label!r}) was read from "
+                f"another thread during the forward of {_label(self._path_of(holder))}: its unit is sharded, and a "
+                "gather must run on the forward's thread, in the same order on every rank. Read it on that thread, "
+                f"or keep it whole on every rank (zero_optimization.stage3_param_persistence_threshold above "
+                f"{self._numel_of(param)})"
+            )
+        self.check_usable()
+        self._needs[holder] = (*self._needs[holder], index)
+        if self.comm.rank == 0:
+            logger.info(
+                "stage 3: unit %r is read outside the modules that gather it (first: %r, during the forward of %s); "
+                "it is gathered with %s's units from now on",
+                self.units[index].label, self._name_of(param), _label(self._path_of(holder)),
+                _label(self._path_of(holder)),
+            )
+        self._ran.add(index)
+        self._holds[index].forward += 1
+        self._ensure_gathered(index)
+        if index not in self._order:
+            self._order.append(index)
+
+    def explain_failed_forward(self, error: BaseException) -> str | None:
+        """When a forward failed on a sharded parameter that nothing gathered (a reference kept
+        outside its module: a list, a closure), what to say instead of torch's shape error."""
+        if isinstance(error, ShardedParameterError):
+            return None  # said already
+        for param, frame in unserved_reads(error, self._is_sharded_empty):
+            user = frame.f_locals.get("self")
+            where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+            if isinstance(user, nn.Module):
+                where = f"module {_label(self._path_of(user))} ({type(user).__name__}), {where}"
+            index = self._unit_of[param]
+            return (
+                f"stage 3: parameter {self._name_of(param)!r} (unit {self.units[index].label!r}) was used in a forward "
+                f"while sharded, by {where}, through a reference the engine cannot see: it gathers a unit when a module "
+                "that registers the parameter runs, or when the forward reads it from its module (module.weight). "
+                "Read it from its module where it is used, register it on the module that uses it, or keep it whole "
+                f"on every rank (zero_optimization.stage3_param_persistence_threshold above {self._numel_of(param)})"
+            )
+        return None
+
+    def _numel_of(self, param: nn.Parameter) -> int:
+        unit = self.units[self._unit_of[param]]
+        return unit.layout.param_numels[next(i for i, own in enumerate(unit.params) if own is param)]
+
+    def _is_sharded_empty(self, value: Any) -> bool:
+        index = self._unit_of.get(value) if isinstance(value, nn.Parameter) else None
+        return index is not None and value.numel() == 0 and not self.units[index].has_full_storage
+
+    def _name_of(self, param: nn.Parameter) -> str:
+        unit = self.units[self._unit_of[param]]
+        return next(name for name, own in zip(unit.names, unit.params) if own is param)
+
+    def _path_of(self, module: nn.Module) -> str | None:
+        return next((path for path, candidate in self._root.named_modules() if candidate is module), None)
 
     # -- gathering -------------------------------------------------------------------------------
 
@@ -398,7 +503,7 @@ class ParamGatherer(NoGather):
         if self._diverged:
             return
         if backward_follows:
-            window = self._window([*self._root_needs, *reversed(self._recorded)], size=2)
+            window = self._window([*self.root_units, *reversed(self._recorded)], size=2)
         else:
             window = self._window(self._recorded)
         if window:
@@ -456,6 +561,10 @@ class ParamGatherer(NoGather):
             self.peak_forward_bytes = max(self.peak_forward_bytes, live)
         else:
             self.peak_backward_bytes = max(self.peak_backward_bytes, live)
+
+
+def _label(path: str | None) -> str:
+    return "<root>" if path == "" else repr(path) if path is not None else "a module outside the model"
 
 
 @dataclass

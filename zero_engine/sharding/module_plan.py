@@ -5,7 +5,10 @@ its class named in ``stage3_wrap_modules``; without that list, its class named i
 ``_no_split_modules`` (Hugging Face models declare their blocks there: ``["GPT2Block"]``), as
 Accelerate's FSDP plugin and DeepSpeed's leaf-module logic read it; otherwise every module whose
 not yet wrapped trainable parameters reach ``min_unit_numel`` elements (bottom-up, like FSDP's
-size-based policy). A unit owns the trainable parameters registered in its part of the tree
+size-based policy). A unit is gathered when its module is called, so a container that is only
+iterated (``nn.ModuleList``, ``nn.ModuleDict``: no ``forward`` of their own) is never a unit:
+where the size rule reaches one, each of its members that can be called becomes a unit instead
+(through nested containers), and a wrap list naming a container class is refused. A unit owns the trainable parameters registered in its part of the tree
 (its subtree minus nested unit modules). A parameter registered twice (tied weights) is owned
 by the unit that registers it first, in ``named_parameters`` order, and *used* by every unit
 that registers it: an output head tied to the input embedding needs the embedding's unit
@@ -46,6 +49,12 @@ class ResidentParam:
     name: str
     param: nn.Parameter
     group_index: int
+
+
+def can_be_called(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own (``nn.ModuleList``, ``nn.ModuleDict`` and the
+    parameter containers have none: code iterates them and calls their members)."""
+    return "forward" in vars(module) or type(module).forward is not nn.Module.forward
 
 
 def plan_module_units(
@@ -120,24 +129,45 @@ def _modules_of_classes(model: nn.Module, wrap_classes: Sequence[str]) -> set[nn
             f"zero_optimization.stage3_wrap_modules: no module of class {missing} in the model; "
             f"classes present: {sorted(present)}"
         )
-    return {module for module in model.modules() if type(module).__name__ in wrap_classes and module is not model}
+    chosen = {module for module in model.modules() if type(module).__name__ in wrap_classes and module is not model}
+    containers = {module for module in chosen if not can_be_called(module)}
+    if containers:
+        names = sorted({type(module).__name__ for module in containers})
+        members = sorted({type(child).__name__ for module in containers for child in module.children()})
+        raise ValueError(
+            f"zero_optimization.stage3_wrap_modules names {names}, which has no forward of its own: code iterates it "
+            "and calls its members, so a unit made of it would never be gathered. Name the classes of its members "
+            f"instead ({members})"
+        )
+    return chosen
 
 
 def _modules_by_size(model: nn.Module, sharded: set[nn.Parameter], min_unit_numel: int) -> set[nn.Module]:
-    """Bottom-up: a module whose unwrapped sharded parameters reach the limit becomes a unit."""
+    """Bottom-up: a module whose unwrapped sharded parameters reach the limit becomes a unit; a
+    container that cannot be called gives its callable members instead (`can_be_called`)."""
     chosen: set[nn.Module] = set()
     counted: set[nn.Parameter] = set()
+    own: dict[nn.Module, int] = {}  # elements of the sharded parameters each module registers itself
+    left: dict[nn.Module, int] = {}  # elements of each module's subtree not wrapped yet
 
     def remaining(module: nn.Module) -> int:
         total = sum(remaining(child) for child in module.children())
+        own[module] = 0
         for param in module._parameters.values():
             if param is not None and param in sharded and param not in counted:
                 counted.add(param)
-                total += param.numel()
-        if total >= min_unit_numel and module is not model:
+                own[module] += param.numel()
+        total += own[module]
+        left[module] = _wrap(module) if total >= min_unit_numel and module is not model else total
+        return left[module]
+
+    def _wrap(module: nn.Module) -> int:
+        """Make ``module`` a unit, or, for a container, each member holding unwrapped parameters
+        (going into member containers); returns what stays unwrapped (a container's own)."""
+        if can_be_called(module):
             chosen.add(module)
             return 0
-        return total
+        return own[module] + sum(_wrap(child) for child in module.children() if left[child])
 
     remaining(model)
     return chosen
