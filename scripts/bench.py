@@ -140,6 +140,7 @@ class EngineSystem:
         config = {
             "train_micro_batch_size_per_gpu": 1,  # batches are handed in directly
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, **fused}},
+            "gradient_clipping": 0.0,  # as the torch baselines (DeepSpeed's default would clip at 1.0)
             # The stage 3 keys are ignored below stage 3. Blocks are units, as FSDP2's above;
             # every parameter is sharded, as FSDP2 does.
             "zero_optimization": {

@@ -1,16 +1,23 @@
 """Regenerate the key table in docs/config.md from the schema (a test checks it is current).
 
     python scripts/make_config_docs.py
+
+DeepSpeed's defaults come from ``tests/data/deepspeed_defaults.json``, recorded from DeepSpeed
+itself by ``scripts/record_deepspeed_traces.py``.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from zero_engine.config import DEEPSPEED_SECTIONS, NO_EFFECT, key_reference
+from zero_engine.deepspeed_compat import DEFAULTS_THAT_DIFFER
 from zero_engine.features import PARTLY_BUILT, REFUSED_WHEN_ON
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "config.md"
+DEEPSPEED_DEFAULTS = json.loads((ROOT / "tests" / "data" / "deepspeed_defaults.json").read_text())["defaults"]
 BEGIN, END = "<!-- keys:begin -->", "<!-- keys:end -->"
 # Keys DeepSpeed does not have.
 OURS = ("comm", "zero_optimization.shard_group_size", "zero_optimization.stage3_wrap_modules",
@@ -31,10 +38,21 @@ def status(path: str, default: str) -> str:
     return "section" if default == "section" else "honoured"
 
 
+def deepspeed_default(path: str, default: str) -> str:
+    """DeepSpeed 0.19.8's default beside ours: "same", its value and why ours differs, or a dash
+    for keys DeepSpeed does not have (ours, and its sections taken whole)."""
+    if default == "section" or path not in DEEPSPEED_DEFAULTS:
+        return "—"
+    if path in DEFAULTS_THAT_DIFFER:
+        return f"`{DEEPSPEED_DEFAULTS[path]!r}`; ours differs: {DEFAULTS_THAT_DIFFER[path]}"
+    return "same"
+
+
 def key_table() -> str:
-    lines = ["| key | default | status | meaning |", "|---|---|---|---|"]
+    lines = ["| key | default | DeepSpeed 0.19.8's default | status | meaning |", "|---|---|---|---|---|"]
     lines += [
-        f"| `{path}` | `{default}` | {status(path, default)} | {text} |" for path, default, text in key_reference()
+        f"| `{path}` | `{default}` | {deepspeed_default(path, default)} | {status(path, default)} | {text} |"
+        for path, default, text in key_reference()
     ]
     return "\n".join(lines)
 

@@ -1,6 +1,8 @@
 """One builder for the engine configs the tests use (each test file states only what differs).
 
-Keys left at None are left out of the config, so the engine's defaults apply to them.
+Keys left at None are left out of the config, so the engine's defaults apply to them. Clipping
+is off unless a test asks for it (``clip=None`` leaves the key out: DeepSpeed's default, 1.0):
+the single-process references the tests train do not clip.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ def engine_config(
     accum: int | None = None,
     optimizer: str = "AdamW",
     optimizer_params: dict[str, Any] | None = None,
-    clip: float | None = None,
+    clip: float | None = 0.0,
     dtype: str | None = None,
     fp16: dict[str, Any] | None = None,
     primitives: str | None = None,

@@ -183,7 +183,9 @@ def test_deepspeed_keys_without_effect_are_named_when_set(caplog: pytest.LogCapt
     settings = {
         "fp16": {"auto_cast": True},
         "bf16": {"loss_scale": 128, "loss_scale_window": 10, "initial_scale_power": 8, "hysteresis": 3,
-                 "min_loss_scale": 2},
+                 "min_loss_scale": 2, "immediate_grad_update": True, "check_grad_overflow": False},
+        "disable_python_gc": True, "log_level": "debug", "use_data_before_expert_parallelism": True,
+        "vocabulary_size": 50257, "dist_backend": "nccl", "cuda_visible_devices": "0,1",
         "wall_clock_breakdown": True,
         "zero_allow_untested_optimizer": True,
         "prescale_gradients": True, "gradient_predivide_factor": 2.0, "zero_force_ds_cpu_optimizer": False,
@@ -198,6 +200,12 @@ def test_deepspeed_keys_without_effect_are_named_when_set(caplog: pytest.LogCapt
             "mics_hierarchical_params_gather": True, "use_multi_rank_bucket_allreduce": False,
             "log_trace_cache_warnings": True,
             "ignore_unused_parameters": False, "elastic_checkpoint": True, "load_from_fp32_weights": False,
+            "compute_grad_norm": False, "allgather_sequential": True, "legacy_stage1": True,
+            "parameter_alignment": True, "pipeline_loading_checkpoint": True, "override_module_apply": False,
+            "enable_sanity_checks": True, "save_muon_momentum_buffer_in_memory": True,
+            "leaf_module": {"classes": ["Block"]},
+            "offload_optimizer": {"pipeline_read": True, "pipeline_write": True, "cpuadam_cores_perc": 0.5},
+            "offload_param": {"buffer_size": 10, "max_in_cpu": 10},
         },
     }
     with caplog.at_level("WARNING", logger="zero_engine"):
@@ -219,11 +227,12 @@ def test_deepspeed_only_sections_are_named_unless_switched_off(caplog: pytest.Lo
     sections["wandb"] = {"enabled": False, "project": "p"}  # switched off: silent
     sections["activation_checkpointing"] = {"partition_activations": True}  # no switch: named
     sections["amp"] = sections["torch_autocast"] = {"enabled": False}  # refused when on: silent when off
+    sections["expert_parallel"] = {"enabled": False}
     with caplog.at_level("WARNING", logger="zero_engine"):
         zero_engine.initialize(torch.nn.Linear(2, 2), {**base, **sections}).close()
     named = {r.getMessage().split(" section")[0].removeprefix("the ") for r in caplog.records
              if "section has no effect here" in r.getMessage()}
-    assert named == set(DEEPSPEED_SECTIONS) - {"wandb", "amp", "torch_autocast"}
+    assert named == set(DEEPSPEED_SECTIONS) - {"wandb", "amp", "torch_autocast", "expert_parallel"}
     for refused, match in (
         ({"tensor_parallel": {"autotp_size": 2}}, r"tensor_parallel.autotp_size = 2 \(tensor parallelism"),
         ({"pipeline": {"pipeline_parallel_size": 4}}, r"pipeline.pipeline_parallel_size = 4 \(pipeline"),
@@ -232,6 +241,15 @@ def test_deepspeed_only_sections_are_named_unless_switched_off(caplog: pytest.Lo
         ({"amp": {"enabled": True, "opt_level": "O1"}}, r"amp.enabled = true \(use bf16 or fp16 instead\)"),
         ({"sparse_gradients": True}, r"sparse_gradients = true"),
         ({"sequence_parallel_size": 2}, r"sequence_parallel_size = 2 \(sequence parallelism\)"),
+        ({"expert_parallel": {"enabled": True}}, r"expert_parallel.enabled = true \(expert parallelism"),
+        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, r"bf16.bf16_master_weights_and_grads"),
+        ({"bfloat16": {"enabled": True, "bf16_optimizer_states": True}}, r"bf16.bf16_optimizer_states = true"),
+        ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, r"fp16.fp16_master_weights_and_grads"),
+        ({"managed_gradient_accumulation": False}, r"managed_gradient_accumulation = false"),
+        ({"gradient_allreduce_op": "sum"}, r"gradient_allreduce_op = 'sum' \(gradients are averaged"),
+        ({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}}, r"zero_optimization.zenflow"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
+         r"offload_optimizer.super_offload = true"),
     ):
         with pytest.raises(NotImplementedError, match=match):
             zero_engine.initialize(torch.nn.Linear(2, 2), {**base, **refused})
@@ -336,9 +354,18 @@ def test_fused_adam_keywords_and_deepspeed_optimizers(caplog: pytest.LogCaptureF
     def optimizer(type_: str, **params: object) -> dict:
         return {"optimizer": {"type": type_, "params": {"lr": 1e-3, **params}}}
 
-    assert zero_engine.load_config(optimizer("Adam", adam_w_mode=True, weight_decay=0.1)).optimizer.type == "AdamW"
-    assert zero_engine.load_config(optimizer("Adam", adam_w_mode=False)).optimizer.type == "Adam"
-    assert zero_engine.load_config(optimizer("AdamW", adam_w_mode=False)).optimizer.type == "AdamW"
+    def loaded(type_: str, **params: object) -> tuple[str, dict]:
+        config = zero_engine.load_config(optimizer(type_, **params)).optimizer
+        return config.type, config.params
+
+    # DeepSpeed 0.19.8's Adam is AdamW unless adam_w_mode is false; its fused Adam decays by 0 unless told
+    assert loaded("Adam") == ("AdamW", {"lr": 1e-3, "weight_decay": 0.0})
+    assert loaded("Adam", adam_w_mode=True, weight_decay=0.1) == ("AdamW", {"lr": 1e-3, "weight_decay": 0.1})
+    assert loaded("Adam", adam_w_mode=False) == ("Adam", {"lr": 1e-3, "weight_decay": 0.0})
+    assert loaded("AdamW", adam_w_mode=False) == ("AdamW", {"lr": 1e-3, "weight_decay": 0.0})
+    assert loaded("AdamW", torch_adam=True) == ("AdamW", {"lr": 1e-3})  # torch's class, torch's default (0.01)
+    assert loaded("SGD") == ("SGD", {"lr": 1e-3})
+    assert zero_engine.load_config({}).optimizer.params == {"lr": 1e-3, "weight_decay": 0.0}
     with pytest.raises(ConfigError, match="bias_correction = false: torch's Adam and AdamW always correct"):
         zero_engine.load_config(optimizer("Adam", bias_correction=False))
     for name, nearest in (("Lamb", "AdamW"), ("OneBitAdam", "AdamW"), ("ZeroOneAdam", "AdamW")):
@@ -346,13 +373,13 @@ def test_fused_adam_keywords_and_deepspeed_optimizers(caplog: pytest.LogCaptureF
             zero_engine.load_config(optimizer(name))
     import torch
 
-    config = optimizer("Adam", torch_adam=True, weight_decay=0.1)
+    config = optimizer("Adam", torch_adam=True)
     config["train_micro_batch_size_per_gpu"] = 1
     with caplog.at_level("WARNING", logger="zero_engine"):
         engine = zero_engine.initialize(torch.nn.Linear(2, 2), config)
-    assert type(engine.optimizer) is torch.optim.Adam
+    assert type(engine.optimizer) is torch.optim.AdamW and engine.optimizer.param_groups[0]["weight_decay"] == 0.01
     messages = " ".join(r.getMessage() for r in caplog.records)
-    assert "torch_adam has no effect here" in messages and "DeepSpeed's Adam decays as AdamW" in messages
+    assert "optimizer.params.torch_adam = true: torch's defaults apply" in messages
     engine.close()
 
 

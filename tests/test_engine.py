@@ -79,7 +79,7 @@ def test_unbuilt_features_are_refused_at_initialize(sections: dict, fragment: st
 
 def test_off_switches_are_accepted() -> None:
     """Settings that mean "off" build nothing: no loss scaling, no clipping (0 does not clip to
-    norm 0), no offload. A step is then plain AdamW's."""
+    norm 0), no offload. A step is then plain AdamW's (DeepSpeed's: no weight decay unless given)."""
     config = _with(gradient_clipping=0, fp16={"enabled": False}, zero_optimization={"offload_optimizer": {"device": "none"}})
     model, reference = make_model(), make_model()
     engine = zero_engine.initialize(model, config)
@@ -87,7 +87,7 @@ def test_off_switches_are_accepted() -> None:
     tokens, targets = micro_batch(0, 0, 0, 1, 2, 1)
     engine.backward(engine(tokens, targets))
     engine.step()
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.0)
     reference(tokens, targets).backward()
     optimizer.step()
     state = engine.full_state_dict()

@@ -66,18 +66,22 @@ class _Tokens:
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
-def auto_config(stage: int) -> dict[str, Any]:
-    """A Hugging Face-style DeepSpeed config: every value the Trainer decides is "auto"."""
+def auto_config(stage: int, deepspeed_schedule: bool = False) -> dict[str, Any]:
+    """A Hugging Face-style DeepSpeed config: every value the Trainer decides is "auto". The
+    schedule is the Trainer's own (rebound to the engine's optimizer), or with
+    ``deepspeed_schedule`` DeepSpeed's WarmupDecayLR, "auto" too, as Hugging Face's DeepSpeed
+    path runs it."""
+    schedule = {"scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto",
+        "warmup_type": "linear",  # the shape of the Trainer's "linear" schedule, one step later (DeepSpeed's count)
+    }}}
     return {
         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto", "steps_per_print": float("inf"),
         "optimizer": {
             "type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
         },
-        "scheduler": {"type": "WarmupDecayLR", "params": {
-            "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto",
-            "warmup_type": "linear",  # the Trainer's "linear" schedule, step for step
-        }},
+        **(schedule if deepspeed_schedule else {}),
         "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
         "zero_optimization": {
             "stage": stage, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
@@ -161,6 +165,7 @@ CASES = [
     ("auto-3-resumed-from-stage-1", ("zero", auto_config(3), "auto-1")),
     ("meta-3", ("zero-meta", auto_config(3), None)),
     ("bf16-3", ("zero", auto_config(3), None, {"bf16": True})),
+    ("deepspeed-schedule-2", ("zero", auto_config(2, deepspeed_schedule=True), None)),
 ]
 
 
@@ -207,6 +212,16 @@ def test_clipping_and_decay_were_in_play(runs: dict) -> None:
     logs = runs["rank0"]["ddp"]["logs"]
     assert max(entry["grad_norm"] for entry in logs) > 0.5  # max_grad_norm 0.5 clipped some step
     assert logs[0]["learning_rate"] == 0.0 and logs[2]["learning_rate"] == pytest.approx(3e-3)  # warm-up of 2
+
+
+def test_a_deepspeed_schedule_runs_as_under_deepspeed(runs: dict) -> None:
+    """WarmupDecayLR (linear, its bounds and step counts filled from the arguments) is DeepSpeed's
+    schedule, as Hugging Face's DeepSpeed path runs it: the first two steps use warmup_min_lr, and
+    every later step the rate the Trainer's own linear schedule gives the step before."""
+    plain = [entry["learning_rate"] for entry in runs["rank0"]["ddp"]["logs"]]
+    rates = [entry["learning_rate"] for entry in runs["rank0"]["deepspeed-schedule-2"]["logs"]]
+    assert plain[:3] == pytest.approx([0.0, 1.5e-3, 3e-3])
+    assert rates == pytest.approx([0.0, *plain[:-1]], abs=1e-12)
 
 
 @pytest.mark.parametrize("name, reference", [("auto-2-resumed", "auto-2"), ("auto-3-resumed-from-stage-1", "auto-1")])

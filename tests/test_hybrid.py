@@ -257,6 +257,7 @@ def resume_leg(rank: int, world_size: int, leg: int, stage: int, group: int | No
     config = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
+        "gradient_clipping": 0.0,  # the reference does not clip
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "zero_optimization": {
             "stage": stage, "shard_group_size": group, "reduce_bucket_size": 50,

@@ -126,8 +126,8 @@ def overflow_on_one_rank(rank: int, world_size: int, stage: int, poisoner: int =
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 10,
-                                                     "warmup_type": "linear"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": LR / 10, "warmup_max_lr": LR,
+                                                     "warmup_num_steps": 10, "warmup_type": "linear"}},
         "zero_optimization": {
             "stage": stage, "reduce_bucket_size": 10**6, "stage3_param_persistence_threshold": 0, **(zero or {}),
         },
@@ -239,34 +239,46 @@ def _lrs_over(config_scheduler: dict, steps: int, accum: int = 1, lr: float = 0.
     return rates
 
 
-def _warmup(t: int, warmup: int, kind: str) -> float:
+def _warmup(i: int, warmup: int, kind: str) -> float:
     warmup = max(2, warmup)
-    return math.log(t + 1) / math.log(warmup) if kind == "log" else t / warmup
+    return math.log(i + 1) / math.log(warmup) if kind == "log" else i / warmup
 
 
 @pytest.mark.parametrize("kind", ["log", "linear"])
 def test_warmup_schedules_follow_their_formulas(kind: str) -> None:
+    """DeepSpeed 0.19.8's formulas and its count: optimizer step t uses iteration i = t - 1, and
+    i = -1 (before the first step) gives the minimum (WarmupLR, WarmupDecayLR) or 0 (cosine)."""
     lo, hi, warm, total = 0.01, 0.1, 5, 20
     params = {"warmup_min_lr": lo, "warmup_max_lr": hi, "warmup_num_steps": warm, "warmup_type": kind}
     rates = _lrs_over({"type": "WarmupLR", "params": params}, 20, accum=2)
-    expected = [lo + (hi - lo) * (_warmup(t, warm, kind) if t < warm else 1.0) for t in range(20)]
-    assert rates == pytest.approx(expected)
+    gamma = {-1: 0.0, **{i: _warmup(i, warm, kind) if i < warm else 1.0 for i in range(19)}}
+    assert rates == pytest.approx([lo + (hi - lo) * gamma[t - 1] for t in range(20)])
 
     rates = _lrs_over({"type": "WarmupDecayLR", "params": {**params, "total_num_steps": total}}, 20)
-    decay = [max(0.0, (total - t) / (total - warm)) for t in range(20)]
-    expected = [lo + (hi - lo) * (_warmup(t, warm, kind) if t < warm else decay[t]) for t in range(20)]
-    assert rates == pytest.approx(expected)
+    decay = {i: max(0.0, (total - i) / (total - warm)) for i in range(19)}
+    gamma = {-1: 0.0, **{i: _warmup(i, warm, kind) if i < warm else decay[i] for i in range(19)}}
+    assert rates == pytest.approx([lo + (hi - lo) * gamma[t - 1] for t in range(20)])
 
     cosine = {"total_num_steps": total, "warmup_num_steps": warm, "warmup_min_ratio": 0.1,
               "cos_min_ratio": 0.05, "warmup_type": kind}
-    rates = _lrs_over({"type": "WarmupCosineLR", "params": cosine}, 20, lr=0.2)
+    rates = _lrs_over({"type": "WarmupCosineLR", "params": cosine}, 25, lr=0.2)
 
-    def ratio(t: int) -> float:
-        if t < warm:
-            return 0.1 + _warmup(t, warm, kind) * 0.9
-        return 0.05 + 0.95 * (1 + math.cos(math.pi * (t - warm + 1) / (total - warm))) / 2
+    def ratio(i: int) -> float:
+        if i < 0:
+            return 0.0
+        if i < warm:
+            return 0.1 + _warmup(i, warm, kind) * 0.9
+        progress = min(1.0, (i - warm + 1) / (total - warm))  # stays at the floor past the end
+        return 0.05 + 0.95 * (1 + math.cos(math.pi * progress)) / 2
 
-    assert rates == pytest.approx([0.2 * ratio(t) for t in range(20)])
+    assert rates == pytest.approx([0.2 * ratio(t - 1) for t in range(25)])
+    assert rates[-1] == pytest.approx(0.2 * 0.05)
+
+
+def test_warmup_lr_rises_to_each_group_rate_when_its_maximum_is_left_out() -> None:
+    """DeepSpeed's WarmupLR without warmup_max_lr warms up to the optimizer's own rate."""
+    rates = _lrs_over({"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}}, 4, lr=0.3)
+    assert rates == pytest.approx([0.0, 0.0, 0.15, 0.3])
 
 
 def test_torch_schedulers_step_once_per_optimizer_step() -> None:

@@ -87,9 +87,10 @@ class _Section(BaseModel):
 class OptimizerConfig(_Section):
     type: str = Field("AdamW", description="A torch.optim class, case-insensitive (AdamW, Adam, SGD, ...).")
     params: dict[str, Any] = Field(
-        default_factory=lambda: {"lr": 1e-3},
-        description="Keyword arguments of that optimizer, checked against its signature. DeepSpeed's fused-Adam "
-        "keywords: adam_w_mode picks Adam or AdamW, torch_adam has no effect, bias_correction: false is refused.",
+        default_factory=lambda: {"lr": 1e-3, "weight_decay": 0.0},
+        description="Keyword arguments of that optimizer, checked against its signature. Adam and AdamW as DeepSpeed "
+        "builds them: type Adam is AdamW unless adam_w_mode: false, weight_decay left out is 0 (DeepSpeed's fused "
+        "Adam) unless torch_adam: true (torch's defaults); bias_correction: false is refused.",
     )
 
     @model_validator(mode="after")
@@ -110,6 +111,9 @@ class SchedulerConfig(_Section):
 
 class FP16Config(_Section):
     enabled: bool = Field(False, description="Compute in float16 with fp32 master weights.")
+    fp16_master_weights_and_grads: bool = Field(
+        False, description="DeepSpeed: fp16 masters and gradients (no fp32 copy); refused when on."
+    )
     auto_cast: bool = Field(False, description="DeepSpeed's autocast switch; accepted for compatibility.")
     loss_scale: Real = Field(0.0, ge=0, description="0 = dynamic loss scaling; any other value a static scale.")
     initial_scale_power: Integer = Field(16, ge=0, le=64, description="Dynamic scaling starts at 2**this.")
@@ -127,6 +131,12 @@ class BF16Config(_Section):
     initial_scale_power: Integer = Field(16, ge=0, le=64, description="Accepted; bf16 needs no loss scaling.")
     hysteresis: PositiveCount = Field(2, description="Accepted; bf16 needs no loss scaling.")
     min_loss_scale: Real = Field(1.0, gt=0, description="Accepted; bf16 needs no loss scaling.")
+    immediate_grad_update: bool = _deepspeed_option(False)
+    check_grad_overflow: bool = _deepspeed_option(True)
+    bf16_master_weights_and_grads: bool = Field(
+        False, description="DeepSpeed: bf16 masters and gradients (no fp32 copy); refused when on."
+    )
+    bf16_optimizer_states: bool = Field(False, description="DeepSpeed: bf16 optimizer state; refused when on.")
 
 
 class OffloadConfig(_Section):
@@ -142,6 +152,23 @@ class OffloadConfig(_Section):
     ratio: Real = Field(
         1.0, ge=0, le=1, description="Fraction offloaded; below 1.0 (DeepSpeed's partial offload) is refused."
     )
+
+
+class OffloadOptimizerConfig(OffloadConfig):
+    """``zero_optimization.offload_optimizer``."""
+
+    pipeline_read: bool = _deepspeed_option(False)
+    pipeline_write: bool = _deepspeed_option(False)
+    super_offload: bool = Field(False, description="DeepSpeed's SuperOffload; refused when on.")
+    cpuadam_cores_perc: Real = Field(0.8, gt=0, le=1, description="DeepSpeed option; accepted, no effect.")
+
+
+class OffloadParamConfig(OffloadConfig):
+    """``zero_optimization.offload_param``."""
+
+    buffer_count: PositiveCount = Field(5, description="DeepSpeed's NVMe buffer count; accepted, no effect with 'cpu'.")
+    buffer_size: PositiveCount = Field(100_000_000, description="DeepSpeed's NVMe buffer size; accepted, no effect.")
+    max_in_cpu: Count = Field(1_000_000_000, description="DeepSpeed's NVMe option; accepted, no effect.")
 
 
 class _FileMonitorConfig(_Section):
@@ -202,7 +229,7 @@ class ZeroOptimizationConfig(_Section):
         "without stage3_wrap_modules, the parameter count that makes a module a unit)."
     )
     allgather_partitions: bool = Field(True, description="DeepSpeed option; updated shards are always all-gathered, one unit per call.")
-    allgather_bucket_size: PositiveCount = Field(2_000_000, description="DeepSpeed option; accepted (shards are gathered per reduce_bucket_size unit).")
+    allgather_bucket_size: PositiveCount = Field(500_000_000, description="DeepSpeed option; accepted (shards are gathered per reduce_bucket_size unit).")
     reduce_scatter_each_micro_step: bool = Field(
         True,
         description="Stage 2: reduce-scatter every micro-step into the gradient shard (memory 4Ψ/N); "
@@ -210,11 +237,11 @@ class ZeroOptimizationConfig(_Section):
         "Stage 3 always reduce-scatters every micro-step.",
     )
     round_robin_gradients: bool = Field(False, description="DeepSpeed stage 1-2 option; accepted, no effect.")
-    offload_optimizer: OffloadConfig | None = Field(
+    offload_optimizer: OffloadOptimizerConfig | None = Field(
         None, description="Stages 1-3: this rank's fp32 master, gradient and optimizer state live on the host, "
         "where the optimizer steps."
     )
-    offload_param: OffloadConfig | None = Field(
+    offload_param: OffloadParamConfig | None = Field(
         None, description="Stage 3: the parameter shards live on the host and go to the device just before "
         "their all-gather (no effect at stages 1-2)."
     )
@@ -286,6 +313,19 @@ class ZeroOptimizationConfig(_Section):
     ignore_unused_parameters: bool = Field(True, description="DeepSpeed option; parameters without gradients are always allowed.")
     elastic_checkpoint: bool = Field(False, description="DeepSpeed option; checkpoints here are always elastic.")
     load_from_fp32_weights: bool = Field(True, description="DeepSpeed option; masters always load from fp32.")
+    compute_grad_norm: bool = _deepspeed_option(True)
+    stage3_allgather_sequential: bool = _deepspeed_option(False)
+    legacy_stage1: bool = _deepspeed_option(False)
+    parameter_alignment: bool = _deepspeed_option(False)
+    pipeline_loading_checkpoint: bool = _deepspeed_option(False)
+    override_module_apply: bool = _deepspeed_option(True)
+    enable_sanity_checks: bool = _deepspeed_option(False)
+    save_muon_momentum_buffer_in_memory: bool = _deepspeed_option(False)
+    leaf_module: dict[str, Any] | None = Field(
+        None, description="DeepSpeed stage 3 leaf modules (gathered whole); accepted, no effect: every unit is a "
+        "whole module here, and stage3_wrap_modules names them."
+    )
+    zenflow: dict[str, Any] | None = Field(None, description="DeepSpeed's ZenFlow section; refused when given.")
 
     def shard_group_size_for(self, world_size: int, local_world_size: int | None = None) -> int:
         """Ranks per shard group for ``world_size`` ranks (``local_world_size``: torchrun's
@@ -337,20 +377,23 @@ class ZeroEngineConfig(_Section):
     gradient_accumulation_steps: PositiveCount | None = Field(None, description="Micro-steps per optimizer step.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="The torch optimizer.")
     scheduler: SchedulerConfig | None = Field(None, description="The learning-rate schedule.")
-    gradient_clipping: Real = Field(0.0, ge=0, description="Clip the global gradient norm to this; 0 = off.")
+    gradient_clipping: Real = Field(
+        1.0, ge=0, description="Clip the global gradient norm to this; 0 = off. 1.0 when left out, as in DeepSpeed "
+        "(initialize logs the clipping in effect)."
+    )
     fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
-        None, description="dtype of gradient reductions (default fp32)."
+        None, description="dtype of gradient reductions; unset: fp32 (DeepSpeed: the compute dtype)."
     )
     zero_optimization: ZeroOptimizationConfig = Field(
         default_factory=ZeroOptimizationConfig, description="What is sharded, and how gradients are reduced."
     )
     comm: CommConfig = Field(default_factory=CommConfig, description="Process group settings (ours).")
     steps_per_print: Annotated[PositiveCount | None, BeforeValidator(_never_when_infinite)] = Field(
-        10, description="Every this many optimizer steps, rank 0 logs the step, learning rates, gradient norm, loss "
-        "scale and skipped steps (logger zero_engine, INFO), as DeepSpeed prints them. Infinity (Accelerate writes "
-        "it) or null: never."
+        None, description="Every this many optimizer steps, rank 0 logs the step, learning rates, gradient norm, "
+        "loss scale and skipped steps (logger zero_engine, INFO), as DeepSpeed prints them. null (the default, as in "
+        "DeepSpeed) or infinity (Accelerate writes it): never."
     )
     wall_clock_breakdown: bool = _deepspeed_option(False)
     zero_allow_untested_optimizer: bool = _deepspeed_option(False)
@@ -366,6 +409,21 @@ class ZeroEngineConfig(_Section):
     sparse_gradients: bool = Field(False, description="DeepSpeed option: sparse embedding gradients; refused when on.")
     sequence_parallel_size: PositiveCount = Field(1, description="DeepSpeed option: Ulysses sequence parallelism; "
                                                   "refused above 1.")
+    managed_gradient_accumulation: bool = Field(
+        True, description="DeepSpeed: false makes every step() an accumulation boundary; refused when false "
+        "(set_gradient_accumulation_boundary says where a window ends)."
+    )
+    gradient_allreduce_op: Literal["mean", "sum"] = Field(
+        "mean", description="DeepSpeed: gradients averaged over the ranks ('mean'); 'sum' is refused."
+    )
+    disable_python_gc: bool = _deepspeed_option(False)
+    log_level: str | None = _deepspeed_option(None)
+    use_data_before_expert_parallelism: bool = _deepspeed_option(False)
+    vocabulary_size: PositiveCount | None = _deepspeed_option(None)
+    # Read by no part of DeepSpeed 0.19.8 (its accelerator picks the backend and the device), but
+    # found in configs written for it, DeepSpeed's own examples among them.
+    dist_backend: str | None = _deepspeed_option(None)
+    cuda_visible_devices: Any = _deepspeed_option(None)
     # DeepSpeed-only sections: accepted whole, logged at initialize unless switched off.
     # Monitors, DeepSpeed's keys and event names (zero_engine.monitor).
     tensorboard: TensorBoardConfig | None = Field(None, description="TensorBoard event files (needs tensorboard).")
@@ -398,6 +456,8 @@ class ZeroEngineConfig(_Section):
     hybrid_engine: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     nebula: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     timers: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    datastates_ckpt: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    expert_parallel: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     _notes: list[str] = PrivateAttr(default_factory=list)  # from translating DeepSpeed's spellings
     _auto: list[str] = PrivateAttr(default_factory=list)  # "auto" keys initialize fills (deepspeed_compat)
 
@@ -605,6 +665,31 @@ NO_EFFECT: dict[str, str] = {
     "dataloader_drop_last": "the engine builds no data loader",
     "graph_harvesting": "no CUDA graphs are captured",
     "seq_parallel_communication_data_type": "there is no sequence parallelism",
+    "disable_python_gc": "the engine leaves Python's garbage collector as it is",
+    "log_level": "the engine logs through Python's logging (logger zero_engine); set its level there",
+    "use_data_before_expert_parallelism": "there is no expert parallelism; experts are sharded as any module",
+    "vocabulary_size": "nothing here depends on the vocabulary size",
+    "dist_backend": "DeepSpeed 0.19.8 does not read it either; comm.backend picks the backend (auto: NCCL on CUDA, "
+    "gloo on CPU)",
+    "cuda_visible_devices": "DeepSpeed does not read it either; each rank trains on cuda:LOCAL_RANK (set "
+    "CUDA_VISIBLE_DEVICES in the environment)",
+    "bf16.immediate_grad_update": "gradients go into their bucket or shard as each one is produced",
+    "bf16.check_grad_overflow": "a non-finite gradient norm always skips the step, at every precision",
+    "zero_optimization.compute_grad_norm": "the norm is always computed: it rides on the step's one small "
+    "all-reduce",
+    "zero_optimization.stage3_allgather_sequential": "each unit is gathered in one collective",
+    "zero_optimization.legacy_stage1": "stage 1 has one implementation",
+    "zero_optimization.parameter_alignment": "each unit is padded to a multiple of the shard count",
+    "zero_optimization.pipeline_loading_checkpoint": "there is no pipeline parallelism",
+    "zero_optimization.override_module_apply": "module.apply runs on the model as it is (stage 3 parameters are "
+    "empty between uses)",
+    "zero_optimization.enable_sanity_checks": "the engine's checks always run",
+    "zero_optimization.save_muon_momentum_buffer_in_memory": "there is no Muon optimizer here",
+    "zero_optimization.leaf_module": "every stage 3 unit is a whole module already (stage3_wrap_modules names them)",
+    **{f"zero_optimization.offload_optimizer.{key}": "no NVMe offload or DeepSpeed CPU optimizer here" for key in (
+        "pipeline_read", "pipeline_write", "cpuadam_cores_perc"
+    )},
+    **{f"zero_optimization.offload_param.{key}": "no NVMe offload here" for key in ("buffer_size", "max_in_cpu")},
     **{f"bf16.{key}": "bf16 needs no loss scaling" for key in (
         "loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale"
     )},
@@ -642,6 +727,9 @@ DEEPSPEED_SECTIONS: dict[str, str] = {
     "hybrid_engine": "no inference engine here",
     "nebula": "checkpoints are written by save_checkpoint in their own format",
     "timers": "no timers are kept; comm_report() gives the bytes moved",
+    "datastates_ckpt": "checkpoints are written by save_checkpoint in their own format",
+    "expert_parallel": "there is no expert parallelism; experts are sharded as any module (enabling it is refused "
+    "at initialize)",
 }
 
 
@@ -661,9 +749,11 @@ def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
             messages.append(f"the {name} section has no effect here: {why}")
     for path, why in NO_EFFECT.items():
         *sections, key = path.split(".")
-        section: BaseModel = config
+        section: BaseModel | None = config
         for name in sections:
             section = getattr(section, name)
+        if section is None:  # an optional section left out (offload_param, ...)
+            continue
         value, default = getattr(section, key), type(section).model_fields[key].default
         if value != default:
             messages.append(f"{path} = {value!r} has no effect here: {why}")

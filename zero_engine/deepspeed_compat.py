@@ -11,12 +11,15 @@ mapping, and returns notes for `initialize` to log:
   that holds it named;
 - both spellings of the stage 3 keys (``max_live_parameters`` and
   ``stage3_max_live_parameters``: DeepSpeed accepts either), refusing both at once with
-  different values;
+  different values; likewise ``bfloat16``, DeepSpeed's other name of the ``bf16`` section;
 - deprecated names (``stage3_gather_fp16_weights_on_model_save``, ``cpu_offload``, ...),
   each with a one-line `FutureWarning` naming the current key;
-- the keywords of DeepSpeed's fused Adam: ``adam_w_mode`` picks Adam or AdamW,
-  ``torch_adam`` has no effect (torch.optim is always used), ``bias_correction: false`` is
-  refused (torch's Adam always corrects).
+- DeepSpeed's Adam and AdamW, as DeepSpeed 0.19.8 builds them: ``type: Adam`` is AdamW
+  (decoupled weight decay) unless ``adam_w_mode: false``, and ``weight_decay`` left out is 0
+  (its fused Adam's default; torch's AdamW would decay by 0.01), except with ``torch_adam:
+  true``, where DeepSpeed builds torch's own class with torch's defaults (torch.optim is always
+  used here, so the key has no other effect); ``bias_correction: false`` is refused (torch's
+  Adam and AdamW always correct).
 
 What cannot be translated is returned as problems, reported in one `ConfigError` with the
 validation errors of the rest (never in rounds).
@@ -37,6 +40,9 @@ STAGE3_SHORT_NAMES = (
     "param_persistence_threshold",
     "model_persistence_threshold",
     "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "allgather_sequential",
 )
 # Deprecated DeepSpeed names -> the current key (in zero_optimization).
 DEPRECATED_ZERO_KEYS = {
@@ -62,6 +68,28 @@ AUTO_BUCKET_KEYS = (
     "zero_optimization.stage3_param_persistence_threshold",
 )
 FILLED_AT_INITIALIZE = frozenset((*AUTO_BATCH_KEYS, *AUTO_BUCKET_KEYS))
+
+
+# The keys whose default here is not DeepSpeed 0.19.8's, and why. Every other key that DeepSpeed
+# has takes its default (tests/test_deepspeed_defaults.py holds them to DeepSpeed's own, recorded
+# by scripts/record_deepspeed_traces.py); docs/config.md shows both columns.
+DEFAULTS_THAT_DIFFER: dict[str, str] = {
+    "zero_optimization.reduce_bucket_size": "a bucket is also a stage 1-2 shard unit, and two are alive during "
+    "backward: DeepSpeed's 500,000,000 elements would hold 4 GB of fp32 buckets; no number changes with it (the "
+    "reduction sums the same values in any cut)",
+    "zero_optimization.overlap_comm": "DeepSpeed overlaps at stage 3 only (unset: false below); we overlap at every "
+    "stage: the same numbers, sooner",
+    "zero_optimization.offload_optimizer.pin_memory": "pinned host buffers are rounded up to a power of two by "
+    "torch's host allocator, so DeepSpeed's default could take up to twice the host memory initialize checks for "
+    "(the GPU readiness review's N4); set true for faster copies where the host has room",
+    "zero_optimization.offload_param.pin_memory": "as offload_optimizer.pin_memory",
+    "zero_optimization.leaf_module": "DeepSpeed makes Mixtral's and Qwen-MoE's sparse blocks leaf modules (gathered "
+    "whole); every unit here is a whole module already, and those blocks sit inside the decoder layers Hugging Face "
+    "declares in _no_split_modules",
+    "communication_data_type": "the same unset value, another meaning: DeepSpeed then reduces gradients in the "
+    "compute dtype (bf16, fp16), we reduce in fp32 (exact sums; set bf16 or fp16 for DeepSpeed's, half the bytes)",
+}
+SAME_DEFAULT_OTHER_MEANING = frozenset({"communication_data_type"})
 
 
 class ConfigFutureWarning(FutureWarning):
@@ -91,12 +119,14 @@ def translate(raw: dict[str, Any]) -> Translated:
     for path in auto:  # left out: filled at initialize, or reported above (and no second error each)
         *sections, key = path.split(".")
         _section(config, sections).pop(key)
+    if "bfloat16" in config:  # DeepSpeed's other name of the section
+        _merge_spellings(config, "bfloat16", "bf16", "", problems)
     zero = config.get("zero_optimization")
     if isinstance(zero, dict):
         _merge_stage3_spellings(zero, problems)
         _rename_deprecated(zero, problems)
     optimizer = config.get("optimizer")
-    if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
+    if isinstance(optimizer, dict) and isinstance(optimizer.setdefault("params", {}), dict):
         notes.extend(_translate_fused_adam(optimizer, problems))
     filled = [_long_spelling(path) for path in auto if _long_spelling(path) in FILLED_AT_INITIALIZE]
     return Translated(config, notes, problems, filled)
@@ -129,12 +159,14 @@ def _without_comments(value: Any) -> Any:
     return value
 
 
-def _set_once(section: dict[str, Any], key: str, value: Any, source: str, problems: list[str]) -> None:
-    """``section[key] = value`` unless ``key`` is set already to something else (a problem)."""
+def _merge_spellings(section: dict[str, Any], other: str, key: str, prefix: str, problems: list[str]) -> None:
+    """``section[key] = section.pop(other)`` unless ``key`` is set already to something else (a
+    problem naming both, under ``prefix``)."""
+    value = section.pop(other)
     if key in section and section[key] != value:
         problems.append(
-            f"zero_optimization.{source} = {value!r} and zero_optimization.{key} = {section[key]!r} are two "
-            "spellings of one key and disagree: keep one"
+            f"{prefix}{other} = {value!r} and {prefix}{key} = {section[key]!r} are two spellings of one key and "
+            "disagree: keep one"
         )
         return
     section[key] = value
@@ -143,14 +175,14 @@ def _set_once(section: dict[str, Any], key: str, value: Any, source: str, proble
 def _merge_stage3_spellings(zero: dict[str, Any], problems: list[str]) -> None:
     for short in STAGE3_SHORT_NAMES:
         if short in zero:
-            _set_once(zero, f"stage3_{short}", zero.pop(short), short, problems)
+            _merge_spellings(zero, short, f"stage3_{short}", "zero_optimization.", problems)
 
 
 def _rename_deprecated(zero: dict[str, Any], problems: list[str]) -> None:
     for old, new in DEPRECATED_ZERO_KEYS.items():
         if old in zero:
             _deprecated(f"zero_optimization.{old}", f"zero_optimization.{new}")
-            _set_once(zero, new, zero.pop(old), old, problems)
+            _merge_spellings(zero, old, new, "zero_optimization.", problems)
     for old, (section, key, on) in DEPRECATED_OFFLOAD.items():
         if old in zero:
             switched_on = zero.pop(old)
@@ -166,27 +198,27 @@ def _deprecated(old: str, new: str) -> None:
 
 
 def _translate_fused_adam(optimizer: dict[str, Any], problems: list[str]) -> list[str]:
-    """DeepSpeed's FusedAdam keywords onto torch.optim's Adam and AdamW."""
+    """DeepSpeed's Adam and AdamW onto torch.optim's, as DeepSpeed 0.19.8 builds them
+    (``_configure_basic_optimizer``): decoupled decay unless ``adam_w_mode: false`` (the
+    switch is ignored for AdamW), and its fused Adam's ``weight_decay`` of 0 unless
+    ``torch_adam: true`` asks for torch's class with torch's defaults."""
     params = optimizer["params"]
     kind = str(optimizer.get("type", "AdamW")).lower()
     notes = []
-    if "torch_adam" in params:
-        params.pop("torch_adam")
-        notes.append("optimizer.params.torch_adam has no effect here: torch.optim's optimizers are always used")
+    torch_adam = params.pop("torch_adam", False)
+    if torch_adam is True:
+        notes.append("optimizer.params.torch_adam = true: torch's defaults apply (weight_decay 0.01 for AdamW, as "
+                     "DeepSpeed builds torch's class); torch.optim's optimizers are always used here")
     if params.pop("bias_correction", True) is not True:
         problems.append(
             "optimizer.params.bias_correction = false: torch's Adam and AdamW always correct the bias of their "
             "moments; remove the key (true is the default)"
         )
-    if "adam_w_mode" in params:
-        mode = params.pop("adam_w_mode")
-        if not isinstance(mode, bool):
-            problems.append(f"optimizer.params.adam_w_mode = {mode!r}: must be true or false")
-        elif kind == "adam":  # DeepSpeed's AdamW ignores the switch: always decoupled
-            optimizer["type"] = "AdamW" if mode else "Adam"
-    elif kind == "adam" and params.get("weight_decay"):
-        notes.append(
-            "optimizer.type = 'Adam' with weight_decay: this is torch.optim.Adam (an L2 penalty); DeepSpeed's Adam "
-            "decays as AdamW unless adam_w_mode is false. Set type AdamW (or adam_w_mode: true) to match DeepSpeed"
-        )
+    mode = params.pop("adam_w_mode", True)
+    if not isinstance(mode, bool):
+        problems.append(f"optimizer.params.adam_w_mode = {mode!r}: must be true or false")
+    elif kind == "adam":
+        optimizer["type"] = "AdamW" if mode else "Adam"
+    if kind in ("adam", "adamw") and torch_adam is not True:
+        params.setdefault("weight_decay", 0.0)
     return notes

@@ -160,6 +160,7 @@ class Engine:
                 logger.warning("zero_optimization.reduce_scatter_each_micro_step: false has no effect at stage 3")
             for message in no_effect_settings(config):
                 logger.warning(message)
+            logger.info(_clipping_in_effect(config))
         self.device = device or _model_device(model)  # where parameters, gradients and state live
         self.offload = offload_plan(zero)  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
@@ -710,6 +711,16 @@ def _check_host_memory(model: nn.Module, config: ZeroEngineConfig, world_size: i
         num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
         needed = host_bytes_needed(config, num_params, world_size)
         offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")
+
+
+def _clipping_in_effect(config: ZeroEngineConfig) -> str:
+    """The clipping a step applies, and whether the config chose it (left out, it is DeepSpeed's
+    default, 1.0: a config written for no clipping must say 0)."""
+    max_norm = config.gradient_clipping
+    given = "" if "gradient_clipping" in config.model_fields_set else " (left out of the config: DeepSpeed's default)"
+    if max_norm == 0:
+        return f"gradient clipping: off (gradient_clipping = 0{given})"
+    return f"gradient clipping: the global gradient norm to {max_norm:g} (gradient_clipping = {max_norm:g}{given})"
 
 
 def _check_params(model: nn.Module, precision: Precision) -> None:

@@ -15,7 +15,10 @@ REFUSED_WHEN_ON = (
     "zero_optimization.zero_hpz_partition_size",
     "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients",
     "zero_optimization.zero_quantized_nontrainable_weights", "tensor_parallel", "pipeline", "sparse_gradients",
-    "sequence_parallel_size", "amp", "torch_autocast",
+    "sequence_parallel_size", "amp", "torch_autocast", "fp16.fp16_master_weights_and_grads",
+    "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",
+    "zero_optimization.offload_optimizer.super_offload", "zero_optimization.zenflow", "managed_gradient_accumulation",
+    "gradient_allreduce_op", "expert_parallel",
 )
 
 
@@ -49,6 +52,23 @@ def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
                 f"zero_optimization.{key}.ratio = {offload.ratio} (partial offload, DeepSpeed's ZeRO-Offload++ "
                 "twin-flow; offloading all of it, ratio 1.0, is built)"
             )
+        elif getattr(offload, "super_offload", False):
+            found.append(f"zero_optimization.{key}.super_offload = true (DeepSpeed's SuperOffload)")
+    if zero.zenflow is not None:
+        found.append("zero_optimization.zenflow (DeepSpeed's ZenFlow: stale-gradient offloaded updates)")
+    for section, key in (("fp16", "fp16_master_weights_and_grads"), ("bf16", "bf16_master_weights_and_grads"),
+                         ("bf16", "bf16_optimizer_states")):
+        if getattr(getattr(config, section), key):
+            found.append(f"{section}.{key} = true (masters, gradients and optimizer state are fp32 here)")
+    if not config.managed_gradient_accumulation:
+        found.append(
+            "managed_gradient_accumulation = false (every step() a boundary; engine.set_gradient_accumulation_boundary "
+            "says where a window ends)"
+        )
+    if config.gradient_allreduce_op != "mean":
+        found.append(f"gradient_allreduce_op = {config.gradient_allreduce_op!r} (gradients are averaged over the ranks)")
+    if (config.expert_parallel or {}).get("enabled"):
+        found.append("expert_parallel.enabled = true (expert parallelism; experts are sharded as any module)")
     if zero.zero_hpz_partition_size > 1:
         found.append(
             f"zero_optimization.zero_hpz_partition_size = {zero.zero_hpz_partition_size} (ZeRO++ hierarchical "

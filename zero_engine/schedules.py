@@ -1,18 +1,21 @@
 """Learning-rate schedules: DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, or any
 ``torch.optim.lr_scheduler`` class by name. The engine steps the schedule once per optimizer
-step (never per micro-step, never on a skipped fp16 step).
+step (never per micro-step, never on a skipped fp16 step), as DeepSpeed's engine does.
 
-The DeepSpeed schedules set the learning rate of optimizer step ``t`` (``t`` = steps taken so
-far, starting at 0) from their documented formulas:
+The DeepSpeed schedules follow DeepSpeed 0.19.8 step for step, including where it starts: a
+schedule's iteration ``i`` is -1 when it is made and grows by one at each applied optimizer
+step, so optimizer step ``t`` (counting applied steps from 0) uses the rate of ``i = t - 1``.
+At ``i = -1`` WarmupLR and WarmupDecayLR give ``warmup_min_lr`` and WarmupCosineLR gives 0:
+the first two steps of a warm-up from 0 both use 0. From ``i = 0``:
 
-- WarmupLR: ``min + (max - min) * g(t)`` during warm-up, then ``max``, where ``g`` is
-  ``log(t + 1) / log(warmup_num_steps)`` (``warmup_type: log``) or ``t / warmup_num_steps``
-  (``linear``).
-- WarmupDecayLR: the same warm-up, then ``max * (total - t) / (total - warmup)`` down to 0
-  (precisely ``min + (max - min) * gamma``, gamma decaying linearly to 0).
+- WarmupLR: ``min + (max - min) * g(i)`` during warm-up, then ``max``, where ``g`` is
+  ``log(i + 1) / log(warmup_num_steps)`` (``warmup_type: log``) or ``i / warmup_num_steps``
+  (``linear``); ``warmup_max_lr`` unset takes each group's learning rate.
+- WarmupDecayLR: the same warm-up, then ``min + (max - min) * (total - i) / (total - warmup)``,
+  down to ``min``.
 - WarmupCosineLR: a ratio of each group's initial rate: warm-up from ``warmup_min_ratio`` to
-  1, then ``cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * s / (total - warmup))) / 2``
-  with ``s = t - warmup + 1``.
+  1, then ``cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2`` with
+  ``p = min(1, (i - warmup + 1) / (total - warmup))``.
 """
 
 from __future__ import annotations
@@ -29,23 +32,27 @@ from .values import as_count, check_value_type, is_finite_number
 
 
 class _DeepSpeedSchedule:
-    """Common machinery: a step counter and per-group rates computed from it."""
+    """Common machinery: DeepSpeed's iteration counter (-1 before the first optimizer step)
+    and per-group rates computed from it."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_num_steps: int, warmup_type: str) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, warmup_num_steps: int, warmup_type: str, last_batch_iteration: int
+    ) -> None:
         if warmup_type not in ("log", "linear"):
             raise ValueError(f"scheduler.params.warmup_type = {warmup_type!r}: must be 'log' or 'linear'")
         self.optimizer = optimizer
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
-        self.last_batch_iteration = 0
-        self._apply()
+        self.last_batch_iteration = last_batch_iteration
+        if last_batch_iteration == -1:  # as DeepSpeed: a schedule made mid-run leaves the rates until its step
+            self._apply()
 
-    def _warmup(self, t: int) -> float:
+    def _warmup(self, i: int) -> float:
         if self.warmup_type == "log":
-            return math.log(t + 1) / math.log(self.warmup_num_steps)
-        return t / self.warmup_num_steps
+            return math.log(i + 1) / math.log(self.warmup_num_steps)
+        return i / self.warmup_num_steps
 
-    def rates(self, t: int) -> list[float]:
+    def rates(self, i: int) -> list[float]:
         raise NotImplementedError
 
     def _apply(self) -> None:
@@ -80,19 +87,24 @@ class WarmupLR(_DeepSpeedSchedule):
         self,
         optimizer: torch.optim.Optimizer,
         warmup_min_lr: float | list[float] = 0.0,
-        warmup_max_lr: float | list[float] = 0.001,
+        warmup_max_lr: float | list[float] | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
+        last_batch_iteration: int = -1,
     ) -> None:
+        if warmup_max_lr is None:  # DeepSpeed's default: each group's own rate
+            warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
-        super().__init__(optimizer, warmup_num_steps, warmup_type)
+        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
 
-    def gamma(self, t: int) -> float:
-        return self._warmup(t) if t < self.warmup_num_steps else 1.0
+    def gamma(self, i: int) -> float:
+        return self._warmup(i) if i < self.warmup_num_steps else 1.0
 
-    def rates(self, t: int) -> list[float]:
-        gamma = self.gamma(t)
+    def rates(self, i: int) -> list[float]:
+        if i < 0:  # before the first step (DeepSpeed warns and gives the minimum)
+            return list(self.min_lrs)
+        gamma = self.gamma(i)
         return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
 
 
@@ -105,14 +117,15 @@ class WarmupDecayLR(WarmupLR):
         warmup_max_lr: float | list[float] = 0.001,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
+        last_batch_iteration: int = -1,
     ) -> None:
         self.total_num_steps = total_num_steps
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
-    def gamma(self, t: int) -> float:
-        if t < self.warmup_num_steps:
-            return self._warmup(t)
-        return max(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+    def gamma(self, i: int) -> float:
+        if i < self.warmup_num_steps:
+            return self._warmup(i)
+        return max(0.0, (self.total_num_steps - i) / max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 
 class WarmupCosineLR(_DeepSpeedSchedule):
@@ -124,22 +137,25 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         warmup_num_steps: int = 1000,
         cos_min_ratio: float = 0.0001,
         warmup_type: str = "log",
+        last_batch_iteration: int = -1,
     ) -> None:
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = warmup_min_ratio
         self.cos_min_ratio = cos_min_ratio
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
-        super().__init__(optimizer, warmup_num_steps, warmup_type)
+        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
 
-    def ratio(self, t: int) -> float:
-        if t < self.warmup_num_steps:
-            return self.warmup_min_ratio + self._warmup(t) * (1.0 - self.warmup_min_ratio)
-        progress = (t - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps)
+    def ratio(self, i: int) -> float:
+        if i < 0:  # before the first step: DeepSpeed gives 0
+            return 0.0
+        if i < self.warmup_num_steps:
+            return self.warmup_min_ratio + self._warmup(i) * (1.0 - self.warmup_min_ratio)
+        progress = min(1.0, (i - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
         cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
-    def rates(self, t: int) -> list[float]:
-        return [base * self.ratio(t) for base in self.base_lrs]
+    def rates(self, i: int) -> list[float]:
+        return [base * self.ratio(i) for base in self.base_lrs]
 
 
 DEEPSPEED_SCHEDULES: dict[str, type] = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR)}
@@ -172,6 +188,7 @@ def build_scheduler(section: Any, optimizer: torch.optim.Optimizer) -> Any:
 # Checks: at load (kinds and ranges of the parameters) and at initialize (a dry run).
 
 _COUNTS = {"warmup_num_steps", "total_num_steps"}
+_ITERATIONS = {"last_batch_iteration"}  # -1 (not started) or an iteration reached
 _RATES = {"warmup_min_lr", "warmup_max_lr"}  # a number, or one per param group
 _RATIOS = {"warmup_min_ratio", "cos_min_ratio"}
 DRY_RUN_STEPS = 1000
@@ -186,7 +203,14 @@ def check_schedule_param(path: str, key: str, value: Any, default: Any) -> Any:
             least = "a positive" if key == "total_num_steps" else "a non-negative"
             raise ValueError(f"{path} = {value!r}: must be {least} integer")
         return count
+    if key in _ITERATIONS:
+        iteration = as_count(value)
+        if iteration is None or iteration < -1:
+            raise ValueError(f"{path} = {value!r}: must be -1 (a new schedule) or the iteration to resume from")
+        return iteration
     if key in _RATES:
+        if value is None and key == "warmup_max_lr":  # DeepSpeed's WarmupLR: each group's own rate
+            return value
         values = value if isinstance(value, (list, tuple)) else [value]
         if not values or not all(is_finite_number(v) and v >= 0 for v in values):
             raise ValueError(f"{path} = {value!r}: must be a non-negative number, or a list of them (one per group)")

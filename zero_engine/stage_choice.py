@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .comm import free_cuda_bytes
-from .config import OffloadConfig, ZeroEngineConfig
+from .config import OffloadOptimizerConfig, OffloadParamConfig, ZeroEngineConfig
 from .errors import ConfigError
 from .memory import estimate_from_config
 from .param_groups import ParamGroup
@@ -39,10 +39,10 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("stage 1", {"stage": 1}),
     ("stage 2", {"stage": 2}),
     ("stage 3", {"stage": 3}),
-    ("stage 3 + offload_optimizer", {"stage": 3, "offload_optimizer": OffloadConfig(device="cpu")}),
+    ("stage 3 + offload_optimizer", {"stage": 3, "offload_optimizer": OffloadOptimizerConfig(device="cpu")}),
     (
         "stage 3 + offload_optimizer + offload_param",
-        {"stage": 3, "offload_optimizer": OffloadConfig(device="cpu"), "offload_param": OffloadConfig(device="cpu")},
+        {"stage": 3, "offload_optimizer": OffloadOptimizerConfig(device="cpu"), "offload_param": OffloadParamConfig(device="cpu")},
     ),
 ]
 

@@ -301,8 +301,8 @@ def _trainer_rules(trainer: Trainer, raw: dict[str, Any]) -> list[Rule]:
     ]
     if trainer.gradient_clip_val is not None:
         rules.append(Rule("gradient_clipping", float(trainer.gradient_clip_val), "gradient_clip_val", True))
-    elif raw.get("gradient_clipping") == AUTO:
-        rules.append(Rule("gradient_clipping", 0.0, "gradient_clip_val = None (no clipping)", False))
+    elif raw.get("gradient_clipping", AUTO) == AUTO:  # left out: Lightning's DeepSpeed strategy does not clip either
+        rules.append(Rule("gradient_clipping", 0.0, "gradient_clip_val = None (no clipping)", True))
     return rules
 
 

@@ -14,9 +14,9 @@ model's hidden size (`zero_engine.auto_values`).
 
 One choice differs from Hugging Face's DeepSpeed path, in favour of what the same Trainer does
 without DeepSpeed: the batch sizes, ``gradient_clipping`` and the precision switches are taken
-from the arguments when the config leaves them out (DeepSpeed would not clip, for example,
-although ``max_grad_norm`` defaults to 1.0). Keys of the optimizer and scheduler sections are
-filled only where the config has them, as Hugging Face does.
+from the arguments when the config leaves them out (DeepSpeed would clip at its own default,
+1.0, whatever ``max_grad_norm`` says). Keys of the optimizer and scheduler sections are filled
+only where the config has them, as Hugging Face does.
 
 Duck-typed on the arguments: nothing here imports transformers.
 """
