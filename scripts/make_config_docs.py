@@ -13,7 +13,7 @@ from pathlib import Path
 
 from zero_engine.config import DEEPSPEED_SECTIONS, NO_EFFECT, key_reference
 from zero_engine.deepspeed_compat import DEFAULTS_THAT_DIFFER
-from zero_engine.features import PARTLY_BUILT, REFUSED_WHEN_ON
+from zero_engine.features import PARTLY_BUILT, REFUSED_WHEN, REFUSED_WHEN_ON
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "config.md"
@@ -29,6 +29,8 @@ def status(path: str, default: str) -> str:
     """How a key fares against DeepSpeed's meaning of it."""
     if path in PARTLY_BUILT:
         return PARTLY_BUILT[path]
+    if path in REFUSED_WHEN:
+        return REFUSED_WHEN[path]
     if path.startswith(REFUSED_WHEN_ON):
         return "refused when on"
     if path in NO_EFFECT or path in DEEPSPEED_SECTIONS:
@@ -44,7 +46,9 @@ def deepspeed_default(path: str, default: str) -> str:
     if default == "section" or path not in DEEPSPEED_DEFAULTS:
         return "—"
     if path in DEFAULTS_THAT_DIFFER:
-        return f"`{DEEPSPEED_DEFAULTS[path]!r}`; ours differs: {DEFAULTS_THAT_DIFFER[path]}"
+        theirs = repr(DEEPSPEED_DEFAULTS[path])
+        theirs = f"`{theirs}`" if len(theirs) <= 40 else "a list of classes"  # leaf_module: its MoE blocks
+        return f"{theirs}; ours differs: {DEFAULTS_THAT_DIFFER[path]}"
     return "same"
 
 

@@ -32,7 +32,8 @@ TOLERANCE = {"fp32": 2e-5, "fp16": 1e-4, "bf16": 1e-3}
 
 
 def _recorder() -> Any:
-    spec = importlib.util.spec_from_file_location("record_deepspeed_traces", ROOT / "scripts" / "record_deepspeed_traces.py")
+    path = ROOT / "scripts" / "record_deepspeed_traces.py"
+    spec = importlib.util.spec_from_file_location("record_deepspeed_traces", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -108,9 +109,10 @@ def test_deepspeed_configs_train_as_deepspeed_trains_them() -> None:
             failures.append(f"{trace['name']}: learning rates {lrs}, DeepSpeed's {trace['lrs']}")
         worst = max(abs(ours - theirs) for ours, theirs in zip(losses, trace["losses"]))
         if worst > tolerance:
-            failures.append(f"{trace['name']}: losses {losses} differ from DeepSpeed's {trace['losses']} by {worst:.3g}")
+            failures.append(f"{trace['name']}: losses {losses}, DeepSpeed's {trace['losses']}: {worst:.3g} apart")
         if ranks[0]["skipped_steps"] != trace["skipped_steps"]:
-            failures.append(f"{trace['name']}: {ranks[0]['skipped_steps']} skipped steps, DeepSpeed {trace['skipped_steps']}")
+            skipped = ranks[0]["skipped_steps"]
+            failures.append(f"{trace['name']}: skipped steps {skipped}, DeepSpeed's {trace['skipped_steps']}")
     assert not failures, "\n".join(failures)
 
 

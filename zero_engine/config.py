@@ -229,7 +229,9 @@ class ZeroOptimizationConfig(_Section):
         "without stage3_wrap_modules, the parameter count that makes a module a unit)."
     )
     allgather_partitions: bool = Field(True, description="DeepSpeed option; updated shards are always all-gathered, one unit per call.")
-    allgather_bucket_size: PositiveCount = Field(500_000_000, description="DeepSpeed option; accepted (shards are gathered per reduce_bucket_size unit).")
+    allgather_bucket_size: PositiveCount = Field(
+        500_000_000, description="DeepSpeed option; accepted (shards are gathered per reduce_bucket_size unit)."
+    )
     reduce_scatter_each_micro_step: bool = Field(
         True,
         description="Stage 2: reduce-scatter every micro-step into the gradient shard (memory 4Ψ/N); "

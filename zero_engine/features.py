@@ -22,6 +22,12 @@ REFUSED_WHEN_ON = (
 )
 
 
+# Refused keys whose refusal is not "when on" (for the key table in docs/config.md).
+REFUSED_WHEN = {
+    "managed_gradient_accumulation": "refused when false", "gradient_allreduce_op": "refused when 'sum'",
+    "zero_optimization.zenflow": "refused when given",
+}
+
 # Keys built in part: what of them is refused (for the key table in docs/config.md).
 PARTLY_BUILT = {
     f"zero_optimization.{section}.{key}": status
@@ -66,7 +72,9 @@ def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
             "says where a window ends)"
         )
     if config.gradient_allreduce_op != "mean":
-        found.append(f"gradient_allreduce_op = {config.gradient_allreduce_op!r} (gradients are averaged over the ranks)")
+        found.append(
+            f"gradient_allreduce_op = {config.gradient_allreduce_op!r} (gradients are averaged over the ranks)"
+        )
     if (config.expert_parallel or {}).get("enabled"):
         found.append("expert_parallel.enabled = true (expert parallelism; experts are sharded as any module)")
     if zero.zero_hpz_partition_size > 1:

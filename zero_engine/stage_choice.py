@@ -42,7 +42,10 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("stage 3 + offload_optimizer", {"stage": 3, "offload_optimizer": OffloadOptimizerConfig(device="cpu")}),
     (
         "stage 3 + offload_optimizer + offload_param",
-        {"stage": 3, "offload_optimizer": OffloadOptimizerConfig(device="cpu"), "offload_param": OffloadParamConfig(device="cpu")},
+        {
+            "stage": 3, "offload_optimizer": OffloadOptimizerConfig(device="cpu"),
+            "offload_param": OffloadParamConfig(device="cpu"),
+        },
     ),
 ]
 

@@ -357,10 +357,11 @@ class ParamGatherer(NoGather):
         gathered now and held until that module's forward ends, and in every later forward and
         backward of it, with its other units."""
         holder = self._running[-1] if self._running else self._root
+        where = _label(self._path_of(holder))
         if threading.get_ident() != self._forward_thread:
             raise ShardedParameterError(
                 f"stage 3: parameter {self._name_of(param)!r} (unit {self.units[index].label!r}) was read from "
-                f"another thread during the forward of {_label(self._path_of(holder))}: its unit is sharded, and a "
+                f"another thread during the forward of {where}: its unit is sharded, and a "
                 "gather must run on the forward's thread, in the same order on every rank. Read it on that thread, "
                 f"or keep it whole on every rank (zero_optimization.stage3_param_persistence_threshold above "
                 f"{self._numel_of(param)})"
@@ -371,8 +372,7 @@ class ParamGatherer(NoGather):
             logger.info(
                 "stage 3: unit %r is read outside the modules that gather it (first: %r, during the forward of %s); "
                 "it is gathered with %s's units from now on",
-                self.units[index].label, self._name_of(param), _label(self._path_of(holder)),
-                _label(self._path_of(holder)),
+                self.units[index].label, self._name_of(param), where, where,
             )
         self._ran.add(index)
         self._holds[index].forward += 1
@@ -393,9 +393,9 @@ class ParamGatherer(NoGather):
             index = self._unit_of[param]
             return (
                 f"stage 3: parameter {self._name_of(param)!r} (unit {self.units[index].label!r}) was used in a forward "
-                f"while sharded, by {where}, through a reference the engine cannot see: it gathers a unit when a module "
-                "that registers the parameter runs, or when the forward reads it from its module (module.weight). "
-                "Read it from its module where it is used, register it on the module that uses it, or keep it whole "
+                f"while sharded, by {where}, through a reference the engine cannot see: it gathers a unit when a "
+                "module that registers the parameter runs, or when the forward reads it from its module "
+                "(module.weight). Read it from its module where it is used, register it on the module that uses it, or keep it whole "
                 f"on every rank (zero_optimization.stage3_param_persistence_threshold above {self._numel_of(param)})"
             )
         return None

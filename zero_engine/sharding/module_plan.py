@@ -8,8 +8,9 @@ not yet wrapped trainable parameters reach ``min_unit_numel`` elements (bottom-u
 size-based policy). A unit is gathered when its module is called, so a container that is only
 iterated (``nn.ModuleList``, ``nn.ModuleDict``: no ``forward`` of their own) is never a unit:
 where the size rule reaches one, each of its members that can be called becomes a unit instead
-(through nested containers), and a wrap list naming a container class is refused. A unit owns the trainable parameters registered in its part of the tree
-(its subtree minus nested unit modules). A parameter registered twice (tied weights) is owned
+(through nested containers), and a wrap list naming a container class is refused. A unit owns
+the trainable parameters registered in its part of the tree (its subtree minus nested unit
+modules). A parameter registered twice (tied weights) is owned
 by the unit that registers it first, in ``named_parameters`` order, and *used* by every unit
 that registers it: an output head tied to the input embedding needs the embedding's unit
 gathered while it runs. Parameters below ``persistence_threshold`` elements are not sharded:
