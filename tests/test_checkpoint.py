@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -403,3 +404,108 @@ def test_restored_optimizer_state_sits_where_torch_keeps_it() -> None:
     assert _state_device("step", {"capturable": True}, on_device) == torch.device("meta")
     assert _state_device("step", {"fused": True}, on_device) == torch.device("meta")
     assert _state_device("momentum_buffer", {}, on_device) == torch.device("meta")
+
+
+# -- what is read from disk is checked before it is used -------------------------------------------
+
+
+def _malformed_copies(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """A valid 2-rank checkpoint copied and damaged one way per case: (directory, what the error
+    must say). Each copy is a checkpoint directory of its own."""
+    import shutil
+
+    good = tmp_path / "good"
+    run_on_ranks(2, save_one, str(good))
+    outside = tmp_path / "outside"
+    shutil.copytree(good / "global_step1", outside / "a")
+    cases: dict[str, tuple[Path, str]] = {}
+
+    def copy(name: str) -> Path:
+        shutil.copytree(good, tmp_path / name, symlinks=True)
+        return tmp_path / name
+
+    def latest(name: str, value: str, message: str) -> None:
+        root = copy(name)
+        (root / "latest").write_text(value)
+        cases[name] = (root, message)
+
+    latest("dotdot", "../outside/a", r"latest names tag '../outside/a': a tag is a plain name")
+    latest("absolute", str(outside / "a"), r"latest names tag '/.*': a tag is a plain name")
+    nested = copy("nested")
+    shutil.copytree(good / "global_step1", nested / "a" / "b")
+    (nested / "latest").write_text("a/b")
+    cases["nested"] = (nested, r"latest names tag 'a/b': a tag is a plain name")
+    linked = copy("symlink")
+    (linked / "elsewhere").symlink_to(outside / "a", target_is_directory=True)
+    (linked / "latest").write_text("elsewhere")
+    cases["symlink"] = (linked, r"latest names tag 'elsewhere': .*elsewhere leads outside")
+
+    def manifest(name: str, change: Any, message: str) -> None:
+        root = copy(name)
+        path = root / "global_step1" / "manifest.json"
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data))
+        cases[name] = (root, "manifest.json: malformed: " + message)
+
+    manifest("no_files", lambda m: m.pop("files"), r"'files' is missing")
+    manifest("more_ranks", lambda m: m.update(world_size=4),
+             r"world_size 4 needs rank00002.pt, rank00003.pt in files, which lists \['extra.pt', 'rank00000.pt', "
+             r"'rank00001.pt'\]")
+    manifest("params_a_list", lambda m: m.update(params=[]), r"'params' is list, not dict")
+    manifest("file_outside", lambda m: m["files"].update({"../x": m["files"]["extra.pt"]}),
+             r"files lists '../x', not a file of this directory")
+    manifest("bad_shape", lambda m: m["params"]["fc1.weight"].update(shape="11x7"),
+             r"params\['fc1.weight'\] is .*not \{'shape': \[int\], 'aliases': \[str\]\}")
+    return cases
+
+
+def save_one(rank: int, world_size: int, directory: str) -> None:
+    engine = zero_engine.initialize(make_model(), _config(1, world_size))
+    _train(engine, rank, world_size, range(1))
+    engine.save_checkpoint(directory)
+    engine.close()
+
+
+def load_each(rank: int, world_size: int, roots: list[str]) -> list[tuple[str, str]]:
+    engine = zero_engine.initialize(make_model(), _config(1, world_size))
+    outcomes = []
+    for root in roots:
+        try:
+            engine.load_checkpoint(root)
+            outcomes.append(("", ""))
+        except Exception as err:  # noqa: BLE001 (each rank reports what it raised)
+            outcomes.append((type(err).__name__, str(err)))
+    engine.close()
+    return outcomes
+
+
+def test_malformed_checkpoints_are_refused_on_every_rank_naming_what_is_wrong(tmp_path: Path) -> None:
+    """``latest`` leaving its directory (``..``, an absolute path, a nested path, a symbolic link)
+    and manifests that are missing keys, hold wrong types or disagree with the files: every rank
+    raises a CheckpointError naming the file and the fault, before any tensor is read; the
+    one-process reader (load_consolidated, zero-engine consolidate) says the same."""
+    import re
+
+    cases = _malformed_copies(tmp_path)
+    per_rank = run_on_ranks(2, load_each, [str(root) for root, _ in cases.values()])
+    for index, (name, (root, message)) in enumerate(cases.items()):
+        for rank, outcomes in enumerate(per_rank):
+            kind, text = outcomes[index]
+            assert kind == "CheckpointError", (name, rank, kind, text)
+            assert re.search(message, text) and "failed on 2 of 2 ranks" in text, (name, rank, text)
+        with pytest.raises(CheckpointError, match=message):
+            zero_engine.load_consolidated(root)
+
+
+def test_a_checkpoint_directory_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    engine = _trained_engine()
+    target = tmp_path / "a-file"
+    target.write_text("not a directory")
+    for call in (lambda: engine.save_checkpoint(target), lambda: engine.load_checkpoint(target),
+                 lambda: zero_engine.load_consolidated(target)):
+        with pytest.raises(CheckpointError, match="a-file: is a file, not a checkpoint directory"):
+            call()
+    with pytest.raises(CheckpointError, match=r"tag '\.\./x': a tag is a plain name"):
+        engine.load_checkpoint(tmp_path, tag="../x")
+    engine.close()

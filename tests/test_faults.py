@@ -321,6 +321,7 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank_with_a_warning() -> None
     [
         ({"zero_optimization": {"stage": True}}, r"zero_optimization.stage = True: a number is expected, not a boolean"),
         ({"comm": {"timeout_s": float("inf")}}, r"comm.timeout_s = inf: Input should be a finite number"),
+        ({"comm": {"timeout_s": 1e300}}, r"comm.timeout_s = 1e\+300: Input should be less than or equal to 1000000000000"),
         ({"fp16": {"enabled": True, "loss_scale": float("inf")}}, r"fp16.loss_scale = inf: Input should be a finite"),
         ({"optimizer": {"type": "AdamW", "params": {"amsgrad": "false"}}}, r"optimizer.params.amsgrad = 'false': must be true or false"),
         ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": True}}}, r"momentum = True: must be a finite number"),
@@ -336,6 +337,23 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank_with_a_warning() -> None
 def test_bad_options_are_refused_at_load_naming_the_key(config: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         zero_engine.load_config(config)
+
+
+def train_with_the_longest_timeout(rank: int, world_size: int) -> float:
+    from zero_engine.config import MAX_TIMEOUT_S
+
+    config = engine_config(3, micro=MICRO, lr=0.05)
+    config["comm"] = {"timeout_s": MAX_TIMEOUT_S}  # the engine's own groups are made with it
+    engine = zero_engine.initialize(make_model(), config)
+    losses = _train(engine, rank, world_size, range(1))
+    engine.close()
+    return losses[0]
+
+
+def test_the_longest_timeout_accepted_at_load_makes_working_groups() -> None:
+    """The bound on comm.timeout_s is what a process group takes (1e15 s overflowed in torch, and
+    9.3e12 s in gloo); at the bound, the engine's groups are made and train."""
+    assert all(math.isfinite(loss) for loss in run_on_ranks(2, train_with_the_longest_timeout))
 
 
 def test_yaml_counts_read_as_strings_become_integers(tmp_path: Path) -> None:

@@ -64,6 +64,9 @@ def _never_when_infinite(value: Any) -> Any:
     return value
 
 
+# The longest process-group timeout every backend takes: gloo refuses 9.3e12 s (its microseconds
+# overflow an int64); torch turns 1e15 s into an OverflowError when it builds the timedelta.
+MAX_TIMEOUT_S = 1e12
 Count = Annotated[int, BeforeValidator(_parse_count), Field(ge=0)]
 PositiveCount = Annotated[int, BeforeValidator(_parse_count), Field(ge=1)]
 # DeepSpeed allows a bucket of 0 elements: every gradient flushes at once, as a bucket of 1 does.
@@ -350,7 +353,10 @@ class ZeroOptimizationConfig(_Section):
 
 class CommConfig(_Section):
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
-    timeout_s: Real = Field(1800.0, gt=0, description="Seconds before a collective that never completes fails.")
+    timeout_s: Real = Field(
+        1800.0, gt=0, le=MAX_TIMEOUT_S, description="Seconds before a collective that never completes fails (at most "
+        "1e12: gloo keeps a group's timeout in microseconds of a 64-bit integer, about 9.2e12 s)."
+    )
     primitives: Literal["auto", "native", "per_shard"] = Field(
         "auto",
         description="How reduce-scatter and all-gather run. native: reduce_scatter_tensor / all_gather_into_tensor; "

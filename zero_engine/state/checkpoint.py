@@ -31,7 +31,10 @@ error on one rank (a full disk, a read-only directory, a ``client_state`` that w
 back) raises the same `CheckpointError` on every rank, and the staging directory is removed.
 
 Safety: every file is checked against the manifest before use, and read with
-``torch.load(weights_only=True)``: loading never runs code from a checkpoint.
+``torch.load(weights_only=True)``: loading never runs code from a checkpoint. A tag, whether
+given or read from ``latest``, is a plain name that resolves inside the checkpoint directory,
+and the manifest is checked whole (its keys, their types, the files it must list) before any
+tensor is read: a malformed checkpoint is a `CheckpointError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ def save(state: Resumable, counters: Counters, directory: str | Path, tag: str, 
 
     def check_tag() -> str:
         _check_tag(tag)
+        _check_root(root)
         return tag
 
     tags = on_every_rank(comm, "save_checkpoint", check_tag)
@@ -174,8 +178,20 @@ def save(state: Resumable, counters: Counters, directory: str | Path, tag: str, 
 
 
 def _check_tag(tag: Any) -> None:
-    if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not 'latest')")
+    if not _is_plain_name(tag) or tag == LATEST:
+        raise ValueError(
+            f"checkpoint tag {tag!r} must be a plain name (no '/' or '\\', not starting with '.', not 'latest')"
+        )
+
+
+def _is_plain_name(name: Any) -> bool:
+    """A file or directory name of its own: no separator, not hidden, '.' or '..', not empty."""
+    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+
+
+def _check_root(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root}: is a file, not a checkpoint directory; give a directory (it is made if missing)")
 
 
 def _check_client_state(client_state: Any) -> None:
@@ -386,13 +402,17 @@ class Checkpoint(NamedTuple):
 
 
 def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint:
-    """Resolve ``tag`` (default: ``latest``) and verify every file against the manifest."""
+    """Resolve ``tag`` (default: ``latest``), check the manifest and verify every file against it."""
     root = Path(directory)
+    _check_root(root)
     if tag is None:
         pointer = root / LATEST
         if not pointer.is_file():
             raise FileNotFoundError(f"{pointer}: no 'latest' file; is {root} a checkpoint directory?")
         tag = pointer.read_text().strip()
+        _check_read_tag(root, tag, f"{pointer} names tag")
+    else:
+        _check_read_tag(root, tag, "tag")
     path = tag_path(root, tag)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
@@ -401,8 +421,7 @@ def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{manifest_path}: corrupted ({err})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    _check_manifest(manifest, manifest_path)
     for name, expected in manifest["files"].items():
         file = path / name
         if not file.is_file():
@@ -413,6 +432,67 @@ def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint
         if _sha256(file) != expected["sha256"]:
             raise CheckpointError(f"{file}: checksum does not match the manifest (corrupted)")
     return Checkpoint(path, manifest)
+
+
+def _check_read_tag(root: Path, tag: str, what: str) -> None:
+    """A tag is a plain name, and it stays inside ``root`` once symbolic links are followed (a
+    ``latest`` copied or edited by hand could point anywhere)."""
+    if not _is_plain_name(tag) or tag == LATEST:
+        raise CheckpointError(
+            f"{what} {tag!r}: a tag is a plain name of a directory inside {root} (no '/', not starting with '.')"
+        )
+    for candidate in (root / tag, _pending(root, tag)):
+        if candidate.exists() and candidate.resolve().parent != root.resolve():
+            raise CheckpointError(
+                f"{what} {tag!r}: {candidate} leads outside {root} (to {candidate.resolve()}); a checkpoint's tags "
+                "are directories inside it"
+            )
+
+
+# What manifest.json must hold, and of which type (json's): checked before any file is read.
+_MANIFEST_KEYS: dict[str, type | tuple[type, ...]] = {
+    "format": str, "world_size": int, "params": dict, "files": dict,
+}
+
+
+def _check_manifest(manifest: Any, path: Path) -> None:
+    """Every key the reader uses, of its type, and the files the world size implies listed: all
+    problems at once, before any tensor is read."""
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: malformed: a JSON object is expected, found {type(manifest).__name__}")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    problems = [
+        f"{key!r} is missing" if key not in manifest else f"{key!r} is {type(manifest[key]).__name__}, not {kind.__name__}"
+        for key, kind in _MANIFEST_KEYS.items()
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool)
+    ]
+    if not problems:
+        problems += _manifest_entry_problems(manifest)
+    if problems:
+        raise CheckpointError(f"{path}: malformed: " + "; ".join(problems))
+
+
+def _manifest_entry_problems(manifest: dict[str, Any]) -> list[str]:
+    problems = []
+    world_size, files = manifest["world_size"], manifest["files"]
+    if world_size < 1:
+        problems.append(f"world_size is {world_size}")
+    for name, entry in files.items():
+        if not _is_plain_name(name):
+            problems.append(f"files lists {name!r}, not a file of this directory")
+        elif not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+            problems.append(f"files[{name!r}] is {entry!r}, not {{'bytes': int, 'sha256': str}}")
+    expected = [rank_file(rank) for rank in range(max(world_size, 0))] + [EXTRA]
+    unlisted = [name for name in expected if name not in files]
+    if unlisted:
+        problems.append(f"world_size {world_size} needs {', '.join(unlisted)} in files, which lists {sorted(files)}")
+    for name, entry in manifest["params"].items():
+        shape, aliases = (entry.get("shape"), entry.get("aliases")) if isinstance(entry, dict) else (None, None)
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                and isinstance(aliases, list) and all(isinstance(a, str) for a in aliases)):
+            problems.append(f"params[{name!r}] is {entry!r}, not {{'shape': [int], 'aliases': [str]}}")
+    return problems
 
 
 def _load(path: Path) -> Any:
