@@ -339,6 +339,34 @@ def test_saving_inside_an_accumulation_window_is_refused(tmp_path: Path) -> None
     assert not any(tmp_path.iterdir()), "a refused save left files behind"
 
 
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_save_asked_for_inside_a_window_holds_the_last_boundary_and_the_window_goes_on(
+    tmp_path: Path, stage: int
+) -> None:
+    """``within_window=True`` (Lightning saves between micro-batches): the checkpoint holds the
+    state of the last optimizer step, as a DDP checkpoint holds no gradients, and this run's
+    window keeps the gradients it has: its step equals an uninterrupted run's."""
+    def engine_after_one_step() -> Any:
+        engine = zero_engine.initialize(make_model(), _config(stage, 1))  # accumulation 3
+        _train(engine, 0, 1, range(1))
+        engine.backward(engine(*micro_batch(1, 0, 0, 1, 4, 3)))
+        engine.step()
+        return engine
+
+    engine, uninterrupted = engine_after_one_step(), engine_after_one_step()
+    boundary = engine.full_state_dict()
+    engine.save_checkpoint(tmp_path, within_window=True)
+    for trained in (engine, uninterrupted):
+        for micro in (1, 2):
+            trained.backward(trained(*micro_batch(1, micro, 0, 1, 4, 3)))
+            trained.step()
+    for name, value in uninterrupted.full_state_dict().items():
+        assert torch.equal(engine.full_state_dict()[name], value), name
+    saved = zero_engine.load_consolidated(tmp_path)
+    assert all(torch.equal(saved[name], value) for name, value in boundary.items())
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_consolidate_round_trip_into_a_fresh_model(tmp_path: Path, suffix: str) -> None:
     engine = _trained_engine(stage=2)
@@ -391,6 +419,25 @@ def test_scheduler_loss_scale_and_fp32_masters_survive_a_round_trip(tmp_path: Pa
     for name, value in saved.items():
         assert torch.equal(loaded[name], value), f"{name}: fp32 masters must round-trip exactly"
     assert zero_engine.load_consolidated(tmp_path)["fc1.weight"].dtype == torch.float32
+
+
+def test_the_step_counters_survive_a_resume(tmp_path: Path) -> None:
+    """global_step and skipped_steps (fp16 overflows at a loss scale of 2**40) come back as saved."""
+    config = {
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "fp16": {"enabled": True, "initial_scale_power": 40, "hysteresis": 1}, "zero_optimization": {"stage": 1},
+    }
+    engine = zero_engine.initialize(make_model(), config)
+    for step in range(3):
+        engine.backward(engine(*micro_batch(step, 0, 0, 1, 4, 1)))
+        engine.step()
+    assert engine.skipped_steps == 3
+    engine.save_checkpoint(tmp_path)
+    resumed = zero_engine.initialize(make_model(seed=9), config)
+    resumed.load_checkpoint(tmp_path)
+    assert (resumed.global_step, resumed.skipped_steps) == (3, 3)
+    engine.close()
+    resumed.close()
 
 
 def test_restored_optimizer_state_sits_where_torch_keeps_it() -> None:

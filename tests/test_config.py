@@ -443,3 +443,23 @@ def test_stage_auto_loads_and_a_budget_without_it_is_named() -> None:
     assert config.zero_optimization.stage == "auto" and auto_keys(config) == []
     config = load_config({"zero_optimization": {"stage": 1, "memory_budget_gib": 2}})
     assert any("memory_budget_gib = 2.0 has no effect" in note for note in no_effect_settings(config))
+
+
+@pytest.mark.parametrize("key, section, field, value", [
+    ("cpu_offload", "offload_optimizer", "device", "cpu"),
+    ("cpu_offload_param", "offload_param", "device", "cpu"),
+    ("cpu_offload_params", "offload_param", "device", "cpu"),
+    ("cpu_offload_use_pin_memory", "offload_optimizer", "pin_memory", True),
+])
+def test_deprecated_offload_switches_land_in_their_sections(key: str, section: str, field: str, value: object) -> None:
+    """Each of DeepSpeed's deprecated offload switches sets its key in its section, and nothing in
+    the other one, with a warning naming the current key."""
+    with pytest.warns(FutureWarning, match=rf"zero_optimization.{key} is DeepSpeed's deprecated name: use "
+                      rf"zero_optimization.{section}.{field}"):
+        zero = zero_engine.load_config({"zero_optimization": {"stage": 3, key: True}}).zero_optimization
+    assert getattr(getattr(zero, section), field) == value
+    other = "offload_param" if section == "offload_optimizer" else "offload_optimizer"
+    assert getattr(zero, other) is None
+    with pytest.warns(FutureWarning):  # switched off: nothing set
+        zero = zero_engine.load_config({"zero_optimization": {"stage": 3, key: False}}).zero_optimization
+    assert zero.offload_optimizer is None and zero.offload_param is None

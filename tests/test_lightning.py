@@ -1,9 +1,11 @@
 """PyTorch Lightning on zero_engine (`ZeroEngineStrategy`), against Lightning's own DDP strategy
 with the same LightningModule, seed and data, on 2 CPU ranks: the logged losses and gradient
 norms and the final weights at stages 0-3 (accumulation 2 with a short last window, clipping,
-AdamW with two parameter groups, a step schedule); resumed from a checkpoint (Lightning's DDP
-first shown to reproduce itself), at the same stage and at another; ``configure_model`` on the
-meta device at stage 3; ``validate()``; the consolidated ``.ckpt`` export; the mismatch error.
+AdamW with two parameter groups, a step schedule, or an epoch schedule); resumed from a checkpoint
+(Lightning's DDP first shown to reproduce itself), at the same stage and at another, and from a
+checkpoint taken mid-epoch, inside an accumulation window's epoch, against DDP resumed the same
+way; ``configure_model`` on the meta device at stage 3; ``validate()``; the consolidated
+``.ckpt`` export; the mismatch error.
 
 All runs share one spawn; the rank function returns what each run logged and ended with."""
 
@@ -33,7 +35,8 @@ def _module_class() -> Any:
     from torch import nn
 
     class Regression(LightningModule):
-        def __init__(self, lr: float = 0.05, weight_decay: float = 0.3, meta: bool = False) -> None:
+        def __init__(self, lr: float = 0.05, weight_decay: float = 0.3, meta: bool = False,
+                     schedule: str = "step") -> None:
             super().__init__()
             self.save_hyperparameters()
             self.body = None if meta else self._body()
@@ -76,6 +79,9 @@ def _module_class() -> Any:
                 ],
                 lr=self.hparams.lr,
             )
+            if self.hparams.schedule == "epoch":  # Lightning steps it at each epoch's end
+                halving = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+                return {"optimizer": optimizer, "lr_scheduler": {"scheduler": halving, "interval": "epoch"}}
             warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
@@ -139,23 +145,28 @@ def lightning_runs(rank: int, world_size: int, root: str, cases: list[tuple[str,
     torch.save(Regression().state_dict(), Path(root) / f"initial-{rank}.pt")  # the meta case's weights
     for name, case in cases:
         seed_everything(0)
-        model = Regression(meta=case.get("meta", False))
+        model = Regression(meta=case.get("meta", False), schedule=case.get("schedule", "step"))
         if case["strategy"] == "ddp":
             strategy, callbacks = "ddp", [_grad_norm_callback()]
         else:
             weights = str(Path(root) / f"initial-{rank}.pt") if case.get("meta") else None
             strategy, callbacks = ZeroEngineStrategy(case["config"], weights=weights), []
-        checkpoints = ModelCheckpoint(dirpath=str(Path(root) / name), every_n_epochs=1, save_top_k=-1)
+        checkpoints = [ModelCheckpoint(dirpath=str(Path(root) / name), every_n_epochs=1, save_top_k=-1)]
+        if case.get("step_checkpoints"):  # every 3 optimizer steps: mid-epoch (6 per epoch)
+            checkpoints.append(ModelCheckpoint(dirpath=str(Path(root) / name / "steps"), every_n_train_steps=3,
+                                               save_top_k=-1))
         logger = _logger()
         trainer = Trainer(
             accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=EPOCHS,
             accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.5, logger=logger, log_every_n_steps=1,
-            callbacks=[*callbacks, checkpoints], enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[*callbacks, *checkpoints], enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, precision=case.get("precision", "32-true"),
         )
         train, val = _data()
         resume = case.get("resume")
         ckpt_path = str(Path(root) / resume / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt") if resume else None
+        if case.get("resume_mid_epoch"):  # after 3 of the epoch's 6 steps
+            ckpt_path = str(Path(root) / case["resume_mid_epoch"] / "steps" / "epoch=0-step=3.ckpt")
         try:
             trainer.fit(model, train, val, ckpt_path=ckpt_path)
         except Exception as err:  # noqa: BLE001 - the mismatch case
@@ -172,7 +183,8 @@ def lightning_runs(rank: int, world_size: int, root: str, cases: list[tuple[str,
         else:
             weights = trainer.strategy.engine.full_state_dict()
         results[name] = {"rows": logger.rows, "weights": weights, "val_loss": metrics["val_loss"],
-                         "test_loss": metrics.get("test_loss"), "predictions": metrics.get("predictions")}
+                         "test_loss": metrics.get("test_loss"), "predictions": metrics.get("predictions"),
+                         "saved": sorted(path.name for path in (Path(root) / name).glob("**/*.ckpt"))}
         if case.get("export") and rank == 0:
             out = convert_to_lightning_checkpoint(
                 Path(root) / name / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", Path(root) / f"{name}.ckpt"
@@ -190,12 +202,21 @@ def _config(stage: int, **extra: Any) -> dict[str, Any]:
 
 
 CASES = [
-    ("ddp", {"strategy": "ddp", "test_and_predict": True}),
+    ("ddp", {"strategy": "ddp", "test_and_predict": True, "step_checkpoints": True}),
     ("ddp-resumed", {"strategy": "ddp", "resume": "ddp"}),
     ("stage-0", {"strategy": "zero", "config": _config(0, gradient_clipping="auto")}),
     ("stage-1", {"strategy": "zero", "config": _config(1, gradient_accumulation_steps="auto"), "export": True}),
-    ("stage-2", {"strategy": "zero", "config": _config(2, gradient_accumulation_steps=ACCUMULATE)}),
-    ("stage-3", {"strategy": "zero", "config": _config(3), "test_and_predict": True}),
+    ("stage-2", {"strategy": "zero", "config": _config(2, gradient_accumulation_steps=ACCUMULATE),
+                 "step_checkpoints": True}),
+    ("stage-3", {"strategy": "zero", "config": _config(3), "test_and_predict": True, "step_checkpoints": True}),
+    # Resumed from the checkpoint of step 3 (mid-epoch), saving every 3 steps again: Lightning saves
+    # once more at step 3, on the first micro-batch after the restore, inside a window.
+    *[(f"{source}-resumed-mid-epoch", {
+        "strategy": "ddp" if source == "ddp" else "zero", "config": _config(int(source[-1])) if source != "ddp" else None,
+        "resume_mid_epoch": source, "step_checkpoints": True,
+    }) for source in ("ddp", "stage-2", "stage-3")],
+    ("ddp-epoch-schedule", {"strategy": "ddp", "schedule": "epoch"}),
+    ("stage-2-epoch-schedule", {"strategy": "zero", "config": _config(2), "schedule": "epoch"}),
     ("stage-2-resumed", {"strategy": "zero", "config": _config(2), "resume": "stage-2"}),
     ("stage-3-resumed-from-1", {"strategy": "zero", "config": _config(3), "resume": "stage-1"}),
     ("meta-3", {"strategy": "zero", "config": _config(3), "meta": True}),
@@ -293,6 +314,28 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one(runs: dict, name: str, r
         _assert_weights_close(resumed["weights"], whole["weights"], name)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_run_resumed_mid_epoch_with_accumulation_trains_and_saves_as_ddp_resumed(runs: dict, stage: int) -> None:
+    """From the checkpoint of step 3 of 6 in the first epoch (accumulation 2): the same losses and
+    weights as Lightning's DDP resumed from its own, and every checkpoint saved again, the one
+    Lightning takes inside the first window after the restore included."""
+    ddp, zero = runs["ddp-resumed-mid-epoch"], runs[f"stage-{stage}-resumed-mid-epoch"]
+    assert min(_steps(ddp["rows"], "train_loss")) == 3  # resumed at step 3
+    _assert_close(_steps(zero["rows"], "train_loss"), _steps(ddp["rows"], "train_loss"), f"stage {stage} resumed")
+    _assert_weights_close(zero["weights"], ddp["weights"], f"stage {stage} resumed mid-epoch")
+    steps = [name for name in zero["saved"] if "step=" in name and name.startswith("epoch=") and "-v" not in name]
+    assert zero["saved"] == ddp["saved"] and "epoch=0-step=3.ckpt" in steps and "epoch=1-step=12.ckpt" in steps
+
+
+def test_an_epoch_schedule_drives_the_engine_optimizer(runs: dict) -> None:
+    """A schedule stepped at each epoch's end (interval "epoch") stays Lightning's, rebound to the
+    engine's optimizer: the second epoch trains at half the rate, as with DDP."""
+    ddp, zero = runs["ddp-epoch-schedule"], runs["stage-2-epoch-schedule"]
+    _assert_close(_steps(zero["rows"], "train_loss"), _steps(ddp["rows"], "train_loss"), "epoch schedule")
+    _assert_weights_close(zero["weights"], ddp["weights"], "epoch schedule")
+    assert _steps(ddp["rows"], "train_loss") != _steps(runs["ddp"]["rows"], "train_loss")  # the schedule acted
+
+
 def test_configure_model_on_the_meta_device_trains_as_the_eager_build(runs: dict) -> None:
     _assert_close(_steps(runs["meta-3"]["rows"], "train_loss"), _steps(runs["ddp"]["rows"], "train_loss"), "meta")
     _assert_weights_close(runs["meta-3"]["weights"], runs["ddp"]["weights"], "meta")
@@ -301,7 +344,7 @@ def test_configure_model_on_the_meta_device_trains_as_the_eager_build(runs: dict
 def test_the_exported_checkpoint_loads_into_the_module_alone(runs: dict) -> None:
     exported = runs["stage-1"]["exported"]
     assert sorted(exported) == sorted(runs["ddp"]["weights"])
-    assert runs["stage-1"]["exported_hparams"] == {"lr": 0.05, "weight_decay": 0.3, "meta": False}
+    assert runs["stage-1"]["exported_hparams"] == {"lr": 0.05, "weight_decay": 0.3, "meta": False, "schedule": "step"}
     assert any((exported[key] != runs["stage-1"]["weights"][key]).any() for key in exported), "epoch 0, not the end"
 
 

@@ -399,3 +399,43 @@ def test_a_resumed_run_keeps_its_own_optimizer_implementation(tmp_path: Path) ->
     assert all(group["fused"] for group in resumed_offloaded.optimizer.param_groups)
     for each in (offloaded, plain, resumed_plain, resumed_offloaded):
         each.close()
+
+
+# -- the host gradient of one shard, directly -------------------------------------------------------
+
+
+def test_a_host_gradient_accumulates_a_window_and_starts_the_next_anew() -> None:
+    """The window's first copy overwrites what the host buffer held, later micro-steps add (after
+    the backward's wait), ``value()`` of a window nothing wrote is zeros, a whole-window
+    ``replace`` overwrites, and ``move_into`` hands the window so far to the device and starts the
+    next copy anew; ``clear()`` after a step likewise."""
+    from zero_engine.sharding.host_gradient import HostGradient
+
+    device = torch.device("cpu")
+    first, second, third = (torch.full((5,), value) for value in (1.0, 2.0, 4.0))
+    grad = HostGradient(5, device, pin_memory=False)
+    grad.values.fill_(7.0)  # what an earlier window left
+    assert torch.equal(grad.value(), torch.zeros(5)), "a window nothing wrote must read as zeros"
+
+    grad.clear()
+    grad.values.fill_(7.0)
+    grad.receive(first)
+    grad.finish()
+    grad.receive(second)  # the next micro-step: staged, added by finish()
+    assert torch.equal(grad.values, first), "the staged copy was added before the backward's wait"
+    grad.finish()
+    assert torch.equal(grad.value(), first + second)
+
+    grad.replace(third)  # stages 0-1: the window's whole gradient at once
+    grad.finish()
+    assert torch.equal(grad.value(), third)
+
+    on_device = torch.ones(5)
+    grad.move_into(on_device)
+    assert torch.equal(on_device, 1 + third)
+    grad.receive(first)  # the next copy overwrites: nothing was zeroed under the copy out
+    grad.finish()
+    assert torch.equal(grad.value(), first)
+    grad.move_into(on_device)
+    grad.move_into(on_device)  # nothing more to hand over
+    assert torch.equal(on_device, 1 + third + first)

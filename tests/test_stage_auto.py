@@ -54,6 +54,16 @@ def test_the_table_is_the_zero_formula_plus_the_largest_unit() -> None:
     assert [c.host for c in table][-2:] == [4 * p // n * 2 + 8 * p // n, 4 * p // n * 2 + 8 * p // n]
 
 
+def test_the_gathered_unit_is_counted_in_the_compute_dtype() -> None:
+    """Stage 3 gathers a unit in the compute dtype: 2 bytes per parameter in bf16 and fp16, 4 in
+    fp32 (nothing below stage 3)."""
+    for dtype, size in (("fp32", 4), ("bf16", 2), ("fp16", 2)):
+        raw = {"bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"},
+               "zero_optimization": {"stage": "auto", "memory_budget_gib": 1}}
+        gathered = {c.name: c.gathered for c in candidates(load_config(raw), 10**6, WORLD, 12_345)}
+        assert gathered == {name: 12_345 * size if name.startswith("stage 3") else 0 for name in gathered}, dtype
+
+
 def _plans() -> list[Any]:
     from zero_engine.sharding.module_plan import plan_module_units
 

@@ -52,7 +52,8 @@ DEPRECATED_ZERO_KEYS = {
 # Deprecated offload switches -> (section, key in it, value when the switch is true).
 DEPRECATED_OFFLOAD = {
     "cpu_offload": ("offload_optimizer", "device", "cpu"),
-    "cpu_offload_params": ("offload_param", "device", "cpu"),
+    "cpu_offload_param": ("offload_param", "device", "cpu"),  # DeepSpeed 0.19.8's field
+    "cpu_offload_params": ("offload_param", "device", "cpu"),  # its documentation's spelling
     "cpu_offload_use_pin_memory": ("offload_optimizer", "pin_memory", True),
 }
 

@@ -534,14 +534,20 @@ class Engine:
         (before clipping)."""
         return self._global_grad_norm
 
-    def save_checkpoint(self, directory: str | Path, tag: str | None = None, client_state: Any = None) -> Path:
+    def save_checkpoint(
+        self, directory: str | Path, tag: str | None = None, client_state: Any = None, *, within_window: bool = False
+    ) -> Path:
         """Save everything needed to resume, at any stage and world size (collective).
 
         ``tag`` defaults to ``global_step{N}``; ``client_state`` is anything
         ``torch.load(weights_only=True)`` can read back (tensors, numbers, strings, containers).
+        A save inside an accumulation window is refused unless ``within_window=True``, which
+        saves what the last boundary left (parameters, optimizer, schedule): the window's
+        gradients so far stay in this run and are not saved, as a DDP checkpoint holds none (for
+        loops that checkpoint between micro-batches, as Lightning's ModelCheckpoint can).
         """
         self.gatherer.check_usable()
-        if self.window.in_window:
+        if self.window.in_window and not within_window:
             raise RuntimeError(
                 f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "
                 f"{self.window.in_window} of {self.batch.gradient_accumulation_steps}): call it after "

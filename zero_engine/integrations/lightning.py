@@ -193,13 +193,19 @@ class ZeroEngineStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """The engine's checkpoint directory at ``filepath``, on every rank, with Lightning's
-        own dict (epoch, loops, callbacks, ...) as its client state."""
+        own dict (epoch, loops, callbacks, ...) as its client state.
+
+        Lightning may save between the micro-batches of a window: after a resume mid-epoch its
+        ``ModelCheckpoint`` saves again at the restored step on the first micro-batch (it does not
+        restore when it last saved). As with DDP, whose checkpoint holds no gradients, that saves
+        the state of the last optimizer step and Lightning's loop position; the window's gradients
+        so far stay in this run (a resume from it starts where Lightning's loop says)."""
         if storage_options is not None:
             raise TypeError("ZeroEngineStrategy.save_checkpoint: storage_options is not supported (no CheckpointIO)")
         assert self.engine is not None
         filepath = self.broadcast(str(filepath))
         state = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
-        self.engine.save_checkpoint(filepath, tag="checkpoint", client_state=state)
+        self.engine.save_checkpoint(filepath, tag="checkpoint", client_state=state, within_window=True)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.engine is not None and self.lightning_module is not None
