@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from typing import Any
@@ -555,4 +556,28 @@ def test_a_checkpoint_directory_that_is_a_file_is_refused(tmp_path: Path) -> Non
             call()
     with pytest.raises(CheckpointError, match=r"tag '\.\./x': a tag is a plain name"):
         engine.load_checkpoint(tmp_path, tag="../x")
+    engine.close()
+
+
+def test_a_checkpoint_written_by_an_earlier_version_still_loads() -> None:
+    """``tests/data/checkpoints/stage2_bf16_2ranks`` was written before the structural change of
+    issue 42 (its script beside it): it loads, consolidates to the values saved beside it, and a
+    stage 3 engine in one process resumes from it and trains."""
+    from safetensors.torch import load_file
+
+    root = Path(__file__).parent / "data" / "checkpoints"
+    expected = load_file(str(root / "stage2_bf16_2ranks.expected.safetensors"))
+    consolidated = zero_engine.load_consolidated(root / "stage2_bf16_2ranks")
+    assert sorted(consolidated) == sorted([*expected, "head.weight"])
+    for name, value in expected.items():
+        assert torch.equal(consolidated[name], value), name
+    model = make_model()
+    engine = zero_engine.initialize(model, engine_config(3, micro=2, lr=0.05, accum=2, dtype="bf16"),
+                                    param_groups=decay_groups(model))
+    assert engine.load_checkpoint(root / "stage2_bf16_2ranks") == {"note": "written before issue 42"}
+    assert engine.global_step == 3 and len(engine.optimizer.state) > 0
+    state = engine.full_state_dict()
+    assert all(torch.equal(state[name], value) for name, value in expected.items())
+    _train_losses = train_engine(engine, 0, 1, range(3, 4), 4, 2)[0]
+    assert all(math.isfinite(loss) for window in _train_losses for loss in window)
     engine.close()
