@@ -115,7 +115,7 @@ def save_then_die(rank: int, world_size: int, directory: str) -> None:
     engine.save_checkpoint(directory)
     _train(engine, rank, world_size, range(1, 2))
     if rank == 1:
-        from zero_engine.state import checkpoint
+        from zero_engine.state import storage
 
         def write_half_then_die(path: Path, payload: object) -> None:
             with open(path, "wb") as handle:
@@ -123,7 +123,7 @@ def save_then_die(rank: int, world_size: int, directory: str) -> None:
                 handle.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-        checkpoint._write = write_half_then_die
+        storage.write_file = write_half_then_die
     engine.save_checkpoint(directory)
 
 
@@ -166,14 +166,14 @@ def save_and_die_publishing(rank: int, world_size: int, directory: str, victim: 
     engine.save_checkpoint(directory)
     _train(engine, rank, world_size, range(1, 2))
     if rank == victim:
-        from zero_engine.state import checkpoint
+        from zero_engine.state import storage
 
         def die() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         if point == "written":
-            write = checkpoint._write
-            checkpoint._write = lambda path, payload: (write(path, payload), die())[0]
+            write = storage.write_file
+            storage.write_file = lambda path, payload: (write(path, payload), die())[0]
         elif point == "publish":
             rename = os.rename
             os.rename = lambda src, dst: die() if ".tmp-" in str(src) else rename(src, dst)
@@ -445,7 +445,7 @@ def test_restored_optimizer_state_sits_where_torch_keeps_it() -> None:
     """``step`` stays on the host unless the group is capturable or fused (on a GPU a device
     ``step`` makes every update wait for the device); other state goes beside the parameter.
     A meta tensor stands for a parameter on a device that is not the host."""
-    from zero_engine.state.checkpoint import _state_device
+    from zero_engine.state.payload import state_device as _state_device
 
     on_device = torch.empty(3, device="meta")
     assert _state_device("step", {"capturable": False, "fused": None}, on_device) == torch.device("cpu")

@@ -30,8 +30,8 @@ import zero_engine
 from configs import engine_config
 from zero_engine import CheckpointError, ConfigError
 from zero_engine.cli import main as cli_main
-from zero_engine.state import checkpoint
-from zero_engine.state.checkpoint import open_checkpoint
+from zero_engine.state import storage
+from zero_engine.state.storage import open_checkpoint
 
 MICRO = 2
 
@@ -89,13 +89,13 @@ def checkpoint_faults(rank: int, world_size: int, directory: str) -> dict:
     # A full disk on rank 1 alone: every rank raises, the staging directory goes, and the
     # ranks' collectives are still in step (training and a later save work).
     _train(engine, rank, world_size, range(1, 2))
-    write = checkpoint._write
+    write = storage.write_file
     if rank == 1:
         def full_disk(path: Path, payload: Any) -> dict:
             raise OSError(errno.ENOSPC, "No space left on device")
-        checkpoint._write = full_disk
+        storage.write_file = full_disk
     out["full_disk"] = _outcome(lambda: engine.save_checkpoint(root))
-    checkpoint._write = write
+    storage.write_file = write
     out["after_full_disk"] = sorted(p.name for p in root.iterdir())
     _train(engine, rank, world_size, range(2, 3))
     out["saved_after"] = engine.save_checkpoint(root).name
@@ -401,7 +401,7 @@ def test_cli_refuses_bad_numbers_and_unsafe_checkpoints(tmp_path: Path, capsys: 
     engine.close()
     torch.save({"module": {}, "client_state": argparse.Namespace()}, path / "extra.pt")
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"]["extra.pt"] = {"bytes": (path / "extra.pt").stat().st_size, "sha256": checkpoint._sha256(path / "extra.pt")}
+    manifest["files"]["extra.pt"] = {"bytes": (path / "extra.pt").stat().st_size, "sha256": storage.sha256_of(path / "extra.pt")}
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert cli_main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]) == 1
     err = capsys.readouterr().err

@@ -7,7 +7,7 @@
 from .config import ZeroEngineConfig, load_config
 from .engine import Engine, initialize
 from .errors import CheckpointError, ConfigError, DivergedRanksError, ShardedParameterError
-from .state.checkpoint import load_consolidated
+from .state.consolidate import load_consolidated
 
 __all__ = [
     "CheckpointError",

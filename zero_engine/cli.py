@@ -19,7 +19,7 @@ from .errors import ConfigError
 from .features import unbuilt_features
 from .memory import estimate_from_config
 from .stage_choice import candidates, choose, format_table
-from .state.checkpoint import load_consolidated, write_state_dict
+from .state.consolidate import load_consolidated, write_state_dict
 from .values import as_count
 
 

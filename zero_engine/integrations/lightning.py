@@ -50,7 +50,8 @@ from torch import nn
 
 from .. import ConfigError, Engine, ZeroEngineConfig, initialize, load_config
 from ..config import auto_keys, optimizer_options, read_config_mapping
-from ..state.checkpoint import load_client_state, load_consolidated, write_atomically
+from ..state.consolidate import load_client_state, load_consolidated
+from ..state.storage import write_atomically
 from .config_filling import AUTO, Authority, Rule, fill, optimizer_section, with_stand_ins
 from .engine_model import EngineModel
 

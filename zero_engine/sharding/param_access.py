@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
-import torch
 from torch import nn
 
 

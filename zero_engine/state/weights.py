@@ -29,7 +29,8 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..sharding.unit import FlatUnit
-from .checkpoint import EXTRA, LATEST, MANIFEST, PieceIndex, misfit_message, open_checkpoint
+from .checkpoint import PieceIndex, misfit_message
+from .storage import EXTRA, LATEST, MANIFEST, open_checkpoint
 from .safetensors_reader import SafetensorsFile
 from .state_dict import ModelState
 

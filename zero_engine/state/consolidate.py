@@ -1,0 +1,51 @@
+"""A checkpoint as a plain ``state_dict``, in one process, without torch.distributed: what
+``zero-engine consolidate``, ``zero_engine.load_consolidated`` and the integrations' exports read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ..errors import CheckpointError
+from .checkpoint import PieceIndex
+from .storage import EXTRA, open_checkpoint, read_file, write_atomically
+
+def load_consolidated(directory: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's full model as a plain fp32 ``state_dict`` (every alias of a tied
+    parameter included), without torch.distributed."""
+    checkpoint = open_checkpoint(directory, tag)
+    index = PieceIndex(checkpoint)
+    extra = read_file(checkpoint.path / EXTRA)
+    state: dict[str, torch.Tensor] = {}
+    for name, entry in checkpoint.manifest["params"].items():
+        numel = 1
+        for dim in entry["shape"]:
+            numel *= dim
+        full = index.assemble(name, 0, numel)
+        if full is None:
+            raise CheckpointError(f"parameter {name!r}: no saved values")
+        for alias in entry["aliases"]:
+            state[alias] = full.view(entry["shape"]).to(torch.float32)
+    for name, value in extra["module"].items():
+        state[name] = value.clone()
+    return state
+
+
+def load_client_state(directory: str | Path, tag: str | None = None) -> Any:
+    """The ``client_state`` the checkpoint was saved with, without torch.distributed."""
+    return read_file(open_checkpoint(directory, tag).path / EXTRA)["client_state"]
+
+
+def write_state_dict(state: dict[str, torch.Tensor], out: str | Path) -> None:
+    """Save ``state`` as ``.pt`` or ``.safetensors``, by the suffix of ``out``."""
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        unshared = {k: v.contiguous().clone() for k, v in state.items()}  # safetensors refuses shared storage
+        write_atomically(out, lambda staging: save_file(unshared, str(staging)))
+    elif out.suffix == ".pt":
+        write_atomically(out, lambda staging: torch.save(state, staging))
+    else:
+        raise ValueError(f"{out}: unknown suffix {out.suffix!r}; use .pt or .safetensors")

@@ -1,0 +1,244 @@
+"""What a checkpoint's files hold (format ``zero_engine/1``, ``docs/checkpoint-format.md``):
+the payload of each rank's file, of ``extra.pt`` and of the manifest, made from the engine's
+state, and the way back: every saved piece indexed to assemble any range, the optimizer state
+of each piece restored, each rank's random generators.
+
+`zero_engine.state.checkpoint` runs saving and loading across the ranks with these;
+`zero_engine.state.storage` puts the files on disk and reads them back.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from ..config import ZeroEngineConfig
+from ..errors import CheckpointError
+from ..sharding.optimizer_shard import OptimizerTarget
+from .state_dict import ModelState
+from . import storage
+from .storage import FORMAT, Checkpoint, rank_file
+
+class Counters(NamedTuple):
+    """The engine's step counters, saved and restored with the state."""
+
+    global_step: int
+    skipped_steps: int
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """Everything a checkpoint saves and restores, handed over by the engine."""
+
+    model: ModelState
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any  # with state_dict / load_state_dict, or None
+    loss_scaler: Any  # likewise
+    config: ZeroEngineConfig
+    stage: int
+    device: torch.device
+
+    def targets(self) -> list[OptimizerTarget]:
+        return [target for unit in self.model.units for target in unit.optim.targets]
+
+
+def rank_payload(state: Resumable) -> dict[str, Any]:
+    targets: dict[str, list[OptimizerTarget]] = defaultdict(list)
+    for target in state.targets():
+        targets[target.name].append(target)
+    pieces = []
+    model = state.model
+    for unit in model.units if model.comm.replica_rank == 0 else ():  # replicas hold the same shards
+        for piece in unit.layout.segments(unit.rank):
+            name = unit.names[piece.param_index]
+            start, numel = piece.param_offset, piece.numel
+            master = unit.optim.master_of_shard[piece.shard_offset : piece.shard_offset + numel]
+            saved = {}
+            for target in targets[name]:  # the optimizer tensor holding element `start`
+                if target.param_offset <= start < target.param_offset + target.tensor.numel():
+                    saved = _slice_state(state.optimizer.state.get(target.tensor, {}), target, start, numel)
+            # a copy: torch.save of a view would write the whole flat buffer behind it
+            pieces.append({"name": name, "start": start, "numel": numel, "master": _to_host(master), "state": saved})
+    return {"pieces": pieces, "rng": _rng_state(state.device)}
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy to save: on a GPU, no second copy of the state on the device."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _slice_state(state: dict[str, Any], target: OptimizerTarget, start: int, numel: int) -> dict[str, Any]:
+    """The part of one optimizer tensor's state that covers ``[start, start + numel)``."""
+    sliced = {}
+    offset = start - target.param_offset
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape == target.tensor.shape:
+            sliced[key] = _to_host(value.reshape(-1)[offset : offset + numel])
+        elif torch.is_tensor(value) and value.dim() > 0:
+            if start == target.param_offset:  # not elementwise (stage 0 only): saved whole, once
+                sliced[key] = _to_host(value)
+        else:
+            sliced[key] = _to_host(value) if torch.is_tensor(value) else value
+    return sliced
+
+
+def extra_payload(state: Resumable, counters: Counters, client_state: Any) -> dict[str, Any]:
+    return {
+        "module": {k: _to_host(v) for k, v in state.model.loose_state().items()},
+        "global_step": counters.global_step,
+        "skipped_steps": counters.skipped_steps,
+        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in state.optimizer.param_groups],
+        "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
+        "loss_scaler": state.loss_scaler.state_dict() if state.loss_scaler is not None else None,
+        "client_state": client_state,
+    }
+
+
+def manifest_of(state: Resumable, counters: Counters, tag: str, files: dict[str, Any]) -> dict[str, Any]:
+    model = state.model
+    aliases: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.module.named_parameters(remove_duplicate=False):
+        aliases[id(param)].append(name)
+    params = {
+        name: {"shape": list(shape), "aliases": aliases[id(param)]}
+        for unit in model.units
+        for name, param, shape in zip(unit.names, unit.params, unit.shapes)
+    }
+    return {
+        "format": FORMAT,
+        "tag": tag,
+        "global_step": counters.global_step,
+        "stage": state.stage,
+        "world_size": model.comm.world_size,
+        "shard_group_size": model.comm.num_shards,
+        "optimizer": type(state.optimizer).__name__,
+        "config": state.config.model_dump(mode="json"),
+        "params": params,
+        "files": files,
+    }
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), **_cuda_rng_state(device)}
+
+
+def _cuda_rng_state(device: torch.device) -> dict[str, Any]:
+    """CUDA only: the generator of this rank's own GPU (not every visible one: the next run
+    may see another number of GPUs per node)."""
+    return {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {}
+
+
+def _restore_cuda_rng(state: dict[str, Any], device: torch.device) -> None:
+    """CUDA only: this rank's GPU generator, from a state saved by a rank on a GPU (older
+    checkpoints saved a list, one state per visible GPU: take this rank's index)."""
+    saved = state.get("cuda")
+    if saved is None or device.type != "cuda":
+        return
+    if isinstance(saved, (list, tuple)):
+        index = device.index or 0
+        if index >= len(saved):
+            return
+        saved = saved[index]
+    torch.cuda.set_rng_state(saved, device)
+
+
+class PieceIndex:
+    """Every saved piece of every parameter, to assemble any range from."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.pieces: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.rng: list[dict[str, Any]] = []
+        for rank in range(checkpoint.manifest["world_size"]):
+            payload = storage.read_file(checkpoint.path / rank_file(rank))
+            self.rng.append(payload["rng"])
+            for piece in payload["pieces"]:
+                self.pieces[piece["name"]].append(piece)
+
+    def covering(self, name: str, start: int, numel: int) -> list[dict[str, Any]]:
+        return [p for p in self.pieces[name] if p["start"] < start + numel and start < p["start"] + p["numel"]]
+
+    def assemble(self, name: str, start: int, numel: int, key: str | None = None) -> torch.Tensor | None:
+        """Elements ``[start, start + numel)`` of parameter ``name``: its master values, or
+        state ``key`` (None when no covering piece has that state)."""
+        out: torch.Tensor | None = None
+        covered = 0
+        for piece in self.covering(name, start, numel):
+            values = piece["master"] if key is None else piece["state"].get(key)
+            if values is None:
+                continue
+            if out is None:
+                out = torch.empty(numel, dtype=values.dtype, device="cpu")
+            lo, hi = max(start, piece["start"]), min(start + numel, piece["start"] + piece["numel"])
+            out[lo - start : hi - start] = values[lo - piece["start"] : hi - piece["start"]]
+            covered += hi - lo
+        if out is not None and covered != numel:
+            raise CheckpointError(f"parameter {name!r}: saved pieces cover {covered} of elements [{start}, {start + numel})")
+        return out
+
+
+# Param-group options that choose torch's implementation, not the math: kept from the resuming
+# run (offload picks the fused CPU kernel; a run without offload keeps torch's default).
+IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def restore_optimizer(state: Resumable, index: PieceIndex, extra: dict[str, Any], fitting: set[str]) -> None:
+    """Group options, and the state of every piece whose parameter fits the checkpoint."""
+    optimizer = state.optimizer
+    groups = extra["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint has {len(groups)} optimizer param groups, the engine {len(optimizer.param_groups)}:"
+            " pass the same param_groups, or load with load_optimizer_states=False"
+        )
+    for group, options in zip(optimizer.param_groups, groups):  # how to compute is this run's choice (offload)
+        group.update({key: value for key, value in options.items() if key not in IMPLEMENTATION_OPTIONS})
+    optimizer.state.clear()
+    group_of = {param: group for group in optimizer.param_groups for param in group["params"]}
+    for target in state.targets():
+        if target.name not in fitting:
+            continue
+        numel = target.tensor.numel()
+        pieces = index.covering(target.name, target.param_offset, numel)
+        keys = {key for piece in pieces for key in piece["state"]}
+        restored: dict[str, Any] = {}
+        for key in keys:
+            sample = next(p["state"][key] for p in pieces if key in p["state"])
+            if _is_elementwise(pieces, key):
+                values = index.assemble(target.name, target.param_offset, numel, key)
+                assert values is not None
+                restored[key] = values.view(target.tensor.shape).to(target.tensor.device)
+            elif torch.is_tensor(sample):  # a scalar (step), or saved whole (stage 0 only)
+                restored[key] = sample.clone().to(state_device(key, group_of[target.tensor], target.tensor))
+            else:
+                restored[key] = sample
+        if restored:
+            optimizer.state[target.tensor] = restored
+
+
+def state_device(key: str, group: dict[str, Any], param: torch.Tensor) -> torch.device:
+    """Where torch.optim keeps a non-elementwise state tensor, as its ``load_state_dict`` does:
+    ``step`` on the host unless the group is ``capturable`` or ``fused`` (a step on the GPU
+    would make every later update wait for the device), everything else beside the parameter."""
+    if key == "step" and not (group.get("capturable") or group.get("fused")):
+        return torch.device("cpu")
+    return param.device
+
+
+def _is_elementwise(pieces: list[dict[str, Any]], key: str) -> bool:
+    """Saved as slices of the pieces' ranges (rather than a scalar or a whole tensor)."""
+    values = [(p["state"][key], p["numel"]) for p in pieces if key in p["state"]]
+    return all(torch.is_tensor(v) and v.dim() == 1 and v.numel() == numel for v, numel in values)
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuples(state["python"]))
+    _restore_cuda_rng(state, device)
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

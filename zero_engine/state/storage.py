@@ -1,0 +1,257 @@
+"""Checkpoint files on disk: names, atomic publication, verification and safe reading.
+
+What a checkpoint holds is `zero_engine.state.checkpoint`'s (the format); this module is how its
+files reach the disk and come back, whatever they hold:
+
+- names: a tag is a plain name of a directory inside the checkpoint root, given or read from
+  ``latest`` (`check_tag`, `open_checkpoint`), and the root is a directory (`check_root`);
+- atomic publication: every rank writes into ``DIR/.tmp-TAG`` and fsyncs (`write_file`); rank 0
+  writes the manifest, renames the directory into place, and only then replaces ``latest``
+  (`publish`). A process killed at any point leaves the previous checkpoint and ``latest``
+  untouched. Saving a tag again publishes the new copy complete as ``DIR/.next-TAG`` first,
+  which the tag resolves to while it exists (`tag_path`); then the old copy is renamed away and
+  the new one into place (`finish_publish`): a kill at any instant leaves the tag loadable;
+- verification: the manifest is checked whole (its keys, their types, the files it must list)
+  and every file against its size and SHA-256 before any is read (`open_checkpoint`);
+- safe reading: ``torch.load(weights_only=True)`` (`read_file`): loading never runs code from a
+  checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from ..errors import CheckpointError
+
+FORMAT = "zero_engine/1"
+MANIFEST, EXTRA, LATEST = "manifest.json", "extra.pt", "latest"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+def check_tag(tag: Any) -> None:
+    if not _is_plain_name(tag) or tag == LATEST:
+        raise ValueError(
+            f"checkpoint tag {tag!r} must be a plain name (no '/' or '\\', not starting with '.', not 'latest')"
+        )
+
+
+def _is_plain_name(name: Any) -> bool:
+    """A file or directory name of its own: no separator, not hidden, '.' or '..', not empty."""
+    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+
+
+def check_root(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root}: is a file, not a checkpoint directory; give a directory (it is made if missing)")
+
+
+def write_file(path: Path, payload: Any) -> dict[str, int | str]:
+    try:
+        with open(path, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        raise OSError(f"{path}: writing failed: {err}") from err
+    return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+
+
+def write_text(path: Path, text: str) -> None:
+    try:
+        with open(path, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as err:
+        raise OSError(f"{path}: writing failed: {err}") from err
+
+
+def publish(root: Path, staging: Path, tag: str) -> None:
+    """Move the finished checkpoint into place, then point ``latest`` at it, each atomically."""
+    _fsync_dir(staging)
+    final = root / tag
+    if final.exists():  # re-saving a tag: the new copy is published whole before the old one moves
+        os.rename(staging, pending_path(root, tag))
+        _fsync_dir(root)
+        finish_publish(root, tag)
+    else:
+        os.rename(staging, final)
+    _fsync_dir(root)
+    write_text(root / f".{LATEST}.tmp", tag)
+    os.replace(root / f".{LATEST}.tmp", root / LATEST)
+    _fsync_dir(root)
+
+
+def pending_path(root: Path, tag: str) -> Path:
+    """Where a complete new copy of an existing tag waits to replace it."""
+    return root / f".next-{tag}"
+
+
+def finish_publish(root: Path, tag: str) -> None:
+    """Put a pending new copy of ``tag`` in place of the old one (retired, then deleted); a
+    kill at any point leaves one of them where `tag_path` finds it."""
+    pending, final, retired = pending_path(root, tag), root / tag, root / f".old-{tag}"
+    shutil.rmtree(retired, ignore_errors=True)
+    if not pending.exists():
+        return
+    if final.exists():
+        os.rename(final, retired)
+    os.rename(pending, final)
+    _fsync_dir(root)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def tag_path(root: Path, tag: str) -> Path:
+    """The directory holding ``tag``: its pending new copy while a re-save is being moved into
+    place (it exists only once complete), else ``root/tag``."""
+    pending = pending_path(root, tag)
+    return pending if (pending / MANIFEST).is_file() else root / tag
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Checkpoint(NamedTuple):
+    path: Path
+    manifest: dict[str, Any]
+
+
+def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint:
+    """Resolve ``tag`` (default: ``latest``), check the manifest and verify every file against it."""
+    root = Path(directory)
+    check_root(root)
+    if tag is None:
+        pointer = root / LATEST
+        if not pointer.is_file():
+            raise FileNotFoundError(f"{pointer}: no 'latest' file; is {root} a checkpoint directory?")
+        tag = pointer.read_text().strip()
+        _check_read_tag(root, tag, f"{pointer} names tag")
+    else:
+        _check_read_tag(root, tag, "tag")
+    path = tag_path(root, tag)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{manifest_path}: missing; {path} is not a complete checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{manifest_path}: corrupted ({err})") from None
+    _check_manifest(manifest, manifest_path)
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in the manifest but missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated?)")
+        if sha256_of(file) != expected["sha256"]:
+            raise CheckpointError(f"{file}: checksum does not match the manifest (corrupted)")
+    return Checkpoint(path, manifest)
+
+
+def _check_read_tag(root: Path, tag: str, what: str) -> None:
+    """A tag is a plain name, and it stays inside ``root`` once symbolic links are followed (a
+    ``latest`` copied or edited by hand could point anywhere)."""
+    if not _is_plain_name(tag) or tag == LATEST:
+        raise CheckpointError(
+            f"{what} {tag!r}: a tag is a plain name of a directory inside {root} (no '/', not starting with '.')"
+        )
+    for candidate in (root / tag, pending_path(root, tag)):
+        if candidate.exists() and candidate.resolve().parent != root.resolve():
+            raise CheckpointError(
+                f"{what} {tag!r}: {candidate} leads outside {root} (to {candidate.resolve()}); a checkpoint's tags "
+                "are directories inside it"
+            )
+
+
+# What manifest.json must hold, and of which type (json's): checked before any file is read.
+_MANIFEST_KEYS: dict[str, type | tuple[type, ...]] = {
+    "format": str, "world_size": int, "params": dict, "files": dict,
+}
+
+
+def _check_manifest(manifest: Any, path: Path) -> None:
+    """Every key the reader uses, of its type, and the files the world size implies listed: all
+    problems at once, before any tensor is read."""
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: malformed: a JSON object is expected, found {type(manifest).__name__}")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    problems = [
+        f"{key!r} is missing" if key not in manifest else f"{key!r} is {type(manifest[key]).__name__}, not {kind.__name__}"
+        for key, kind in _MANIFEST_KEYS.items()
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool)
+    ]
+    if not problems:
+        problems += _manifest_entry_problems(manifest)
+    if problems:
+        raise CheckpointError(f"{path}: malformed: " + "; ".join(problems))
+
+
+def _manifest_entry_problems(manifest: dict[str, Any]) -> list[str]:
+    problems = []
+    world_size, files = manifest["world_size"], manifest["files"]
+    if world_size < 1:
+        problems.append(f"world_size is {world_size}")
+    for name, entry in files.items():
+        if not _is_plain_name(name):
+            problems.append(f"files lists {name!r}, not a file of this directory")
+        elif not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+            problems.append(f"files[{name!r}] is {entry!r}, not {{'bytes': int, 'sha256': str}}")
+    expected = [rank_file(rank) for rank in range(max(world_size, 0))] + [EXTRA]
+    unlisted = [name for name in expected if name not in files]
+    if unlisted:
+        problems.append(f"world_size {world_size} needs {', '.join(unlisted)} in files, which lists {sorted(files)}")
+    for name, entry in manifest["params"].items():
+        shape, aliases = (entry.get("shape"), entry.get("aliases")) if isinstance(entry, dict) else (None, None)
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                and isinstance(aliases, list) and all(isinstance(a, str) for a in aliases)):
+            problems.append(f"params[{name!r}] is {entry!r}, not {{'shape': [int], 'aliases': [str]}}")
+    return problems
+
+
+def read_file(path: Path) -> Any:
+    """A checkpoint file, read without running code from it; a refusal names the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), "")
+        raise CheckpointError(
+            f"{path}: refused by torch.load(weights_only=True), which never runs code from a file "
+            f"({detail.strip() or str(err).splitlines()[0]}); only load it with weights_only=False if you trust "
+            "whoever wrote it"
+        ) from None
+
+
+def write_atomically(out: Path, write: Callable[[Path], Any]) -> Path:
+    """``write`` a staging file beside ``out``, then put it in place: ``out`` is never half-written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.tmp")
+    write(staging)
+    os.replace(staging, out)
+    return out
