@@ -220,7 +220,7 @@ def count_syncs(rank: int, world_size: int, cases: list[dict]) -> list[int]:
 
 
 def test_one_host_sync_per_optimizer_step() -> None:
-    """The packed used-mask and norm read back once (`Engine._agree_on_used_params_and_norm`);
+    """The packed used-mask and norm read back once (`OptimizerStep._agree_on_used_params_and_norm`);
     nothing else waits for the GPU, at any stage."""
     counts = run_on_ranks(1, count_syncs, CASES, backend=None, timeout=600)[0]
     assert counts == [1] * len(CASES), list(zip(CASES, counts))

@@ -24,7 +24,8 @@ from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch
 from zero_engine.state import payload
 from zero_engine.testing.device_guard import GUARDED_DEVICE, DeviceGuard, DeviceMistake, HostSync
-from zero_engine.engine import Engine, _sum_of_squares
+from zero_engine.engine import Engine
+from zero_engine.step import OptimizerStep, _sum_of_squares
 
 MICRO, ACCUM = 2, 2
 CASES = [
@@ -127,7 +128,7 @@ def test_hybrid_sharding_neither_mixes_nor_syncs_more(tmp_path: Path) -> None:
 # -- the guard sees the mistakes it was built for ------------------------------------------------
 
 
-def _mask_concatenated_on_the_host(self: Engine) -> tuple[list[bool], float]:
+def _mask_concatenated_on_the_host(self: OptimizerStep) -> tuple[list[bool], float]:
     """The used-mask agreement as it was: the mask stays a host tensor."""
     squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units], self.device)
     packed = torch.cat([self.reducer.used_mask(), squares.view(1)])
@@ -139,8 +140,8 @@ def _mask_concatenated_on_the_host(self: Engine) -> tuple[list[bool], float]:
 def reintroduced_mistakes(rank: int, world_size: int, directory: str) -> dict:
     case = {"stage": 2, "bf16": False}
     out = {}
-    original = Engine._agree_on_used_params_and_norm
-    Engine._agree_on_used_params_and_norm = _mask_concatenated_on_the_host
+    original = OptimizerStep._agree_on_used_params_and_norm
+    OptimizerStep._agree_on_used_params_and_norm = _mask_concatenated_on_the_host
     try:
         with DeviceGuard() as guard:
             engine = _guarded_engine(guard, case)
@@ -151,7 +152,7 @@ def reintroduced_mistakes(rank: int, world_size: int, directory: str) -> dict:
                 out["mask"] = str(error)
             engine.close()
     finally:
-        Engine._agree_on_used_params_and_norm = original
+        OptimizerStep._agree_on_used_params_and_norm = original
 
     original_device = payload.state_device
     payload.state_device = lambda key, group, param: param.device  # `step` beside the parameter

@@ -5,7 +5,8 @@
 """
 
 from .config import ZeroEngineConfig, load_config
-from .engine import Engine, initialize
+from .engine import Engine
+from .entry import initialize
 from .errors import CheckpointError, ConfigError, DivergedRanksError, ShardedParameterError
 from .state.consolidate import load_consolidated
 

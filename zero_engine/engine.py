@@ -1,124 +1,47 @@
 """The training-loop surface: forward, backward, step, state and reports.
 
 The engine owns no offset arithmetic and no collective calls of its own: units (`FlatUnit`)
-hold the flat buffers and masters, the `GradReducer` reduces gradients during backward, and
-the stage (`Stage`) says what is sharded. ``step()`` runs on accumulation boundaries in named
-phases: agree on which parameters were used and on the gradient norm (and so on fp16
-overflow), unscale and clip, update this rank's masters, gather the updated parameters.
+hold the flat buffers and masters, the `GradReducer` reduces gradients during backward, the
+`OptimizerStep` (`zero_engine.step`) runs the optimizer step on accumulation boundaries, and
+the stage (`Stage`) says what is sharded. The engine is the loop's surface: forward, backward
+(however it is called), ``step()`` counting micro-steps into windows, checkpoints and reports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .comm import Comm, connect, expected_world_size, local_cuda_device
-from .config import BatchSizes, ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
-from .errors import ShardedParameterError
-from .features import refuse_unbuilt_features
 from . import offload
 from .accumulation import AccumulationWindow
-from .auto_values import fill_auto
-from .memory import host_bytes_needed, measure_memory
-from .monitor import Event, build_monitors, check_monitor_packages
+from .comm import Comm
+from .config import BatchSizes, ZeroEngineConfig
+from .errors import ShardedParameterError
+from .memory import measure_memory
+from .monitor import StepLog, build_monitors
 from .offload import offload_plan
-from .optim import build_optimizer, check_optimizer_for_stage
-from .param_groups import ParamGroup, resolve_param_groups
-from .precision import Precision, build_loss_scaler
-from .schedules import build_scheduler, dry_run
-from .stage_choice import resolve_stage
+from .param_groups import ParamGroup
+from .precision import Precision
 from .sharding.build import build_units
-from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
+from .sharding.deferred_init import DeferredInit
 from .sharding.lifecycle import Lifecycle
 from .sharding.module_plan import leaf_unit_modules
-from .sharding.optimizer_shard import step_shards
-from .sharding.unit_forwards import WrappedForwards, compiled, recomputed
 from .sharding.schedule import Call
-from .sharding.stages import Stage, build_reducer, stage_for
-from .sharding.unit import FlatUnit
+from .sharding.stages import Stage, build_reducer
+from .sharding.unit_forwards import WrappedForwards, compiled, recomputed
 from .state import checkpoint
 from .state.state_dict import ModelState
-from .state.weights import WeightsSource, load_weights, match_weights, open_weights
+from .step import OptimizerStep
 from .tree import iter_tensors, map_tensors
 
 logger = logging.getLogger("zero_engine")
-
-
-def initialize(
-    model: nn.Module,
-    config: str | Path | dict[str, Any] | ZeroEngineConfig,
-    *,
-    param_groups: Iterable[Any] | None = None,
-    param_init_fn: Callable[[nn.Module], None] | None = None,
-    weights: WeightsSource | None = None,
-    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-) -> Engine:
-    """Wrap ``model`` for ZeRO training as ``config`` (path, dict or `ZeroEngineConfig`) says.
-
-    Starts a process group from torchrun's environment if none exists (world size 1 without
-    one), broadcasts rank 0's parameters and buffers, and checks everything that could fail
-    later: unbuilt features, the optimizer for the stage, the batch arithmetic.
-
-    A model built on the meta device is materialized here, one unit at a time at stage 3
-    (`zero_engine.sharding.deferred_init`): each module initialized by ``param_init_fn(module)`` or its
-    own ``reset_parameters()``, identically at every stage and world size. ``weights`` (a
-    safetensors file, a Hugging Face directory, a torch state dict file, a checkpoint
-    directory, or a state dict) sets the values it holds, each rank reading only what it
-    keeps (`zero_engine.state.weights`).
-
-    ``zero_optimization.stage: auto`` is settled first: the lowest stage (then stage 3 with
-    offload) whose per-rank memory fits the budget (`zero_engine.stage_choice`), logged on rank 0.
-
-    ``lr_scheduler`` builds a schedule from the engine's optimizer (``lambda optimizer:
-    LambdaLR(optimizer, fn)``), for a config without a ``scheduler`` section; like the config's,
-    it steps on applied optimizer steps only and is saved in checkpoints.
-    """
-    _check_not_wrapped(model)
-    config = fill_auto(load_config(config), model)
-    _check_scheduler_factory(lr_scheduler, config)
-    check_monitor_packages(config)
-    groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
-    device = materialization_device(model)
-    config, stage_table = resolve_stage(config, model, groups, expected_world_size(), device)
-    refuse_unbuilt_features(config)
-    stage = stage_for(config.zero_optimization.stage)
-    check_optimizer_for_stage(config.optimizer, stage.level)
-    precision = Precision.from_config(config)
-    _check_params(model, precision)
-    weights_file = open_weights(weights) if weights is not None else None
-    try:
-        file_names = match_weights(model, weights_file) if weights_file is not None else {}
-        _check_device(device)
-        comm = connect(config, device)
-        if stage_table is not None and comm.rank == 0:
-            logger.info(stage_table)
-        deferred = None
-        if has_meta_tensors(model):
-            base_seed = comm.each_rank(draw_base_seed() if comm.rank == 0 else 0).values()[0]
-            deferred = DeferredInit(model, device, base_seed, param_init_fn, provided=set(file_names))
-        elif param_init_fn is not None and comm.rank == 0:
-            logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
-        batch = config.batch_sizes(comm.world_size)
-        _check_host_memory(model, config, comm.world_size)
-        engine = Engine(
-            model, config, comm, stage, batch, groups, precision, device=device, deferred=deferred,
-            lr_scheduler=lr_scheduler,
-        )
-        if weights_file is not None:
-            load_weights(engine.model_state, weights_file, file_names)
-    finally:
-        if weights_file is not None:
-            weights_file.close()
-    return engine
 
 
 class Engine:
@@ -147,20 +70,11 @@ class Engine:
         self.precision = precision
         self.global_step = 0
         self.window = AccumulationWindow(batch.gradient_accumulation_steps)  # where the loop is in its window
-        self._step_applied = False  # whether the last boundary updated the parameters
-        self.skipped_steps = 0
         self._window_opened = False
         self._train_row_sent = False  # this micro-step's call row (`_agree_on_training`)
-        self._global_grad_norm: float | None = None
         self._scaling_backward = False  # inside engine.backward
         zero = config.zero_optimization
         self._sync_from_rank0()
-        if comm.rank == 0:
-            if stage.shard_parameters and not zero.reduce_scatter_each_micro_step:
-                logger.warning("zero_optimization.reduce_scatter_each_micro_step: false has no effect at stage 3")
-            for message in no_effect_settings(config):
-                logger.warning(message)
-            logger.info(_clipping_in_effect(config))
         self.device = device or _model_device(model)  # where parameters, gradients and state live
         self.offload = offload_plan(zero)  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
@@ -179,19 +93,10 @@ class Engine:
             may_wait_for=self.gatherer.may_wait_for_reduction,
         )
         self.gatherer.attach_reducer(self.reducer)
-        self.peak_step_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step
-        self.optimizer = build_optimizer(
-            config.optimizer, stage.level, _optimizer_groups(groups, self.units), on_host=self.offload.optimizer
+        self.optimizer_step = OptimizerStep(
+            config, stage, self.units, groups, comm, self.reducer, self.device, self.offload, lr_scheduler
         )
-        if config.scheduler:
-            dry_run(config.scheduler, self.optimizer)
-        self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
-        if lr_scheduler is not None:
-            self.lr_scheduler = lr_scheduler(self.optimizer)
-        self.loss_scaler = build_loss_scaler(config)
-        self.monitors = build_monitors(config) if comm.rank == 0 else []  # DeepSpeed's monitor sections
-        self._window_loss: torch.Tensor | None = None  # losses given to backward in this window (monitors)
-        self._window_backwards = 0
+        self.step_log = StepLog(build_monitors(config) if comm.rank == 0 else [])  # DeepSpeed's monitor sections
 
     # -- construction --------------------------------------------------------------------------
 
@@ -230,10 +135,7 @@ class Engine:
         short last window included). A plain ``loss.backward()`` reduces the same way, but
         neither divides nor scales."""
         _check_loss(loss)
-        if self.monitors:  # summed on the device; read back once per step
-            value = loss.detach().float().reshape(())
-            self._window_loss = value if self._window_loss is None else self._window_loss + value
-            self._window_backwards += 1
+        self.step_log.add_loss(loss)  # with a monitor on: summed on the device, read back at the step
         divisor = self.batch.gradient_accumulation_steps if scale_wrt_gas else 1
         self._scaling_backward = True
         try:
@@ -293,45 +195,43 @@ class Engine:
         if not boundary:
             return
         self.gatherer.read_call_row()  # before the step's collectives (stages 0-2: a row sent and not read yet)
-        used, squares = self._agree_on_used_params_and_norm()
-        self._global_grad_norm = math.sqrt(squares) / self.loss_scale
-        self._step_applied = math.isfinite(squares)
-        if not self._step_applied:
-            self._skip_step()
-        else:
-            self._update(used, self._gradient_multiplier())
-            if self.stage.shard_optimizer_state:
-                self._gather_params()
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(overflow=False)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+        self.optimizer_step.run(self.global_step)
         self._zero_grads()
         self.global_step += 1
         self._window_opened = False
-        if self.monitors:
-            self._write_monitors()
+        samples = self.global_step * self.batch.train_batch_size
+        scale = self.loss_scale if self.loss_scaler is not None else None
+        self.step_log.write_step(samples, self.get_lr()[0], self.get_global_grad_norm(), scale)
         every = self.config.steps_per_print
         if self.comm.rank == 0 and every is not None and self.global_step % every == 0:
             logger.info(
                 "step %d: lr %s, grad norm %.4g, loss scale %g, skipped steps %d",
-                self.global_step, [f"{lr:.3g}" for lr in self.get_lr()], self._global_grad_norm or 0.0,
+                self.global_step, [f"{lr:.3g}" for lr in self.get_lr()], self.get_global_grad_norm() or 0.0,
                 self.loss_scale, self.skipped_steps,
             )
 
-    def _write_monitors(self) -> None:
-        """The step's events, DeepSpeed's names, against samples seen (`zero_engine.monitor`)."""
-        samples = self.global_step * self.batch.train_batch_size
-        events: list[Event] = [("Train/Samples/lr", self.get_lr()[0], samples)]
-        if self._window_loss is not None:
-            events.insert(0, ("Train/Samples/train_loss", self._window_loss.item() / self._window_backwards, samples))
-        if self._global_grad_norm is not None:
-            events.append(("Train/Samples/grad_norm", self._global_grad_norm, samples))
-        if self.loss_scaler is not None:
-            events.append(("Train/Samples/loss_scale", self.loss_scale, samples))
-        for writer in self.monitors:
-            writer.write(events)
-        self._window_loss, self._window_backwards = None, 0
+    # -- the optimizer step's parts, as the engine's (`zero_engine.step.OptimizerStep`) ----------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer_step.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.optimizer_step.lr_scheduler
+
+    @property
+    def loss_scaler(self) -> Any:
+        return self.optimizer_step.loss_scaler
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite gradient norm (fp16 overflows among them)."""
+        return self.optimizer_step.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.optimizer_step.skipped_steps = value
 
     def _agree_on_training(self) -> None:
         """A call row at the first backward of every micro-step, so that a collective call made
@@ -380,79 +280,15 @@ class Engine:
     def was_step_applied(self) -> bool:
         """Whether the last boundary's ``step()`` updated the parameters (False after a step
         skipped for a non-finite gradient, e.g. an fp16 overflow, and before the first)."""
-        return self._step_applied
+        return self.optimizer_step.applied
 
     @property
     def loss_scale(self) -> float:
         """The current fp16 loss scale; 1.0 without fp16."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return self.optimizer_step.loss_scale
 
     def _to_compute_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.precision.compute_dtype) if tensor.is_floating_point() else tensor
-
-    # -- the phases of step() --------------------------------------------------------------------
-
-    def _agree_on_used_params_and_norm(self) -> tuple[list[bool], float]:
-        """One small all-reduce: which parameters got a gradient on any rank, and the squared
-        (still scaled) gradient norm summed over every rank's shard, so identical everywhere:
-        non-finite on every rank when any rank's gradients overflowed. Packed on the device
-        (the norm is computed there; the used-mask is kept on the host by the hooks) and read
-        back to the host once, as Python values: the one host sync of a step."""
-        squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units], self.device)
-        if self.comm.replica_rank:  # every shard is counted once: by its copy in the first shard group
-            squares = torch.where(squares.isfinite(), 0.0, squares)
-        # non_blocking: a pageable host-to-device copy need not stall the host (sync debug mode)
-        packed = torch.cat([self.reducer.used_mask().to(self.device, non_blocking=True), squares.view(1)])
-        self.comm.all_reduce_sum(packed).wait()
-        *used, total = packed.tolist()
-        return [count > 0 for count in used], total
-
-    def _gradient_multiplier(self) -> float:
-        """Unscale, then clip as ``torch.nn.utils.clip_grad_norm_`` does: by
-        max_norm / (norm + 1e-6) when that is below 1."""
-        multiplier = 1.0 / self.loss_scale
-        max_norm = self.config.gradient_clipping
-        if max_norm > 0 and self._global_grad_norm is not None:
-            multiplier *= min(1.0, max_norm / (self._global_grad_norm + 1e-6))
-        return multiplier
-
-    def _update(self, used: list[bool], multiplier: float) -> None:
-        """Each unit's optimizer shard steps on its fp32 gradient and publishes the result
-        (`zero_engine.sharding.optimizer_shard.step_shards`), one unit at a time: a
-        low-precision gradient's fp32 copy, and the temporaries of torch's foreach optimizers
-        (AdamW's is an fp32 copy of every element it steps; foreach is the default on CUDA),
-        then exist for one unit, never for the whole model."""
-        shards = [unit.optim for unit in self.units]
-        self.peak_step_grad_bytes = step_shards(self.optimizer, shards, used, multiplier)
-
-    def _skip_step(self) -> None:
-        """A non-finite gradient on some rank (fp16 overflow, or a NaN or inf loss or gradient
-        at any precision): every rank leaves parameters, optimizer state and the schedule
-        untouched. Logged at WARNING, except fp16's dynamic overflows, which are routine (the
-        scale adapts)."""
-        self.skipped_steps += 1
-        if self.loss_scaler is None:
-            if self.comm.rank == 0:
-                logger.warning(
-                    "step %d skipped: the gradient norm is not finite (a NaN or inf loss or gradient on some rank); "
-                    "parameters unchanged (%d skipped so far, engine.skipped_steps)",
-                    self.global_step, self.skipped_steps,
-                )
-            return
-        scale = self.loss_scaler.scale
-        self.loss_scaler.update(overflow=True)
-        if self.comm.rank == 0:
-            log = logger.info if self.loss_scaler.dynamic and scale > self.loss_scaler.min_scale else logger.warning
-            log(
-                "step %d skipped: fp16 gradient overflow; loss scale %g -> %g (%d skipped so far, engine.skipped_steps)",
-                self.global_step, scale, self.loss_scaler.scale, self.skipped_steps,
-            )
-
-    def _gather_params(self) -> None:
-        """Whole parameters get every rank's update; stage 3 units stay sharded until used."""
-        pending = [self.comm.all_gather(unit.flat_param) for unit in self.units if not unit.sharded_params]
-        for handle in pending:
-            handle.wait()
 
     def _zero_grads(self) -> None:
         self.reducer.zero_grads()
@@ -517,7 +353,7 @@ class Engine:
             self.optimizer,
             self.reducer,
             self.gatherer.peaks(),
-            self.peak_step_grad_bytes,
+            self.optimizer_step.peak_grad_bytes,
             optimizer_on_host=self.offload.optimizer,
         )
         return report._asdict()
@@ -532,7 +368,7 @@ class Engine:
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the whole averaged, unscaled gradient at the last optimizer step
         (before clipping)."""
-        return self._global_grad_norm
+        return self.optimizer_step.grad_norm
 
     def save_checkpoint(
         self, directory: str | Path, tag: str | None = None, client_state: Any = None, *, within_window: bool = False
@@ -592,35 +428,8 @@ class Engine:
             self._compiled.remove()
         self.recompute.remove()
         self.lifecycle.remove_hooks()
-        for writer in self.monitors:
-            writer.close()
-        self.monitors = []
+        self.step_log.close()
         _WRAPPED.pop(self.module, None)
-
-
-def _optimizer_groups(groups: list[ParamGroup], units: list[FlatUnit]) -> list[dict[str, Any]]:
-    """The torch param groups over the units' optimizer targets (views of the fp32 masters:
-    whole parameters at stage 0, this rank's pieces when optimizer state is sharded)."""
-    per_group: list[list[torch.Tensor]] = [[] for _ in groups]
-    for unit in units:
-        for target in unit.optim.targets:
-            per_group[unit.group_indices[target.piece.param_index]].append(target.tensor)
-    return [dict(group.options, params=tensors) for group, tensors in zip(groups, per_group)]
-
-
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The squared L2 norm over all ``grads`` in float64, on ``device``: each tensor's norm in
-    fp32 (no copy of fp32 gradients; the old ``grad.double().pow(2)`` made two per shard),
-    computed where the tensor lives."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    by_place: dict[torch.device, list[torch.Tensor]] = {}
-    for grad in grads:  # offloaded shards are summed where they live (the host), then moved as one number
-        by_place.setdefault(grad.device, []).append(grad)
-    for place, group in by_place.items():
-        norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in group])
-        squares = norms.double().pow(2).sum()
-        total = total + (squares if place == device else squares.to(device, non_blocking=True))
-    return total
 
 
 # Models an engine has hooked (until its close()): a second engine on one would run both
@@ -664,80 +473,3 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_one_device(model: nn.Module) -> None:
-    """Parameters and buffers (every one is broadcast on the data group: NCCL refuses a host
-    tensor) on one device, meta aside; the error names a tensor on each device found."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    where = {}
-    for name, tensor in tensors:
-        if not tensor.is_meta:
-            where.setdefault(str(tensor.device), name)
-    if len(where) > 1:
-        found = ", ".join(f"{name!r} on {device}" for device, name in sorted(where.items()))
-        raise ValueError(f"the model's parameters and buffers are on several devices ({found}); move the model to one")
-
-
-def _check_device(device: torch.device) -> None:
-    """CUDA only: under torchrun each rank trains on its own GPU, ``cuda:LOCAL_RANK``."""
-    if device.type != "cuda" or "LOCAL_RANK" not in os.environ:
-        return
-    expected = local_cuda_device()
-    if device != expected:
-        raise ValueError(
-            f"the model is on {device}, but this rank's GPU is {expected} (torchrun's LOCAL_RANK): "
-            f"move it there first, model.to({str(expected)!r})"
-        )
-
-
-def _check_scheduler_factory(factory: Any, config: ZeroEngineConfig) -> None:
-    """``lr_scheduler=`` is a callable of the optimizer (the engine builds the optimizer over its
-    shards, so a schedule made beforehand would drive another one), and not beside a config
-    ``scheduler``."""
-    if factory is None:
-        return
-    if hasattr(factory, "state_dict") and hasattr(factory, "step"):
-        raise TypeError(
-            "initialize(lr_scheduler=...): pass a function of the optimizer, e.g. lambda optimizer: "
-            f"{type(factory).__name__}(optimizer, ...), not a {type(factory).__name__} built on another optimizer "
-            "(the engine builds its own, over this rank's shards)"
-        )
-    if not callable(factory):
-        raise TypeError(f"initialize(lr_scheduler=...): expected a function of the optimizer, got {type(factory).__name__}")
-    if config.scheduler:
-        raise ValueError(
-            f"initialize(lr_scheduler=...) and the config's scheduler section ({config.scheduler.type}) both give a "
-            "schedule: keep one"
-        )
-
-
-def _check_host_memory(model: nn.Module, config: ZeroEngineConfig, world_size: int) -> None:
-    """With offload: the host state of every rank on this node must fit the node's available
-    memory, checked before any of it is allocated."""
-    if offload_plan(config.zero_optimization).any:
-        num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
-        needed = host_bytes_needed(config, num_params, world_size)
-        offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")
-
-
-def _clipping_in_effect(config: ZeroEngineConfig) -> str:
-    """The clipping a step applies, and whether the config chose it (left out, it is DeepSpeed's
-    default, 1.0: a config written for no clipping must say 0)."""
-    max_norm = config.gradient_clipping
-    given = "" if "gradient_clipping" in config.model_fields_set else " (left out of the config: DeepSpeed's default)"
-    if max_norm == 0:
-        return f"gradient clipping: off (gradient_clipping = 0{given})"
-    return f"gradient clipping: the global gradient norm to {max_norm:g} (gradient_clipping = {max_norm:g}{given})"
-
-
-def _check_params(model: nn.Module, precision: Precision) -> None:
-    _check_one_device(model)
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if not param.is_floating_point():
-            raise TypeError(f"parameter {name!r} is {param.dtype}: trainable parameters must be floating point")
-        if not precision.mixed and param.dtype != torch.float32:
-            raise NotImplementedError(
-                f"parameter {name!r} is {param.dtype}: without fp16/bf16 enabled, trainable parameters must be "
-                "float32 (enable bf16 or fp16 in the config to compute in low precision with fp32 masters)"
-            )

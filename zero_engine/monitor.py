@@ -137,6 +137,42 @@ def build_monitors(config: ZeroEngineConfig) -> list[MonitorWriter]:
     return writers
 
 
+class StepLog:
+    """A step's events for the monitor writers (rank 0; none elsewhere): the losses given to
+    backward over the window, summed on the device and read back once, at the step."""
+
+    def __init__(self, writers: list[MonitorWriter]) -> None:
+        self.writers = writers
+        self._loss: Any = None  # the window's summed loss, a device tensor
+        self._backwards = 0
+
+    def add_loss(self, loss: Any) -> None:
+        if self.writers:
+            value = loss.detach().float().reshape(())
+            self._loss = value if self._loss is None else self._loss + value
+            self._backwards += 1
+
+    def write_step(self, samples: int, lr: float, grad_norm: float | None, loss_scale: float | None) -> None:
+        """The step's events, DeepSpeed's names, against ``samples`` seen."""
+        if not self.writers:
+            return
+        events: list[Event] = [("Train/Samples/lr", lr, samples)]
+        if self._loss is not None:
+            events.insert(0, ("Train/Samples/train_loss", self._loss.item() / self._backwards, samples))
+        if grad_norm is not None:
+            events.append(("Train/Samples/grad_norm", grad_norm, samples))
+        if loss_scale is not None:
+            events.append(("Train/Samples/loss_scale", loss_scale, samples))
+        for writer in self.writers:
+            writer.write(events)
+        self._loss, self._backwards = None, 0
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        self.writers = []
+
+
 def _import(section: str) -> Any:
     """The module the ``section`` writes through; a `ConfigError` naming the package if missing."""
     module, package = _PACKAGES[section]

@@ -1,0 +1,197 @@
+"""``initialize``: from a model and a config to a ready `Engine`.
+
+Everything that could fail later is checked here, before a process group or a buffer exists
+(the config and its unbuilt features, the optimizer for the stage, the schedule, the model's
+parameters and devices, host memory for offload), ``stage: auto`` is settled, the ranks connect,
+a meta-device model is given its initialization, and what the config chose is logged on rank
+0 (keys that change nothing here, the clipping in effect). Pretrained ``weights`` are read into
+the engine's shards last, each rank reading only what it keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import offload
+from .auto_values import fill_auto
+from .comm import connect, expected_world_size, local_cuda_device
+from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
+from .engine import Engine, _check_not_wrapped
+from .features import refuse_unbuilt_features
+from .memory import host_bytes_needed
+from .monitor import check_monitor_packages
+from .offload import offload_plan
+from .optim import check_optimizer_for_stage
+from .param_groups import resolve_param_groups
+from .precision import Precision
+from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
+from .sharding.stages import Stage, stage_for
+from .stage_choice import resolve_stage
+from .state.weights import WeightsSource, load_weights, match_weights, open_weights
+
+logger = logging.getLogger("zero_engine")
+
+
+def initialize(
+    model: nn.Module,
+    config: str | Path | dict[str, Any] | ZeroEngineConfig,
+    *,
+    param_groups: Iterable[Any] | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    weights: WeightsSource | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> Engine:
+    """Wrap ``model`` for ZeRO training as ``config`` (path, dict or `ZeroEngineConfig`) says.
+
+    Starts a process group from torchrun's environment if none exists (world size 1 without
+    one), broadcasts rank 0's parameters and buffers, and checks everything that could fail
+    later: unbuilt features, the optimizer for the stage, the batch arithmetic.
+
+    A model built on the meta device is materialized here, one unit at a time at stage 3
+    (`zero_engine.sharding.deferred_init`): each module initialized by ``param_init_fn(module)`` or its
+    own ``reset_parameters()``, identically at every stage and world size. ``weights`` (a
+    safetensors file, a Hugging Face directory, a torch state dict file, a checkpoint
+    directory, or a state dict) sets the values it holds, each rank reading only what it
+    keeps (`zero_engine.state.weights`).
+
+    ``zero_optimization.stage: auto`` is settled first: the lowest stage (then stage 3 with
+    offload) whose per-rank memory fits the budget (`zero_engine.stage_choice`), logged on rank 0.
+
+    ``lr_scheduler`` builds a schedule from the engine's optimizer (``lambda optimizer:
+    LambdaLR(optimizer, fn)``), for a config without a ``scheduler`` section; like the config's,
+    it steps on applied optimizer steps only and is saved in checkpoints.
+    """
+    _check_not_wrapped(model)
+    config = fill_auto(load_config(config), model)
+    _check_scheduler_factory(lr_scheduler, config)
+    check_monitor_packages(config)
+    groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
+    device = materialization_device(model)
+    config, stage_table = resolve_stage(config, model, groups, expected_world_size(), device)
+    refuse_unbuilt_features(config)
+    stage = stage_for(config.zero_optimization.stage)
+    check_optimizer_for_stage(config.optimizer, stage.level)
+    precision = Precision.from_config(config)
+    _check_params(model, precision)
+    weights_file = open_weights(weights) if weights is not None else None
+    try:
+        file_names = match_weights(model, weights_file) if weights_file is not None else {}
+        _check_device(device)
+        comm = connect(config, device)
+        if stage_table is not None and comm.rank == 0:
+            logger.info(stage_table)
+        deferred = None
+        if has_meta_tensors(model):
+            base_seed = comm.each_rank(draw_base_seed() if comm.rank == 0 else 0).values()[0]
+            deferred = DeferredInit(model, device, base_seed, param_init_fn, provided=set(file_names))
+        elif param_init_fn is not None and comm.rank == 0:
+            logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
+        batch = config.batch_sizes(comm.world_size)
+        _check_host_memory(model, config, comm.world_size)
+        if comm.rank == 0:
+            _log_settings(config, stage)
+        engine = Engine(
+            model, config, comm, stage, batch, groups, precision, device=device, deferred=deferred,
+            lr_scheduler=lr_scheduler,
+        )
+        if weights_file is not None:
+            load_weights(engine.model_state, weights_file, file_names)
+    finally:
+        if weights_file is not None:
+            weights_file.close()
+    return engine
+
+
+def _check_device(device: torch.device) -> None:
+    """CUDA only: under torchrun each rank trains on its own GPU, ``cuda:LOCAL_RANK``."""
+    if device.type != "cuda" or "LOCAL_RANK" not in os.environ:
+        return
+    expected = local_cuda_device()
+    if device != expected:
+        raise ValueError(
+            f"the model is on {device}, but this rank's GPU is {expected} (torchrun's LOCAL_RANK): "
+            f"move it there first, model.to({str(expected)!r})"
+        )
+
+
+def _check_scheduler_factory(factory: Any, config: ZeroEngineConfig) -> None:
+    """``lr_scheduler=`` is a callable of the optimizer (the engine builds the optimizer over its
+    shards, so a schedule made beforehand would drive another one), and not beside a config
+    ``scheduler``."""
+    if factory is None:
+        return
+    if hasattr(factory, "state_dict") and hasattr(factory, "step"):
+        raise TypeError(
+            "initialize(lr_scheduler=...): pass a function of the optimizer, e.g. lambda optimizer: "
+            f"{type(factory).__name__}(optimizer, ...), not a {type(factory).__name__} built on another optimizer "
+            "(the engine builds its own, over this rank's shards)"
+        )
+    if not callable(factory):
+        raise TypeError(f"initialize(lr_scheduler=...): expected a function of the optimizer, got {type(factory).__name__}")
+    if config.scheduler:
+        raise ValueError(
+            f"initialize(lr_scheduler=...) and the config's scheduler section ({config.scheduler.type}) both give a "
+            "schedule: keep one"
+        )
+
+
+def _check_host_memory(model: nn.Module, config: ZeroEngineConfig, world_size: int) -> None:
+    """With offload: the host state of every rank on this node must fit the node's available
+    memory, checked before any of it is allocated."""
+    if offload_plan(config.zero_optimization).any:
+        num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
+        needed = host_bytes_needed(config, num_params, world_size)
+        offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")
+
+
+def _log_settings(config: ZeroEngineConfig, stage: Stage) -> None:
+    """What the config asks for that changes nothing here, and the clipping in effect (rank 0)."""
+    if stage.shard_parameters and not config.zero_optimization.reduce_scatter_each_micro_step:
+        logger.warning("zero_optimization.reduce_scatter_each_micro_step: false has no effect at stage 3")
+    for message in no_effect_settings(config):
+        logger.warning(message)
+    logger.info(_clipping_in_effect(config))
+
+
+def _clipping_in_effect(config: ZeroEngineConfig) -> str:
+    """The clipping a step applies, and whether the config chose it (left out, it is DeepSpeed's
+    default, 1.0: a config written for no clipping must say 0)."""
+    max_norm = config.gradient_clipping
+    given = "" if "gradient_clipping" in config.model_fields_set else " (left out of the config: DeepSpeed's default)"
+    if max_norm == 0:
+        return f"gradient clipping: off (gradient_clipping = 0{given})"
+    return f"gradient clipping: the global gradient norm to {max_norm:g} (gradient_clipping = {max_norm:g}{given})"
+
+
+def _check_params(model: nn.Module, precision: Precision) -> None:
+    _check_one_device(model)
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if not param.is_floating_point():
+            raise TypeError(f"parameter {name!r} is {param.dtype}: trainable parameters must be floating point")
+        if not precision.mixed and param.dtype != torch.float32:
+            raise NotImplementedError(
+                f"parameter {name!r} is {param.dtype}: without fp16/bf16 enabled, trainable parameters must be "
+                "float32 (enable bf16 or fp16 in the config to compute in low precision with fp32 masters)"
+            )
+
+
+def _check_one_device(model: nn.Module) -> None:
+    """Parameters and buffers (every one is broadcast on the data group: NCCL refuses a host
+    tensor) on one device, meta aside; the error names a tensor on each device found."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    where = {}
+    for name, tensor in tensors:
+        if not tensor.is_meta:
+            where.setdefault(str(tensor.device), name)
+    if len(where) > 1:
+        found = ", ".join(f"{name!r} on {device}" for device, name in sorted(where.items()))
+        raise ValueError(f"the model's parameters and buffers are on several devices ({found}); move the model to one")

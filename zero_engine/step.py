@@ -1,0 +1,186 @@
+"""One optimizer step on an accumulation boundary, from reduced gradients to updated parameters.
+
+`OptimizerStep` owns everything a step touches besides the reduction of gradients (the
+reducer's) and the training loop's counters (the engine's): the torch optimizer over the units'
+optimizer shards, the learning-rate schedule, fp16's loss scaler, and the step's phases (`run`):
+
+1. agree on which parameters some rank used and on the squared gradient norm, in one small
+   all-reduce read back once (non-finite on every rank when any rank overflowed);
+2. a non-finite norm skips the step on every rank (parameters, optimizer state and schedule
+   untouched; the fp16 scale drops);
+3. otherwise unscale and clip (one multiplier), update this rank's masters one unit at a time
+   (`zero_engine.sharding.optimizer_shard.step_shards`), and all-gather the updated
+   parameters where optimizer state is sharded (stage 3 units stay sharded until used);
+4. the schedule and the loss scaler advance on applied steps only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .comm import Comm
+from .config import ZeroEngineConfig
+from .offload import OffloadPlan
+from .optim import build_optimizer
+from .param_groups import ParamGroup
+from .precision import build_loss_scaler
+from .schedules import build_scheduler, dry_run
+from .sharding.optimizer_shard import step_shards
+from .sharding.reducer import GradReducer
+from .sharding.stages import Stage
+from .sharding.unit import FlatUnit
+
+logger = logging.getLogger("zero_engine")
+
+
+class StepResult(NamedTuple):
+    applied: bool  # False: skipped for a non-finite gradient norm
+    grad_norm: float  # the global norm of the averaged, unscaled gradient, before clipping
+
+
+class OptimizerStep:
+    """The optimizer, its schedule and loss scaler, and the phases of a step."""
+
+    def __init__(
+        self,
+        config: ZeroEngineConfig,
+        stage: Stage,
+        units: list[FlatUnit],
+        groups: list[ParamGroup],
+        comm: Comm,
+        reducer: GradReducer,
+        device: torch.device,
+        offload: OffloadPlan,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.stage = stage
+        self.units = units
+        self.comm = comm
+        self.reducer = reducer
+        self.device = device
+        self.optimizer = build_optimizer(
+            config.optimizer, stage.level, _optimizer_groups(groups, units), on_host=offload.optimizer
+        )
+        if config.scheduler:
+            dry_run(config.scheduler, self.optimizer)
+        self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
+        if lr_scheduler is not None:
+            self.lr_scheduler = lr_scheduler(self.optimizer)
+        self.loss_scaler = build_loss_scaler(config)
+        self.skipped_steps = 0
+        self.grad_norm: float | None = None  # the last step's
+        self.applied = False  # whether the last step updated the parameters
+        self.peak_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def run(self, step_number: int) -> StepResult:
+        """The step's phases (see the module's docstring); ``step_number`` names it in logs."""
+        used, squares = self._agree_on_used_params_and_norm()
+        self.grad_norm = math.sqrt(squares) / self.loss_scale
+        self.applied = math.isfinite(squares)
+        if not self.applied:
+            self._skip(step_number)
+            return StepResult(False, self.grad_norm)
+        self._update(used, self._gradient_multiplier())
+        if self.stage.shard_optimizer_state:
+            self._gather_params()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return StepResult(True, self.grad_norm)
+
+    def _agree_on_used_params_and_norm(self) -> tuple[list[bool], float]:
+        """One small all-reduce: which parameters got a gradient on any rank, and the squared
+        (still scaled) gradient norm summed over every rank's shard, so identical everywhere:
+        non-finite on every rank when any rank's gradients overflowed. Packed on the device
+        (the norm is computed there; the used-mask is kept on the host by the hooks) and read
+        back to the host once, as Python values: the one host sync of a step."""
+        squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units], self.device)
+        if self.comm.replica_rank:  # every shard is counted once: by its copy in the first shard group
+            squares = torch.where(squares.isfinite(), 0.0, squares)
+        # non_blocking: a pageable host-to-device copy need not stall the host (sync debug mode)
+        packed = torch.cat([self.reducer.used_mask().to(self.device, non_blocking=True), squares.view(1)])
+        self.comm.all_reduce_sum(packed).wait()
+        *used, total = packed.tolist()
+        return [count > 0 for count in used], total
+
+    def _gradient_multiplier(self) -> float:
+        """Unscale, then clip as ``torch.nn.utils.clip_grad_norm_`` does: by
+        max_norm / (norm + 1e-6) when that is below 1."""
+        multiplier = 1.0 / self.loss_scale
+        max_norm = self.config.gradient_clipping
+        if max_norm > 0 and self.grad_norm is not None:
+            multiplier *= min(1.0, max_norm / (self.grad_norm + 1e-6))
+        return multiplier
+
+    def _update(self, used: list[bool], multiplier: float) -> None:
+        """Each unit's optimizer shard steps on its fp32 gradient and publishes the result, one
+        unit at a time: a low-precision gradient's fp32 copy, and the temporaries of torch's
+        foreach optimizers (AdamW's is an fp32 copy of every element it steps; foreach is the
+        default on CUDA), then exist for one unit, never for the whole model."""
+        shards = [unit.optim for unit in self.units]
+        self.peak_grad_bytes = step_shards(self.optimizer, shards, used, multiplier)
+
+    def _skip(self, step_number: int) -> None:
+        """A non-finite gradient on some rank (fp16 overflow, or a NaN or inf loss or gradient
+        at any precision): every rank leaves parameters, optimizer state and the schedule
+        untouched. Logged at WARNING, except fp16's dynamic overflows, which are routine (the
+        scale adapts)."""
+        self.skipped_steps += 1
+        if self.loss_scaler is None:
+            if self.comm.rank == 0:
+                logger.warning(
+                    "step %d skipped: the gradient norm is not finite (a NaN or inf loss or gradient on some rank); "
+                    "parameters unchanged (%d skipped so far, engine.skipped_steps)",
+                    step_number, self.skipped_steps,
+                )
+            return
+        scale = self.loss_scaler.scale
+        self.loss_scaler.update(overflow=True)
+        if self.comm.rank == 0:
+            log = logger.info if self.loss_scaler.dynamic and scale > self.loss_scaler.min_scale else logger.warning
+            log(
+                "step %d skipped: fp16 gradient overflow; loss scale %g -> %g (%d skipped so far, engine.skipped_steps)",
+                step_number, scale, self.loss_scaler.scale, self.skipped_steps,
+            )
+
+    def _gather_params(self) -> None:
+        """Whole parameters get every rank's update; stage 3 units stay sharded until used."""
+        pending = [self.comm.all_gather(unit.flat_param) for unit in self.units if not unit.sharded_params]
+        for handle in pending:
+            handle.wait()
+
+
+def _optimizer_groups(groups: list[ParamGroup], units: list[FlatUnit]) -> list[dict[str, Any]]:
+    """The torch param groups over the units' optimizer targets (views of the fp32 masters:
+    whole parameters at stage 0, this rank's pieces when optimizer state is sharded)."""
+    per_group: list[list[torch.Tensor]] = [[] for _ in groups]
+    for unit in units:
+        for target in unit.optim.targets:
+            per_group[unit.group_indices[target.piece.param_index]].append(target.tensor)
+    return [dict(group.options, params=tensors) for group, tensors in zip(groups, per_group)]
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared L2 norm over all ``grads`` in float64, on ``device``: each tensor's norm in
+    fp32 (no copy of fp32 gradients; the old ``grad.double().pow(2)`` made two per shard),
+    computed where the tensor lives."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    by_place: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:  # offloaded shards are summed where they live (the host), then moved as one number
+        by_place.setdefault(grad.device, []).append(grad)
+    for place, group in by_place.items():
+        norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in group])
+        squares = norms.double().pow(2).sum()
+        total = total + (squares if place == device else squares.to(device, non_blocking=True))
+    return total
