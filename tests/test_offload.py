@@ -31,7 +31,7 @@ from zero_engine.memory import estimate_from_config
 from zero_engine.comm import HOST
 from zero_engine.testing.device_guard import DeviceGuard, DeviceMistake
 from zero_engine.testing.process_memory import live_tensor_bytes
-from zero_engine.sharding.schedule import PassKind, make_row
+from zero_engine.sharding.agreement import PassKind, make_row
 
 OPTIMIZER = {"offload_optimizer": {"device": "cpu"}}
 PARAMS = {"offload_param": {"device": "cpu"}}

@@ -16,7 +16,7 @@ from models import decay_groups, make_model, micro_batch, train_engine, train_re
 from zero_engine.memory import HELD_NOW, formula_bytes
 from zero_engine.testing.process_memory import live_tensor_bytes
 from zero_engine.precision import LossScaler
-from zero_engine.sharding.schedule import PassKind, make_row
+from zero_engine.sharding.agreement import PassKind, make_row
 
 STEPS, MICRO, LR, STATIC_SCALE = 4, 2, 0.01, 256.0
 # Adam's eps well above low-precision gradient noise: with the default 1e-8, an element whose

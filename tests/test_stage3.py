@@ -17,7 +17,7 @@ from configs import engine_config
 from harness import run_on_ranks
 from models import DeepModel, decay_groups, make_model, train_engine, train_reference
 from zero_engine.memory import HELD_NOW
-from zero_engine.sharding.schedule import PASS_DONE, PassKind, make_row, row_wants
+from zero_engine.sharding.agreement import PASS_DONE, PassKind, make_row, row_wants
 from zero_engine.testing.process_memory import live_tensor_bytes
 from structured import StructuredModel, structured_batch
 

@@ -496,7 +496,7 @@ def _hybrid_groups(timeout_s: float, world_size: int, rank: int, size: int, data
 
 def _reduce_group(timeout_s: float, world_size: int, rank: int, size: int) -> Any:
     """Stage 3: a group of this rank's shard group's ranks for reduce-scatters alone. Gathers
-    launch in the order the ranks agree on (`zero_engine.sharding.schedule`), reductions in
+    launch in the order the ranks agree on (`zero_engine.sharding.agreement`), reductions in
     unit order as gradients complete; on one group the two orders would have to interleave
     alike on every rank, which depends on which parameters got gradients where."""
     groups = [

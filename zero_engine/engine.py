@@ -29,12 +29,12 @@ from .monitor import StepLog, build_monitors
 from .offload import offload_plan
 from .param_groups import ParamGroup
 from .precision import Precision
-from .sharding.build import build_units
+from .sharding.build import build_mechanism
 from .sharding.deferred_init import DeferredInit
 from .sharding.lifecycle import Lifecycle
 from .sharding.module_plan import leaf_unit_modules
-from .sharding.schedule import Call
-from .sharding.stages import Stage, build_reducer
+from .sharding.agreement import Call
+from .sharding.stages import Stage
 from .sharding.unit_forwards import WrappedForwards, compiled, recomputed
 from .state import checkpoint
 from .state.state_dict import ModelState
@@ -79,20 +79,14 @@ class Engine:
         self.offload = offload_plan(zero)  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
-        self.units, self.gatherer = build_units(
-            model, groups, comm, stage, zero, precision.compute_dtype, self.device, self.lifecycle, deferred,
-            self.offload,
+        self.units, self.gatherer, self.reducer, self.calls = build_mechanism(
+            model, groups, comm, stage, zero, precision.compute_dtype, precision.reduce_dtype, self.device,
+            self.lifecycle, self._begin_backward, deferred, self.offload,
         )
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype)
         self._groups = groups
         self.recompute = WrappedForwards(self._leaf_unit_modules() if zero.recompute_units else [], recomputed)
         self._compiled: WrappedForwards | None = None
-        self.reducer = build_reducer(
-            stage, self.units, comm, zero, precision.reduce_dtype, lifecycle=self.lifecycle,
-            on_unit_complete=self.gatherer.unit_complete, on_unarmed_grad=self._begin_backward,
-            may_wait_for=self.gatherer.may_wait_for_reduction,
-        )
-        self.gatherer.attach_reducer(self.reducer)
         self.optimizer_step = OptimizerStep(
             config, stage, self.units, groups, comm, self.reducer, self.device, self.offload, lr_scheduler
         )
@@ -109,7 +103,7 @@ class Engine:
     # -- the training loop -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.gatherer.check_usable()  # after ranks diverged, every call raises
+        self.calls.check_usable()  # after ranks diverged, every call raises
         self._open_window()
         if self.lifecycle.state.in_backward:  # the last backward raised before autograd ran its end
             self.reducer.disarm()
@@ -188,13 +182,13 @@ class Engine:
 
     def step(self) -> None:
         """Call after every micro-batch's backward; updates only on accumulation boundaries."""
-        self.gatherer.check_usable()
+        self.calls.check_usable()
         self._check_backwards()
         boundary = self.window.end_micro_step()
         self._train_row_sent = False
         if not boundary:
             return
-        self.gatherer.read_call_row()  # before the step's collectives (stages 0-2: a row sent and not read yet)
+        self.calls.read()  # before the step's collectives (stages 0-2: a row sent and not read yet)
         self.optimizer_step.run(self.global_step)
         self._zero_grads()
         self.global_step += 1
@@ -245,7 +239,7 @@ class Engine:
             self._agree_on_call(Call.TRAIN)
 
     def _agree_on_call(self, call: Call) -> None:
-        self.gatherer.agree_on_call(call, self.window.micro_steps)
+        self.calls.agree(call, self.window.micro_steps)
 
     def _check_backwards(self) -> None:
         if self.window.backwards == 0:
@@ -340,7 +334,7 @@ class Engine:
         ``rank0_only=True`` gathers onto rank 0 alone, one unit at a time, so exporting never
         needs the full model on any other rank; the other ranks get an empty dict.
         """
-        self.gatherer.check_usable()
+        self.calls.check_usable()
         if any(unit.shard_master for unit in self.units):  # collective: every rank must be here
             self._agree_on_call(Call.FULL_STATE_DICT)
         return self.model_state.full_state_dict(rank0_only=rank0_only)
@@ -382,7 +376,7 @@ class Engine:
         gradients so far stay in this run and are not saved, as a DDP checkpoint holds none (for
         loops that checkpoint between micro-batches, as Lightning's ModelCheckpoint can).
         """
-        self.gatherer.check_usable()
+        self.calls.check_usable()
         if self.window.in_window and not within_window:
             raise RuntimeError(
                 f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "
@@ -403,7 +397,7 @@ class Engine:
         load_optimizer_states: bool = True,
     ) -> Any:
         """Resume from ``directory`` (tag: the latest); returns the saved ``client_state``."""
-        self.gatherer.check_usable()
+        self.calls.check_usable()
         self._agree_on_call(Call.LOAD_CHECKPOINT)
         if self.offload.any:  # the last publish may still be reading the host masters this load overwrites
             offload.wait_for_host_copies(self.device)

@@ -1,4 +1,6 @@
-"""The engine's units, as the stage says, listed in expected gradient-arrival order.
+"""The engine's units, as the stage says, listed in expected gradient-arrival order, and the
+mechanism around them, built and linked in one place (`build_mechanism`): the gatherer, the
+reducer and the call guard.
 
 Stages 0-2: buckets of ``reduce_bucket_size`` elements per param group (`plan_units`), whole
 parameters always present. Stage 3: one `ShardedFlatUnit` per unit module
@@ -16,6 +18,7 @@ reducer launches them as they fill.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -24,13 +27,55 @@ from ..comm import Comm
 from ..config import ZeroOptimizationConfig
 from ..offload import NO_OFFLOAD, OffloadPlan
 from ..param_groups import ParamGroup
+from .calls import CallGuard, PassCallGuard
 from .deferred_init import DeferredInit
 from .gatherer import NoGather, ParamGatherer
 from .layout import plan_units
 from .lifecycle import Lifecycle
 from .module_plan import plan_module_units
-from .stages import Stage
+from .reducer import GradReducer
+from .stages import Stage, build_reducer
 from .unit import FlatUnit, ShardedFlatUnit
+
+
+class Mechanism(NamedTuple):
+    """What shards a model: its units, what gathers them (stage 3), what reduces their
+    gradients, and what catches a collective call made on some ranks only."""
+
+    units: list[FlatUnit]
+    gatherer: NoGather
+    reducer: GradReducer
+    calls: CallGuard | PassCallGuard
+
+
+def build_mechanism(
+    model: nn.Module,
+    groups: list[ParamGroup],
+    comm: Comm,
+    stage: Stage,
+    zero: ZeroOptimizationConfig,
+    compute_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    device: torch.device,
+    lifecycle: Lifecycle,
+    on_unarmed_grad: Callable[[], None],
+    deferred: DeferredInit | None = None,
+    offload: OffloadPlan = NO_OFFLOAD,
+) -> Mechanism:
+    """The units (`build_units`), and the reducer and the call guard linked to the gatherer:
+    the reducer tells the gatherer when a unit's gradients are complete and asks it whether it
+    may wait for a reduction; the gatherer's rounds report the reducer's launches; the call
+    guard reads its rows before the reducer's first launch (stages 0-2) or among the rounds
+    (stage 3). ``on_unarmed_grad``: the engine's, for a gradient outside an armed backward."""
+    units, gatherer = build_units(model, groups, comm, stage, zero, compute_dtype, device, lifecycle, deferred, offload)
+    calls = PassCallGuard(gatherer) if isinstance(gatherer, ParamGatherer) else CallGuard(comm)
+    reducer = build_reducer(
+        stage, units, comm, zero, reduce_dtype, lifecycle=lifecycle, on_unit_complete=gatherer.unit_complete,
+        on_unarmed_grad=on_unarmed_grad, may_wait_for=gatherer.may_wait_for_reduction,
+        before_launch=calls.before_reduction,
+    )
+    gatherer.attach_reducer(reducer)
+    return Mechanism(units, gatherer, reducer, calls)
 
 
 def build_units(
@@ -55,7 +100,7 @@ def build_units(
             _agree_on_drawn_values(model, [], comm)
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
         units = _bucketed_units(named, position, comm, stage, zero, compute_dtype, offload)
-        return _in_arrival_order(units, position), NoGather(comm)
+        return _in_arrival_order(units, position), NoGather()
     plans, resident = plan_module_units(
         model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
     )

@@ -15,7 +15,7 @@ have received their gradient (the reducer says so): every operation that needed 
 has then run. Whatever is still gathered when backward returns (unused parameters) is freed.
 
 Every gather is agreed on first, and launched in the order `CollectiveSchedule` derives from
-what every rank asked for (`zero_engine.sharding.schedule`), with the reductions of the
+what every rank asked for (`zero_engine.sharding.agreement`), with the reductions of the
 gradients: ranks that run different modules (a mixture of experts, a data-dependent branch)
 take part in each other's gathers instead of hanging, aborting in the transport on mismatched
 sizes or filling one unit with another's values. Agreeing synchronously before every gather
@@ -47,67 +47,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Comm, EachRank
+from ..comm import Comm
 from ..errors import DivergedRanksError, ShardedParameterError
 from ..tree import iter_tensors
 from .lifecycle import Lifecycle, TrainingState
 from .param_access import ReadWatch, unserved_reads, watch_reads
 from .reducer import GradReducer
-from .schedule import WANTS_PER_ROW, Call, CollectiveSchedule, PassKind, call_divergence, call_row
+from .agreement import WANTS_PER_ROW, CollectiveSchedule, PassKind
 from .unit import FlatUnit, ShardedFlatUnit
 
 logger = logging.getLogger("zero_engine")
 
 
 class NoGather:
-    """Stages 0-2: parameters are always whole; nothing to gather. Still the keeper of the
-    call rows (`agree_on_call`)."""
-
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
-        self.call_divergence = ""  # the DivergedRanksError's message once ranks were in different calls
-        self._unread_call: EachRank | None = None  # a training call row sent and not read yet
+    """Stages 0-2: parameters are always whole; nothing to gather."""
 
     def begin_backward(self) -> None: ...
 
     def end_backward(self) -> None: ...
 
-    def agree_on_call(self, call: Call, count: int) -> None:
-        """Raise `DivergedRanksError` on every rank unless every rank is in ``call`` after
-        ``count`` micro-steps (see `zero_engine.sharding.schedule.call_row`).
-
-        A training row is only sent here: a backward issues no collective before its first
-        reduction, which reads it (`read_call_row`), so the round completes behind the compute
-        instead of stalling every rank (``docs/benchmarks.md``). Any other call reads its row
-        at once: its own collectives come next. Every earlier row is read before a new one is
-        sent, so at most one is unread, and after a divergence every rank has sent the same
-        rows (the control group stays usable for a new engine)."""
-        self.read_call_row()
-        self._unread_call = self.comm.each_rank(call_row(count, call))
-        if call is not Call.TRAIN:
-            self.read_call_row()
-
-    def read_call_row(self) -> None:
-        """Read the call row sent and not read yet, if any (waiting for the other ranks' where
-        needed), before any other collective: raise `DivergedRanksError` if the rows are
-        different calls (every rank reads that round, so every rank raises)."""
-        self.check_usable()
-        if self._unread_call is not None:
-            rows, self._unread_call = self._unread_call.values(), None
-            self.call_divergence = call_divergence(rows) or ""
-            self.check_usable()
-
-    def check_usable(self) -> None:
-        """After a divergence no later collective of this engine can pair up: every call
-        raises at once, on every rank."""
-        if self.call_divergence:
-            raise DivergedRanksError(self.call_divergence)
-
     def unit_complete(self, unit: FlatUnit) -> None: ...
 
-    def attach_reducer(self, reducer: GradReducer) -> None:
-        """Stages 0-2: the reducer reads the call rows before it launches a reduction."""
-        reducer.before_launch = self.read_call_row
+    def attach_reducer(self, reducer: GradReducer) -> None: ...
 
     def may_wait_for_reduction(self, index: int) -> bool:
         """Stages 0-2: always (see `ParamGatherer.may_wait_for_reduction`)."""
@@ -143,7 +104,7 @@ class ParamGatherer(NoGather):
         max_live_numel: int,
         lifecycle: Lifecycle,
     ) -> None:
-        super().__init__(comm)
+        self.comm = comm
         self.units = list(units)
         self.lifecycle = lifecycle  # tracks the root's forward (its hooks run before these)
         self.prefetch_numel = prefetch_numel
@@ -216,14 +177,9 @@ class ParamGatherer(NoGather):
         if self._diverged:
             raise DivergedRanksError(f"{self.schedule.divergence} (raised earlier; this engine cannot go on)")
 
-    def agree_on_call(self, call: Call, count: int) -> None:
-        """The call row goes after this rank's rounds in flight (``count`` is the schedule's
-        own: passes finished). Training needs none: every pass sends rows (its drain at
-        least), and any of them pairs with another rank's call row."""
-        self.check_usable()
-        if call is Call.TRAIN:
-            return
-        self.schedule.agree_on_call(call)
+    def settle_for_call(self) -> None:
+        """After a collective call's row (`zero_engine.sharding.calls.PassCallGuard`): every unit
+        sharded for the call (a load writes shards)."""
         self._release_kept()  # a backward that follows gathers the root again
         # It launched the gathers agreed before (prefetches proposed for the next pass): let
         # them complete and free them, so that every unit is sharded for the call (a load
@@ -489,7 +445,7 @@ class ParamGatherer(NoGather):
             budget -= numel
         return window
 
-    # -- agreeing on every gather (see `zero_engine.sharding.schedule`) -------------------------
+    # -- agreeing on every gather (see `zero_engine.sharding.agreement`) -------------------------
 
     def _gather(self, index: int) -> None:
         """Launch the gather of ``index`` once every rank has agreed on it."""

@@ -12,7 +12,7 @@ At stage 3 the reductions run on a group of their own (`zero_engine.comm.Comm.re
 the all-gathers launch in an order the ranks agree on, which cannot interleave alike with
 these on every rank when ranks differ in which parameters got gradients. A backward then may
 wait for a reduction only once it completed or every rank has said it launched it
-(`may_wait_for`, from the rows the stage 3 schedule exchanges, `zero_engine.sharding.schedule`):
+(`may_wait_for`, from the rows the stage 3 schedule exchanges, `zero_engine.sharding.agreement`):
 a rank where a parameter got no gradient launches it only after its backward, and may be
 waiting for this rank meanwhile.
 
@@ -87,6 +87,7 @@ class GradReducer:
         on_unit_complete: Callable[[FlatUnit], None] | None = None,
         on_unarmed_grad: Callable[[], None] | None = None,
         may_wait_for: Callable[[int], bool | None] | None = None,
+        before_launch: Callable[[], None] | None = None,
     ) -> None:
         self.units = list(units)
         self.lifecycle = lifecycle or Lifecycle()  # REDUCING or ACCUMULATING while a backward runs
@@ -110,8 +111,8 @@ class GradReducer:
         # (stage 3: whether every rank has launched it; None: not known yet); None: always.
         self.may_wait_for = may_wait_for
         # Called before a reduction is launched (stages 0-2: the training call row sent at the
-        # backward's start is read there, `zero_engine.sharding.gatherer.NoGather.read_call_row`).
-        self.before_launch: Callable[[], None] | None = None
+        # backward's start is read there, `zero_engine.sharding.calls.CallGuard.read`).
+        self.before_launch = before_launch
         self._settled: set[int] = set()  # units that get no gradient here this backward
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
         # offload_optimizer: the units' host gradients, waited for at the end of a reducing backward.

@@ -72,10 +72,11 @@ def build_reducer(
     on_unit_complete: Callable[[FlatUnit], None],
     on_unarmed_grad: Callable[[], None],
     may_wait_for: Callable[[int], bool | None],
+    before_launch: Callable[[], None] | None,
 ) -> GradReducer:
     callbacks = {
         "lifecycle": lifecycle, "on_unit_complete": on_unit_complete, "on_unarmed_grad": on_unarmed_grad,
-        "may_wait_for": may_wait_for,
+        "may_wait_for": may_wait_for, "before_launch": before_launch,
     }
     if stage.streams_gradients(zero):
         return ShardedGradReducer(

@@ -14,7 +14,7 @@ import torch
 
 from zero_engine.comm import DONE, EachRank
 from zero_engine.errors import DivergedRanksError
-from zero_engine.sharding.schedule import (
+from zero_engine.sharding.agreement import (
     NO_UNIT, PASS_DONE, Call, CollectiveSchedule, PassKind, call_row, make_row,
 )
 

@@ -30,8 +30,8 @@ backward, another one): every rank raises `DivergedRanksError` on the same round
 
 The engine's collective calls (saving, loading, exporting; at stages 0-2 also a micro-step's
 first backward) open with a *call row* on the same control group
-(`CollectiveSchedule.agree_on_call`; at stages 0-2 `NoGather.agree_on_call`, which reads a
-training row only before the next reduction): a rank that skipped a call
+(`CollectiveSchedule.agree_on_call`, through `zero_engine.sharding.calls`; at stages 0-2
+`CallGuard`, which reads a training row only before the next reduction): a rank that skipped a call
 (``if rank == 0: engine.save_checkpoint(...)``) pairs its next row with another rank's call
 row, and every rank raises `DivergedRanksError` naming each rank's call instead of pairing
 unrelated collectives until the timeout.
