@@ -156,9 +156,9 @@ class OptimizerStep:
 
     def _gather_params(self) -> None:
         """Whole parameters get every rank's update; stage 3 units stay sharded until used."""
-        pending = [self.comm.all_gather(unit.flat_param) for unit in self.units if not unit.sharded_params]
-        for handle in pending:
-            handle.wait()
+        gatherings = [unit.gather(self.comm) for unit in self.units if not unit.sharded_params]
+        for gathering in gatherings:
+            gathering.wait()
 
 
 def _optimizer_groups(groups: list[ParamGroup], units: list[FlatUnit]) -> list[dict[str, Any]]:

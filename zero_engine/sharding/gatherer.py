@@ -282,13 +282,19 @@ class ParamGatherer(NoGather):
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(hook)
-        keep = module is self._root and torch.is_grad_enabled()
+        keep = self._keep_after_forward(module)
         for index in needs:
             self._holds[index].forward = max(0, self._holds[index].forward - 1)
-            if self._holds[index].held:
-                continue
-            if not keep:  # the root's units: `_exit_root` decides, once it sees whether a backward follows
+            if not self._holds[index].held and not keep:
                 self._reshard(index)
+
+    def _keep_after_forward(self, module: nn.Module) -> bool:
+        """Whether ``module``'s units stay gathered when its forward ends: the root's, with
+        gradients on, for a backward that starts with them (as FSDP2 keeps its root). The rest
+        of that one decision: `_exit_root` holds them for the backward if the output needs a
+        gradient, else frees them; a collective call before the backward (`settle_for_call`)
+        or the next forward (`_release_all`) lets them go."""
+        return module is self._root and torch.is_grad_enabled()
 
     def _pre_backward(self, needs: tuple[int, ...], grad: torch.Tensor) -> None:
         self._free_served()

@@ -26,8 +26,9 @@ from enum import Enum
 import torch
 from torch import nn
 
-from ..comm import DONE, Comm, Pending, tensor_bytes
+from ..comm import Comm, tensor_bytes
 from ..offload import NO_OFFLOAD, OffloadPlan, copy_across, host_copy
+from .codec import IDENTITY, GatherCodec, Gathering
 from .layout import UnitLayout
 from .optimizer_shard import OptimizerShard
 
@@ -52,9 +53,11 @@ class FlatUnit:
         device: torch.device | None = None,
         materialize: Callable[[], None] | None = None,
         offload: OffloadPlan = NO_OFFLOAD,
+        codec: GatherCodec = IDENTITY,
     ) -> None:
         self.params = list(params)
         self.offload = offload
+        self.codec = codec  # how the unit's compute values travel in its all-gathers (`gather`)
         self.shapes = [param.shape for param in self.params]  # stage 3 empties the parameters
         self.names = list(names)
         self.group_indices = list(group_indices)  # each parameter's optimizer param group
@@ -103,6 +106,22 @@ class FlatUnit:
             shaped_pieces=not self.shard_master, full_grad=self.flat_grad, releases_grad=releases_grad,
             host_grad=self.offload.optimizer, pin_memory=self.offload.pin_memory,
         )
+
+    def gather(self, comm: Comm) -> Gathering:
+        """Start the all-gather of the unit's compute values from every rank's shard of
+        ``flat_param``, through the unit's codec: the one path by which a unit's values are
+        gathered for compute (after a step below stage 3; in forward and backward at stage 3)."""
+        return self.codec.launch(comm, self.flat_param)
+
+    def gather_masters(self, comm: Comm, onto: int | None = None) -> torch.Tensor:
+        """The fp32 masters over the whole flat buffer, exactly (no codec: an export), gathered
+        from every rank's shard (onto rank ``onto`` alone, when given; the others' result holds
+        their own shard only)."""
+        full = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        start, end = self.optim.owned_range
+        full[start:end] = self.optim.master
+        (comm.all_gather(full) if onto is None else comm.gather(full, dst=onto)).wait()
+        return full
 
     def view_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s elements of any full flat buffer of this unit, shaped."""
@@ -190,16 +209,18 @@ class ShardedFlatUnit(FlatUnit):
         device: torch.device | None = None,
         materialize: Callable[[], None] | None = None,
         offload: OffloadPlan = NO_OFFLOAD,
+        codec: GatherCodec = IDENTITY,
     ) -> None:
         super().__init__(
             params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, shard_master=True,
             full_grads=False, releases_grad=True, device=device, materialize=materialize, offload=offload,
+            codec=codec,
         )
         self.label = label  # the module path the unit stands for, for messages
         self._empty = torch.empty(0, dtype=compute_dtype, device=self.device)
         self.unsharded_bytes = self.flat_param.untyped_storage().nbytes()
         self.state = ShardedState.GATHERED
-        self._pending: Pending = DONE  # the all-gather in flight while GATHERING
+        self._gatherings: list[Gathering] = []  # the all-gathers in flight while GATHERING
         self.reshard()
 
     def _make_optimizer_shard(
@@ -241,15 +262,16 @@ class ShardedFlatUnit(FlatUnit):
                 param.data = self.param_view(index)
         start, end = self.layout.shard_range(self.rank)
         copy_across(self.flat_param[start:end], self.param_shard)  # from the host with offload_param
-        self._pending = Pending(self._pending.works + comm.all_gather(self.flat_param).works)
+        self._gatherings.append(self.gather(comm))
         self.state = ShardedState.GATHERING
 
     def wait_for_unshard(self, wait: bool = True) -> None:
         """Wait for the gather in flight, if any (``wait=False`` after ranks diverged, when the
         others may never send: the buffer is then given up, see `reshard`)."""
         if self.state is ShardedState.GATHERING and wait:
-            self._pending.wait()
-            self._pending = DONE
+            for gathering in self._gatherings:
+                gathering.wait()
+            self._gatherings = []
             self.state = ShardedState.GATHERED
 
     def reshard(self) -> None:
@@ -260,7 +282,7 @@ class ShardedFlatUnit(FlatUnit):
             param.data = self._empty
         if self.state is ShardedState.GATHERING:
             self.flat_param = torch.empty_like(self.flat_param)
-            self._pending = DONE
+            self._gatherings = []
         _free_storage(self.flat_param)
         self.state = ShardedState.SHARDED
 

@@ -73,11 +73,7 @@ class ModelState:
             return shard.master
         if shard.master_is_compute_copy and not unit.sharded_params:
             return unit.flat_param  # stages 1-2 in fp32: the whole buffer is up to date
-        full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
-        start, end = shard.owned_range
-        full[start:end] = shard.master
-        (self.comm.gather(full) if rank0_only else self.comm.all_gather(full)).wait()
-        return full
+        return unit.gather_masters(self.comm, onto=0 if rank0_only else None)
 
     def loose_state(self) -> dict[str, torch.Tensor]:
         """State-dict entries outside the units (frozen parameters as their fp32 values,
