@@ -49,7 +49,7 @@ def compiled_runs(rank: int, world_size: int, stages: list[int], options: dict, 
             engine = zero_engine.initialize(BlockStack(WIDTH, 3), config)
             if compile_it:
                 engine.compile(**options)
-                compiled_forwards = [type(m).__name__ for m in engine._compiled.modules]
+                compiled_forwards = [type(m).__name__ for m in engine.unit_forwards.compiled_modules]
             losses, graphs = _train(engine, rank)
             name = f"{stage}-{'compiled' if compile_it else 'eager'}"
             engine.save_checkpoint(Path(directory) / name)

@@ -11,6 +11,7 @@ from configs import engine_config
 from harness import run_on_ranks
 from models import DeepModel, decay_groups, global_batch, make_model, micro_batch
 from zero_engine.memory import HELD_NOW, formula_bytes
+from zero_engine.stage import stage_for
 from zero_engine.testing.process_memory import live_tensor_bytes
 
 LR = 0.05
@@ -122,9 +123,9 @@ def test_distributed_behaviour(world_size: int) -> None:
         reports = [r[f"stage{stage}"] for r in per_rank]
         psi, units = reports[0]["psi"], reports[0]["unit_numels"]
         padded = sum(p for _, p in units)
-        formula = formula_bytes(psi, stage, n)
+        formula = formula_bytes(psi, stage_for(stage), n)
         stepped = psi - reports[0]["never_stepped"]
-        optimizer_formula = formula_bytes(stepped, stage, n).optimizer_states
+        optimizer_formula = formula_bytes(stepped, stage_for(stage), n).optimizer_states
         for report in reports:
             memory = report["memory"]
             assert memory["parameters"] == 4 * padded + report["frozen_bytes"]

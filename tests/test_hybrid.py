@@ -33,6 +33,7 @@ from test_precision import _check as check_precision
 from test_precision import check_skipped_everywhere, overflow_on_one_rank, precision_grid
 from zero_engine.comm import DONE, Pending, TwoPhase, advance_in_order
 from zero_engine.memory import formula_bytes
+from zero_engine.stage import stage_for
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, MICRO, LR, TOL = 3, 2, 0.05, 2e-5
@@ -174,7 +175,7 @@ def _check_case(case: dict, world_size: int, group: int, results: list[dict]) ->
         # Memory: the ZeRO formula with G in place of N. The engine's count is enough here: the
         # same counting is held to the storages the process holds in test_distributed.py and
         # test_stage3.py, and hybrid memory to the resident set in test_stage3_memory.py.
-        memory, formula = result["memory"], formula_bytes(sum(result["shard_numels"]) * group, stage, group)
+        memory, formula = result["memory"], formula_bytes(sum(result["shard_numels"]) * group, stage_for(stage), group)
         if stage >= 2 and case.get("each_micro_step", True):  # stage 3 releases them after the step
             assert memory["gradients"] == (0 if stage == 3 else shard_bytes), label
         if stage == 3:

@@ -14,6 +14,7 @@ from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch, train_engine, train_reference_policy
 from zero_engine.memory import HELD_NOW, formula_bytes
+from zero_engine.stage import stage_for
 from zero_engine.testing.process_memory import live_tensor_bytes
 from zero_engine.precision import LossScaler
 from zero_engine.sharding.agreement import PassKind, make_row
@@ -343,7 +344,7 @@ def test_mixed_precision_memory_follows_the_zero_paper() -> None:
     n = 2
     for result in run_on_ranks(n, mixed_memory)[0]:
         stage, memory, psi, units = result["stage"], result["memory"], result["psi"], result["units"]
-        formula = formula_bytes(psi, stage, n, param_bytes=2, grad_bytes=2, optimizer_bytes=8, master_bytes=4)
+        formula = formula_bytes(psi, stage_for(stage), n, param_bytes=2, grad_bytes=2, optimizer_bytes=8, master_bytes=4)
         padding = 4 * n * units  # at most n-1 padding elements per unit, 4 bytes at most each
         assert abs(memory["parameters"] - formula.parameters) <= padding, stage
         assert abs(memory["gradients"] - formula.gradients) <= padding, stage

@@ -18,7 +18,8 @@ from harness import run_on_ranks
 from models import make_model, train_engine
 from zero_engine import ConfigError, load_config, load_consolidated
 from zero_engine.param_groups import resolve_param_groups
-from zero_engine.stage_choice import GIB, candidates, largest_unit_numel
+from zero_engine.sharding.module_plan import ModulePlan
+from zero_engine.stage_choice import GIB, candidates
 
 WORLD, MICRO = 2, 2
 ZERO = {"reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0, "activation_memory_gib": 0.0}
@@ -33,7 +34,8 @@ def _table() -> list[Any]:
     model = make_model()
     groups = resolve_param_groups(model, None, torch.optim.AdamW)
     num_params = sum(p.numel() for group in groups for p in group.params)
-    return candidates(config, num_params, WORLD, largest_unit_numel(model, groups, config)), num_params
+    largest = ModulePlan(model, groups, config.zero_optimization).largest_unit_numel()
+    return candidates(config, num_params, WORLD, largest), num_params
 
 
 def test_the_table_is_the_zero_formula_plus_the_largest_unit() -> None:

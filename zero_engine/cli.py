@@ -18,6 +18,7 @@ from .config import ZeroEngineConfig, auto_keys, load_config
 from .errors import ConfigError
 from .features import unbuilt_features
 from .memory import estimate_from_config
+from .stage import stage_for
 from .stage_choice import candidates, choose, format_table
 from .state.consolidate import load_consolidated, write_state_dict
 from .values import as_count
@@ -77,7 +78,8 @@ def _estimate(args: argparse.Namespace) -> int:
     if report.host:
         print(f"  {'on the host':18s} {report.host / 2**30:10.3f} GiB  (offload; on the device: "
               f"{(total - report.host) / 2**30:.3f} GiB)")
-    if zero.stage == 2:
+    stage = stage_for(zero.stage)
+    if stage.shard_gradients and not stage.shard_parameters:  # stage 2: a bucket filling, one reducing
         print(f"  + during backward up to two gradient buckets: "
               f"{2 * zero.reduce_bucket_size * 4 / 2**30:.3f} GiB (reduce_bucket_size)")
     return 0

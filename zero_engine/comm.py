@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .config import ZeroEngineConfig, ZeroOptimizationConfig
 from .errors import ConfigError
+from .stage import Stage
 
 
 # Control tensors (agreements, JSON exchanges) live here, named explicitly: a factory without
@@ -431,7 +432,7 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
+def connect(config: ZeroEngineConfig, device: torch.device, stage: Stage) -> Comm:
     """The engine's `Comm`: groups of its own beside the caller's default group (so its
     collectives time out after ``comm.timeout_s`` whatever the caller chose), a new default
     group from torchrun's environment, or world size 1 without ``torch.distributed``."""
@@ -458,7 +459,7 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     shard_group, replica_group = _hybrid_groups(timeout, world_size, rank, size, data)
     shards = GroupComm(rank % size, size, backend, shard_group, None, primitives, force)
     reduces = None
-    if config.zero_optimization.stage == 3 and size > 1:
+    if stage.shard_parameters and size > 1:
         reduce_group = _reduce_group(timeout, world_size, rank, size)
         reduces = GroupComm(rank % size, size, backend, reduce_group, None, primitives, force)
     replicas = GroupComm(rank // size, world_size // size, backend, replica_group, None, primitives, force)

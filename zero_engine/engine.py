@@ -32,10 +32,10 @@ from .precision import Precision
 from .sharding.build import build_mechanism
 from .sharding.deferred_init import DeferredInit
 from .sharding.lifecycle import Lifecycle
-from .sharding.module_plan import leaf_unit_modules
+from .sharding.module_plan import ModulePlan
 from .sharding.agreement import Call
-from .sharding.stages import Stage
-from .sharding.unit_forwards import WrappedForwards, compiled, recomputed
+from .stage import Stage
+from .sharding.unit_forwards import UnitForwards
 from .state import checkpoint
 from .state.state_dict import ModelState
 from .step import OptimizerStep
@@ -56,6 +56,7 @@ class Engine:
         batch: BatchSizes,
         groups: list[ParamGroup],
         precision: Precision,
+        plan: ModulePlan,
         *,
         device: torch.device | None = None,
         deferred: DeferredInit | None = None,
@@ -76,17 +77,16 @@ class Engine:
         zero = config.zero_optimization
         self._sync_from_rank0()
         self.device = device or _model_device(model)  # where parameters, gradients and state live
-        self.offload = offload_plan(zero)  # what lives in host memory instead
+        self.offload = offload_plan(zero, stage)  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
         self.units, self.gatherer, self.reducer, self.calls = build_mechanism(
-            model, groups, comm, stage, zero, precision.compute_dtype, precision.reduce_dtype, self.device,
+            model, plan, groups, comm, stage, zero, precision.compute_dtype, precision.reduce_dtype, self.device,
             self.lifecycle, self._begin_backward, deferred, self.offload,
         )
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype)
-        self._groups = groups
-        self.recompute = WrappedForwards(self._leaf_unit_modules() if zero.recompute_units else [], recomputed)
-        self._compiled: WrappedForwards | None = None
+        # The leaf unit modules recomputed now (recompute_units), compiled later (compile()).
+        self.unit_forwards = UnitForwards(plan.leaf_modules, zero.recompute_units)
         self.optimizer_step = OptimizerStep(
             config, stage, self.units, groups, comm, self.reducer, self.device, self.offload, lr_scheduler
         )
@@ -301,21 +301,8 @@ class Engine:
         modules at stages 0-2, or the whole model's forward when it has no such module. The
         engine's hooks run around the compiled forwards, never inside a graph; names, state
         dicts and checkpoints stay eager's. Call it once, before or between steps."""
-        if self._compiled is not None:
-            raise RuntimeError(
-                "engine.compile() was called already; call engine.close() and build a new engine to change it"
-            )
-        self._compiled = WrappedForwards(self._leaf_unit_modules() or [self.module], compiled(options))
+        self.unit_forwards.compile(options, self.module)
         return self
-
-    def _leaf_unit_modules(self) -> list[nn.Module]:
-        """Stage 3's unit modules holding no other (the same modules at stages 0-2): what is
-        recomputed and compiled."""
-        zero = self.config.zero_optimization
-        return leaf_unit_modules(
-            self.module, self._groups, zero.stage3_wrap_modules, zero.reduce_bucket_size,
-            zero.stage3_param_persistence_threshold,
-        )
 
     # -- module state and reports ----------------------------------------------------------------
 
@@ -418,9 +405,7 @@ class Engine:
         """Remove the engine's hooks from the model's parameters and modules."""
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
-        if self._compiled is not None:
-            self._compiled.remove()
-        self.recompute.remove()
+        self.unit_forwards.remove()
         self.lifecycle.remove_hooks()
         self.step_log.close()
         _WRAPPED.pop(self.module, None)
@@ -431,22 +416,9 @@ class Engine:
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
 
 
-def _check_not_wrapped(model: Any) -> None:
-    if isinstance(model, Engine):
-        raise TypeError("initialize(model, ...) got an Engine: pass the nn.Module (engine.module), or keep the engine")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"initialize(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
-    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        raise TypeError(
-            "initialize(model, ...) got a torch.compile'd model, whose parameters are all named '_orig_mod.*' and "
-            "whose graph would hold the engine's hooks: pass the module itself (model._orig_mod), then call "
-            "engine.compile(**the same options) to compile each unit with the hooks outside the graph"
-        )
-    if model in _WRAPPED:
-        raise ValueError(
-            "initialize: this model is already wrapped by an engine (its hooks and flat parameters are in place): "
-            "call engine.close() on that engine first, or build a new model"
-        )
+def is_wrapped(model: nn.Module) -> bool:
+    """Whether an engine has hooked ``model`` and not been closed."""
+    return model in _WRAPPED
 
 
 def _check_loss(loss: Any) -> None:

@@ -23,7 +23,7 @@ from . import offload
 from .auto_values import fill_auto
 from .comm import connect, expected_world_size, local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
-from .engine import Engine, _check_not_wrapped
+from .engine import Engine, is_wrapped
 from .features import refuse_unbuilt_features
 from .memory import host_bytes_needed
 from .monitor import check_monitor_packages
@@ -31,8 +31,9 @@ from .offload import offload_plan
 from .optim import check_optimizer_for_stage
 from .param_groups import resolve_param_groups
 from .precision import Precision
+from .sharding.module_plan import ModulePlan
 from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
-from .sharding.stages import Stage, stage_for
+from .stage import Stage, stage_for
 from .stage_choice import resolve_stage
 from .state.weights import WeightsSource, load_weights, match_weights, open_weights
 
@@ -74,17 +75,18 @@ def initialize(
     check_monitor_packages(config)
     groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
     device = materialization_device(model)
-    config, stage_table = resolve_stage(config, model, groups, expected_world_size(), device)
+    plan = ModulePlan(model, groups, config.zero_optimization)  # decided once, for everything that asks
+    config, stage_table = resolve_stage(config, plan, groups, expected_world_size(), device)
     refuse_unbuilt_features(config)
     stage = stage_for(config.zero_optimization.stage)
-    check_optimizer_for_stage(config.optimizer, stage.level)
+    check_optimizer_for_stage(config.optimizer, stage)
     precision = Precision.from_config(config)
     _check_params(model, precision)
     weights_file = open_weights(weights) if weights is not None else None
     try:
         file_names = match_weights(model, weights_file) if weights_file is not None else {}
         _check_device(device)
-        comm = connect(config, device)
+        comm = connect(config, device, stage)
         if stage_table is not None and comm.rank == 0:
             logger.info(stage_table)
         deferred = None
@@ -94,11 +96,11 @@ def initialize(
         elif param_init_fn is not None and comm.rank == 0:
             logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
         batch = config.batch_sizes(comm.world_size)
-        _check_host_memory(model, config, comm.world_size)
+        _check_host_memory(model, config, stage, comm.world_size)
         if comm.rank == 0:
             _log_settings(config, stage)
         engine = Engine(
-            model, config, comm, stage, batch, groups, precision, device=device, deferred=deferred,
+            model, config, comm, stage, batch, groups, precision, plan, device=device, deferred=deferred,
             lr_scheduler=lr_scheduler,
         )
         if weights_file is not None:
@@ -107,6 +109,24 @@ def initialize(
         if weights_file is not None:
             weights_file.close()
     return engine
+
+
+def _check_not_wrapped(model: Any) -> None:
+    if isinstance(model, Engine):
+        raise TypeError("initialize(model, ...) got an Engine: pass the nn.Module (engine.module), or keep the engine")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
+    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        raise TypeError(
+            "initialize(model, ...) got a torch.compile'd model, whose parameters are all named '_orig_mod.*' and "
+            "whose graph would hold the engine's hooks: pass the module itself (model._orig_mod), then call "
+            "engine.compile(**the same options) to compile each unit with the hooks outside the graph"
+        )
+    if is_wrapped(model):
+        raise ValueError(
+            "initialize: this model is already wrapped by an engine (its hooks and flat parameters are in place): "
+            "call engine.close() on that engine first, or build a new model"
+        )
 
 
 def _check_device(device: torch.device) -> None:
@@ -142,10 +162,10 @@ def _check_scheduler_factory(factory: Any, config: ZeroEngineConfig) -> None:
         )
 
 
-def _check_host_memory(model: nn.Module, config: ZeroEngineConfig, world_size: int) -> None:
+def _check_host_memory(model: nn.Module, config: ZeroEngineConfig, stage: Stage, world_size: int) -> None:
     """With offload: the host state of every rank on this node must fit the node's available
     memory, checked before any of it is allocated."""
-    if offload_plan(config.zero_optimization).any:
+    if offload_plan(config.zero_optimization, stage).any:
         num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
         needed = host_bytes_needed(config, num_params, world_size)
         offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")

@@ -21,6 +21,7 @@ from torch import nn
 
 from .comm import tensor_bytes
 from .config import ZeroEngineConfig
+from .stage import Stage, stage_for
 from .offload import OffloadPlan, offload_plan
 from .sharding.reducer import GradReducer
 from .sharding.unit import FlatUnit
@@ -52,7 +53,7 @@ HELD_NOW = ("parameters", "gradients", "optimizer_states", "master_parameters", 
 
 def formula_bytes(
     num_params: int,
-    stage: int,
+    stage: Stage,
     world_size: int,
     *,
     param_bytes: int = 4,
@@ -64,20 +65,17 @@ def formula_bytes(
 
     ``optimizer_bytes`` is optimizer state per parameter (fp32 Adam: 8, SGD with momentum: 4).
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0-3, got {stage}")
-
-    def per_rank(bytes_per_param: int, sharded_from_stage: int) -> int:
+    def per_rank(bytes_per_param: int, sharded: bool) -> int:
         total = num_params * bytes_per_param
-        return total // world_size if stage >= sharded_from_stage else total
+        return total // world_size if sharded else total
 
     return MemoryReport(
-        parameters=per_rank(param_bytes, 3),
-        gradients=per_rank(grad_bytes, 2),
-        optimizer_states=per_rank(optimizer_bytes, 1),
-        master_parameters=per_rank(master_bytes, 1),
+        parameters=per_rank(param_bytes, stage.shard_parameters),
+        gradients=per_rank(grad_bytes, stage.shard_gradients),
+        optimizer_states=per_rank(optimizer_bytes, stage.shard_optimizer_state),
+        master_parameters=per_rank(master_bytes, stage.shard_optimizer_state),
         buffers=0,
-        peak_gradients=per_rank(grad_bytes, 2),
+        peak_gradients=per_rank(grad_bytes, stage.shard_gradients),
     )
 
 
@@ -108,21 +106,22 @@ def estimate_from_config(
         shard_group_size = config.zero_optimization.shard_group_size_for(world_size)
     elif world_size % shard_group_size:
         raise ValueError(f"shard group size {shard_group_size} does not divide the world size {world_size}")
+    stage = stage_for(config.zero_optimization.stage)
     report = formula_bytes(
         num_params,
-        config.zero_optimization.stage,
+        stage,
         shard_group_size,
         param_bytes=2 if mixed else 4,
         grad_bytes=2 if mixed else 4,
         optimizer_bytes=optimizer_bytes_per_param(config.optimizer.type, config.optimizer.params),
         master_bytes=4 if mixed else 0,
     )
-    zero = config.zero_optimization
-    return with_offload(report, offload_plan(zero), num_params, shard_group_size, mixed=mixed, stage=zero.stage)
+    plan = offload_plan(config.zero_optimization, stage)
+    return with_offload(report, plan, num_params, shard_group_size, mixed=mixed, stage=stage)
 
 
 def with_offload(
-    report: MemoryReport, plan: OffloadPlan, num_params: int, shards: int, *, mixed: bool, stage: int
+    report: MemoryReport, plan: OffloadPlan, num_params: int, shards: int, *, mixed: bool, stage: Stage
 ) -> MemoryReport:
     """The formula with `OffloadPlan` applied: offloaded, the shard's master is a separate fp32
     host copy (also in fp32 training, except when the parameter shard is on the host too), its
@@ -133,7 +132,7 @@ def with_offload(
     per_rank = num_params * 4 // shards
     host = 0
     if plan.optimizer:
-        device_grads = report.gradients if stage == 1 else 0  # stage 1 keeps full gradients for backward
+        device_grads = 0 if stage.shard_gradients else report.gradients  # stage 1 keeps full gradients for backward
         shared_master = plan.params and not mixed
         report = report._replace(
             gradients=device_grads + per_rank, peak_gradients=device_grads + per_rank,

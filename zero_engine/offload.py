@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .comm import HOST
+from .stage import Stage
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,11 @@ class OffloadPlan:
 NO_OFFLOAD = OffloadPlan()
 
 
-def offload_plan(zero: Any) -> OffloadPlan:
+def offload_plan(zero: Any, stage: Stage) -> OffloadPlan:
     """The plan from a ``zero_optimization`` section (validated: `zero_engine.config`);
     ``offload_param`` counts at stage 3 only (below it parameters are whole, as in DeepSpeed)."""
     optimizer = zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
-    params = zero.stage == 3 and zero.offload_param is not None and zero.offload_param.device == "cpu"
+    params = stage.shard_parameters and zero.offload_param is not None and zero.offload_param.device == "cpu"
     pin = any(section is not None and section.device == "cpu" and section.pin_memory
               for section in (zero.offload_optimizer, zero.offload_param))
     return OffloadPlan(optimizer, params, pin)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .config import OptimizerConfig, optimizer_class
+from .stage import Stage
 
 # Updates that depend on each element alone (plus per-tensor step counts), so splitting a
 # parameter into pieces changes nothing.
@@ -24,7 +25,7 @@ ELEMENTWISE_OPTIMIZERS = frozenset(
 UNSUPPORTED_OPTIMIZERS = frozenset({"LBFGS", "SparseAdam"})
 
 
-def check_optimizer_for_stage(config: OptimizerConfig, stage: int) -> type[torch.optim.Optimizer]:
+def check_optimizer_for_stage(config: OptimizerConfig, stage: Stage) -> type[torch.optim.Optimizer]:
     """The optimizer class, or a clear refusal when the stage cannot run it."""
     cls = optimizer_class(config.type)
     if cls.__name__ in UNSUPPORTED_OPTIMIZERS:
@@ -32,10 +33,10 @@ def check_optimizer_for_stage(config: OptimizerConfig, stage: int) -> type[torch
             f"optimizer.type = {config.type!r}: {cls.__name__} needs a closure or sparse gradients, "
             "which the engine does not provide at any stage"
         )
-    if stage >= 1 and cls.__name__ not in ELEMENTWISE_OPTIMIZERS:
+    if stage.shard_optimizer_state and cls.__name__ not in ELEMENTWISE_OPTIMIZERS:
         raise NotImplementedError(
             f"optimizer.type = {config.type!r}: {cls.__name__} is not elementwise, so it cannot update the flat "
-            f"shards of zero_optimization.stage = {stage}; it runs at stage 0 only. Elementwise optimizers "
+            f"shards of zero_optimization.stage = {stage.level}; it runs at stage 0 only. Elementwise optimizers "
             f"(all stages): {', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}"
         )
     return cls
@@ -46,7 +47,7 @@ FUSED_ON_HOST = frozenset({"Adam", "AdamW", "SGD", "Adagrad"})
 
 
 def build_optimizer(
-    config: OptimizerConfig, stage: int, groups: list[dict[str, Any]], *, on_host: bool = False
+    config: OptimizerConfig, stage: Stage, groups: list[dict[str, Any]], *, on_host: bool = False
 ) -> torch.optim.Optimizer:
     """``groups`` are torch param-group dicts whose ``params`` are the tensors to update.
 

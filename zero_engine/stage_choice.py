@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
 from .comm import free_cuda_bytes
 from .config import OffloadOptimizerConfig, OffloadParamConfig, ZeroEngineConfig
@@ -31,7 +30,7 @@ from .errors import ConfigError
 from .memory import estimate_from_config
 from .param_groups import ParamGroup
 from .precision import Precision
-from .sharding.module_plan import plan_module_units
+from .sharding.module_plan import ModulePlan
 
 GIB = 2**30
 CANDIDATES: list[tuple[str, dict[str, Any]]] = [
@@ -129,24 +128,15 @@ def budget_bytes(config: ZeroEngineConfig, device: torch.device) -> int:
     )
 
 
-def largest_unit_numel(model: nn.Module, groups: Sequence[ParamGroup], config: ZeroEngineConfig) -> int:
-    """The parameters of stage 3's largest unit (of the units stage 3 would cut)."""
-    zero = config.zero_optimization
-    plans, _resident = plan_module_units(
-        model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
-    )
-    return max((sum(param.numel() for param in plan.params) for plan in plans), default=0)
-
-
 def resolve_stage(
-    config: ZeroEngineConfig, model: nn.Module, groups: Sequence[ParamGroup], world_size: int, device: torch.device
+    config: ZeroEngineConfig, plan: ModulePlan, groups: Sequence[ParamGroup], world_size: int, device: torch.device
 ) -> tuple[ZeroEngineConfig, str | None]:
     """``config`` with ``stage: auto`` replaced by the chosen stage (and offload), and the
     table to log; a config with a stage set comes back as it is."""
     if config.zero_optimization.stage != "auto":
         return config, None
     num_params = sum(param.numel() for group in groups for param in group.params)
-    table = candidates(config, num_params, world_size, largest_unit_numel(model, groups, config))
+    table = candidates(config, num_params, world_size, plan.largest_unit_numel())
     budget = budget_bytes(config, device)
     chosen = choose(table, budget)
     text = (

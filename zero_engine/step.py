@@ -32,7 +32,7 @@ from .precision import build_loss_scaler
 from .schedules import build_scheduler, dry_run
 from .sharding.optimizer_shard import step_shards
 from .sharding.reducer import GradReducer
-from .sharding.stages import Stage
+from .stage import Stage
 from .sharding.unit import FlatUnit
 
 logger = logging.getLogger("zero_engine")
@@ -65,7 +65,7 @@ class OptimizerStep:
         self.reducer = reducer
         self.device = device
         self.optimizer = build_optimizer(
-            config.optimizer, stage.level, _optimizer_groups(groups, units), on_host=offload.optimizer
+            config.optimizer, stage, _optimizer_groups(groups, units), on_host=offload.optimizer
         )
         if config.scheduler:
             dry_run(config.scheduler, self.optimizer)

@@ -27,14 +27,14 @@ from ..comm import Comm
 from ..config import ZeroOptimizationConfig
 from ..offload import NO_OFFLOAD, OffloadPlan
 from ..param_groups import ParamGroup
+from ..stage import Stage
 from .calls import CallGuard, PassCallGuard
 from .deferred_init import DeferredInit
 from .gatherer import NoGather, ParamGatherer
 from .layout import plan_units
 from .lifecycle import Lifecycle
-from .module_plan import plan_module_units
-from .reducer import GradReducer
-from .stages import Stage, build_reducer
+from .module_plan import ModulePlan
+from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads, ShardedGradReducer
 from .unit import FlatUnit, ShardedFlatUnit
 
 
@@ -50,6 +50,7 @@ class Mechanism(NamedTuple):
 
 def build_mechanism(
     model: nn.Module,
+    plan: ModulePlan,
     groups: list[ParamGroup],
     comm: Comm,
     stage: Stage,
@@ -67,7 +68,9 @@ def build_mechanism(
     may wait for a reduction; the gatherer's rounds report the reducer's launches; the call
     guard reads its rows before the reducer's first launch (stages 0-2) or among the rounds
     (stage 3). ``on_unarmed_grad``: the engine's, for a gradient outside an armed backward."""
-    units, gatherer = build_units(model, groups, comm, stage, zero, compute_dtype, device, lifecycle, deferred, offload)
+    units, gatherer = build_units(
+        model, plan, groups, comm, stage, zero, compute_dtype, device, lifecycle, deferred, offload
+    )
     calls = PassCallGuard(gatherer) if isinstance(gatherer, ParamGatherer) else CallGuard(comm)
     reducer = build_reducer(
         stage, units, comm, zero, reduce_dtype, lifecycle=lifecycle, on_unit_complete=gatherer.unit_complete,
@@ -80,6 +83,7 @@ def build_mechanism(
 
 def build_units(
     model: nn.Module,
+    plan: ModulePlan,
     groups: list[ParamGroup],
     comm: Comm,
     stage: Stage,
@@ -101,9 +105,7 @@ def build_units(
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
         units = _bucketed_units(named, position, comm, stage, zero, compute_dtype, offload)
         return _in_arrival_order(units, position), NoGather()
-    plans, resident = plan_module_units(
-        model, groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold
-    )
+    plans, resident = plan.units, plan.resident
     sharded = [
         ShardedFlatUnit(
             plan.params, plan.names, plan.group_indices, comm.shard_rank, comm.num_shards, label=plan.label,
@@ -176,9 +178,7 @@ def _bucketed_units(
                     comm.shard_rank,
                     comm.num_shards,
                     compute_dtype=compute_dtype,
-                    shard_master=stage.shard_optimizer_state,
-                    full_grads=not stage.streams_gradients(zero),
-                    releases_grad=stage.releases_gradients,
+                    spec=stage.unit_spec(zero),
                     offload=offload,
                 )
             )
@@ -194,3 +194,29 @@ def _in_arrival_order(units: list[FlatUnit], position: dict[nn.Parameter, int]) 
         unit.used_offset = offset
         offset += len(unit.params)
     return ordered
+
+
+def build_reducer(
+    stage: Stage,
+    units: Sequence[FlatUnit],
+    comm: Comm,
+    zero: ZeroOptimizationConfig,
+    reduce_dtype: torch.dtype,
+    *,
+    lifecycle: Lifecycle,
+    on_unit_complete: Callable[[FlatUnit], None],
+    on_unarmed_grad: Callable[[], None],
+    may_wait_for: Callable[[int], bool | None],
+    before_launch: Callable[[], None] | None,
+) -> GradReducer:
+    callbacks = {
+        "lifecycle": lifecycle, "on_unit_complete": on_unit_complete, "on_unarmed_grad": on_unarmed_grad,
+        "may_wait_for": may_wait_for, "before_launch": before_launch,
+    }
+    if stage.streams_gradients(zero):
+        return ShardedGradReducer(
+            units, comm, zero.overlap_comm, reduce_dtype,
+            max_live_buckets=stage.live_grad_buckets, release_after_step=stage.releases_gradients, **callbacks,
+        )
+    reduction = ReduceScatterGrads() if stage.shard_optimizer_state else AllReduceGrads()
+    return FullGradReducer(units, comm, zero.overlap_comm, reduce_dtype, reduction, **callbacks)

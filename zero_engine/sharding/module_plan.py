@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -174,15 +175,42 @@ def _modules_by_size(model: nn.Module, sharded: set[nn.Parameter], min_unit_nume
     return chosen
 
 
-def leaf_unit_modules(
-    model: nn.Module, groups: Sequence[ParamGroup], wrap_classes: Sequence[str] | None, min_unit_numel: int,
-    persistence_threshold: int,
-) -> list[nn.Module]:
-    """The modules stage 3 makes units of (at any stage: the same policy), the root aside, and
-    only those holding no other unit module: what ``recompute_units`` checkpoints."""
-    plans, _ = plan_module_units(model, groups, wrap_classes, min_unit_numel, persistence_threshold)
-    modules = [plan.module for plan in plans if plan.module is not model]
-    planned = {id(module) for module in modules}
-    return [
-        module for module in modules if not any(id(sub) in planned for sub in module.modules() if sub is not module)
-    ]
+class ModulePlan:
+    """The model's unit plan, computed once, when first asked (a wrap list naming a class the
+    model lacks fails then, as before: at stage 3, or where recomputation or compilation asks
+    for the leaf units), and handed to everything that needs it: `stage: auto`'s largest unit,
+    stage 3's units, the modules recomputed and compiled."""
+
+    def __init__(self, model: nn.Module, groups: Sequence[ParamGroup], zero: Any) -> None:
+        self.model = model
+        self._args = (groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold)
+        self._planned: tuple[list[ModuleUnitPlan], list[ResidentParam]] | None = None
+
+    def _plan(self) -> tuple[list[ModuleUnitPlan], list[ResidentParam]]:
+        if self._planned is None:
+            self._planned = plan_module_units(self.model, *self._args)
+        return self._planned
+
+    @property
+    def units(self) -> list[ModuleUnitPlan]:
+        """Unit plans in module order (root first)."""
+        return self._plan()[0]
+
+    @property
+    def resident(self) -> list[ResidentParam]:
+        """The parameters that stay whole on every rank at stage 3."""
+        return self._plan()[1]
+
+    def largest_unit_numel(self) -> int:
+        """The parameters of the largest unit stage 3 would gather whole."""
+        return max((sum(param.numel() for param in plan.params) for plan in self.units), default=0)
+
+    def leaf_modules(self) -> list[nn.Module]:
+        """The unit modules (the root aside) holding no other unit module: what
+        ``recompute_units`` recomputes and ``engine.compile()`` compiles, at every stage."""
+        modules = [plan.module for plan in self.units if plan.module is not self.model]
+        planned = {id(module) for module in modules}
+        return [
+            module for module in modules
+            if not any(id(sub) in planned for sub in module.modules() if sub is not module)
+        ]

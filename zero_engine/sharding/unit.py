@@ -28,6 +28,7 @@ from torch import nn
 
 from ..comm import Comm, tensor_bytes
 from ..offload import NO_OFFLOAD, OffloadPlan, copy_across, host_copy
+from ..stage import UnitSpec
 from .codec import IDENTITY, GatherCodec, Gathering
 from .layout import UnitLayout
 from .optimizer_shard import OptimizerShard
@@ -47,9 +48,7 @@ class FlatUnit:
         world_size: int,
         *,
         compute_dtype: torch.dtype = torch.float32,
-        shard_master: bool = True,
-        full_grads: bool = True,
-        releases_grad: bool = False,
+        spec: UnitSpec = UnitSpec(shard_master=True, full_grads=True, releases_grad=False),
         device: torch.device | None = None,
         materialize: Callable[[], None] | None = None,
         offload: OffloadPlan = NO_OFFLOAD,
@@ -74,7 +73,8 @@ class FlatUnit:
                 self.view_of(full_fp32, index).copy_(param.detach())
         if materialize is not None:
             materialize()  # fills the (former meta) parameters' aliases of full_fp32 in place
-        self.shard_master = shard_master
+        self.shard_master = shard_master = spec.shard_master
+        full_grads, releases_grad = spec.full_grads, spec.releases_grad
         self.used_offset = 0  # this unit's first parameter in the used-mask (set when units are ordered)
         self.flat_param = full_fp32 if compute_dtype == torch.float32 else full_fp32.to(compute_dtype)
         # Full gradients (stages 0-1): one flat buffer, each .grad a view into it. Sharded
@@ -171,6 +171,11 @@ class FlatUnit:
         self.optim.load_owned(index, values, 0)
 
 
+# Stage 3's module units: the optimizer owns the shard, gradients stream through buckets, and the
+# gradient shard exists from a backward to its step (as stage 3's own `Stage.unit_spec`).
+SHARDED_UNIT = UnitSpec(shard_master=True, full_grads=False, releases_grad=True)
+
+
 class ShardedState(Enum):
     """Where a stage 3 unit's full buffer is in its lifecycle (moved only by the unit)."""
 
@@ -212,9 +217,8 @@ class ShardedFlatUnit(FlatUnit):
         codec: GatherCodec = IDENTITY,
     ) -> None:
         super().__init__(
-            params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, shard_master=True,
-            full_grads=False, releases_grad=True, device=device, materialize=materialize, offload=offload,
-            codec=codec,
+            params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, spec=SHARDED_UNIT,
+            device=device, materialize=materialize, offload=offload, codec=codec,
         )
         self.label = label  # the module path the unit stands for, for messages
         self._empty = torch.empty(0, dtype=compute_dtype, device=self.device)

@@ -49,6 +49,36 @@ class WrappedForwards:
         self._previous = []
 
 
+class UnitForwards:
+    """Recomputation and compilation of the leaf unit modules' forwards, applied in one order:
+    recomputation first, around each module's own forward; compilation over it, so that
+    torch.compile traces the checkpointed forward; the engine's hooks outside both (torchtitan's
+    order: activation checkpointing, then compile, then sharding)."""
+
+    def __init__(self, leaf_modules: Callable[[], Sequence[nn.Module]], recompute: bool) -> None:
+        self._leaf_modules = leaf_modules  # asked only where needed (the unit plan may fail on a wrap list)
+        self._recomputed = WrappedForwards(leaf_modules() if recompute else [], recomputed)
+        self._compiled: WrappedForwards | None = None
+
+    def compile(self, options: dict[str, Any], whole: nn.Module) -> None:
+        """``torch.compile(**options)`` each leaf unit's forward (``whole``'s, when there is none)."""
+        if self._compiled is not None:
+            raise RuntimeError(
+                "engine.compile() was called already; call engine.close() and build a new engine to change it"
+            )
+        self._compiled = WrappedForwards(list(self._leaf_modules()) or [whole], compiled(options))
+
+    @property
+    def compiled_modules(self) -> list[nn.Module]:
+        return self._compiled.modules if self._compiled is not None else []
+
+    def remove(self) -> None:
+        """Put every forward back, in the reverse order."""
+        if self._compiled is not None:
+            self._compiled.remove()
+        self._recomputed.remove()
+
+
 def recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing to recompute

@@ -1,23 +1,28 @@
-"""A ZeRO stage as a small value object: which states are sharded.
+"""A ZeRO stage as a small value object: which states are sharded, decided once.
 
-The engine looks the stage up once, in `STAGES`, and composes shared machinery from it
-(`build_reducer` picks how gradients are held and reduced); no ``if stage == ...`` elsewhere.
-Stage 3 adds sharded parameters: units become modules (`zero_engine.sharding.build`) whose parameters
+`initialize` looks the stage up once, in `STAGES`, and everything else takes the `Stage` (never
+its number): the mechanism composes shared parts from it (`zero_engine.sharding.build`), the
+units take its `UnitSpec`, and the formula, offload, the optimizer check and the process groups
+ask it what they need. Stage 3 adds sharded parameters: units become modules whose parameters
 are gathered around their use (`zero_engine.sharding.gatherer`).
+
+A leaf module (it imports only the config), so that every layer may take a `Stage`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-import torch
+from .config import ZeroOptimizationConfig
 
-from ..comm import Comm
-from ..config import ZeroOptimizationConfig
-from .lifecycle import Lifecycle
-from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads, ShardedGradReducer
-from .unit import FlatUnit
+
+class UnitSpec(NamedTuple):
+    """What a stage makes of a unit (`zero_engine.sharding.unit.FlatUnit`)."""
+
+    shard_master: bool  # its optimizer owns this rank's shard (else the whole unit: stage 0)
+    full_grads: bool  # full gradients persist in a flat buffer (else they pass through buckets into the shard)
+    releases_grad: bool  # its gradient shard exists only from a backward to the step (stage 3)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,9 @@ class Stage:
         previous reduction (see "Stage 3 memory" in ``docs/architecture.md``)."""
         return 1 if self.shard_parameters else 2
 
+    def unit_spec(self, zero: ZeroOptimizationConfig) -> UnitSpec:
+        return UnitSpec(self.shard_optimizer_state, not self.streams_gradients(zero), self.releases_gradients)
+
 
 STAGES: dict[int, Stage] = {
     0: Stage(0, False, False, False, "replicated data parallelism (all-reduce)"),
@@ -59,29 +67,3 @@ STAGES: dict[int, Stage] = {
 
 def stage_for(level: int) -> Stage:
     return STAGES[level]
-
-
-def build_reducer(
-    stage: Stage,
-    units: Sequence[FlatUnit],
-    comm: Comm,
-    zero: ZeroOptimizationConfig,
-    reduce_dtype: torch.dtype,
-    *,
-    lifecycle: Lifecycle,
-    on_unit_complete: Callable[[FlatUnit], None],
-    on_unarmed_grad: Callable[[], None],
-    may_wait_for: Callable[[int], bool | None],
-    before_launch: Callable[[], None] | None,
-) -> GradReducer:
-    callbacks = {
-        "lifecycle": lifecycle, "on_unit_complete": on_unit_complete, "on_unarmed_grad": on_unarmed_grad,
-        "may_wait_for": may_wait_for, "before_launch": before_launch,
-    }
-    if stage.streams_gradients(zero):
-        return ShardedGradReducer(
-            units, comm, zero.overlap_comm, reduce_dtype,
-            max_live_buckets=stage.live_grad_buckets, release_after_step=stage.releases_gradients, **callbacks,
-        )
-    reduction = ReduceScatterGrads() if stage.shard_optimizer_state else AllReduceGrads()
-    return FullGradReducer(units, comm, zero.overlap_comm, reduce_dtype, reduction, **callbacks)
