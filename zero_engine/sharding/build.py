@@ -34,6 +34,7 @@ from .gatherer import NoGather, ParamGatherer
 from .layout import plan_units
 from .lifecycle import Lifecycle
 from .module_plan import ModulePlan
+from .placement import Placement, place
 from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads, ShardedGradReducer
 from .unit import FlatUnit, ShardedFlatUnit
 
@@ -97,19 +98,21 @@ def build_units(
     """All units in reducer order, and what gathers them (nothing below stage 3). ``offload``
     puts sharded state on the host: optimizer state in every unit, parameter shards in the
     stage 3 units (resident parameters stay whole on the device, as DeepSpeed's persistent ones)."""
+    placement = place(offload)  # where every unit's optimizer side lives, decided once
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
         if deferred is not None:
             deferred.materialize_all()
             _agree_on_drawn_values(model, [], comm)
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
-        units = _bucketed_units(named, position, comm, stage, zero, compute_dtype, offload)
+        units = _bucketed_units(named, position, comm, stage, zero, compute_dtype, placement)
         return _in_arrival_order(units, position), NoGather()
     plans, resident = plan.units, plan.resident
     sharded = [
         ShardedFlatUnit(
             plan.params, plan.names, plan.group_indices, comm.shard_rank, comm.num_shards, label=plan.label,
-            compute_dtype=compute_dtype, device=device, materialize=_materializer(deferred, plan.params), offload=offload,
+            compute_dtype=compute_dtype, device=device, materialize=_materializer(deferred, plan.params),
+            placement=placement,
         )
         for plan in plans
         if plan.params
@@ -129,7 +132,7 @@ def build_units(
     per_group: list[list[tuple[str, nn.Parameter, int]]] = [[] for _ in groups]
     for item in resident:
         per_group[item.group_index].append((item.name, item.param, item.group_index))
-    resident_units = _bucketed_units(per_group, position, comm, stage, zero, compute_dtype, offload)
+    resident_units = _bucketed_units(per_group, position, comm, stage, zero, compute_dtype, placement)
     return _in_arrival_order([*sharded, *resident_units], position), gatherer
 
 
@@ -163,7 +166,7 @@ def _bucketed_units(
     stage: Stage,
     zero: ZeroOptimizationConfig,
     compute_dtype: torch.dtype,
-    offload: OffloadPlan,
+    placement: Placement,
 ) -> list[FlatUnit]:
     """Whole-parameter units of at most ``reduce_bucket_size`` elements, per param group."""
     units = []
@@ -179,7 +182,7 @@ def _bucketed_units(
                     comm.num_shards,
                     compute_dtype=compute_dtype,
                     spec=stage.unit_spec(zero),
-                    offload=offload,
+                    placement=placement,
                 )
             )
     return units

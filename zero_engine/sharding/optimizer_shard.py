@@ -16,10 +16,12 @@ optimizer updates (the rank's shard when optimizer state is sharded, the whole u
 - the *targets*: one optimizer tensor per parameter piece in the range (a view of the master),
   so torch optimizers keep their per-tensor semantics piece by piece.
 
-Where the master and the gradient live is decided once, when the unit is built: on the unit's
-device, or on the host with ``offload_optimizer`` (`zero_engine.offload`): then the step
-gradient is a `HostGradient` that reductions are copied into, the optimizer steps the host
-masters, and `publish` copies them back. Nothing outside this module touches them by offset.
+Where the master and the gradient live is decided once for the engine
+(`zero_engine.sharding.placement`): on the unit's device, or on the host with
+``offload_optimizer``: then the step gradient is a `HostGrad` that reductions are copied into,
+the optimizer steps the host masters, and `publish` copies them back. The step gradient's kind
+is an object (`StepGrad`), so nothing here branches on where it lives. Nothing outside this
+module touches them by offset.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ import torch
 
 from ..comm import tensor_bytes
 from ..offload import copy_across
-from .host_gradient import HostGradient
 from .layout import UnitLayout
+from .placement import StepGrad
 
 
 class ShardedUnit(Protocol):
@@ -84,24 +86,15 @@ class OptimizerShard:
         owned_range: tuple[int, int],
         master: torch.Tensor,
         publish_to: torch.Tensor | None,
+        grad: StepGrad,
         *,
         shaped_pieces: bool,
-        full_grad: torch.Tensor | None = None,
-        releases_grad: bool = False,
-        host_grad: bool = False,
-        pin_memory: bool = False,
     ) -> None:
         self.unit = unit
         self.owned_range = owned_range
         self.master = master
         self.publish_to = publish_to  # the compute copy of the range; None when the master is it
-        self.releases_grad = releases_grad and not host_grad  # the gradient exists only from backward to step (stage 3)
-        start, end = owned_range
-        # offload_optimizer: the step gradient is fp32 on the host, written by copies.
-        self.host_grad = HostGradient(end - start, unit.device, pin_memory) if host_grad else None
-        # Below stage 2 the step gradient is the owned range of the full gradient buffer.
-        self.grad: torch.Tensor | None = None if full_grad is None or host_grad else full_grad[start:end]
-        self._grad_is_view = self.grad is not None
+        self.grad = grad  # the step gradient (a view of the full buffer, a device tensor, or on the host)
         self.targets = [
             OptimizerTarget(self.master[p.owned_offset : p.owned_offset + p.numel].view(p.shape), p)
             for p in self._owned_pieces(shaped_pieces)
@@ -150,7 +143,7 @@ class OptimizerShard:
     @property
     def host_bytes(self) -> int:
         """What of the master and the step gradient lives on the host (offload_optimizer)."""
-        return 0 if self.host_grad is None else self.master_bytes + self.host_grad.nbytes
+        return self.master_bytes + self.grad.nbytes if self.grad.on_host else 0
 
     def load_owned(self, index: int, values: torch.Tensor, values_start: int) -> None:
         """Set the owned part of parameter ``index`` from ``values`` (fp32, elements
@@ -165,63 +158,34 @@ class OptimizerShard:
         if self.publish_to is not None:
             copy_across(self.publish_to[owned_offset : owned_offset + numel], piece)
 
-    # -- the step gradient -------------------------------------------------------------------
+    # -- the step gradient (its kind: `zero_engine.sharding.placement`) -----------------------
 
     @property
     def grad_bytes(self) -> int:
-        if self.host_grad is not None:
-            return self.host_grad.nbytes
-        return 0 if self.grad is None or self._grad_is_view else tensor_bytes(self.grad)
+        return self.grad.nbytes
 
     def ensure_grad(self) -> torch.Tensor:
-        """The step gradient, allocated (zeros) if it was released."""
-        if self.host_grad is not None:
-            return self.host_grad.value()
-        if self.grad is None:
-            numel = self.owned_range[1] - self.owned_range[0]
-            self.grad = torch.zeros(numel, dtype=self.unit.compute_dtype, device=self.unit.device)
-        return self.grad
+        """The step gradient (zeros where nothing wrote it; a released one is made)."""
+        return self.grad.value()
 
     def add_reduced(self, reduced: torch.Tensor, scale: float) -> None:
-        """Add ``scale * reduced`` (this range, summed over ranks) into the step gradient; a
-        released gradient is made from it, no zeros pass. Offloaded, it is cast to fp32 and
-        scaled on the device, then copied."""
-        if self.host_grad is not None:
-            self.host_grad.receive(reduced if scale == 1.0 and reduced.dtype == torch.float32 else reduced.float() * scale)
-        elif self.grad is None:
-            self.grad = torch.mul(reduced, scale).to(self.unit.compute_dtype)
-        else:
-            self.grad.add_(reduced, alpha=scale)
+        """Add ``scale * reduced`` (this range, summed over ranks) into the step gradient."""
+        self.grad.add(reduced, scale)
 
     def take_reduced(self, averaged: torch.Tensor) -> None:
         """The averaged gradient of the range, reduced outside the gradient (through a copy in
-        another dtype, or on the device while the gradient is on the host): copy it in.
-        Reduced in place, there is nothing to do."""
-        if self.host_grad is not None:  # stages 0-1 reduce once per window: the copy is the window's value
-            self.host_grad.replace(averaged.float())
-            return
-        grad = self.ensure_grad()
-        if averaged.data_ptr() != grad.data_ptr():
-            grad.copy_(averaged)
+        another dtype, or on the device while the gradient is on the host) or in place."""
+        self.grad.replace(averaged)
 
     def move_grad_into(self, destination: torch.Tensor) -> None:
         """Add the gradient accumulated so far into ``destination`` and zero it (hybrid
         sharding carries the window's gradient across groups once)."""
-        if self.host_grad is not None:
-            self.host_grad.move_into(destination)
-        elif self.grad is not None:
-            destination.add_(self.grad)
-            self.grad.zero_()
+        self.grad.move_into(destination)
 
     def clear_grad(self) -> None:
         """After a step: release the gradient (stage 3) or zero it for the next window (a host
         gradient is overwritten by the window's first copy instead)."""
-        if self.host_grad is not None:
-            self.host_grad.clear()
-        elif self.releases_grad:
-            self.grad = None
-        elif self.grad is not None and not self._grad_is_view:
-            self.grad.zero_()
+        self.grad.clear()
 
     # -- the update --------------------------------------------------------------------------
 
@@ -233,7 +197,7 @@ class OptimizerShard:
         grad = kept if kept.dtype == torch.float32 else kept.float()
         if multiplier != 1.0:
             grad.mul_(multiplier)
-        views = self._grad_views(grad, cache=grad is kept and not self.releases_grad)
+        views = self._grad_views(grad, cache=grad is kept and self.grad.persistent)
         attached = []
         for target, view in zip(self.targets, views):
             if used[target.piece.param_index]:

@@ -116,7 +116,7 @@ class GradReducer:
         self._settled: set[int] = set()  # units that get no gradient here this backward
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
         # offload_optimizer: the units' host gradients, waited for at the end of a reducing backward.
-        self._host_grads = [unit.optim.host_grad for unit in self.units if unit.optim.host_grad is not None]
+        self._host_grads = [unit.optim.grad for unit in self.units if unit.optim.grad.on_host]
         self._handles: list[Any] = []
         for unit_index, unit in enumerate(self.units):
             for param_index, param in enumerate(unit.params):
@@ -304,7 +304,7 @@ class FullGradReducer(GradReducer):
         return unit.optim.ensure_grad()
 
     def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
-        if unit.optim.host_grad is not None:  # the averaged shard is on the host (the device buffer was reduced elsewhere)
+        if unit.optim.grad.on_host:  # the averaged shard is on the host (the device buffer was reduced elsewhere)
             return unit.optim.ensure_grad()
         start, end = unit.layout.shard_range(unit.rank)
         return _full_grad(unit)[start:end]

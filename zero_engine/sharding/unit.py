@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from ..comm import Comm, tensor_bytes
-from ..offload import NO_OFFLOAD, OffloadPlan, copy_across, host_copy
+from ..offload import copy_across
 from ..stage import UnitSpec
 from .codec import IDENTITY, GatherCodec, Gathering
 from .layout import UnitLayout
+from .placement import ON_DEVICE, Placement
 from .optimizer_shard import OptimizerShard
 
 
@@ -51,11 +52,11 @@ class FlatUnit:
         spec: UnitSpec = UnitSpec(shard_master=True, full_grads=True, releases_grad=False),
         device: torch.device | None = None,
         materialize: Callable[[], None] | None = None,
-        offload: OffloadPlan = NO_OFFLOAD,
+        placement: Placement = ON_DEVICE,
         codec: GatherCodec = IDENTITY,
     ) -> None:
         self.params = list(params)
-        self.offload = offload
+        self.placement = placement  # where the optimizer's side lives (host with offload)
         self.codec = codec  # how the unit's compute values travel in its all-gathers (`gather`)
         self.shapes = [param.shape for param in self.params]  # stage 3 empties the parameters
         self.names = list(names)
@@ -87,25 +88,18 @@ class FlatUnit:
             param.data = self.param_view(index)
         if full_grads:
             self.attach_grads()
-        elif not releases_grad and not offload.optimizer:  # a host gradient exists already
-            self.optim.ensure_grad()
 
     def _make_optimizer_shard(
         self, full_fp32: torch.Tensor, owned_range: tuple[int, int], releases_grad: bool
     ) -> OptimizerShard:
         """In fp32 the master is a view of the parameters; otherwise (or offloaded: on the
-        host) an fp32 copy of the owned range, published into ``flat_param`` after each update."""
+        host) an fp32 copy of the owned range, published into ``flat_param`` after each update;
+        the step gradient is the owned range of ``flat_grad`` when the unit keeps one."""
         start, end = owned_range
-        fp32 = self.compute_dtype == torch.float32
-        if self.offload.optimizer:
-            master, fp32 = host_copy(full_fp32[start:end], self.offload.pin_memory), False
-        else:
-            master = self.flat_param[start:end] if fp32 else full_fp32[start:end].clone()
-        return OptimizerShard(
-            self, owned_range, master, None if fp32 else self.flat_param[start:end],
-            shaped_pieces=not self.shard_master, full_grad=self.flat_grad, releases_grad=releases_grad,
-            host_grad=self.offload.optimizer, pin_memory=self.offload.pin_memory,
-        )
+        master, publish_to = self.placement.masters(self.flat_param, full_fp32, start, end)
+        full_grad = self.flat_grad[start:end] if self.flat_grad is not None else None
+        grad = self.placement.step_grad(end - start, self.compute_dtype, self.device, full_grad, releases_grad)
+        return OptimizerShard(self, owned_range, master, publish_to, grad, shaped_pieces=not self.shard_master)
 
     def gather(self, comm: Comm) -> Gathering:
         """Start the all-gather of the unit's compute values from every rank's shard of
@@ -213,12 +207,12 @@ class ShardedFlatUnit(FlatUnit):
         compute_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
         materialize: Callable[[], None] | None = None,
-        offload: OffloadPlan = NO_OFFLOAD,
+        placement: Placement = ON_DEVICE,
         codec: GatherCodec = IDENTITY,
     ) -> None:
         super().__init__(
             params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, spec=SHARDED_UNIT,
-            device=device, materialize=materialize, offload=offload, codec=codec,
+            device=device, materialize=materialize, placement=placement, codec=codec,
         )
         self.label = label  # the module path the unit stands for, for messages
         self._empty = torch.empty(0, dtype=compute_dtype, device=self.device)
@@ -235,21 +229,9 @@ class ShardedFlatUnit(FlatUnit):
         the master is published into it after each update. ``offload_param`` puts the shard on
         the host (cast on the device first), ``offload_optimizer`` the master."""
         start, end = owned_range
-        plan = self.offload
-        if plan.params:
-            self.param_shard = host_copy(self.flat_param[start:end], plan.pin_memory)
-        else:
-            self.param_shard = self.flat_param[start:end].clone()
-        if self.compute_dtype == torch.float32 and plan.params == plan.optimizer:
-            master, publish_to = self.param_shard, None
-        elif plan.optimizer:
-            master, publish_to = host_copy(full_fp32[start:end], plan.pin_memory), self.param_shard
-        else:
-            master, publish_to = full_fp32[start:end].clone(), self.param_shard
-        return OptimizerShard(
-            self, owned_range, master, publish_to, shaped_pieces=False, releases_grad=releases_grad,
-            host_grad=plan.optimizer, pin_memory=plan.pin_memory,
-        )
+        self.param_shard, master, publish_to = self.placement.sharded(self.flat_param, full_fp32, start, end)
+        grad = self.placement.step_grad(end - start, self.compute_dtype, self.device, None, releases_grad)
+        return OptimizerShard(self, owned_range, master, publish_to, grad, shaped_pieces=False)
 
     @property
     def has_full_storage(self) -> bool:
@@ -296,7 +278,7 @@ class ShardedFlatUnit(FlatUnit):
 
     @property
     def host_bytes(self) -> int:
-        shard = tensor_bytes(self.param_shard) if self.offload.params else 0
+        shard = tensor_bytes(self.param_shard) if self.placement.offload_params else 0
         return shard + self.optim.host_bytes
 
     @property

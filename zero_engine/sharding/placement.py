@@ -1,0 +1,229 @@
+"""Where a unit's optimizer side lives, decided once for the engine (`place`), and the three
+kinds of step gradient, one class each.
+
+A unit's range that this rank's optimizer updates has a master (fp32 values), a compute copy
+to publish the master into after each update (unless the master is the compute copy itself),
+at stage 3 a parameter shard kept between uses, and a step gradient. `Placement` says where
+each of them lives, from the offload plan, for every unit alike (FSDP2 decides its
+``offload_to_cpu`` once, in its parameter objects); the units ask it once, when they are made.
+
+The step gradient is one of three kinds, behind one interface (`StepGrad`):
+
+- `GradView` (stages 0-1): the owned range of the unit's full gradient buffer, which the
+  reduction writes in place;
+- `DeviceGrad` (stages 2-3): a tensor of its own that reductions add into; at stage 3 it exists
+  only from a backward to its step (``releases``);
+- `HostGrad` (``offload_optimizer``): fp32 in host memory, written by asynchronous copies
+  (`zero_engine.sharding.host_gradient.HostGradient`), ready after the backward's one wait.
+
+A new placement (NVMe, a quantized master) is a new class here, not a branch in every method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..comm import tensor_bytes
+from ..offload import OffloadPlan, host_copy
+from .host_gradient import HostGradient
+
+
+class StepGrad(Protocol):
+    """The averaged gradient of a unit's owned range, in the compute dtype (fp32 on the host)."""
+
+    on_host: bool  # written by copies that the backward's one wait completes (`finish`)
+    persistent: bool  # `value` is the same tensor from step to step (views into it may be kept)
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def value(self) -> torch.Tensor:
+        """The window's gradient (zeros where no reduction wrote it)."""
+        ...
+
+    def add(self, reduced: torch.Tensor, scale: float) -> None:
+        """Add ``scale * reduced`` (this range, summed over ranks)."""
+        ...
+
+    def replace(self, averaged: torch.Tensor) -> None:
+        """The window's whole averaged gradient, reduced elsewhere (stages 0-1)."""
+        ...
+
+    def move_into(self, destination: torch.Tensor) -> None:
+        """Add the window's gradient so far into the device ``destination`` and start anew."""
+        ...
+
+    def finish(self) -> None:
+        """After the backward's wait for its copies."""
+        ...
+
+    def clear(self) -> None:
+        """After a step."""
+        ...
+
+
+class GradView:
+    """Stages 0-1: the owned range of the unit's full gradient buffer, reduced in place."""
+
+    on_host = False
+    persistent = True
+    nbytes = 0  # counted with the full buffer
+
+    def __init__(self, view: torch.Tensor) -> None:
+        self.view = view
+
+    def value(self) -> torch.Tensor:
+        return self.view
+
+    def add(self, reduced: torch.Tensor, scale: float) -> None:
+        self.view.add_(reduced, alpha=scale)
+
+    def replace(self, averaged: torch.Tensor) -> None:
+        if averaged.data_ptr() != self.view.data_ptr():  # reduced through a copy in another dtype
+            self.view.copy_(averaged)
+
+    def move_into(self, destination: torch.Tensor) -> None:
+        destination.add_(self.view)
+        self.view.zero_()
+
+    def finish(self) -> None: ...
+
+    def clear(self) -> None: ...  # the full buffer is zeroed with the others
+
+
+class DeviceGrad:
+    """Stages 2-3: a tensor of its own beside the unit; ``releases`` (stage 3): it exists only
+    from the backward to the step, made by the window's first reduction (no zeros pass)."""
+
+    on_host = False
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, releases: bool) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.releases = releases
+        self.persistent = not releases
+        self.grad: torch.Tensor | None = None if releases else self._zeros()
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.grad is None else tensor_bytes(self.grad)
+
+    def value(self) -> torch.Tensor:
+        if self.grad is None:
+            self.grad = self._zeros()
+        return self.grad
+
+    def add(self, reduced: torch.Tensor, scale: float) -> None:
+        if self.grad is None:
+            self.grad = torch.mul(reduced, scale).to(self.dtype)
+        else:
+            self.grad.add_(reduced, alpha=scale)
+
+    def replace(self, averaged: torch.Tensor) -> None:
+        self.value().copy_(averaged)
+
+    def move_into(self, destination: torch.Tensor) -> None:
+        if self.grad is not None:
+            destination.add_(self.grad)
+            self.grad.zero_()
+
+    def finish(self) -> None: ...
+
+    def clear(self) -> None:
+        if self.releases:
+            self.grad = None
+        elif self.grad is not None:
+            self.grad.zero_()
+
+
+class HostGrad:
+    """``offload_optimizer``: fp32 in host memory, written by asynchronous copies of reduced
+    slices cast to fp32 (and scaled) on the device."""
+
+    on_host = True
+    persistent = True
+
+    def __init__(self, numel: int, device: torch.device, pin_memory: bool) -> None:
+        self.host = HostGradient(numel, device, pin_memory)
+        self.device = device  # where the copies come from
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.nbytes
+
+    def value(self) -> torch.Tensor:
+        return self.host.value()
+
+    def add(self, reduced: torch.Tensor, scale: float) -> None:
+        self.host.receive(reduced if scale == 1.0 and reduced.dtype == torch.float32 else reduced.float() * scale)
+
+    def replace(self, averaged: torch.Tensor) -> None:
+        self.host.replace(averaged.float())  # stages 0-1 reduce once per window: the copy is its value
+
+    def move_into(self, destination: torch.Tensor) -> None:
+        self.host.move_into(destination)
+
+    def finish(self) -> None:
+        self.host.finish()
+
+    def clear(self) -> None:
+        self.host.clear()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every unit's optimizer side lives (`place`)."""
+
+    offload_optimizer: bool  # masters, step gradients and optimizer state on the host
+    offload_params: bool  # stage 3's parameter shards on the host
+    pin_memory: bool
+
+    def masters(
+        self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A whole-parameter unit's master of ``[start, end)`` and the compute copy to publish it
+        into (None: the master is the compute copy, fp32 on the device)."""
+        if self.offload_optimizer:
+            return host_copy(full_fp32[start:end], self.pin_memory), flat_param[start:end]
+        if flat_param.dtype == torch.float32:
+            return flat_param[start:end], None
+        return full_fp32[start:end].clone(), flat_param[start:end]
+
+    def sharded(
+        self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A stage 3 unit's parameter shard (compute dtype, kept between uses), master, and the
+        copy to publish the master into: in fp32 the shard is the master where both live in one
+        place (no second copy)."""
+        if self.offload_params:
+            param_shard = host_copy(flat_param[start:end], self.pin_memory)  # cast on the device first
+        else:
+            param_shard = flat_param[start:end].clone()
+        if flat_param.dtype == torch.float32 and self.offload_params == self.offload_optimizer:
+            return param_shard, param_shard, None
+        if self.offload_optimizer:
+            return param_shard, host_copy(full_fp32[start:end], self.pin_memory), param_shard
+        return param_shard, full_fp32[start:end].clone(), param_shard
+
+    def step_grad(
+        self, numel: int, dtype: torch.dtype, device: torch.device, full_grad: torch.Tensor | None, releases: bool
+    ) -> StepGrad:
+        """The step gradient's kind: on the host (offloaded), a view of the full gradient buffer's
+        range (``full_grad``, stages 0-1), or a device tensor of its own."""
+        if self.offload_optimizer:
+            return HostGrad(numel, device, self.pin_memory)
+        if full_grad is not None:
+            return GradView(full_grad)
+        return DeviceGrad(numel, dtype, device, releases)
+
+
+def place(plan: OffloadPlan) -> Placement:
+    return Placement(plan.optimizer, plan.params, plan.pin_memory)
+
+
+ON_DEVICE = Placement(offload_optimizer=False, offload_params=False, pin_memory=False)
