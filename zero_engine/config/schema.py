@@ -1,0 +1,178 @@
+"""The whole configuration file (`ZeroEngineConfig`), the checks between its sections, and
+DeepSpeed's batch arithmetic."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, NamedTuple
+
+from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
+
+from ..errors import ConfigError
+from .sections import (
+    BF16Config, CometConfig, CommConfig, CsvMonitorConfig, FP16Config, OptimizerConfig, SchedulerConfig,
+    TensorBoardConfig, WandbConfig, ZeroOptimizationConfig,
+)
+from .types import PositiveCount, Real, _deepspeed_option, _never_when_infinite, _Section
+
+
+class BatchSizes(NamedTuple):
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+
+class ZeroEngineConfig(_Section):
+    """The whole configuration file."""
+
+    train_batch_size: PositiveCount | None = Field(None, description="Global batch: micro x accumulation x ranks.")
+    train_micro_batch_size_per_gpu: PositiveCount | None = Field(None, description="Samples per rank per micro-step.")
+    gradient_accumulation_steps: PositiveCount | None = Field(None, description="Micro-steps per optimizer step.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="The torch optimizer.")
+    scheduler: SchedulerConfig | None = Field(None, description="The learning-rate schedule.")
+    gradient_clipping: Real = Field(
+        1.0, ge=0, description="Clip the global gradient norm to this; 0 = off. 1.0 when left out, as in DeepSpeed "
+        "(initialize logs the clipping in effect)."
+    )
+    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision.")
+    bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, description="dtype of gradient reductions; unset: fp32 (DeepSpeed: the compute dtype)."
+    )
+    zero_optimization: ZeroOptimizationConfig = Field(
+        default_factory=ZeroOptimizationConfig, description="What is sharded, and how gradients are reduced."
+    )
+    comm: CommConfig = Field(default_factory=CommConfig, description="Process group settings (ours).")
+    steps_per_print: Annotated[PositiveCount | None, BeforeValidator(_never_when_infinite)] = Field(
+        None, description="Every this many optimizer steps, rank 0 logs the step, learning rates, gradient norm, "
+        "loss scale and skipped steps (logger zero_engine, INFO), as DeepSpeed prints them. null (the default, as in "
+        "DeepSpeed) or infinity (Accelerate writes it): never."
+    )
+    wall_clock_breakdown: bool = _deepspeed_option(False)
+    zero_allow_untested_optimizer: bool = _deepspeed_option(False)
+    prescale_gradients: bool = _deepspeed_option(False)
+    gradient_predivide_factor: Real = Field(1.0, gt=0, description="DeepSpeed option; accepted, no effect.")
+    zero_force_ds_cpu_optimizer: bool = _deepspeed_option(True)
+    memory_breakdown: bool = _deepspeed_option(False)
+    dump_state: bool = _deepspeed_option(False)
+    disable_allgather: bool = _deepspeed_option(False)
+    dataloader_drop_last: bool = _deepspeed_option(False)
+    graph_harvesting: bool = _deepspeed_option(False)
+    seq_parallel_communication_data_type: str = _deepspeed_option("fp32")
+    sparse_gradients: bool = Field(False, description="DeepSpeed option: sparse embedding gradients; refused when on.")
+    sequence_parallel_size: PositiveCount = Field(1, description="DeepSpeed option: Ulysses sequence parallelism; "
+                                                  "refused above 1.")
+    managed_gradient_accumulation: bool = Field(
+        True, description="DeepSpeed: false makes every step() an accumulation boundary; refused when false "
+        "(set_gradient_accumulation_boundary says where a window ends)."
+    )
+    gradient_allreduce_op: Literal["mean", "sum"] = Field(
+        "mean", description="DeepSpeed: gradients averaged over the ranks ('mean'); 'sum' is refused."
+    )
+    disable_python_gc: bool = _deepspeed_option(False)
+    log_level: str | None = _deepspeed_option(None)
+    use_data_before_expert_parallelism: bool = _deepspeed_option(False)
+    vocabulary_size: PositiveCount | None = _deepspeed_option(None)
+    # Read by no part of DeepSpeed 0.19.8 (its accelerator picks the backend and the device), but
+    # found in configs written for it, DeepSpeed's own examples among them.
+    dist_backend: str | None = _deepspeed_option(None)
+    cuda_visible_devices: Any = _deepspeed_option(None)
+    # DeepSpeed-only sections: accepted whole, logged at initialize unless switched off.
+    # Monitors, DeepSpeed's keys and event names (zero_engine.monitor).
+    tensorboard: TensorBoardConfig | None = Field(None, description="TensorBoard event files (needs tensorboard).")
+    csv_monitor: CsvMonitorConfig | None = Field(None, description="One CSV file per training event.")
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases (needs wandb).")
+    comet: CometConfig | None = Field(None, description="Comet (needs comet_ml).")
+    monitor_config: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    flops_profiler: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    comms_logger: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    comms_config: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    activation_checkpointing: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    aio: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    compile: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    data_types: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    checkpoint: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    tensor_parallel: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    pipeline: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    amp: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    torch_autocast: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    elasticity: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    autotuning: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    sparse_attention: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    curriculum_learning: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    data_efficiency: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    compression_training: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    quantize_training: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    weight_quantization: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    progressive_layer_drop: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    eigenvalue: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    hybrid_engine: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    nebula: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    timers: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    datastates_ckpt: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    expert_parallel: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    _notes: list[str] = PrivateAttr(default_factory=list)  # from translating DeepSpeed's spellings
+    _auto: list[str] = PrivateAttr(default_factory=list)  # "auto" keys initialize fills (deepspeed_compat)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> ZeroEngineConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true: enable at most one")
+        low = self.communication_data_type
+        if low in ("fp16", "bf16") and not getattr(self, low).enabled:
+            raise ValueError(
+                f"communication_data_type = {low!r} reduces in {low}, which needs {low}.enabled = true "
+                "(gradients are computed in the compute dtype)"
+            )
+        zero = self.zero_optimization
+        for key in ("offload_optimizer", "offload_param"):
+            section = getattr(zero, key)
+            if zero.stage == 0 and section is not None and section.device != "none":
+                raise ValueError(
+                    f"zero_optimization.{key}.device = {section.device!r} needs zero_optimization.stage 1-3 "
+                    "(stage 0 replicates every state on every rank; offloading starts from a shard)"
+                )
+        if zero.mics_shard_size == 0:
+            raise ValueError("zero_optimization.mics_shard_size = 0: use -1 (unset) or a number of ranks per group")
+        if zero.shard_group_size is not None and zero.mics_shard_size not in (-1, zero.shard_group_size):
+            raise ValueError(
+                f"zero_optimization.shard_group_size = {zero.shard_group_size!r} and its DeepSpeed alias "
+                f"mics_shard_size = {zero.mics_shard_size} disagree: set one of them"
+            )
+        return self
+
+    def batch_sizes(self, world_size: int) -> BatchSizes:
+        """Fill in the batch triple for ``world_size``; any two keys determine the third."""
+        return resolve_batch_sizes(
+            self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, world_size
+        )
+
+
+def resolve_batch_sizes(total: int | None, micro: int | None, accum: int | None, world_size: int) -> BatchSizes:
+    """DeepSpeed's batch arithmetic: ``total = micro * accum * world_size``."""
+    if total is None:
+        micro, accum = micro or 1, accum or 1
+        return BatchSizes(micro * accum * world_size, micro, accum)
+    if micro is None and accum is None:
+        accum = 1
+    if micro is None:
+        assert accum is not None
+        if total % (accum * world_size):
+            raise ConfigError(
+                f"train_batch_size = {total} is not divisible by gradient_accumulation_steps ({accum}) x "
+                f"world size ({world_size}) = {accum * world_size}: set train_micro_batch_size_per_gpu"
+            )
+        return BatchSizes(total, total // (accum * world_size), accum)
+    if accum is None:
+        if total % (micro * world_size):
+            raise ConfigError(
+                f"train_batch_size = {total} is not divisible by train_micro_batch_size_per_gpu ({micro}) x "
+                f"world size ({world_size}) = {micro * world_size}: set gradient_accumulation_steps"
+            )
+        return BatchSizes(total, micro, total // (micro * world_size))
+    if micro * accum * world_size != total:
+        raise ConfigError(
+            f"train_batch_size = {total} but train_micro_batch_size_per_gpu ({micro}) x "
+            f"gradient_accumulation_steps ({accum}) x world size ({world_size}) = {micro * accum * world_size}: "
+            "give two of the three and the third is derived"
+        )
+    return BatchSizes(total, micro, accum)

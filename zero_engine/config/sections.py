@@ -1,0 +1,299 @@
+"""The config's sections: the optimizer and its schedule, precision, offload, the monitors, the
+process groups, and ``zero_optimization``. Each field says what it does; DeepSpeed's keys that
+change nothing here say so (`zero_engine.config.deepspeed`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from ..errors import ConfigError
+from .checks import check_optimizer, check_scheduler
+from .types import (
+    MAX_TIMEOUT_S, BucketSize, Count, Integer, PositiveCount, Real, StageNumber, _deepspeed_option, _Section,
+)
+
+
+class OptimizerConfig(_Section):
+    type: str = Field("AdamW", description="A torch.optim class, case-insensitive (AdamW, Adam, SGD, ...).")
+    params: dict[str, Any] = Field(
+        default_factory=lambda: {"lr": 1e-3, "weight_decay": 0.0},
+        description="Keyword arguments of that optimizer, checked against its signature. Adam and AdamW as DeepSpeed "
+        "builds them: type Adam is AdamW unless adam_w_mode: false, weight_decay left out is 0 (DeepSpeed's fused "
+        "Adam) unless torch_adam: true (torch's defaults); bias_correction: false is refused.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerConfig:
+        check_optimizer(self)  # beside the other sections' errors, not after them
+        return self
+
+
+class SchedulerConfig(_Section):
+    type: str = Field(description="WarmupLR, WarmupDecayLR, WarmupCosineLR or a torch.optim.lr_scheduler class.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of that scheduler.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerConfig:
+        check_scheduler(self)
+        return self
+
+
+class FP16Config(_Section):
+    enabled: bool = Field(False, description="Compute in float16 with fp32 master weights.")
+    fp16_master_weights_and_grads: bool = Field(
+        False, description="DeepSpeed: fp16 masters and gradients (no fp32 copy); refused when on."
+    )
+    auto_cast: bool = Field(False, description="DeepSpeed's autocast switch; accepted for compatibility.")
+    loss_scale: Real = Field(0.0, ge=0, description="0 = dynamic loss scaling; any other value a static scale.")
+    initial_scale_power: Integer = Field(16, ge=0, le=64, description="Dynamic scaling starts at 2**this.")
+    loss_scale_window: PositiveCount = Field(1000, description="Clean steps before the scale grows.")
+    hysteresis: PositiveCount = Field(2, description="Overflows tolerated before the scale drops.")
+    consecutive_hysteresis: bool = Field(False, description="Refill hysteresis on every clean step.")
+    min_loss_scale: Real = Field(1.0, gt=0, description="The dynamic scale never drops below this.")
+
+
+class BF16Config(_Section):
+    enabled: bool = Field(False, description="Compute in bfloat16 with fp32 master weights.")
+    # fp16's loss-scaling keys, which DeepSpeed configs often copy into bf16 (DeepSpeed ignores them).
+    loss_scale: Real = Field(0.0, ge=0, description="Accepted; bf16 needs no loss scaling.")
+    loss_scale_window: PositiveCount = Field(1000, description="Accepted; bf16 needs no loss scaling.")
+    initial_scale_power: Integer = Field(16, ge=0, le=64, description="Accepted; bf16 needs no loss scaling.")
+    hysteresis: PositiveCount = Field(2, description="Accepted; bf16 needs no loss scaling.")
+    min_loss_scale: Real = Field(1.0, gt=0, description="Accepted; bf16 needs no loss scaling.")
+    immediate_grad_update: bool = _deepspeed_option(False)
+    check_grad_overflow: bool = _deepspeed_option(True)
+    bf16_master_weights_and_grads: bool = Field(
+        False, description="DeepSpeed: bf16 masters and gradients (no fp32 copy); refused when on."
+    )
+    bf16_optimizer_states: bool = Field(False, description="DeepSpeed: bf16 optimizer state; refused when on.")
+
+
+class OffloadConfig(_Section):
+    device: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="'cpu': keep it in host memory (see Offload in the README); 'nvme' is refused (not built)."
+    )
+    pin_memory: bool = Field(
+        False, description="Page-locked host buffers, so copies overlap the GPU's work (ignored without CUDA)."
+    )
+    nvme_path: str | None = Field(None, description="NVMe directory for 'nvme' offload (not built).")
+    buffer_count: PositiveCount = Field(4, description="DeepSpeed's NVMe buffer count; accepted, no effect with 'cpu'.")
+    fast_init: bool = Field(False, description="DeepSpeed's fast-init switch; accepted for compatibility.")
+    ratio: Real = Field(
+        1.0, ge=0, le=1, description="Fraction offloaded; below 1.0 (DeepSpeed's partial offload) is refused."
+    )
+
+
+class OffloadOptimizerConfig(OffloadConfig):
+    """``zero_optimization.offload_optimizer``."""
+
+    pipeline_read: bool = _deepspeed_option(False)
+    pipeline_write: bool = _deepspeed_option(False)
+    super_offload: bool = Field(False, description="DeepSpeed's SuperOffload; refused when on.")
+    cpuadam_cores_perc: Real = Field(0.8, gt=0, le=1, description="DeepSpeed option; accepted, no effect.")
+
+
+class OffloadParamConfig(OffloadConfig):
+    """``zero_optimization.offload_param``."""
+
+    buffer_count: PositiveCount = Field(5, description="DeepSpeed's NVMe buffer count; accepted, no effect with 'cpu'.")
+    buffer_size: PositiveCount = Field(100_000_000, description="DeepSpeed's NVMe buffer size; accepted, no effect.")
+    max_in_cpu: Count = Field(1_000_000_000, description="DeepSpeed's NVMe option; accepted, no effect.")
+
+
+class _FileMonitorConfig(_Section):
+    enabled: bool = Field(False, description="Write the training events (rank 0).")
+    output_path: str = Field("", description="Directory for the files (empty: DeepSpeed's default under ~).")
+    job_name: str = Field("DeepSpeedJobName", description="Subdirectory of output_path for this run.")
+
+
+class TensorBoardConfig(_FileMonitorConfig):
+    """DeepSpeed's ``tensorboard`` section (needs the tensorboard package)."""
+
+
+class CsvMonitorConfig(_FileMonitorConfig):
+    """DeepSpeed's ``csv_monitor`` section: one CSV file per event."""
+
+
+class WandbConfig(_Section):
+    enabled: bool = Field(False, description="Log the training events to Weights & Biases (rank 0; needs wandb).")
+    team: str | None = Field(None, description="wandb entity.")
+    group: str | None = Field(None, description="wandb run group.")
+    project: str = Field("deepspeed", description="wandb project.")
+
+
+class CometConfig(_Section):
+    enabled: bool = Field(False, description="Log the training events to Comet (rank 0; needs comet_ml).")
+    samples_log_interval: PositiveCount = Field(100, description="Log every this many samples.")
+    project: str | None = Field(None, description="Comet project.")
+    workspace: str | None = Field(None, description="Comet workspace.")
+    api_key: str | None = Field(None, description="Comet API key (else Comet's own configuration).")
+    experiment_name: str | None = Field(None, description="Comet experiment name.")
+    experiment_key: str | None = Field(None, description="Resume this Comet experiment.")
+    online: bool | None = Field(None, description="Comet online mode.")
+    mode: str | None = Field(None, description="Comet mode (get, create, get_or_create).")
+
+
+class ZeroOptimizationConfig(_Section):
+    stage: StageNumber | Literal["auto"] = Field(
+        0, description="0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters. 'auto': the lowest "
+        "stage, then stage 3 with offload, whose per-rank memory fits memory_budget_gib, chosen at initialize "
+        "(the table is logged; zero-engine estimate prints it)."
+    )
+    memory_budget_gib: Real | None = Field(
+        None, gt=0, description="stage: auto: device memory per rank for model states, the largest gathered unit "
+        "and activation_memory_gib. unset: on a GPU its free memory less memory_margin_gib; on CPU required."
+    )
+    activation_memory_gib: Real = Field(
+        1.0, ge=0, description="stage: auto: the allowance for activations counted in every candidate."
+    )
+    memory_margin_gib: Real = Field(
+        2.0, ge=0, description="stage: auto on a GPU without memory_budget_gib: free device memory less this "
+        "(the CUDA context, the allocator's fragmentation, other processes)."
+    )
+    overlap_comm: bool = Field(True, description="Launch gradient reductions during backward, bucket by bucket.")
+    contiguous_gradients: bool = Field(True, description="Gradients live in one flat buffer (always true here).")
+    reduce_scatter: bool = Field(True, description="DeepSpeed option; stages 1-2 always reduce-scatter (fastest primitive per backend).")
+    reduce_bucket_size: BucketSize = Field(
+        2_000_000, description="Elements per gradient-reduction bucket (and per shard unit at stages 1-2; at stage 3 "
+        "without stage3_wrap_modules, the parameter count that makes a module a unit)."
+    )
+    allgather_partitions: bool = Field(True, description="DeepSpeed option; updated shards are always all-gathered, one unit per call.")
+    allgather_bucket_size: PositiveCount = Field(
+        500_000_000, description="DeepSpeed option; accepted (shards are gathered per reduce_bucket_size unit)."
+    )
+    reduce_scatter_each_micro_step: bool = Field(
+        True,
+        description="Stage 2: reduce-scatter every micro-step into the gradient shard (memory 4Ψ/N); "
+        "false: accumulate full gradients and reduce once per step (memory 4Ψ, k times less traffic). "
+        "Stage 3 always reduce-scatters every micro-step.",
+    )
+    round_robin_gradients: bool = Field(False, description="DeepSpeed stage 1-2 option; accepted, no effect.")
+    offload_optimizer: OffloadOptimizerConfig | None = Field(
+        None, description="Stages 1-3: this rank's fp32 master, gradient and optimizer state live on the host, "
+        "where the optimizer steps."
+    )
+    offload_param: OffloadParamConfig | None = Field(
+        None, description="Stage 3: the parameter shards live on the host and go to the device just before "
+        "their all-gather (no effect at stages 1-2)."
+    )
+    sub_group_size: Count = Field(
+        1_000_000_000, description="DeepSpeed stage 3 option (optimizer sub-groups); accepted, no effect."
+    )
+    stage3_prefetch_bucket_size: Count = Field(
+        50_000_000,
+        description="Stage 3: the next unit (in recorded order) is gathered ahead of use if it has at most this "
+        "many elements; the gathers agreed ahead in one exchange (a window of up to 4 units) hold at most this many.",
+    )
+    stage3_param_persistence_threshold: Count = Field(
+        100_000,
+        description="Stage 3: trainable parameters with fewer elements stay whole on every rank "
+        "(their gradients and optimizer state are still sharded, as at stage 2).",
+    )
+    stage3_model_persistence_threshold: Count = Field(
+        2**63 - 1, description="DeepSpeed option (a model-wide cap on parameters kept whole); accepted, no effect."
+    )
+    stage3_max_live_parameters: Count = Field(
+        1_000_000_000,
+        description="Stage 3: no prefetch or window of gathers agreed ahead may raise the gathered elements "
+        "above this (units in use are always gathered).",
+    )
+    stage3_max_reuse_distance: Count = Field(
+        1_000_000_000,
+        description="DeepSpeed option; accepted, no effect (a unit is freed after each use and gathered again).",
+    )
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="DeepSpeed option; accepted, no effect: checkpoints hold fp32 masters at every stage, "
+        "and full_state_dict() gathers them."
+    )
+    recompute_units: bool = Field(
+        False, description="Recompute each unit's activations in backward instead of keeping them (torch's "
+        "non-reentrant checkpoint around each unit module: stage 3's units, the same modules at stages 0-2; units "
+        "holding other units are left whole). At stage 3 the backward's gather serves the recomputation."
+    )
+    stage3_wrap_modules: list[str] | None = Field(
+        None,
+        description="Stage 3: class names whose modules become units (e.g. [Block]); unset: the classes a Hugging "
+        "Face model declares in _no_split_modules (e.g. GPT2Block), else every module whose not yet wrapped "
+        "parameters reach reduce_bucket_size elements. The rest form the root unit.",
+    )
+    shard_group_size: PositiveCount | Literal["auto"] | None = Field(
+        None,
+        description="Hybrid sharding: shard over groups of this many consecutive ranks (one node, usually) and "
+        "replicate across the groups; gradient shards are all-reduced across groups, parameters gathered inside a "
+        "group only. Must divide the world size. unset: one group of every rank; 'auto': LOCAL_WORLD_SIZE (the "
+        "ranks torchrun starts per node). FSDP's HYBRID_SHARD / a 2-D (replicate, shard) device mesh.",
+    )
+    mics_shard_size: Integer = Field(
+        -1, ge=-1, description="DeepSpeed MiCS's name for shard_group_size; -1: unset."
+    )
+    zero_hpz_partition_size: PositiveCount = Field(
+        1, description="ZeRO++ hierarchical partitioning: a secondary parameter copy per group of this many ranks; "
+        "not built, refused above 1 (shard_group_size gives node-local gathers)."
+    )
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ int8 weight gathers; not built, refused when on.")
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++ int4 gradient reductions; not built, refused when on.")
+    zero_quantized_nontrainable_weights: bool = Field(
+        False, description="ZeRO++ int8 frozen weights; not built, refused when on."
+    )
+    memory_efficient_linear: bool = Field(True, description="DeepSpeed stage 3 option; accepted, no effect.")
+    stage3_module_granularity_threshold: Count = Field(0, description="DeepSpeed stage 3 option; accepted, no effect.")
+    stage3_use_all_reduce_for_fetch_params: bool = _deepspeed_option(False)
+    mics_hierarchical_params_gather: bool = Field(False, description="DeepSpeed MiCS option; accepted, no effect.")
+    use_multi_rank_bucket_allreduce: bool = _deepspeed_option(True)
+    log_trace_cache_warnings: bool = _deepspeed_option(False)
+    ignore_unused_parameters: bool = Field(True, description="DeepSpeed option; parameters without gradients are always allowed.")
+    elastic_checkpoint: bool = Field(False, description="DeepSpeed option; checkpoints here are always elastic.")
+    load_from_fp32_weights: bool = Field(True, description="DeepSpeed option; masters always load from fp32.")
+    compute_grad_norm: bool = _deepspeed_option(True)
+    stage3_allgather_sequential: bool = _deepspeed_option(False)
+    legacy_stage1: bool = _deepspeed_option(False)
+    parameter_alignment: bool = _deepspeed_option(False)
+    pipeline_loading_checkpoint: bool = _deepspeed_option(False)
+    override_module_apply: bool = _deepspeed_option(True)
+    enable_sanity_checks: bool = _deepspeed_option(False)
+    save_muon_momentum_buffer_in_memory: bool = _deepspeed_option(False)
+    leaf_module: dict[str, Any] | None = Field(
+        None, description="DeepSpeed stage 3 leaf modules (gathered whole); accepted, no effect: every unit is a "
+        "whole module here, and stage3_wrap_modules names them."
+    )
+    zenflow: dict[str, Any] | None = Field(None, description="DeepSpeed's ZenFlow section; refused when given.")
+
+    def shard_group_size_for(self, world_size: int, local_world_size: int | None = None) -> int:
+        """Ranks per shard group for ``world_size`` ranks (``local_world_size``: torchrun's
+        ranks per node, for ``'auto'``)."""
+        key, value = "shard_group_size", self.shard_group_size
+        if value is None and self.mics_shard_size != -1:
+            key, value = "mics_shard_size", self.mics_shard_size
+        if value is None:
+            return world_size
+        if value == "auto":
+            value = local_world_size or world_size
+            key = f"{key} = 'auto' (LOCAL_WORLD_SIZE)"
+        if world_size % value:
+            raise ConfigError(
+                f"zero_optimization.{key} = {value} does not divide the world size {world_size}: "
+                "every shard group must hold the same number of ranks"
+            )
+        return value
+
+
+class CommConfig(_Section):
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on CUDA, gloo on CPU.")
+    timeout_s: Real = Field(
+        1800.0, gt=0, le=MAX_TIMEOUT_S, description="Seconds before a collective that never completes fails (at most "
+        "1e12: gloo keeps a group's timeout in microseconds of a 64-bit integer, about 9.2e12 s)."
+    )
+    primitives: Literal["auto", "native", "per_shard"] = Field(
+        "auto",
+        description="How reduce-scatter and all-gather run. native: reduce_scatter_tensor / all_gather_into_tensor; "
+        "per_shard: one reduce / broadcast per shard, all in flight (faster on gloo); auto: per_shard on gloo, "
+        "native otherwise.",
+    )
+    force_collectives: bool = Field(
+        False,
+        description="For testing: issue every collective even at world size 1 (a process group of one rank, "
+        "as torchrun --nproc_per_node=1 makes), so that one GPU runs the asynchronous NCCL path; otherwise "
+        "world size 1 skips them.",
+    )
