@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_engine  # noqa: E402
 from gpt import GPT, PRESETS, decay_groups  # noqa: E402
 from stdlib_text import TextBatches, load_corpus  # noqa: E402
-from zero_engine.comm import local_cuda_device  # noqa: E402
+from zero_engine.devices import local_cuda_device  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "zero1.yaml"
 

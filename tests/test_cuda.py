@@ -27,7 +27,7 @@ from models import decay_groups, make_model, micro_batch, train_engine
 from test_precision import MICRO, STEPS, _check
 from test_precision import _config as precision_config
 from test_stage3_memory import BATCH, BLOCK_NUMEL, WIDTH, Tower
-from zero_engine.comm import local_cuda_device
+from zero_engine.devices import local_cuda_device
 from zero_engine.memory import HELD_NOW
 from zero_engine.testing.process_memory import cuda_max_allocated_bytes, reset_cuda_peak
 

@@ -202,3 +202,17 @@ def test_the_guard_tags_moves_and_reads_back() -> None:
         with pytest.raises(DeviceMistake, match="aten.mul"):
             torch.ones(2) * out.sum()  # a host vector is not
         assert all(isinstance(sync, HostSync) for sync in guard.syncs)
+
+
+@pytest.mark.parametrize("name, attribute", [("device_guard", "DeviceGuard"), ("process_memory", "live_tensor_bytes")])
+def test_the_old_module_names_still_import_with_a_deprecation_warning(name: str, attribute: str) -> None:
+    """``zero_engine.device_guard`` and ``zero_engine.process_memory`` moved to
+    ``zero_engine.testing``: the old names give the same objects and say where they went."""
+    import importlib
+    import sys
+
+    sys.modules.pop(f"zero_engine.{name}", None)
+    with pytest.warns(DeprecationWarning, match=rf"zero_engine.{name} moved to zero_engine.testing.{name}"):
+        old = importlib.import_module(f"zero_engine.{name}")
+    new = importlib.import_module(f"zero_engine.testing.{name}")
+    assert getattr(old, attribute) is getattr(new, attribute)

@@ -12,7 +12,7 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import TrapModel, make_model, micro_batch
-from zero_engine import comm
+from zero_engine import comm, devices
 from zero_engine.comm import Comm, GroupComm, Pending, TwoPhase
 from zero_engine.testing.device_guard import DeviceGuard
 
@@ -24,7 +24,7 @@ def test_a_rank_takes_its_gpu_among_those_it_sees(
     """``cuda:LOCAL_RANK`` is an invalid ordinal where each process sees only its own GPU."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-    assert comm.local_cuda_device() == torch.device("cuda", expected)
+    assert devices.local_cuda_device() == torch.device("cuda", expected)
 
 
 @pytest.mark.parametrize("version, preset, expected", [((2, 7), None, "1"), ((2, 7), "0", "0"), ((2, 8), None, None)])

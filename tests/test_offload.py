@@ -28,7 +28,7 @@ from zero_engine.cli import main as cli_main
 from zero_engine.engine import Engine
 from zero_engine.errors import ConfigError
 from zero_engine.memory import estimate_from_config
-from zero_engine.comm import HOST
+from zero_engine.devices import HOST
 from zero_engine.testing.device_guard import DeviceGuard, DeviceMistake
 from zero_engine.testing.process_memory import live_tensor_bytes
 from zero_engine.sharding.agreement import PassKind, make_row

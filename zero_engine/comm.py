@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ZeroEngineConfig, ZeroOptimizationConfig
+from .devices import HOST, local_cuda_device, tensor_bytes
 from .errors import ConfigError
 from .stage import Stage
 
@@ -44,7 +45,6 @@ from .stage import Stage
 # Control tensors (agreements, JSON exchanges) live here, named explicitly: a factory without
 # ``device=`` follows ``torch.set_default_device``, which would put every agreement through
 # gloo's CUDA staging and sync the GPU once per gather.
-HOST = torch.device("cpu")
 
 
 class CollectiveKind(str, Enum):
@@ -422,11 +422,6 @@ def _sum_reports(a: dict[str, dict[str, int]], b: dict[str, dict[str, int]]) -> 
     return {key: {d: a[key][d] + b[key][d] for d in a[key]} for key in a}
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of a tensor's elements (what a collective moves, what a buffer holds)."""
-    return tensor.numel() * tensor.element_size()
-
-
 # torch 2.13 renamed the flat collectives; torch 2.4 has only the old names.
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -539,15 +534,6 @@ def free_cuda_bytes(device: torch.device) -> int:
     """CUDA only: the device's free memory, as the driver reports it."""
     free, _total = torch.cuda.mem_get_info(device)
     return free
-
-
-def local_cuda_device() -> torch.device:
-    """CUDA only: this rank's GPU, one per local rank as torchrun numbers them (``LOCAL_RANK``,
-    0 without torchrun), among the GPUs this process sees: where each process sees only its own
-    (SLURM ``--gpus-per-task``, ``CUDA_VISIBLE_DEVICES`` set per process) that is ``cuda:0``."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    visible = torch.cuda.device_count()
-    return torch.device("cuda", local_rank % visible if visible else local_rank)
 
 
 def avoid_nccl_record_streams() -> None:

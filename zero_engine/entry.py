@@ -21,7 +21,8 @@ from torch import nn
 
 from . import offload
 from .auto_values import fill_auto
-from .comm import connect, expected_world_size, local_cuda_device
+from .comm import connect, expected_world_size
+from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .engine import Engine, is_wrapped
 from .features import refuse_unbuilt_features

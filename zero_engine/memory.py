@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .comm import tensor_bytes
+from .devices import tensor_bytes
 from .config import ZeroEngineConfig
 from .stage import Stage, stage_for
 from .offload import OffloadPlan, offload_plan

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .comm import HOST
+from .devices import HOST
 from .stage import Stage
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import offload
-from ..comm import tensor_bytes
+from ..devices import tensor_bytes
 from ..offload import copy_to_host, host_empty
 
 

@@ -32,7 +32,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..comm import tensor_bytes
+from ..devices import tensor_bytes
 from ..offload import copy_across
 from .layout import UnitLayout
 from .placement import StepGrad

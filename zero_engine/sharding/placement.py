@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from ..comm import tensor_bytes
+from ..devices import tensor_bytes
 from ..offload import OffloadPlan, host_copy
 from .host_gradient import HostGradient
 

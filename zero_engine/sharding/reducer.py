@@ -37,7 +37,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from .. import offload
-from ..comm import HOST, Comm, Pending, TwoPhase, advance_in_order, tensor_bytes
+from ..comm import Comm, Pending, TwoPhase, advance_in_order
+from ..devices import HOST, tensor_bytes
 from .lifecycle import Lifecycle, TrainingState
 from .unit import FlatUnit
 
@@ -232,10 +233,6 @@ class GradReducer:
     def _finish(self) -> None:
         raise NotImplementedError
 
-    def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
-        """The averaged gradients this rank holds for ``unit`` after a boundary backward."""
-        raise NotImplementedError
-
     def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
         """This rank's shard of ``unit``'s averaged gradient (each element on one rank of the
         shard group, for norms summed over ranks)."""
@@ -299,9 +296,6 @@ class FullGradReducer(GradReducer):
     def _finish(self) -> None:
         while self._pending:
             self._complete_oldest()
-
-    def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.optim.ensure_grad()
 
     def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
         if unit.optim.grad.on_host:  # the averaged shard is on the host (the device buffer was reduced elsewhere)
@@ -487,9 +481,7 @@ class ShardedGradReducer(GradReducer):
         self.peak_grad_bytes = max(self.peak_grad_bytes, current)
 
     def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
-        return self.kept_grad(unit)
-
-    def kept_grad(self, unit: FlatUnit) -> torch.Tensor:
+        """The shard's step gradient (made of zeros if no reduction wrote it, and counted)."""
         held = unit.optim.grad_bytes
         grad = unit.optim.ensure_grad()
         self._shard_bytes += unit.optim.grad_bytes - held

@@ -26,7 +26,8 @@ from enum import Enum
 import torch
 from torch import nn
 
-from ..comm import Comm, tensor_bytes
+from ..comm import Comm
+from ..devices import tensor_bytes
 from ..offload import copy_across
 from ..stage import UnitSpec
 from .codec import IDENTITY, GatherCodec, Gathering

@@ -1,0 +1,26 @@
+"""Where tensors live and what they weigh: the host device, a tensor's bytes, this rank's GPU.
+
+A leaf module: every layer asks these without importing the collectives (`zero_engine.comm`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HOST = torch.device("cpu")  # host tensors name it, so a default device set by the user cannot move them
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (what a collective moves, what a buffer holds)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def local_cuda_device() -> torch.device:
+    """CUDA only: this rank's GPU, one per local rank as torchrun numbers them (``LOCAL_RANK``,
+    0 without torchrun), among the GPUs this process sees: where each process sees only its own
+    (SLURM ``--gpus-per-task``, ``CUDA_VISIBLE_DEVICES`` set per process) that is ``cuda:0``."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    visible = torch.cuda.device_count()
+    return torch.device("cuda", local_rank % visible if visible else local_rank)
