@@ -256,7 +256,7 @@ def offload_placement(rank: int, world_size: int) -> dict:
         gc.collect()
         held[name] = torch.cuda.memory_allocated(device)
         if zero:
-            tensors = [t for unit in engine.units for t in (unit.optim.master, unit.optim.ensure_grad(), unit.param_shard)]
+            tensors = [t for unit in engine.units for t in (unit.optimizer_shard.master, unit.optimizer_shard.ensure_grad(), unit.param_shard)]
             tensors += [v for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"]
             held["all_pinned_host"] = all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
             held["params_on_device"] = all(p.device == device for p in engine.module.parameters())

@@ -149,8 +149,8 @@ def _device_bound(engine: Engine, guard: DeviceGuard) -> int:
             held += unit.flat_param.untyped_storage().nbytes()
         if unit.flat_grad is not None:
             held += unit.flat_grad.untyped_storage().nbytes()
-        if not engine.offload.optimizer and unit.optim.master is not unit.param_shard:
-            held += unit.optim.master.untyped_storage().nbytes()
+        if not engine.offload.optimizer and unit.optimizer_shard.master is not unit.param_shard:
+            held += unit.optimizer_shard.master.untyped_storage().nbytes()
     if not engine.offload.optimizer:  # offload_param alone: the optimizer stays on the device
         held += sum(v.untyped_storage().nbytes() for state in engine.optimizer.state.values() for v in state.values())
     return held + sum(b.untyped_storage().nbytes() for b in engine.module.buffers() if guard.on_device(b))
@@ -160,7 +160,7 @@ def _offloaded_tensors(engine: Engine) -> list[torch.Tensor]:
     tensors = []
     for unit in engine.units:
         if engine.offload.optimizer:
-            tensors += [unit.optim.master, unit.optim.ensure_grad()]
+            tensors += [unit.optimizer_shard.master, unit.optimizer_shard.ensure_grad()]
         if engine.offload.params and unit.sharded_params:
             tensors.append(unit.param_shard)
     if engine.offload.optimizer:

@@ -303,7 +303,7 @@ def test_a_bf16_model_still_gets_fp32_masters() -> None:
     state = engine.full_state_dict()
     assert all(state[k].dtype == torch.float32 for k, _ in model.named_parameters())
     assert all(torch.equal(state[k], values[k]) for k in values if k != "temperature")
-    assert all(unit.optim.master.dtype == torch.float32 for unit in engine.units)
+    assert all(unit.optimizer_shard.master.dtype == torch.float32 for unit in engine.units)
     engine.backward(engine(*micro_batch(0, 0, 0, 1, MICRO, 1)))
     engine.step()
     assert engine.module.fc1.weight.dtype == torch.bfloat16

@@ -169,7 +169,7 @@ def measure_memory(
         parameters=sum(tensor_bytes(p) for p in loose_params) + sum(unit.param_bytes for unit in units),
         gradients=reducer.held_grad_bytes(),
         optimizer_states=optimizer_states,
-        master_parameters=sum(unit.optim.master_bytes for unit in units),
+        master_parameters=sum(unit.optimizer_shard.master_bytes for unit in units),
         buffers=reducer.buffer_bytes(),
         peak_gradients=reducer.peak_grad_bytes,
         peak_gathered_forward=gathered_peaks[0],

@@ -128,7 +128,7 @@ class OptimizerStep:
         unit at a time: a low-precision gradient's fp32 copy, and the temporaries of torch's
         foreach optimizers (AdamW's is an fp32 copy of every element it steps; foreach is the
         default on CUDA), then exist for one unit, never for the whole model."""
-        shards = [unit.optim for unit in self.units]
+        shards = [unit.optimizer_shard for unit in self.units]
         self.peak_grad_bytes = step_shards(self.optimizer, shards, used, multiplier)
 
     def _skip(self, step_number: int) -> None:
@@ -166,7 +166,7 @@ def _optimizer_groups(groups: list[ParamGroup], units: list[FlatUnit]) -> list[d
     whole parameters at stage 0, this rank's pieces when optimizer state is sharded)."""
     per_group: list[list[torch.Tensor]] = [[] for _ in groups]
     for unit in units:
-        for target in unit.optim.targets:
+        for target in unit.optimizer_shard.targets:
             per_group[unit.group_indices[target.piece.param_index]].append(target.tensor)
     return [dict(group.options, params=tensors) for group, tensors in zip(groups, per_group)]
 

@@ -145,11 +145,11 @@ def _agree_on_drawn_values(model: nn.Module, sharded: Sequence[ShardedFlatUnit],
     whole = [tensor for tensor in (*model.parameters(), *model.buffers()) if tensor not in in_units]
     comm.broadcast([tensor.detach() for tensor in whole], src=0)
     if sharded and comm.num_replicas > 1:
-        staged = [unit.optim.master.to(unit.device) for unit in sharded]  # offloaded masters cross on the device
+        staged = [unit.optimizer_shard.master.to(unit.device) for unit in sharded]  # offloaded masters cross on the device
         comm.broadcast_across_groups(staged)
         for unit, values in zip(sharded, staged):
-            unit.optim.master.copy_(values)
-            unit.optim.publish()
+            unit.optimizer_shard.master.copy_(values)
+            unit.optimizer_shard.publish()
 
 
 def _materializer(deferred: DeferredInit | None, params: list[nn.Parameter]) -> Callable[[], None] | None:

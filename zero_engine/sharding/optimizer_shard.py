@@ -38,7 +38,7 @@ from .layout import UnitLayout
 from .placement import StepGrad
 
 
-class ShardedUnit(Protocol):
+class OwningUnit(Protocol):
     """What a shard reads of its unit (`zero_engine.sharding.unit.FlatUnit`)."""
 
     layout: UnitLayout
@@ -82,7 +82,7 @@ class OptimizerShard:
 
     def __init__(
         self,
-        unit: ShardedUnit,
+        unit: OwningUnit,
         owned_range: tuple[int, int],
         master: torch.Tensor,
         publish_to: torch.Tensor | None,

@@ -117,7 +117,7 @@ class GradReducer:
         self._settled: set[int] = set()  # units that get no gradient here this backward
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
         # offload_optimizer: the units' host gradients, waited for at the end of a reducing backward.
-        self._host_grads = [unit.optim.grad for unit in self.units if unit.optim.grad.on_host]
+        self._host_grads = [unit.optimizer_shard.grad for unit in self.units if unit.optimizer_shard.grad.on_host]
         self._handles: list[Any] = []
         for unit_index, unit in enumerate(self.units):
             for param_index, param in enumerate(unit.params):
@@ -289,7 +289,7 @@ class FullGradReducer(GradReducer):
     def _complete_oldest(self) -> None:
         unit, flat, pending = self._pending.popleft()
         pending.wait()
-        unit.optim.take_reduced(self.reduction.kept(flat, unit).div_(self.comm.world_size))
+        unit.optimizer_shard.take_reduced(self.reduction.kept(flat, unit).div_(self.comm.world_size))
         if flat is not unit.flat_grad:
             self._copy_bytes -= tensor_bytes(flat)
 
@@ -298,8 +298,8 @@ class FullGradReducer(GradReducer):
             self._complete_oldest()
 
     def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
-        if unit.optim.grad.on_host:  # the averaged shard is on the host (the device buffer was reduced elsewhere)
-            return unit.optim.ensure_grad()
+        if unit.optimizer_shard.grad.on_host:  # the averaged shard is on the host (the device buffer was reduced elsewhere)
+            return unit.optimizer_shard.ensure_grad()
         start, end = unit.layout.shard_range(unit.rank)
         return _full_grad(unit)[start:end]
 
@@ -433,7 +433,7 @@ class ShardedGradReducer(GradReducer):
             shard.mul_(1.0 / self.comm.world_size)
             if id(unit) not in self._crossed:  # carry the group's part of the window, once
                 self._crossed.add(id(unit))
-                unit.optim.move_grad_into(shard)
+                unit.optimizer_shard.move_grad_into(shard)
             return self.comm.all_reduce_across_groups(shard)
 
         return TwoPhase(inside, across_groups, start_now=self.comm.orders_on_device), True
@@ -464,9 +464,9 @@ class ShardedGradReducer(GradReducer):
         pending.wait()
         start, end = unit.layout.shard_range(unit.rank)
         reduced = bucket.flat[start:end]
-        held = unit.optim.grad_bytes
-        unit.optim.add_reduced(reduced, 1.0 if averaged else 1.0 / self.comm.world_size)
-        self._shard_bytes += unit.optim.grad_bytes - held
+        held = unit.optimizer_shard.grad_bytes
+        unit.optimizer_shard.add_reduced(reduced, 1.0 if averaged else 1.0 / self.comm.world_size)
+        self._shard_bytes += unit.optimizer_shard.grad_bytes - held
         self._num_live -= 1
         self._live_bytes -= tensor_bytes(bucket.storage)
         if not self.release_after_step:
@@ -482,15 +482,15 @@ class ShardedGradReducer(GradReducer):
 
     def grad_shard(self, unit: FlatUnit) -> torch.Tensor:
         """The shard's step gradient (made of zeros if no reduction wrote it, and counted)."""
-        held = unit.optim.grad_bytes
-        grad = unit.optim.ensure_grad()
-        self._shard_bytes += unit.optim.grad_bytes - held
+        held = unit.optimizer_shard.grad_bytes
+        grad = unit.optimizer_shard.ensure_grad()
+        self._shard_bytes += unit.optimizer_shard.grad_bytes - held
         return grad
 
     def zero_grads(self) -> None:
         self._crossed.clear()
         for unit in self.units:
-            unit.optim.clear_grad()
+            unit.optimizer_shard.clear_grad()
         self._shard_bytes = self.held_grad_bytes()
 
     def buffer_bytes(self) -> int:

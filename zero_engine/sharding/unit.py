@@ -5,7 +5,7 @@ compute dtype), so a collective moves a whole unit in one call. Autograd accumul
 existing ``.grad`` in place, which keeps the gradient views intact. The optimizer's side of
 the range this rank owns (its shard when optimizer state is sharded, the whole unit at stage
 0: the fp32 master, the step gradient, the optimizer's tensors) belongs to the unit's
-`OptimizerShard` (``unit.optim``), made here once the values exist.
+`OptimizerShard` (``unit.optimizer_shard``), made here once the values exist.
 
 At stage 3, a `ShardedFlatUnit` keeps only this rank's shard between uses: the full buffer's
 storage exists while the unit is gathered, and the parameters are empty tensors otherwise.
@@ -84,7 +84,7 @@ class FlatUnit:
         # buckets. Stage 3 (``releases_grad``) starts with none: its first reduction makes it.
         self.flat_grad: torch.Tensor | None = torch.zeros_like(self.flat_param) if full_grads else None
         owned_range = self.layout.shard_range(rank) if shard_master else (0, self.layout.padded_numel)
-        self.optim = self._make_optimizer_shard(full_fp32, owned_range, releases_grad)
+        self.optimizer_shard = self._make_optimizer_shard(full_fp32, owned_range, releases_grad)
         for index, param in enumerate(self.params):
             param.data = self.param_view(index)
         if full_grads:
@@ -113,8 +113,8 @@ class FlatUnit:
         from every rank's shard (onto rank ``onto`` alone, when given; the others' result holds
         their own shard only)."""
         full = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
-        start, end = self.optim.owned_range
-        full[start:end] = self.optim.master
+        start, end = self.optimizer_shard.owned_range
+        full[start:end] = self.optimizer_shard.master
         (comm.all_gather(full) if onto is None else comm.gather(full, dst=onto)).wait()
         return full
 
@@ -142,7 +142,7 @@ class FlatUnit:
         """Gradient storage held now: the full flat buffer, or just this rank's shard (both at
         stage 1 with offload_optimizer: the shard is then an fp32 host copy, not a view)."""
         full = tensor_bytes(self.flat_grad) if self.flat_grad is not None else 0
-        return full + self.optim.grad_bytes
+        return full + self.optimizer_shard.grad_bytes
 
     @property
     def param_bytes(self) -> int:
@@ -152,7 +152,7 @@ class FlatUnit:
     @property
     def host_bytes(self) -> int:
         """What of the unit's persistent state lives on the host (offload)."""
-        return self.optim.host_bytes
+        return self.optimizer_shard.host_bytes
 
     def kept_range(self, index: int) -> tuple[int, int] | None:
         """The elements of parameter ``index`` (flattened) that this rank keeps, as
@@ -163,7 +163,7 @@ class FlatUnit:
         """Set the kept elements of parameter ``index`` (``values``: fp32, `kept_range`): below
         stage 3 the whole parameter, compute copy and owned master."""
         self.param_view(index).copy_(values.view(self.shapes[index]))
-        self.optim.load_owned(index, values, 0)
+        self.optimizer_shard.load_owned(index, values, 0)
 
 
 # Stage 3's module units: the optimizer owns the shard, gradients stream through buckets, and the
@@ -280,7 +280,7 @@ class ShardedFlatUnit(FlatUnit):
     @property
     def host_bytes(self) -> int:
         shard = tensor_bytes(self.param_shard) if self.placement.offload_params else 0
-        return shard + self.optim.host_bytes
+        return shard + self.optimizer_shard.host_bytes
 
     @property
     def gathered_bytes(self) -> int:
@@ -288,7 +288,7 @@ class ShardedFlatUnit(FlatUnit):
         return self.flat_param.untyped_storage().nbytes()
 
     def kept_range(self, index: int) -> tuple[int, int] | None:
-        owned = self.optim.owned_part(index)
+        owned = self.optimizer_shard.owned_part(index)
         return None if owned is None else (owned[0], owned[2])
 
     def load_kept(self, index: int, values: torch.Tensor) -> None:
@@ -297,7 +297,7 @@ class ShardedFlatUnit(FlatUnit):
             return
         if self.has_full_storage:
             raise RuntimeError(f"unit {self.label}: loading a shard while the unit is gathered (mid-step?)")
-        self.optim.load_owned(index, values, kept[0])
+        self.optimizer_shard.load_owned(index, values, kept[0])
 
 
 def _point_meta_param(

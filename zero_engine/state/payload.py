@@ -43,7 +43,7 @@ class Resumable:
     device: torch.device
 
     def targets(self) -> list[OptimizerTarget]:
-        return [target for unit in self.model.units for target in unit.optim.targets]
+        return [target for unit in self.model.units for target in unit.optimizer_shard.targets]
 
 
 def rank_payload(state: Resumable) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def rank_payload(state: Resumable) -> dict[str, Any]:
         for piece in unit.layout.segments(unit.rank):
             name = unit.names[piece.param_index]
             start, numel = piece.param_offset, piece.numel
-            master = unit.optim.master_of_shard[piece.shard_offset : piece.shard_offset + numel]
+            master = unit.optimizer_shard.master_of_shard[piece.shard_offset : piece.shard_offset + numel]
             saved = {}
             for target in targets[name]:  # the optimizer tensor holding element `start`
                 if target.param_offset <= start < target.param_offset + target.tensor.numel():

@@ -68,7 +68,7 @@ class ModelState:
     def full_master(self, unit: FlatUnit, rank0_only: bool = False) -> torch.Tensor:
         """The unit's fp32 master values over the whole flat buffer (on rank 0 alone with
         ``rank0_only``, when they must be gathered)."""
-        shard = unit.optim
+        shard = unit.optimizer_shard
         if not unit.shard_master:
             return shard.master
         if shard.master_is_compute_copy and not unit.sharded_params:
