@@ -35,7 +35,8 @@ from .layout import plan_units
 from .lifecycle import Lifecycle
 from .module_plan import ModulePlan
 from .placement import Placement, place
-from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads, ShardedGradReducer
+from .bucket_reducer import ShardedGradReducer
+from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads
 from .unit import FlatUnit, ShardedFlatUnit
 
 
