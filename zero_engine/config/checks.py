@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -13,8 +13,13 @@ from ..errors import suggest
 from ..schedules import check_schedule_param, check_schedule_params, scheduler_class
 from ..values import check_value_type
 
-if TYPE_CHECKING:  # the sections call these checks from their validators
-    from .sections import OptimizerConfig, SchedulerConfig
+
+class _Section(Protocol):
+    """What the checks read of the optimizer and scheduler sections (which call them from their
+    validators)."""
+
+    type: str
+    params: dict[str, Any]
 
 
 _ENGINE_OWNED_OPTIMIZER_ARGS = {"params", "self"}
@@ -62,7 +67,7 @@ def optimizer_options(cls: type[torch.optim.Optimizer]) -> frozenset[str]:
     return frozenset(inspect.signature(cls.__init__).parameters) - {"self", "params"}
 
 
-def check_optimizer(section: OptimizerConfig) -> None:
+def check_optimizer(section: _Section) -> None:
     cls = optimizer_class(section.type)
     signature = inspect.signature(cls.__init__).parameters
     accepted = [k for k in signature if k not in _ENGINE_OWNED_OPTIMIZER_ARGS]
@@ -90,7 +95,7 @@ def check_optimizer(section: OptimizerConfig) -> None:
                 raise ValueError(f"{path} = {value!r}: must be two numbers in [0, 1)")
 
 
-def check_scheduler(section: SchedulerConfig) -> None:
+def check_scheduler(section: _Section) -> None:
     """The scheduler exists and takes these keywords (the optimizer is supplied by the engine),
     each of the right kind and range; counts written as ``1e4`` (a string in YAML) become
     integers. `zero_engine.schedules.dry_run` then runs it at `initialize`."""
