@@ -9,76 +9,20 @@ from pydantic import BaseModel
 from .schema import ZeroEngineConfig
 
 
+def _declared(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
+    """Every section's ``NO_EFFECT`` (declared beside its fields), by key path."""
+    found = {prefix + key: why for key, why in getattr(model, "NO_EFFECT", {}).items()}
+    for name, field in model.model_fields.items():
+        for member in getattr(field.annotation, "__args__", (field.annotation,)):
+            if isinstance(member, type) and issubclass(member, BaseModel):
+                found.update(_declared(member, f"{prefix}{name}."))
+    return found
+
+
 # DeepSpeed keys accepted so that its configs load unchanged, with why none of them changes
-# anything here. At a non-default value each is named in a warning at `initialize`.
-NO_EFFECT: dict[str, str] = {
-    "fp16.auto_cast": "inputs are cast to the compute dtype and the model runs on compute-dtype copies; "
-    "there is no autocast",
-    "zero_optimization.contiguous_gradients": "gradients always live in one flat buffer per unit",
-    "zero_optimization.reduce_scatter": "stages 1-3 always reduce-scatter (comm.primitives picks how)",
-    "zero_optimization.allgather_partitions": "updated shards are always all-gathered, one unit per call",
-    "zero_optimization.allgather_bucket_size": "shards are gathered one unit at a time (reduce_bucket_size or "
-    "stage3_wrap_modules cut the units)",
-    "zero_optimization.round_robin_gradients": "each unit's gradient is reduce-scattered as one flat buffer",
-    "zero_optimization.memory_efficient_linear": "linear layers run as the model defines them; nothing is patched",
-    "zero_optimization.stage3_module_granularity_threshold": "stage3_wrap_modules or reduce_bucket_size pick the "
-    "unit modules",
-    "zero_optimization.stage3_use_all_reduce_for_fetch_params": "parameters are always all-gathered",
-    "zero_optimization.mics_hierarchical_params_gather": "gathers run inside each shard group in one step",
-    "zero_optimization.use_multi_rank_bucket_allreduce": "gradients are reduce-scattered unit by unit",
-    "zero_optimization.log_trace_cache_warnings": "there is no trace cache; the gather order is agreed each pass",
-    "zero_optimization.sub_group_size": "the optimizer steps this rank's pieces, one unit at a time in low "
-    "precision; there are no optimizer sub-groups",
-    "zero_optimization.stage3_max_reuse_distance": "a unit is freed after each use and gathered again",
-    "zero_optimization.stage3_model_persistence_threshold": "parameters stay whole by "
-    "stage3_param_persistence_threshold alone; there is no model-wide cap",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoints hold fp32 masters at every "
-    "stage; full_state_dict() gathers them",
-    "zero_optimization.ignore_unused_parameters": "parameters without gradients are always allowed",
-    "zero_optimization.elastic_checkpoint": "checkpoints load at any stage and world size",
-    "zero_optimization.load_from_fp32_weights": "masters always load from the fp32 values in the checkpoint",
-    "wall_clock_breakdown": "no timers are kept; comm_report() gives the bytes moved",
-    "zero_allow_untested_optimizer": "every torch.optim optimizer is allowed (stages 1-3: elementwise ones)",
-    "prescale_gradients": "gradients are always averaged over the ranks; dividing before or after the sum is the "
-    "same arithmetic up to rounding (sums are fp32 unless communication_data_type says otherwise)",
-    "gradient_predivide_factor": "gradients are always averaged over the ranks; splitting the division around the "
-    "sum is the same arithmetic up to rounding (sums are fp32 unless communication_data_type says otherwise)",
-    "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer here; torch.optim's optimizers are used",
-    "memory_breakdown": "engine.memory_report() gives the bytes of model state each rank holds",
-    "dump_state": "no state dump; the resolved config is engine.config (zero-engine validate prints it)",
-    "disable_allgather": "updated shards are always all-gathered",
-    "dataloader_drop_last": "the engine builds no data loader",
-    "graph_harvesting": "no CUDA graphs are captured",
-    "seq_parallel_communication_data_type": "there is no sequence parallelism",
-    "disable_python_gc": "the engine leaves Python's garbage collector as it is",
-    "log_level": "the engine logs through Python's logging (logger zero_engine); set its level there",
-    "use_data_before_expert_parallelism": "there is no expert parallelism; experts are sharded as any module",
-    "vocabulary_size": "nothing here depends on the vocabulary size",
-    "dist_backend": "DeepSpeed 0.19.8 does not read it either; comm.backend picks the backend (auto: NCCL on CUDA, "
-    "gloo on CPU)",
-    "cuda_visible_devices": "DeepSpeed does not read it either; each rank trains on cuda:LOCAL_RANK (set "
-    "CUDA_VISIBLE_DEVICES in the environment)",
-    "bf16.immediate_grad_update": "gradients go into their bucket or shard as each one is produced",
-    "bf16.check_grad_overflow": "a non-finite gradient norm always skips the step, at every precision",
-    "zero_optimization.compute_grad_norm": "the norm is always computed: it rides on the step's one small "
-    "all-reduce",
-    "zero_optimization.stage3_allgather_sequential": "each unit is gathered in one collective",
-    "zero_optimization.legacy_stage1": "stage 1 has one implementation",
-    "zero_optimization.parameter_alignment": "each unit is padded to a multiple of the shard count",
-    "zero_optimization.pipeline_loading_checkpoint": "there is no pipeline parallelism",
-    "zero_optimization.override_module_apply": "module.apply runs on the model as it is (stage 3 parameters are "
-    "empty between uses)",
-    "zero_optimization.enable_sanity_checks": "the engine's checks always run",
-    "zero_optimization.save_muon_momentum_buffer_in_memory": "there is no Muon optimizer here",
-    "zero_optimization.leaf_module": "every stage 3 unit is a whole module already (stage3_wrap_modules names them)",
-    **{f"zero_optimization.offload_optimizer.{key}": "no NVMe offload or DeepSpeed CPU optimizer here" for key in (
-        "pipeline_read", "pipeline_write", "cpuadam_cores_perc"
-    )},
-    **{f"zero_optimization.offload_param.{key}": "no NVMe offload here" for key in ("buffer_size", "max_in_cpu")},
-    **{f"bf16.{key}": "bf16 needs no loss scaling" for key in (
-        "loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale"
-    )},
-}
+# anything here, by key path: each section declares its own (``NO_EFFECT`` beside its fields).
+# At a non-default value each is named in a warning at `initialize`.
+NO_EFFECT: dict[str, str] = _declared(ZeroEngineConfig)
 
 _MONITORS = "DeepSpeed's internal wrapper of the monitor sections: give tensorboard, csv_monitor, wandb or comet at the top level"
 # DeepSpeed-only sections, with why each changes nothing here; logged at initialize unless

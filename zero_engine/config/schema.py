@@ -3,7 +3,7 @@ DeepSpeed's batch arithmetic."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import ClassVar, Annotated, Any, Literal, NamedTuple
 
 from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
 
@@ -110,6 +110,40 @@ class ZeroEngineConfig(_Section):
     timers: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     datastates_ckpt: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     expert_parallel: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
+    # when set, and in the key table (`zero_engine.config.deepspeed`).
+    NO_EFFECT: ClassVar[dict[str, str]] = {
+        "wall_clock_breakdown": "no timers are kept; comm_report() gives the bytes moved",
+        "zero_allow_untested_optimizer": "every torch.optim optimizer is allowed (stages 1-3: elementwise ones)",
+        "prescale_gradients": (
+            "gradients are always averaged over the ranks; dividing before or after the sum is the same "
+            "arithmetic up to rounding (sums are fp32 unless communication_data_type says otherwise)"
+        ),
+        "gradient_predivide_factor": (
+            "gradients are always averaged over the ranks; splitting the division around the sum is the same "
+            "arithmetic up to rounding (sums are fp32 unless communication_data_type says otherwise)"
+        ),
+        "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer here; torch.optim's optimizers are used",
+        "memory_breakdown": "engine.memory_report() gives the bytes of model state each rank holds",
+        "dump_state": "no state dump; the resolved config is engine.config (zero-engine validate prints it)",
+        "disable_allgather": "updated shards are always all-gathered",
+        "dataloader_drop_last": "the engine builds no data loader",
+        "graph_harvesting": "no CUDA graphs are captured",
+        "seq_parallel_communication_data_type": "there is no sequence parallelism",
+        "disable_python_gc": "the engine leaves Python's garbage collector as it is",
+        "log_level": "the engine logs through Python's logging (logger zero_engine); set its level there",
+        "use_data_before_expert_parallelism": "there is no expert parallelism; experts are sharded as any module",
+        "vocabulary_size": "nothing here depends on the vocabulary size",
+        "dist_backend": (
+            "DeepSpeed 0.19.8 does not read it either; comm.backend picks the backend (auto: NCCL on CUDA, gloo "
+            "on CPU)"
+        ),
+        "cuda_visible_devices": (
+            "DeepSpeed does not read it either; each rank trains on cuda:LOCAL_RANK (set CUDA_VISIBLE_DEVICES in "
+            "the environment)"
+        ),
+    }
+
     _notes: list[str] = PrivateAttr(default_factory=list)  # from translating DeepSpeed's spellings
     _auto: list[str] = PrivateAttr(default_factory=list)  # "auto" keys initialize fills (deepspeed_compat)
 

@@ -4,7 +4,7 @@ change nothing here say so (`zero_engine.config.deepspeed`)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import ClassVar, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -53,6 +53,15 @@ class FP16Config(_Section):
     consecutive_hysteresis: bool = Field(False, description="Refill hysteresis on every clean step.")
     min_loss_scale: Real = Field(1.0, gt=0, description="The dynamic scale never drops below this.")
 
+    # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
+    # when set, and in the key table (`zero_engine.config.deepspeed`).
+    NO_EFFECT: ClassVar[dict[str, str]] = {
+        "auto_cast": (
+            "inputs are cast to the compute dtype and the model runs on compute-dtype copies; there is no "
+            "autocast"
+        ),
+    }
+
 
 class BF16Config(_Section):
     enabled: bool = Field(False, description="Compute in bfloat16 with fp32 master weights.")
@@ -68,6 +77,18 @@ class BF16Config(_Section):
         False, description="DeepSpeed: bf16 masters and gradients (no fp32 copy); refused when on."
     )
     bf16_optimizer_states: bool = Field(False, description="DeepSpeed: bf16 optimizer state; refused when on.")
+
+    # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
+    # when set, and in the key table (`zero_engine.config.deepspeed`).
+    NO_EFFECT: ClassVar[dict[str, str]] = {
+        "immediate_grad_update": "gradients go into their bucket or shard as each one is produced",
+        "check_grad_overflow": "a non-finite gradient norm always skips the step, at every precision",
+        "loss_scale": "bf16 needs no loss scaling",
+        "loss_scale_window": "bf16 needs no loss scaling",
+        "initial_scale_power": "bf16 needs no loss scaling",
+        "hysteresis": "bf16 needs no loss scaling",
+        "min_loss_scale": "bf16 needs no loss scaling",
+    }
 
 
 class OffloadConfig(_Section):
@@ -93,6 +114,14 @@ class OffloadOptimizerConfig(OffloadConfig):
     super_offload: bool = Field(False, description="DeepSpeed's SuperOffload; refused when on.")
     cpuadam_cores_perc: Real = Field(0.8, gt=0, le=1, description="DeepSpeed option; accepted, no effect.")
 
+    # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
+    # when set, and in the key table (`zero_engine.config.deepspeed`).
+    NO_EFFECT: ClassVar[dict[str, str]] = {
+        "pipeline_read": "no NVMe offload or DeepSpeed CPU optimizer here",
+        "pipeline_write": "no NVMe offload or DeepSpeed CPU optimizer here",
+        "cpuadam_cores_perc": "no NVMe offload or DeepSpeed CPU optimizer here",
+    }
+
 
 class OffloadParamConfig(OffloadConfig):
     """``zero_optimization.offload_param``."""
@@ -100,6 +129,13 @@ class OffloadParamConfig(OffloadConfig):
     buffer_count: PositiveCount = Field(5, description="DeepSpeed's NVMe buffer count; accepted, no effect with 'cpu'.")
     buffer_size: PositiveCount = Field(100_000_000, description="DeepSpeed's NVMe buffer size; accepted, no effect.")
     max_in_cpu: Count = Field(1_000_000_000, description="DeepSpeed's NVMe option; accepted, no effect.")
+
+    # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
+    # when set, and in the key table (`zero_engine.config.deepspeed`).
+    NO_EFFECT: ClassVar[dict[str, str]] = {
+        "buffer_size": "no NVMe offload here",
+        "max_in_cpu": "no NVMe offload here",
+    }
 
 
 class _FileMonitorConfig(_Section):
@@ -259,6 +295,47 @@ class ZeroOptimizationConfig(_Section):
         "whole module here, and stage3_wrap_modules names them."
     )
     zenflow: dict[str, Any] | None = Field(None, description="DeepSpeed's ZenFlow section; refused when given.")
+
+    # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
+    # when set, and in the key table (`zero_engine.config.deepspeed`).
+    NO_EFFECT: ClassVar[dict[str, str]] = {
+        "contiguous_gradients": "gradients always live in one flat buffer per unit",
+        "reduce_scatter": "stages 1-3 always reduce-scatter (comm.primitives picks how)",
+        "allgather_partitions": "updated shards are always all-gathered, one unit per call",
+        "allgather_bucket_size": (
+            "shards are gathered one unit at a time (reduce_bucket_size or stage3_wrap_modules cut the units)"
+        ),
+        "round_robin_gradients": "each unit's gradient is reduce-scattered as one flat buffer",
+        "memory_efficient_linear": "linear layers run as the model defines them; nothing is patched",
+        "stage3_module_granularity_threshold": "stage3_wrap_modules or reduce_bucket_size pick the unit modules",
+        "stage3_use_all_reduce_for_fetch_params": "parameters are always all-gathered",
+        "mics_hierarchical_params_gather": "gathers run inside each shard group in one step",
+        "use_multi_rank_bucket_allreduce": "gradients are reduce-scattered unit by unit",
+        "log_trace_cache_warnings": "there is no trace cache; the gather order is agreed each pass",
+        "sub_group_size": (
+            "the optimizer steps this rank's pieces, one unit at a time in low precision; there are no optimizer "
+            "sub-groups"
+        ),
+        "stage3_max_reuse_distance": "a unit is freed after each use and gathered again",
+        "stage3_model_persistence_threshold": (
+            "parameters stay whole by stage3_param_persistence_threshold alone; there is no model-wide cap"
+        ),
+        "stage3_gather_16bit_weights_on_model_save": (
+            "checkpoints hold fp32 masters at every stage; full_state_dict() gathers them"
+        ),
+        "ignore_unused_parameters": "parameters without gradients are always allowed",
+        "elastic_checkpoint": "checkpoints load at any stage and world size",
+        "load_from_fp32_weights": "masters always load from the fp32 values in the checkpoint",
+        "compute_grad_norm": "the norm is always computed: it rides on the step's one small all-reduce",
+        "stage3_allgather_sequential": "each unit is gathered in one collective",
+        "legacy_stage1": "stage 1 has one implementation",
+        "parameter_alignment": "each unit is padded to a multiple of the shard count",
+        "pipeline_loading_checkpoint": "there is no pipeline parallelism",
+        "override_module_apply": "module.apply runs on the model as it is (stage 3 parameters are empty between uses)",
+        "enable_sanity_checks": "the engine's checks always run",
+        "save_muon_momentum_buffer_in_memory": "there is no Muon optimizer here",
+        "leaf_module": "every stage 3 unit is a whole module already (stage3_wrap_modules names them)",
+    }
 
     def shard_group_size_for(self, world_size: int, local_world_size: int | None = None) -> int:
         """Ranks per shard group for ``world_size`` ranks (``local_world_size``: torchrun's
