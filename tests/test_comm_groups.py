@@ -23,25 +23,29 @@ from models import decay_groups, make_model, train_engine
 from zero_engine import comm as comm_module
 
 CONTROL_METHODS = {"each_rank", "all_gather_json"}
-WRAPPED = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "barrier")
+WRAPPED = ("all_reduce", "reduce", "broadcast", "all_gather", "batch_isend_irecv", "barrier")
 NATIVE = ("_reduce_scatter_tensor", "_all_gather_into_tensor")
 # What each recorded torch function implements (gloo's per-shard primitives: reduce, broadcast).
 KINDS = {
     "reduce": "reduce_scatter", "_reduce_scatter_tensor": "reduce_scatter", "broadcast": "all_gather",
-    "_all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce", "gather": "gather", "all_gather": "all_gather",
-    "barrier": "barrier",
+    "_all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce", "isend": "gather", "irecv": "gather",
+    "all_gather": "all_gather", "barrier": "barrier",
 }
 
 
 def _recording(calls: list, name: str, function):
     """``function``, recording the `GroupComm` method that called it, the group it was given and
     the bytes of its largest tensor argument (the whole flat buffer of a native collective, one
-    shard of a per-shard one)."""
+    shard of a per-shard one); point-to-point batches as one call per send or receive."""
 
     def record(*args, **kwargs):
         frame = sys._getframe(1)
         while frame.f_code.co_name.startswith("<") or not isinstance(frame.f_locals.get("self"), comm_module.GroupComm):
             frame = frame.f_back
+        if name == "batch_isend_irecv":
+            for op in args[0]:
+                calls.append((frame.f_code.co_name, op.op.__name__, op.group, op.tensor.numel() * op.tensor.element_size()))
+            return function(*args, **kwargs)
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         nbytes = max((a.numel() * a.element_size() for a in tensors), default=0)
         calls.append((frame.f_code.co_name, name, kwargs.get("group"), nbytes))
@@ -104,7 +108,8 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         for method, function, group, nbytes in calls[: step_calls]:
             if roles.get(id(group), "other") != "control":
                 data_bytes[KINDS[function]] += nbytes
-        export_bytes = sum(nbytes for _, function, _, nbytes in calls[slice(*export_calls)] if function == "gather")
+        export_bytes = {kind: sum(nbytes for _, function, _, nbytes in calls[slice(*export_calls)] if function == kind)
+                        for kind in ("isend", "irecv")}
         results.append({
             "calls": {f"{method}:{function}": sorted(roles) for (method, function), roles in groups.items()},
             "control_backend": dist.get_backend(engine.comm.control_group),
@@ -159,7 +164,8 @@ def test_bytes_handed_to_torch_distributed_follow_the_formulas(traffic: list[lis
     once (Ψ plus padding, fp32), stage 1 all-gathers the updated parameters once and stage 3
     gathers every unit twice (its forward and its backward) but the root unit once (it stays
     gathered from the forward into the backward), the only all-reduce is the used-mask
-    and norm (8 bytes per parameter, plus one), and a rank-0 export sends each rank's shard."""
+    and norm (8 bytes per parameter, plus one), and a rank-0 export sends each other rank's
+    shard straight to rank 0."""
     psi, n = sum(p.numel() for p in make_model().parameters() if p.requires_grad), 3
     for rank, per_case in enumerate(traffic):
         for case, result in zip(CASES, per_case):
@@ -173,7 +179,8 @@ def test_bytes_handed_to_torch_distributed_follow_the_formulas(traffic: list[lis
             else:
                 assert sent["all_gather"] == sent["reduce_scatter"], (label, sent)
             assert sent["all_reduce"] == 8 * (result["num_params"] + 1), (label, sent)
-            exported = sent["reduce_scatter"] // n if case["stage"] == 3 else 0  # below stage 3 rank 0 has it all
+            shards = sent["reduce_scatter"] // n if case["stage"] == 3 else 0  # below stage 3 rank 0 has it all
+            exported = {"isend": 0, "irecv": (n - 1) * shards} if rank == 0 else {"isend": shards, "irecv": 0}
             assert result["export_gather_bytes"] == exported, (label, result["export_gather_bytes"])
             assert set(sent) == {"reduce_scatter", "all_gather", "all_reduce"}, (label, sent)
 

@@ -106,6 +106,7 @@ def checkpoint_faults(rank: int, world_size: int, directory: str) -> dict:
         (root / "a-file").write_text("not a directory")
     out["target_is_a_file"] = _outcome(lambda: engine.save_checkpoint(root / "a-file"))
     out["tags_differ"] = _outcome(lambda: engine.save_checkpoint(root, tag=f"mine{rank}"))
+    out["pretrained_into_a_file"] = _outcome(lambda: engine.save_pretrained(root / "a-file"))
     out["after_refusals"] = sorted(p.name for p in root.iterdir())
 
     # A checkpoint missing on rank 1's disk: every rank raises, rank 0 restores nothing.
@@ -153,7 +154,9 @@ def checkpoint_faults(rank: int, world_size: int, directory: str) -> dict:
     # peer's next forward gathers): every rank raises, naming each rank's call, and a new
     # engine works after the first two. Last: the groups are spent.
     save, export = (lambda e: e.save_checkpoint(root, tag="rank0")), (lambda e: e.full_state_dict())
-    for case, stage, accum, call in (("0", 0, 1, save), ("0_accumulating", 0, 2, save), ("3", 3, 1, export)):
+    pretrained = lambda e: e.save_pretrained(root.parent / "hf")  # noqa: E731
+    cases = (("0", 0, 1, save), ("0_accumulating", 0, 2, save), ("2_pretrained", 2, 1, pretrained), ("3", 3, 1, export))
+    for case, stage, accum, call in cases:
         diverging = _engine(stage, accum=accum)
         _train(diverging, rank, world_size, range(accum))
         on_rank0_only = functools.partial(call, diverging) if rank == 0 else functools.partial(
@@ -186,6 +189,8 @@ def test_checkpoint_faults_end_the_same_way_on_every_rank(tmp_path: Path) -> Non
         assert kind == "CheckpointError" and "rank 0: " in message and "a-file" in message, out["target_is_a_file"]
         kind, message = out["tags_differ"]
         assert kind == "CheckpointError" and "different tags ('mine0', 'mine1')" in message, out["tags_differ"]
+        kind, message = out["pretrained_into_a_file"]
+        assert kind == "CheckpointError" and "save_pretrained" in message and "rank 0: FileExistsError" in message, message
         assert out["after_refusals"] == ["a-file", "global_step1", "global_step3", "latest"], out["after_refusals"]
 
         kind, message = out["missing_on_one"]
@@ -201,10 +206,10 @@ def test_checkpoint_faults_end_the_same_way_on_every_rank(tmp_path: Path) -> Non
 
         kind, message = out["between_forward_and_backward"]
         assert kind == "DivergedRanksError" and "rank 0 is in full_state_dict()" in message, message
-        for case in ("0", "0_accumulating", "3"):
+        for case in ("0", "0_accumulating", "2_pretrained", "3"):
             kind, message = out[f"rank0_only_{case}"]
             assert kind == "DivergedRanksError", (case, rank, out[f"rank0_only_{case}"])
-            call = "full_state_dict()" if case == "3" else "save_checkpoint()"
+            call = {"3": "full_state_dict()", "2_pretrained": "save_pretrained()"}.get(case, "save_checkpoint()")
             assert f"rank 0 is in {call}" in message, message
             assert "rank 1 is in training" in message or "rank 1 is in forward" in message, message
             assert out[f"refused_later_{case}"][0] == "DivergedRanksError"

@@ -6,6 +6,9 @@
                                                          host and device apart with offload; with
                                                          stage: auto, every candidate and the choice
     zero-engine consolidate CHECKPOINT OUT [--tag T]     write a plain fp32 state_dict (.pt, .safetensors)
+    zero-engine consolidate CHECKPOINT OUT --format hf [--max-shard-size S] [--dtype D]
+                                                         write Hugging Face's sharded safetensors
+                                                         layout into the directory OUT, streamed
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .memory import estimate_from_config
 from .stage import stage_for
 from .stage_choice import candidates, choose, format_table
 from .state.consolidate import load_consolidated, write_state_dict
+from .state.export import export_checkpoint
 from .values import as_count
 
 
@@ -113,6 +117,8 @@ def _estimate_auto(config: ZeroEngineConfig, args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        return _export(args)
     try:
         state = load_consolidated(args.checkpoint, args.tag)
         write_state_dict(state, args.out)
@@ -122,6 +128,22 @@ def _consolidate(args: argparse.Namespace) -> int:
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {args.out}: {len(state)} tensors, {numel:,} elements")
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """A checkpoint in Hugging Face's layout, one parameter at a time (`state.export`)."""
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.tag, args.max_shard_size, args.dtype)
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    files = sorted(path.name for path in out.glob("model*.safetensors"))
+    print(f"wrote {out}: {len(files)} safetensors file(s)")
+    return 0
+
+
+def _shard_size(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,8 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.set_defaults(run=_estimate)
     consolidate = verbs.add_parser("consolidate", help="turn a checkpoint into a plain state_dict file")
     consolidate.add_argument("checkpoint", help="the directory given to save_checkpoint")
-    consolidate.add_argument("out", help="output file: .pt or .safetensors")
+    consolidate.add_argument("out", help="output file: .pt or .safetensors (with --format hf: a directory)")
     consolidate.add_argument("--tag", help="which checkpoint (default: the latest)")
+    consolidate.add_argument(
+        "--format", choices=("file", "hf"), default="file",
+        help="file: one state_dict file (default); hf: model.safetensors or shards and their index, "
+        "as save_pretrained writes them (weights only: the checkpoint holds no model config)",
+    )
+    consolidate.add_argument(
+        "--max-shard-size", type=_shard_size, default="5GB", help="with --format hf: bytes per shard file, e.g. 5GB"
+    )
+    consolidate.add_argument("--dtype", help="with --format hf: write the weights in this dtype (default: fp32)")
     consolidate.set_defaults(run=_consolidate)
     return parser
 

@@ -209,15 +209,21 @@ class GroupComm:
 
     def gather(self, flat: torch.Tensor, dst: int = 0) -> Pending:
         """Fill every shard of ``flat`` on rank ``dst`` alone with its owner's values (state
-        export onto one rank); other ranks' buffers are left as they are."""
+        export onto one rank); other ranks' buffers are left as they are.
+
+        Point to point, each shard received straight into its place: ``dist.gather`` would
+        take a copy of the own shard and, on gloo, a staging buffer of the whole ``flat``, so
+        rank ``dst`` would hold the unit 2.5 times over instead of once."""
         if self.skips_collectives:
             return DONE
         self._count(CollectiveKind.GATHER, tensor_bytes(flat))
         shards = self._shards(flat)
-        own = shards[self.rank].clone()  # the input must not alias the destination on dst
-        targets = shards if self.rank == dst else None
-        work = dist.gather(own, gather_list=targets, dst=self._global_rank(dst), group=self.group, async_op=True)
-        return Pending((work,))
+        if self.rank == dst:
+            ops = [dist.P2POp(dist.irecv, shard, self._global_rank(rank), self.group)
+                   for rank, shard in enumerate(shards) if rank != dst]
+        else:
+            ops = [dist.P2POp(dist.isend, shards[self.rank], self._global_rank(dst), self.group)]
+        return Pending(tuple(dist.batch_isend_irecv(ops)))
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values, synchronously."""

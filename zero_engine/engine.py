@@ -36,7 +36,7 @@ from .sharding.module_plan import ModulePlan
 from .sharding.agreement import Call
 from .stage import Stage
 from .sharding.unit_forwards import UnitForwards
-from .state import checkpoint
+from .state import checkpoint, export
 from .state.state_dict import ModelState
 from .step import OptimizerStep
 from .tree import iter_tensors, map_tensors
@@ -394,6 +394,20 @@ class Engine:
         self.global_step, self.skipped_steps = loaded.counters
         self.window.restart(self.global_step)
         return loaded.client_state
+
+    def save_pretrained(
+        self, directory: str | Path, *, max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None
+    ) -> Path:
+        """The model in Hugging Face's layout (collective; rank 0 writes): ``model.safetensors``
+        or shards of at most ``max_shard_size`` with ``model.safetensors.index.json``, names as
+        ``module.state_dict()`` gives them (a tied tensor once), values the fp32 masters or cast
+        to ``dtype``; ``config.json`` too for a transformers model. Streamed unit by unit: rank 0
+        holds one gathered unit and one shard at a time, never the model (`state.export`).
+        Returns on every rank once the files are complete; training goes on unchanged."""
+        self.calls.check_usable()
+        export.parse_shard_size(max_shard_size), export.parse_dtype(dtype)  # bad arguments raise before any collective
+        self._agree_on_call(Call.SAVE_PRETRAINED)
+        return export.export_model(self.model_state, directory, max_shard_size, dtype)
 
     def _resumable(self) -> checkpoint.Resumable:
         return checkpoint.Resumable(

@@ -75,6 +75,7 @@ class Call(IntEnum):
     SAVE_CHECKPOINT = 2
     LOAD_CHECKPOINT = 3
     FULL_STATE_DICT = 4
+    SAVE_PRETRAINED = 5
 
     @property
     def label(self) -> str:
@@ -104,8 +105,8 @@ def call_divergence(rows: list[list[int]], describe_unit: Callable[[int], str] =
     if all(row[1] != PassKind.CALL for row in rows) or all(row == rows[0] for row in rows):
         return None
     return (
-        f"ranks are in different calls: {describe_rows(rows, describe_unit)}. save_checkpoint, load_checkpoint and (when state is sharded) "
-        "full_state_dict are collective: call them on every rank, at the same step. The ranks' collectives are "
+        f"ranks are in different calls: {describe_rows(rows, describe_unit)}. save_checkpoint, load_checkpoint, save_pretrained and "
+        "(when state is sharded) full_state_dict are collective: call them on every rank, at the same step. The ranks' collectives are "
         "now out of step: end the job"
     )
 

@@ -105,7 +105,7 @@ def manifest_of(state: Resumable, counters: Counters, tag: str, files: dict[str,
         aliases[id(param)].append(name)
     params = {
         name: {"shape": list(shape), "aliases": aliases[id(param)]}
-        for unit in model.units
+        for unit in model.units_in_model_order()
         for name, param, shape in zip(unit.names, unit.params, unit.shapes)
     }
     return {

@@ -75,6 +75,13 @@ class ModelState:
             return unit.flat_param  # stages 1-2 in fp32: the whole buffer is up to date
         return unit.gather_masters(self.comm, onto=0 if rank0_only else None)
 
+    def units_in_model_order(self) -> list[FlatUnit]:
+        """The units by their first parameter's place in ``module.parameters()`` (an empty unit
+        last): the order exports and checkpoint manifests list parameters in, so a checkpoint's
+        export writes the same shards as the engine's."""
+        place = {param: index for index, param in enumerate(self.module.parameters())}
+        return sorted(self.units, key=lambda unit: min((place[p] for p in unit.params), default=len(place)))
+
     def loose_state(self) -> dict[str, torch.Tensor]:
         """State-dict entries outside the units (frozen parameters as their fp32 values,
         buffers), for checkpoints."""
