@@ -4,7 +4,9 @@ single-process reference that applies the same policy."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,15 +208,23 @@ def check_skipped_everywhere(rank: int, result: dict) -> None:
 
 
 def test_dynamic_loss_scale_follows_deepspeed() -> None:
-    scaler = LossScaler(initial_scale_power=4, window=3, hysteresis=2, min_scale=2.0)
-    assert scaler.scale == 16
-    scaler.update(overflow=True)  # spends hysteresis
-    assert scaler.scale == 16
-    scaler.update(overflow=True)  # none left: halve
-    assert scaler.scale == 8
-    for _ in range(3):
-        scaler.update(overflow=False)
-    assert scaler.scale == 16, "three clean steps after the last overflow double the scale"
+    """Step for step as DeepSpeed 0.19.8's own DynamicLossScaler went through the same overflow
+    patterns (recorded by scripts/make_deepspeed_checkpoints.py): when the scale halves, when
+    hysteresis is spent and refilled, and on which clean step it doubles."""
+    recorded = json.loads((Path(__file__).parent / "data" / "deepspeed_loss_scale.json").read_text())
+    assert recorded["deepspeed"] == "0.19.8"
+    for case in recorded["cases"]:
+        scaler = LossScaler(
+            initial_scale_power=int(math.log2(case["init_scale"])), window=case["scale_window"],
+            hysteresis=case["delayed_shift"], min_scale=case["min_scale"],
+            consecutive_hysteresis=case["consecutive_hysteresis"],
+        )
+        ours = []
+        for overflow in case["overflows"]:
+            scaler.update(overflow)
+            ours.append({"scale": scaler.scale, "hysteresis": scaler.remaining_hysteresis})
+        assert ours == case["after"], case
+    scaler = LossScaler(initial_scale_power=2, min_scale=2.0)
     for _ in range(5):
         scaler.update(overflow=True)
     assert scaler.scale == 2.0, "never below min_loss_scale"

@@ -38,8 +38,10 @@ class LossScaler:
     """DeepSpeed's loss scaling: static when ``loss_scale > 0``, else dynamic.
 
     Dynamic: start at ``2**initial_scale_power``; after an overflow, spend one unit of
-    hysteresis, or when none is left halve the scale (not below ``min_loss_scale``); after
-    ``loss_scale_window`` steps without overflow, double it (and refill the hysteresis).
+    hysteresis, or when none is left halve the scale (not below ``min_loss_scale``); on a clean
+    step that follows a multiple of ``loss_scale_window`` clean steps since the last overflow
+    (or the start), double it (and refill the hysteresis): DeepSpeed 0.19's rule, step for step
+    (``tests/data/deepspeed_loss_scale.json``).
     """
 
     def __init__(
@@ -73,7 +75,8 @@ class LossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.remaining_hysteresis = self.hysteresis
-            if (self.iteration - self.last_overflow) % self.window == 0:
+            clean_before = self.iteration - self.last_overflow - 1  # clean steps before this one (DeepSpeed 0.19)
+            if clean_before > 0 and clean_before % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.remaining_hysteresis = self.hysteresis
                 self.scale *= 2
