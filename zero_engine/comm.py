@@ -223,6 +223,8 @@ class GroupComm:
                    for rank, shard in enumerate(shards) if rank != dst]
         else:
             ops = [dist.P2POp(dist.isend, shards[self.rank], self._global_rank(dst), self.group)]
+        if not ops:  # a group of one (``force_collectives``): no peer, the unit is already whole
+            return DONE
         return Pending(tuple(dist.batch_isend_irecv(ops)))
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
