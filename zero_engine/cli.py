@@ -9,6 +9,8 @@
     zero-engine consolidate CHECKPOINT OUT --format hf [--max-shard-size S] [--dtype D]
                                                          write Hugging Face's sharded safetensors
                                                          layout into the directory OUT, streamed
+    zero-engine convert DEEPSPEED_DIR OUT_DIR [--tag T]  a DeepSpeed ZeRO checkpoint in this engine's
+                                                         format (optimizer state, step and schedule kept)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .memory import estimate_from_config
 from .stage import stage_for
 from .stage_choice import candidates, choose, format_table
 from .state.consolidate import load_consolidated, write_state_dict
+from .state.convert import convert_deepspeed
 from .state.export import export_checkpoint
 from .values import as_count
 
@@ -142,6 +145,19 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    try:
+        written, translated = convert_deepspeed(args.deepspeed_dir, args.out_dir, args.tag)
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {written}: DeepSpeed stage {translated.stage} on {len(translated.pieces_by_rank)} rank(s), "
+          f"step {translated.extra['global_step']}; load_checkpoint reads it at any stage and world size")
+    if translated.ignored:
+        print(f"not carried over (this engine has no such state): {', '.join(translated.ignored)}")
+    return 0
+
+
 def _shard_size(text: str) -> int | str:
     return int(text) if text.isdigit() else text
 
@@ -179,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     consolidate.add_argument("--dtype", help="with --format hf: write the weights in this dtype (default: fp32)")
     consolidate.set_defaults(run=_consolidate)
+    convert = verbs.add_parser("convert", help="rewrite a DeepSpeed ZeRO checkpoint in this engine's format")
+    convert.add_argument("deepspeed_dir", help="the directory DeepSpeed's save_checkpoint wrote (holding 'latest')")
+    convert.add_argument("out_dir", help="the checkpoint directory to write (the same tag)")
+    convert.add_argument("--tag", help="which DeepSpeed tag (default: its latest)")
+    convert.set_defaults(run=_convert)
     return parser
 
 

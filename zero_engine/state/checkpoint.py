@@ -42,10 +42,11 @@ from ..errors import CheckpointError
 from ..sharding.unit import FlatUnit
 from . import storage
 from .payload import (
-    Counters, PieceIndex, Resumable, extra_payload, manifest_of, rank_payload, restore_optimizer, restore_rng,
+    Counters, Resumable, extra_payload, manifest_of, rank_payload, restore_optimizer, restore_rng,
 )
+from .sources import Source, open_source
 from .state_dict import ModelState
-from .storage import EXTRA, MANIFEST, Checkpoint, open_checkpoint, rank_file
+from .storage import EXTRA, MANIFEST, Checkpoint, rank_file
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,16 +176,20 @@ def load(
     read: list[Any] = []  # checkpoint, piece index, extra.pt
 
     def open_and_check() -> None:
-        checkpoint = open_checkpoint(directory, tag)
-        read.extend([checkpoint, PieceIndex(checkpoint), storage.read_file(checkpoint.path / EXTRA)])
-        _check_fit(model, checkpoint, read[2], strict)
+        source = open_source(directory, tag)
+        read.append(source)
+        _check_fit(model, source.checkpoint, source.extra, strict)
         if load_optimizer_states:
-            _check_optimizer_type(checkpoint, state.optimizer)
+            _check_optimizer_type(source.checkpoint, state.optimizer)
+            if source.writer == "deepspeed":
+                _check_schedule(state.lr_scheduler, source)
 
     # Every rank reads and checks first, then all restore or none does (a file missing on one
     # node's disk fails every rank, not that one alone).
     on_every_rank(model.comm, f"load_checkpoint from {directory}", open_and_check)
-    checkpoint, index, extra = read
+    checkpoint, index, extra, ignored, _ = read[0]
+    if ignored and model.comm.rank == 0:
+        warnings.warn(f"{checkpoint.path}: not restored (this engine has no such state): {', '.join(ignored)}", stacklevel=3)
     saved = checkpoint.manifest["params"]
     shapes = model.unit_param_shapes()
     fitting = {name for name, shape in shapes.items() if name in saved and saved[name]["shape"] == shape}
@@ -201,12 +206,34 @@ def load(
             if state.lr_scheduler is not None and extra["lr_scheduler"] is not None:
                 state.lr_scheduler.load_state_dict(extra["lr_scheduler"])
             if state.loss_scaler is not None and extra["loss_scaler"] is not None:
-                state.loss_scaler.load_state_dict(extra["loss_scaler"])
+                # a field the checkpoint lacks (DeepSpeed's fp16 wrapper saves no hysteresis) stays this run's
+                state.loss_scaler.load_state_dict({**state.loss_scaler.state_dict(), **extra["loss_scaler"]})
         if model.comm.rank < len(index.rng):
             restore_rng(index.rng[model.comm.rank], state.device)
 
     on_every_rank(model.comm, f"load_checkpoint from {checkpoint.path}", restore)
     return Loaded(Counters(extra["global_step"], extra["skipped_steps"]), extra["client_state"])
+
+
+def _check_schedule(scheduler: Any, source: Source) -> None:
+    """A DeepSpeed run's schedule position must fit this engine's scheduler: DeepSpeed's
+    schedules (ours mirror them: ``last_batch_iteration``) or a torch scheduler's state
+    (``last_epoch``) into the same kind. A schedule saved with none configured here is left
+    (listed as not restored)."""
+    saved = source.extra.get("lr_scheduler")
+    if saved is None:
+        return
+    if scheduler is None:
+        source.ignored.append(f"lr_scheduler (the schedule's position {saved}; this engine has no scheduler)")
+        return
+    ours = scheduler.state_dict()
+    if isinstance(saved, dict) and set(saved) >= set(ours) and ("last_batch_iteration" in ours) == ("last_batch_iteration" in saved):
+        return
+    raise CheckpointError(
+        f"{source.checkpoint.path}: the saved learning-rate schedule ({sorted(saved) if isinstance(saved, dict) else saved}) "
+        f"does not fit this engine's {type(scheduler).__name__} ({sorted(ours)}): configure the schedule the run was "
+        "saved with (scheduler.type and its params, as in its config), or load with load_optimizer_states=False"
+    )
 
 
 def _check_optimizer_type(checkpoint: Checkpoint, optimizer: torch.optim.Optimizer) -> None:

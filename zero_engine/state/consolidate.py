@@ -1,5 +1,6 @@
 """A checkpoint as a plain ``state_dict``, in one process, without torch.distributed: what
-``zero-engine consolidate``, ``zero_engine.load_consolidated`` and the integrations' exports read."""
+``zero-engine consolidate``, ``zero_engine.load_consolidated`` and the integrations' exports read.
+This engine's checkpoints and DeepSpeed's alike (`zero_engine.state.sources`)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,13 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
-from .checkpoint import PieceIndex
-from .storage import EXTRA, open_checkpoint, read_file, write_atomically
+from .sources import open_source
+from .storage import write_atomically
 
 def load_consolidated(directory: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's full model as a plain fp32 ``state_dict`` (every alias of a tied
     parameter included), without torch.distributed."""
-    checkpoint = open_checkpoint(directory, tag)
-    index = PieceIndex(checkpoint)
-    extra = read_file(checkpoint.path / EXTRA)
+    checkpoint, index, extra, _, _ = open_source(directory, tag)
     state: dict[str, torch.Tensor] = {}
     for name, entry in checkpoint.manifest["params"].items():
         numel = 1
@@ -36,7 +35,7 @@ def load_consolidated(directory: str | Path, tag: str | None = None) -> dict[str
 
 def load_client_state(directory: str | Path, tag: str | None = None) -> Any:
     """The ``client_state`` the checkpoint was saved with, without torch.distributed."""
-    return read_file(open_checkpoint(directory, tag).path / EXTRA)["client_state"]
+    return open_source(directory, tag).extra["client_state"]
 
 
 def write_state_dict(state: dict[str, torch.Tensor], out: str | Path) -> None:

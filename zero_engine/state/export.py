@@ -33,10 +33,10 @@ from torch import nn
 from ..errors import CheckpointError
 from ..sharding.unit import FlatUnit
 from .checkpoint import on_every_rank
-from .payload import PieceIndex
 from .safetensors_file import SafetensorsWriter, TensorSpec
 from .state_dict import ModelState
-from .storage import EXTRA, open_checkpoint, read_file, write_atomically
+from .sources import open_source
+from .storage import write_atomically
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
@@ -239,11 +239,10 @@ def export_checkpoint(
     assembled from its pieces in turn (the rank files are memory-mapped), so what is held is one
     parameter and one shard, never the model. Weights only: the checkpoint holds no model config."""
     directory, max_bytes, out = Path(directory), parse_shard_size(max_shard_size), parse_dtype(dtype)
-    opened = open_checkpoint(checkpoint, tag)
-    index = PieceIndex(opened)
+    opened, index, extra, _, _ = open_source(checkpoint, tag)
     params = opened.manifest["params"]
     aliases = {alias for entry in params.values() for alias in entry["aliases"]}
-    loose = loose_entries(read_file(opened.path / EXTRA)["module"], out, skip=aliases.__contains__)
+    loose = loose_entries(extra["module"], out, skip=aliases.__contains__)
     numels = {name: math.prod(entry["shape"]) for name, entry in params.items()}
     # Without the model, a tied tensor is written under its first name (the model's order puts
     # the owner first: GPT-2's embedding before its lm_head, as transformers keeps them).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -149,14 +150,18 @@ def _restore_cuda_rng(state: dict[str, Any], device: torch.device) -> None:
 class PieceIndex:
     """Every saved piece of every parameter, to assemble any range from."""
 
-    def __init__(self, checkpoint: Checkpoint) -> None:
+    def __init__(self, pieces: Iterable[dict[str, Any]], rng: Sequence[dict[str, Any]] = ()) -> None:
         self.pieces: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        self.rng: list[dict[str, Any]] = []
-        for rank in range(checkpoint.manifest["world_size"]):
-            payload = storage.read_file(checkpoint.path / rank_file(rank))
-            self.rng.append(payload["rng"])
-            for piece in payload["pieces"]:
-                self.pieces[piece["name"]].append(piece)
+        self.rng = list(rng)  # each saving rank's generators (none from another engine's checkpoint)
+        for piece in pieces:
+            self.pieces[piece["name"]].append(piece)
+
+    @classmethod
+    def read(cls, checkpoint: Checkpoint) -> PieceIndex:
+        """Every rank file's pieces (memory-mapped)."""
+        payloads = [storage.read_file(checkpoint.path / rank_file(rank)) for rank in range(checkpoint.manifest["world_size"])]
+        rng = [payload["rng"] for payload in payloads]  # None: converted from another engine's checkpoint
+        return cls((piece for payload in payloads for piece in payload["pieces"]), rng if None not in rng else [])
 
     def covering(self, name: str, start: int, numel: int) -> list[dict[str, Any]]:
         return [p for p in self.pieces[name] if p["start"] < start + numel and start < p["start"] + p["numel"]]

@@ -144,16 +144,7 @@ class Checkpoint(NamedTuple):
 def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint:
     """Resolve ``tag`` (default: ``latest``), check the manifest and verify every file against it."""
     root = Path(directory)
-    check_root(root)
-    if tag is None:
-        pointer = root / LATEST
-        if not pointer.is_file():
-            raise FileNotFoundError(f"{pointer}: no 'latest' file; is {root} a checkpoint directory?")
-        tag = pointer.read_text().strip()
-        _check_read_tag(root, tag, f"{pointer} names tag")
-    else:
-        _check_read_tag(root, tag, "tag")
-    path = tag_path(root, tag)
+    path = tag_path(root, resolve_tag(root, tag))
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{manifest_path}: missing; {path} is not a complete checkpoint")
@@ -172,6 +163,21 @@ def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint
         if sha256_of(file) != expected["sha256"]:
             raise CheckpointError(f"{file}: checksum does not match the manifest (corrupted)")
     return Checkpoint(path, manifest)
+
+
+def resolve_tag(root: Path, tag: str | None) -> str:
+    """``tag``, or the one ``root/latest`` names, checked to be a directory name inside ``root``
+    (this engine's checkpoints and DeepSpeed's write ``latest`` alike)."""
+    check_root(root)
+    if tag is None:
+        pointer = root / LATEST
+        if not pointer.is_file():
+            raise FileNotFoundError(f"{pointer}: no 'latest' file; is {root} a checkpoint directory?")
+        tag = pointer.read_text().strip()
+        _check_read_tag(root, tag, f"{pointer} names tag")
+    else:
+        _check_read_tag(root, tag, "tag")
+    return tag
 
 
 def _check_read_tag(root: Path, tag: str, what: str) -> None:

@@ -29,8 +29,10 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..sharding.unit import FlatUnit
-from .checkpoint import PieceIndex, misfit_message
-from .storage import EXTRA, LATEST, MANIFEST, open_checkpoint
+from .checkpoint import misfit_message
+from .deepspeed_checkpoint import find_deepspeed_tag
+from .sources import open_source
+from .storage import LATEST, MANIFEST
 from .safetensors_reader import SafetensorsFile
 from .state_dict import ModelState
 
@@ -123,12 +125,12 @@ class SafetensorsWeights(WeightsFile):
 
 
 class CheckpointWeights(WeightsFile):
-    """The model in a ``save_checkpoint`` directory: parameters from their saved pieces."""
+    """The model in a ``save_checkpoint`` directory (this engine's, or DeepSpeed's): parameters
+    from their saved pieces."""
 
     def __init__(self, directory: Path, tag: str | None) -> None:
-        checkpoint = open_checkpoint(directory, tag)
-        self._index = PieceIndex(checkpoint)
-        self._module = torch.load(checkpoint.path / EXTRA, map_location="cpu", weights_only=True, mmap=True)["module"]
+        checkpoint, self._index, extra, _, _ = open_source(directory, tag)
+        self._module = extra["module"]
         self._canonical = {}
         shapes = {}
         for name, entry in checkpoint.manifest["params"].items():
@@ -160,8 +162,8 @@ def open_weights(source: WeightsSource) -> WeightsFile:
     if path.is_dir():
         if (path / LATEST).is_file():
             return CheckpointWeights(path, None)
-        if (path / MANIFEST).is_file():
-            return CheckpointWeights(path.parent, path.name)
+        if (path / MANIFEST).is_file() or find_deepspeed_tag(path.parent, path.name) is not None:
+            return CheckpointWeights(path.parent, path.name)  # one tag's directory
         if (path / "model.safetensors.index.json").is_file():
             return SafetensorsWeights.from_index(path / "model.safetensors.index.json")
         if (path / "model.safetensors").is_file():
