@@ -76,6 +76,36 @@ class Pending(NamedTuple):
         return all(work.is_completed() for work in self.works)
 
 
+class Finishing:
+    """Collectives in flight and the local work that completes their result once they are
+    done (decoding a quantized buffer into place, `zero_engine.sharding.codec`); `wait` runs it
+    once. Stands wherever a `Pending` does."""
+
+    def __init__(self, pending: Pending, finish: Callable[[], None]) -> None:
+        self.pending = pending
+        self._finish: Callable[[], None] | None = finish
+
+    @property
+    def works(self) -> tuple[Any, ...]:
+        return self.pending.works
+
+    def wait(self) -> None:
+        self.pending.wait()
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    def advance(self) -> bool:
+        return True
+
+    def launch_rest(self) -> None:
+        """Everything is launched already."""
+
+    def done(self) -> bool:
+        """The collectives completed (the finishing work runs at `wait`), without waiting."""
+        return self.pending.done()
+
+
 class TwoPhase:
     """A collective whose second phase needs the first one's result (hybrid sharding: the
     shard across groups once the group has reduced it). `advance` launches the second phase
@@ -89,9 +119,11 @@ class TwoPhase:
     another; ``wait()`` on an NCCL work only makes the current stream wait, so starting at once
     blocks nothing and the device runs the phases in order."""
 
-    def __init__(self, first: Pending, second: Callable[[], Pending], *, start_now: bool = False) -> None:
+    def __init__(
+        self, first: Pending | Finishing, second: Callable[[], Pending | Finishing], *, start_now: bool = False
+    ) -> None:
         self.first, self._second = first, second
-        self.second: Pending | None = None
+        self.second: Pending | Finishing | None = None
         if start_now:  # NCCL (`Comm.orders_on_device`): the device orders the phases
             self._start_second()
 
@@ -122,7 +154,7 @@ class TwoPhase:
 DONE = Pending()
 
 
-def advance_in_order(reductions: Iterable[Pending | TwoPhase]) -> None:
+def advance_in_order(reductions: Iterable[Pending | Finishing | TwoPhase]) -> None:
     """Start the second phase of reductions whose first is done, in launch order, stopping at
     the first not ready: the same order on every rank, and crossing groups overlaps whatever
     the caller does next."""
@@ -190,15 +222,25 @@ class GroupComm:
         shard = self._shards(flat)[self.rank]
         return Pending((_reduce_scatter_tensor(shard, flat, group=self.group, async_op=True),))
 
-    def all_gather(self, flat: torch.Tensor) -> Pending:
-        """Fill every shard of ``flat`` with its owner's values."""
+    def all_gather(self, flat: torch.Tensor, kind: CollectiveKind = CollectiveKind.ALL_GATHER) -> Pending:
+        """Fill every shard of ``flat`` with its owner's values (counted as ``kind``: a
+        quantized all-reduce is an all-gather of encoded shards)."""
         if self.skips_collectives:
             return DONE
-        self._count(CollectiveKind.ALL_GATHER, tensor_bytes(flat))
+        self._count(kind, tensor_bytes(flat))
         if self.per_shard:
             return self._shard_by_shard(dist.broadcast, flat, "src")
         shard = self._shards(flat)[self.rank]
         return Pending((_all_gather_into_tensor(flat, shard, group=self.group, async_op=True),))
+
+    def all_to_all(self, send: torch.Tensor, received: torch.Tensor) -> Pending:
+        """Send shard ``j`` of ``send`` to group rank ``j``, receiving rank ``j``'s shard for
+        this rank into shard ``j`` of ``received`` (a quantized reduce-scatter: each rank's
+        encoded slice for each owner, counted as a reduce-scatter of the encoded bytes)."""
+        if self.skips_collectives:
+            return DONE
+        self._count(CollectiveKind.REDUCE_SCATTER, tensor_bytes(send))
+        return Pending((dist.all_to_all_single(received, send, group=self.group, async_op=True),))
 
     def _shard_by_shard(self, collective: Any, flat: torch.Tensor, peer: str) -> Pending:
         """gloo: one rooted collective per shard, rooted at the shard's owner, all in flight."""

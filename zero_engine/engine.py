@@ -80,7 +80,7 @@ class Engine:
         self.offload = offload_plan(zero, stage)  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
-        self.units, self.gatherer, self.reducer, self.calls = build_mechanism(
+        self.units, self.gatherer, self.reducer, self.calls, self.codecs = build_mechanism(
             model, plan, groups, comm, stage, zero, precision.compute_dtype, precision.reduce_dtype, self.device,
             self.lifecycle, self._begin_backward, deferred, self.offload,
         )
@@ -294,6 +294,7 @@ class Engine:
         """The communication report covers one optimizer step, from its first micro-batch."""
         if not self._window_opened:
             self.comm.reset_report()
+            self.codecs.meter.reset()
             self._window_opened = True
 
     def compile(self, **options: Any) -> Engine:
@@ -336,6 +337,7 @@ class Engine:
             self.gatherer.peaks(),
             self.optimizer_step.peak_grad_bytes,
             optimizer_on_host=self.offload.optimizer,
+            peak_encoded_bytes=self.codecs.meter.peak,
         )
         return report._asdict()
 

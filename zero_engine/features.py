@@ -13,8 +13,7 @@ from .config import ZeroEngineConfig
 # The keys `unbuilt_features` refuses when they ask for more than plain ZeRO data parallelism.
 REFUSED_WHEN_ON = (
     "zero_optimization.zero_hpz_partition_size",
-    "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients",
-    "zero_optimization.zero_quantized_nontrainable_weights", "tensor_parallel", "pipeline", "sparse_gradients",
+    "tensor_parallel", "pipeline", "sparse_gradients",
     "sequence_parallel_size", "amp", "torch_autocast", "fp16.fp16_master_weights_and_grads",
     "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",
     "zero_optimization.offload_optimizer.super_offload", "zero_optimization.zenflow", "managed_gradient_accumulation",
@@ -82,9 +81,6 @@ def unbuilt_features(config: ZeroEngineConfig) -> list[str]:
             f"zero_optimization.zero_hpz_partition_size = {zero.zero_hpz_partition_size} (ZeRO++ hierarchical "
             "partitioning; zero_optimization.shard_group_size shards parameters within each node instead)"
         )
-    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
-        if getattr(zero, key):
-            found.append(f"zero_optimization.{key} = true (ZeRO++ quantized communication)")
     if config.sparse_gradients:
         found.append("sparse_gradients = true (sparse embedding gradients; gradients are dense flat buffers here)")
     if config.sequence_parallel_size > 1:

@@ -40,6 +40,7 @@ class MemoryReport(NamedTuple):
     peak_gathered_backward: int = 0  # stage 3: the same in the last backward
     peak_step_gradients: int = 0  # fp32 copies of low-precision gradients alive at once in the last step
     host: int = 0  # of the held-now kinds, what lives in host memory (offload); the rest is on the device
+    peak_quantized_buffers: int = 0  # most encoded (ZeRO++ quantized) communication buffers alive at once this step
 
     @property
     def model_states(self) -> int:
@@ -157,6 +158,7 @@ def measure_memory(
     gathered_peaks: tuple[int, int] = (0, 0),
     step_grad_bytes: int = 0,
     optimizer_on_host: bool = False,
+    peak_encoded_bytes: int = 0,
 ) -> MemoryReport:
     """What this rank holds now, counted from the tensors themselves. ``loose_params`` are the
     parameters outside every unit (frozen ones), counted as they are stored; stage 3 units
@@ -176,4 +178,5 @@ def measure_memory(
         peak_gathered_backward=gathered_peaks[1],
         peak_step_gradients=step_grad_bytes,
         host=sum(unit.host_bytes for unit in units) + (optimizer_states if optimizer_on_host else 0),
+        peak_quantized_buffers=peak_encoded_bytes,
     )

@@ -92,6 +92,16 @@ def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
             f"zero_optimization.memory_budget_gib = {zero.memory_budget_gib} has no effect: it is the budget of "
             "stage: auto, and the stage is set"
         )
+    if zero.stage != "auto" and zero.stage < 3 and zero.zero_quantized_weights:
+        messages.append(
+            f"zero_optimization.zero_quantized_weights = True has no effect at stage {zero.stage}: parameters are "
+            "whole on every rank below stage 3, nothing is gathered for compute (DeepSpeed ignores it there too)"
+        )
+    if zero.stage == 0 and zero.zero_quantized_gradients:
+        messages.append(
+            "zero_optimization.zero_quantized_gradients = True has no effect at stage 0: gradients are all-reduced "
+            "there, not reduce-scattered"
+        )
     offload_param = zero.offload_param is not None and zero.offload_param.device != "none"
     if zero.stage != "auto" and zero.stage < 3 and offload_param:
         messages.append(

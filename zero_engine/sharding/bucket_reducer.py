@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..comm import Comm, Pending, TwoPhase, advance_in_order
+from ..comm import Comm, TwoPhase, advance_in_order
 from ..devices import tensor_bytes
+from .codec import EXACT_GRADS, GradCodec, Reduction
 from .reducer import GradReducer
 from .unit import FlatUnit
 
@@ -57,9 +58,11 @@ class ShardedGradReducer(GradReducer):
         *,
         max_live_buckets: int = 2,
         release_after_step: bool = False,
+        codec: GradCodec = EXACT_GRADS,
         **callbacks: Any,
     ) -> None:
         super().__init__(units, comm, overlap, reduce_dtype, **callbacks)
+        self.codec = codec  # how the buckets travel (quantized or not)
         self.max_live_buckets = max_live_buckets
         self.release_after_step = release_after_step
         self._shard_bytes = self.held_grad_bytes()  # kept up to date: the peak is taken per parameter
@@ -69,7 +72,7 @@ class ShardedGradReducer(GradReducer):
         self._free: list[torch.Tensor] = []  # pooled bucket storage ready for reuse
         self._filling: dict[int, _Bucket] = {}  # unit index -> its bucket, not yet launched
         # (unit, bucket, reduction, whether the reduced shard is averaged over every rank already)
-        self._in_flight: deque[tuple[FlatUnit, _Bucket, Pending | TwoPhase, bool]] = deque()
+        self._in_flight: deque[tuple[FlatUnit, _Bucket, Reduction, bool]] = deque()
         self._boundary = False
         self._crossed: set[int] = set()  # hybrid: units whose shard crossed groups in this window
         self._num_live = 0  # buckets filling or reducing
@@ -121,29 +124,29 @@ class ShardedGradReducer(GradReducer):
             bucket = self._acquire(unit)
         bucket.zero_missing(unit)
         if self.comm.num_replicas == 1:
-            self._in_flight.append((unit, bucket, self.comm.reduce_scatter_sum(bucket.flat), False))
+            self._in_flight.append((unit, bucket, self.codec.reduce_scatter(self.comm, bucket.flat), False))
         else:
             self._in_flight.append((unit, bucket, *self._reduce_hybrid(unit, bucket.flat)))
         advance_in_order(pending for _, _, pending, _ in self._in_flight)
 
-    def _reduce_hybrid(self, unit: FlatUnit, flat: torch.Tensor) -> tuple[Pending | TwoPhase, bool]:
+    def _reduce_hybrid(self, unit: FlatUnit, flat: torch.Tensor) -> tuple[Reduction, bool]:
         """Hybrid sharding: off boundaries, a micro-step reduces inside the shard group only
         and accumulates; on the boundary the shard crosses groups once, carrying the whole
         window (as FSDP's HSDP skips the all-reduce on accumulation micro-steps), so
         inter-group traffic is one shard all-reduce per optimizer step, whatever the
         accumulation. A further backward on the boundary crosses with its own part only."""
-        inside = self.comm.reduce_scatter_in_group(flat)
+        inside = self.codec.reduce_scatter_in_group(self.comm, flat)
         if not self._boundary:
             return inside, False
         start, end = unit.layout.shard_range(unit.rank)
         shard = flat[start:end]
 
-        def across_groups() -> Pending:
+        def across_groups() -> Reduction:
             shard.mul_(1.0 / self.comm.world_size)
             if id(unit) not in self._crossed:  # carry the group's part of the window, once
                 self._crossed.add(id(unit))
                 unit.optimizer_shard.move_grad_into(shard)
-            return self.comm.all_reduce_across_groups(shard)
+            return self.codec.all_reduce_across_groups(self.comm, shard)
 
         return TwoPhase(inside, across_groups, start_now=self.comm.orders_on_device), True
 

@@ -29,6 +29,7 @@ from ..offload import NO_OFFLOAD, OffloadPlan
 from ..param_groups import ParamGroup
 from ..stage import Stage
 from .calls import CallGuard, PassCallGuard
+from .codec import EXACT_GRADS, IDENTITY, Codecs, GatherCodec, GradCodec, choose_codecs
 from .deferred_init import DeferredInit
 from .gatherer import NoGather, ParamGatherer
 from .layout import plan_units
@@ -48,6 +49,7 @@ class Mechanism(NamedTuple):
     gatherer: NoGather
     reducer: GradReducer
     calls: CallGuard | PassCallGuard
+    codecs: Codecs  # how gathers and reductions travel (quantized or not)
 
 
 def build_mechanism(
@@ -70,17 +72,29 @@ def build_mechanism(
     may wait for a reduction; the gatherer's rounds report the reducer's launches; the call
     guard reads its rows before the reducer's first launch (stages 0-2) or among the rounds
     (stage 3). ``on_unarmed_grad``: the engine's, for a gradient outside an armed backward."""
+    codecs = stage_codecs(stage, zero)
     units, gatherer = build_units(
-        model, plan, groups, comm, stage, zero, compute_dtype, device, lifecycle, deferred, offload
+        model, plan, groups, comm, stage, zero, compute_dtype, device, lifecycle, deferred, offload, codecs.gather
     )
     calls = PassCallGuard(gatherer) if isinstance(gatherer, ParamGatherer) else CallGuard(comm)
     reducer = build_reducer(
         stage, units, comm, zero, reduce_dtype, lifecycle=lifecycle, on_unit_complete=gatherer.unit_complete,
         on_unarmed_grad=on_unarmed_grad, may_wait_for=gatherer.may_wait_for_reduction,
-        before_launch=calls.before_reduction,
+        before_launch=calls.before_reduction, codec=codecs.grads,
     )
     gatherer.attach_reducer(reducer)
-    return Mechanism(units, gatherer, reducer, calls)
+    return Mechanism(units, gatherer, reducer, calls, codecs)
+
+
+def stage_codecs(stage: Stage, zero: ZeroOptimizationConfig) -> Codecs:
+    """ZeRO++'s quantized communication where the stage has it: weights where stage 3 gathers
+    its units for compute (below stage 3 parameters are whole, and DeepSpeed ignores the key
+    too), gradients wherever they are reduce-scattered (stages 1-3; stage 0 all-reduces)."""
+    return choose_codecs(
+        quantize_weights=zero.zero_quantized_weights and stage.shard_parameters,
+        quantize_grads=zero.zero_quantized_gradients and stage.shard_optimizer_state,
+        grad_bits=zero.zero_quantized_gradients_bits,
+    )
 
 
 def build_units(
@@ -95,6 +109,7 @@ def build_units(
     lifecycle: Lifecycle,
     deferred: DeferredInit | None = None,
     offload: OffloadPlan = NO_OFFLOAD,
+    gather_codec: GatherCodec = IDENTITY,
 ) -> tuple[list[FlatUnit], NoGather]:
     """All units in reducer order, and what gathers them (nothing below stage 3). ``offload``
     puts sharded state on the host: optimizer state in every unit, parameter shards in the
@@ -113,7 +128,7 @@ def build_units(
         ShardedFlatUnit(
             plan.params, plan.names, plan.group_indices, comm.shard_rank, comm.num_shards, label=plan.label,
             compute_dtype=compute_dtype, device=device, materialize=_materializer(deferred, plan.params),
-            placement=placement,
+            placement=placement, codec=gather_codec,
         )
         for plan in plans
         if plan.params
@@ -212,6 +227,7 @@ def build_reducer(
     on_unarmed_grad: Callable[[], None],
     may_wait_for: Callable[[int], bool | None],
     before_launch: Callable[[], None] | None,
+    codec: GradCodec = EXACT_GRADS,
 ) -> GradReducer:
     callbacks = {
         "lifecycle": lifecycle, "on_unit_complete": on_unit_complete, "on_unarmed_grad": on_unarmed_grad,
@@ -220,7 +236,8 @@ def build_reducer(
     if stage.streams_gradients(zero):
         return ShardedGradReducer(
             units, comm, zero.overlap_comm, reduce_dtype,
-            max_live_buckets=stage.live_grad_buckets, release_after_step=stage.releases_gradients, **callbacks,
+            max_live_buckets=stage.live_grad_buckets, release_after_step=stage.releases_gradients, codec=codec,
+            **callbacks,
         )
-    reduction = ReduceScatterGrads() if stage.shard_optimizer_state else AllReduceGrads()
+    reduction = ReduceScatterGrads(codec) if stage.shard_optimizer_state else AllReduceGrads()
     return FullGradReducer(units, comm, zero.overlap_comm, reduce_dtype, reduction, **callbacks)

@@ -1,13 +1,33 @@
-"""How a unit's values travel in its all-gather: the one seam where a gather may change form.
+"""How values travel in collectives: the one seam where a gather or a reduction may change form.
 
-Every all-gather of a unit's compute values goes through `FlatUnit.gather` (stage 3's gathers
-in forward and backward, the gather of updated parameters after a step at stages 1-2), which
-asks the unit's codec to launch it. A codec starts the collective from the rank's own shard and
-returns a `Gathering`: the collective in flight and what completes it once it is done (decoding
-a compressed form into the unit's buffer, for instance). `IdentityCodec` moves the values as
-they are; a quantizing codec (ZeRO++'s int8 weights) would all-gather a smaller encoded buffer
-and decode it in ``finish``. Exported masters are gathered exactly, outside any codec
+Gathers. Every all-gather of a unit's compute values goes through `FlatUnit.gather` (stage 3's
+gathers in forward and backward, the gather of updated parameters after a step at stages 1-2),
+which asks the unit's codec to launch it. A codec starts the collective from the rank's own
+shard and returns a `Gathering`: the collective in flight and what completes it once it is done.
+`IdentityCodec` moves the values as they are. `QuantizedGatherCodec` (ZeRO++'s qwZ,
+``zero_optimization.zero_quantized_weights``) all-gathers each shard encoded blockwise in int8
+(`zero_engine.quantize`) and decodes the others' shards into the unit's buffer; the rank's own
+shard stays exact. Exported masters are gathered exactly, outside any codec
 (`FlatUnit.gather_masters`).
+
+Reductions. Every gradient reduce-scatter of stages 1-3 goes through the reducer's `GradCodec`.
+`ExactGrads` is `Comm`'s own reduce-scatter. `QuantizedGrads` (qgZ,
+``zero_optimization.zero_quantized_gradients``) quantizes where ranks of different nodes meet:
+
+- one shard group (no hybrid sharding): an all-to-all in which each rank sends each owner its
+  slice of the gradients, encoded; the owner decodes them and sums them in fp32 with its own
+  slice, kept exact. Each element is quantized once, on one hop, and every rank sends
+  ``(N-1)/N`` of the encoded buffer: the volume of a ring reduce-scatter at a quarter of the
+  bytes (int8, fp32 gradients). A ring or tree reduction of quantized values would quantize
+  the partial sums again at every hop (error growing with the ranks); gathering everyone's
+  encoded buffer and summing locally sends ``N - 1`` times more. NCCL runs the all-to-all as
+  grouped send/receive, gloo natively, so it is the choice on both.
+- hybrid sharding: inside the group (a node) the reduce-scatter stays exact; across groups the
+  shard's all-reduce becomes an all-gather of each replica's encoded shard, summed in replica
+  order by every replica from the decoded copies (its own too), so the replicas keep identical
+  gradients and masters. That sends ``(R-1)`` encoded shards against the ring all-reduce's
+  ``2 (R-1)/R`` exact ones, fewer bytes while ``R`` is below 8 (int8 of fp32) or 16 (int4):
+  at more replicas the exact all-reduce is used, as it then moves fewer bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +37,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..comm import Comm, Pending
+from ..comm import DONE, CollectiveKind, Comm, Finishing, GroupComm, Pending, TwoPhase
+from ..devices import tensor_bytes
+from ..quantize import BlockQuantizer, BufferMeter
 
 
 class Gathering(NamedTuple):
@@ -47,3 +69,141 @@ class IdentityCodec:
 
 
 IDENTITY = IdentityCodec()
+
+
+class QuantizedGatherCodec:
+    """qwZ: each shard travels encoded (`BlockQuantizer`); the others' shards are decoded into
+    ``flat``, the rank's own is left exact. The encoded buffer lives until the decode."""
+
+    def __init__(self, quantizer: BlockQuantizer, meter: BufferMeter) -> None:
+        self.quantizer, self.meter = quantizer, meter
+
+    def launch(self, comm: Comm, flat: torch.Tensor) -> Gathering:
+        num_shards, own = comm.num_shards, comm.shard_rank
+        if num_shards == 1:  # the shard is the whole unit
+            return Gathering(DONE)
+        shards = flat.view(num_shards, -1)
+        numel = shards.shape[1]
+        size = self.quantizer.encoded_bytes(numel)
+        encoded = self.meter.hold(torch.empty(num_shards * size, dtype=torch.uint8, device=flat.device))
+        segments = encoded.view(num_shards, size)
+        self.quantizer.encode(shards[own], segments[own])
+        pending = comm.all_gather(encoded)
+
+        def decode_others() -> None:
+            for rank in range(num_shards):
+                if rank != own:
+                    self.quantizer.decode(segments[rank], numel, out=shards[rank])
+
+        return Gathering(pending, decode_others)
+
+
+Reduction = Pending | Finishing | TwoPhase
+
+
+class GradCodec(Protocol):
+    def reduce_scatter(self, comm: Comm, flat: torch.Tensor) -> Reduction:
+        """Sum ``flat`` over every rank into this rank's shard of it (`Comm.reduce_scatter_sum`)."""
+        ...
+
+    def reduce_scatter_in_group(self, comm: Comm, flat: torch.Tensor) -> Reduction:
+        """Sum ``flat`` over the shard group into this rank's shard of it."""
+        ...
+
+    def all_reduce_across_groups(self, comm: Comm, shard: torch.Tensor) -> Reduction:
+        """Sum a shard over its replicas in the other shard groups."""
+        ...
+
+
+class ExactGrads:
+    """Gradients in their reduction dtype, as they are."""
+
+    def reduce_scatter(self, comm: Comm, flat: torch.Tensor) -> Reduction:
+        return comm.reduce_scatter_sum(flat)
+
+    def reduce_scatter_in_group(self, comm: Comm, flat: torch.Tensor) -> Reduction:
+        return comm.reduce_scatter_in_group(flat)
+
+    def all_reduce_across_groups(self, comm: Comm, shard: torch.Tensor) -> Reduction:
+        return comm.all_reduce_across_groups(shard)
+
+
+EXACT_GRADS = ExactGrads()
+
+
+class QuantizedGrads:
+    """qgZ: the hops between nodes carry encoded gradients, summed in fp32 after decoding
+    (module docstring: which collective, and why)."""
+
+    def __init__(self, quantizer: BlockQuantizer, meter: BufferMeter) -> None:
+        self.quantizer, self.meter = quantizer, meter
+
+    def reduce_scatter(self, comm: Comm, flat: torch.Tensor) -> Reduction:
+        inside = self.reduce_scatter_in_group(comm, flat)
+        if comm.num_replicas == 1:
+            return inside
+        shard = comm.shard_group.own_shard(flat)
+        return TwoPhase(inside, lambda: self.all_reduce_across_groups(comm, shard), start_now=comm.orders_on_device)
+
+    def reduce_scatter_in_group(self, comm: Comm, flat: torch.Tensor) -> Reduction:
+        if comm.num_replicas > 1:  # a node's own ranks: exact; the hop across groups is quantized
+            return comm.reduce_scatter_in_group(flat)
+        return self._all_to_all_reduce(comm.reduce_group, flat)
+
+    def _all_to_all_reduce(self, group: GroupComm, flat: torch.Tensor) -> Reduction:
+        num_shards, own = group.world_size, group.rank
+        if num_shards == 1:
+            return DONE
+        slices = flat.view(num_shards, -1)
+        numel = slices.shape[1]
+        size = self.quantizer.encoded_bytes(numel)
+        send = self.meter.hold(torch.empty(num_shards * size, dtype=torch.uint8, device=flat.device))
+        received = self.meter.hold(torch.empty_like(send))
+        for rank, segment in enumerate(send.view(num_shards, size)):
+            if rank != own:  # the own slice is summed exact, never sent
+                self.quantizer.encode(slices[rank], segment)
+        pending = group.all_to_all(send, received)
+
+        def sum_into_own_slice() -> None:
+            total = slices[own].to(torch.float32, copy=True)
+            for rank, segment in enumerate(received.view(num_shards, size)):
+                if rank != own:
+                    total += self.quantizer.decode(segment, numel)
+            slices[own].copy_(total)
+
+        return Finishing(pending, sum_into_own_slice)
+
+    def all_reduce_across_groups(self, comm: Comm, shard: torch.Tensor) -> Reduction:
+        group = comm.replica_group
+        replicas, own = group.world_size, group.rank
+        size = self.quantizer.encoded_bytes(shard.numel())
+        if replicas == 1 or (replicas - 1) * size >= 2 * (replicas - 1) * tensor_bytes(shard) / replicas:
+            return comm.all_reduce_across_groups(shard)  # exact moves no more bytes here
+        encoded = self.meter.hold(torch.empty(replicas * size, dtype=torch.uint8, device=shard.device))
+        segments = encoded.view(replicas, size)
+        self.quantizer.encode(shard, segments[own])
+        pending = group.all_gather(encoded, kind=CollectiveKind.ALL_REDUCE)
+
+        def sum_in_replica_order() -> None:  # the same fp32 sums on every replica
+            total = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
+            for segment in segments:
+                total += self.quantizer.decode(segment, shard.numel())
+            shard.copy_(total)
+
+        return Finishing(pending, sum_in_replica_order)
+
+
+class Codecs(NamedTuple):
+    """The engine's codecs, and the meter of their encoded buffers (``memory_report``)."""
+
+    gather: GatherCodec
+    grads: GradCodec
+    meter: BufferMeter
+
+
+def choose_codecs(quantize_weights: bool, quantize_grads: bool, grad_bits: int) -> Codecs:
+    """Quantized codecs where asked for (the caller says at which stages they apply)."""
+    meter = BufferMeter()
+    gather: GatherCodec = QuantizedGatherCodec(BlockQuantizer(8), meter) if quantize_weights else IDENTITY
+    grads: GradCodec = QuantizedGrads(BlockQuantizer(grad_bits), meter) if quantize_grads else EXACT_GRADS
+    return Codecs(gather, grads, meter)

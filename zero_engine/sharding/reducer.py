@@ -34,8 +34,9 @@ from typing import Any, Protocol
 import torch
 
 from .. import offload
-from ..comm import Comm, Pending, TwoPhase, advance_in_order
+from ..comm import Comm, Pending, advance_in_order
 from ..devices import HOST, tensor_bytes
+from .codec import EXACT_GRADS, GradCodec, Reduction
 from .lifecycle import Lifecycle, TrainingState
 from .unit import FlatUnit
 
@@ -43,7 +44,7 @@ from .unit import FlatUnit
 class GradReduction(Protocol):
     """How full-gradient stages reduce one unit's flat gradients and which part they keep."""
 
-    def launch(self, flat: torch.Tensor, comm: Comm) -> Pending | TwoPhase: ...
+    def launch(self, flat: torch.Tensor, comm: Comm) -> Reduction: ...
 
     def kept(self, flat: torch.Tensor, unit: FlatUnit) -> torch.Tensor: ...
 
@@ -59,10 +60,14 @@ class AllReduceGrads:
 
 
 class ReduceScatterGrads:
-    """Stage 1: each rank keeps the averaged gradient of its own shard."""
+    """Stage 1: each rank keeps the averaged gradient of its own shard; ``codec`` says how the
+    gradients travel (quantized or not)."""
 
-    def launch(self, flat: torch.Tensor, comm: Comm) -> Pending | TwoPhase:
-        return comm.reduce_scatter_sum(flat)
+    def __init__(self, codec: GradCodec = EXACT_GRADS) -> None:
+        self.codec = codec
+
+    def launch(self, flat: torch.Tensor, comm: Comm) -> Reduction:
+        return self.codec.reduce_scatter(comm, flat)
 
     def kept(self, flat: torch.Tensor, unit: FlatUnit) -> torch.Tensor:
         start, end = unit.layout.shard_range(unit.rank)
@@ -263,7 +268,7 @@ class FullGradReducer(GradReducer):
         super().__init__(units, comm, overlap, reduce_dtype, **callbacks)
         self.reduction = reduction
         self.max_live_copies = max_live_copies
-        self._pending: deque[tuple[FlatUnit, torch.Tensor, Pending | TwoPhase]] = deque()
+        self._pending: deque[tuple[FlatUnit, torch.Tensor, Reduction]] = deque()
         self._copy_bytes = 0  # reduction copies alive now
 
     def pre_backward(self, boundary: bool) -> None:

@@ -1,0 +1,111 @@
+"""Blockwise symmetric integer quantization of values in transit (ZeRO++'s qwZ and qgZ).
+
+A run of ``numel`` values is cut into blocks of at most ``block`` elements. Each block travels
+as one fp32 scale (its largest magnitude over ``qmax``) and one signed integer per element,
+rounded to nearest: int8 (``qmax`` 127) or int4 (``qmax`` 7, two to a byte). An element's error
+is at most half its block's scale: ``absmax / 254`` in int8, ``absmax / 14`` in int4.
+
+The encoded form is one byte buffer, ``[integers | padding to 4 bytes | scales]``, whose length
+depends on ``numel`` alone (`BlockQuantizer.encoded_bytes`): a collective moves many such
+segments side by side in one uint8 tensor and each receiver finds its segments without a
+header. Nothing here communicates; the codecs in `zero_engine.sharding.codec` do.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+BLOCK = 2048  # elements per scale: DeepSpeed's ZeRO++ default group size for qwZ
+
+
+class BlockQuantizer:
+    """Encode and decode runs of values as ``bits``-bit integers with one scale per block."""
+
+    def __init__(self, bits: int = 8, block: int = BLOCK) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"quantization to {bits} bits: only 8 and 4 are built")
+        if block < 2 or block % 2:
+            raise ValueError(f"block of {block} elements: must be even and at least 2")
+        self.bits, self.block = bits, block
+        self.qmax = 2 ** (bits - 1) - 1
+
+    def _sizes(self, numel: int) -> tuple[int, int, int]:
+        """(blocks, payload bytes, payload bytes padded to a multiple of 4) for ``numel`` values."""
+        blocks = -(-numel // self.block)
+        payload = numel if self.bits == 8 else (numel + 1) // 2
+        return blocks, payload, -(-payload // 4) * 4
+
+    def encoded_bytes(self, numel: int) -> int:
+        """Bytes of the encoded form of ``numel`` values (a multiple of 4)."""
+        blocks, _, padded = self._sizes(numel)
+        return padded + 4 * blocks
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor, numel: int | None = None) -> None:
+        """Write the encoded form of ``values`` (1-D, floating) into ``out`` (uint8,
+        `encoded_bytes` long). ``numel``: the run's length when longer than ``values`` (the
+        missing tail counts as zeros: a last shard shorter than the others)."""
+        numel = values.numel() if numel is None else numel
+        blocks, payload, padded = self._sizes(numel)
+        x = torch.zeros(blocks * self.block, dtype=torch.float32, device=values.device)
+        x[: values.numel()] = values
+        x = x.view(blocks, self.block)
+        scales = x.abs().amax(dim=1).div_(self.qmax)
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block decodes to zeros
+        q = x.div_(scales[:, None]).round_().clamp_(-self.qmax, self.qmax).to(torch.int8).view(-1)[:numel]
+        if self.bits == 4:
+            q = _pack_nibbles(q)
+        out[:payload].copy_(q.view(torch.uint8))
+        out[padded:].copy_(scales.view(torch.uint8))
+
+    def decode(self, encoded: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``numel`` values (fp32) of an encoded run; written into ``out`` (any floating
+        dtype, ``numel`` long or shorter: the tail is dropped) when given."""
+        blocks, payload, padded = self._sizes(numel)
+        scales = encoded[padded : padded + 4 * blocks].view(torch.float32)
+        q = encoded[:payload]
+        q = _unpack_nibbles(q, numel) if self.bits == 4 else q.view(torch.int8)
+        values = torch.zeros(blocks * self.block, dtype=torch.float32, device=encoded.device)
+        values[:numel] = q
+        values = values.view(blocks, self.block).mul_(scales[:, None]).view(-1)[:numel]
+        if out is not None:
+            out.copy_(values[: out.numel()])
+        return values
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-7, 7] as unsigned nibbles (offset 8), two to a byte, low one first."""
+    shifted = (q.to(torch.int16) + 8).to(torch.uint8)
+    if shifted.numel() % 2:
+        shifted = torch.cat([shifted, shifted.new_full((1,), 8)])
+    pairs = shifted.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack([low, high], dim=1).view(-1)[:numel]
+
+
+class BufferMeter:
+    """Bytes of encoded buffers alive now and at most since `reset` (for ``memory_report``).
+    A buffer counts until its tensor is freed, however the collective that used it ended."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def hold(self, buffer: torch.Tensor) -> torch.Tensor:
+        nbytes = buffer.untyped_storage().nbytes()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(buffer, self._release, nbytes)
+        return buffer
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def reset(self) -> None:
+        self.peak = self.live
