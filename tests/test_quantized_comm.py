@@ -17,7 +17,7 @@ from models import DeepModel, make_model, train_engine
 from zero_engine import comm as comm_module
 from zero_engine.comm import Comm, GroupComm
 from zero_engine.quantize import BLOCK, BlockQuantizer, BufferMeter
-from zero_engine.sharding.codec import QuantizedGatherCodec, QuantizedGrads
+from zero_engine.sharding.codec import QuantizedGatherCodec, QuantizedGrads, encoded_all_reduce_is_smaller
 
 
 def _blockwise_bound(values: torch.Tensor, quantizer: BlockQuantizer) -> torch.Tensor:
@@ -313,6 +313,19 @@ def test_hybrid_quantizes_the_hop_across_groups_and_replicas_stay_identical() ->
     for rank in (0, 1):  # rank r's replica is rank r + 2
         for ours, replica in zip(ranks[rank]["qgZ"]["masters"], ranks[rank + 2]["qgZ"]["masters"]):
             assert torch.equal(ours, replica), rank
+
+
+def test_hybrid_hop_quantizes_only_while_it_moves_fewer_bytes() -> None:
+    """Across groups the encoded all-gather sends R - 1 shards against the ring all-reduce's
+    2 (R-1)/R: fewer bytes below 8 replicas for int8 of fp32, below 16 for int4; beyond, and
+    with one replica, the exact all-reduce runs."""
+    numel = 1_000_000
+    for bits, limit in ((8, 8), (4, 16)):
+        encoded = BlockQuantizer(bits).encoded_bytes(numel)
+        chosen = [encoded_all_reduce_is_smaller(replicas, 4 * numel, encoded) for replicas in range(1, 33)]
+        assert chosen == [1 < replicas < limit for replicas in range(1, 33)], bits
+    assert encoded_all_reduce_is_smaller(2, 2 * numel, BlockQuantizer(8).encoded_bytes(numel))  # bf16, 2 groups
+    assert not encoded_all_reduce_is_smaller(4, 2 * numel, BlockQuantizer(8).encoded_bytes(numel))
 
 
 def test_keys_without_effect_are_said_and_change_nothing(caplog: pytest.LogCaptureFixture) -> None:

@@ -177,8 +177,8 @@ class QuantizedGrads:
         group = comm.replica_group
         replicas, own = group.world_size, group.rank
         size = self.quantizer.encoded_bytes(shard.numel())
-        if replicas == 1 or (replicas - 1) * size >= 2 * (replicas - 1) * tensor_bytes(shard) / replicas:
-            return comm.all_reduce_across_groups(shard)  # exact moves no more bytes here
+        if not encoded_all_reduce_is_smaller(replicas, tensor_bytes(shard), size):
+            return comm.all_reduce_across_groups(shard)
         encoded = self.meter.hold(torch.empty(replicas * size, dtype=torch.uint8, device=shard.device))
         segments = encoded.view(replicas, size)
         self.quantizer.encode(shard, segments[own])
@@ -191,6 +191,12 @@ class QuantizedGrads:
             shard.copy_(total)
 
         return Finishing(pending, sum_in_replica_order)
+
+
+def encoded_all_reduce_is_smaller(replicas: int, exact_bytes: int, encoded_bytes: int) -> bool:
+    """Whether an all-gather of the ``replicas`` encoded shards (each rank sends ``R - 1`` of
+    them) moves fewer bytes than a ring all-reduce of the exact shard (``2 (R-1)/R`` of it)."""
+    return replicas > 1 and (replicas - 1) * encoded_bytes < 2 * (replicas - 1) * exact_bytes / replicas
 
 
 class Codecs(NamedTuple):
