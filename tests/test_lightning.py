@@ -397,3 +397,31 @@ def test_stage_auto_builds_configure_model_eagerly() -> None:
         assert not torch.empty(1).is_meta
     with ZeroEngineStrategy({"zero_optimization": {"stage": 3}}).model_sharded_context():
         assert torch.empty(1).is_meta
+
+
+def test_the_module_is_on_the_strategy_device_when_the_engine_is_built() -> None:
+    """As DDPStrategy.setup does, the strategy moves a module built in ``__init__`` to its root
+    device before the engine takes it (on a GPU the engine would otherwise keep it on the CPU);
+    a module built on the meta device in ``configure_model`` is left to the engine."""
+    from lightning.pytorch import Trainer
+
+    from zero_engine.integrations.lightning import ZeroEngineStrategy
+
+    events: list[tuple[str, Any]] = []
+
+    class Recording(ZeroEngineStrategy):
+        def model_to_device(self) -> None:
+            events.append(("moved", self.root_device))
+            super().model_to_device()
+
+        def _build_engine(self, trainer: Any, module: Any) -> Any:
+            events.append(("built", next(module.parameters()).device))
+            return super()._build_engine(trainer, module)
+
+    for meta, stage, expected in ((False, 2, ["moved", "built"]), (True, 3, ["built"])):
+        events.clear()
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=Recording(_config(stage)), max_steps=1, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(_module_class()(meta=meta), train_dataloaders=_data()[0])
+        assert [event for event, _ in events] == expected, (meta, events)
+        assert events[-1][1] == (torch.device("meta") if meta else trainer.strategy.root_device), events

@@ -141,6 +141,8 @@ class ZeroEngineStrategy(DDPStrategy):
                 "norm (gradient_clip_algorithm='norm')"
             )
         if self.engine is None or self.engine.module is not module:
+            if not any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()]):
+                self.model_to_device()  # as DDPStrategy.setup: the engine keeps the module where it lies
             self.engine = self._build_engine(trainer, module)
             self.precision_plugin = _EnginePrecision(self.precision_plugin.precision, self.engine)
         self.model = EngineModel(self.engine)
