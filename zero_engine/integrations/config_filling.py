@@ -1,7 +1,9 @@
 """A raw config's ``"auto"`` filled from a training framework's own settings, and the values
 that disagree with them refused, all in one error (as Hugging Face's integration does for its
 TrainingArguments). Each integration lists its rules (`Rule`); this fills them on a copy of the
-raw mapping, before it is validated."""
+raw mapping, before it is validated. Also what the integrations share to take over the user's
+own optimizer and schedule: the optimizer rebuilt over the engine's shards (`rebuilt_optimizer`)
+and the schedule moved onto it (`rebind`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ import inspect
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+import torch
+
 from .. import ConfigError
+from ..config import optimizer_options
 
 AUTO = "auto"
 
@@ -94,3 +99,35 @@ def optimizer_section(cls: Any, options: dict[str, Any], described: str) -> dict
         )
     params = {key: list(value) if isinstance(value, tuple) else value for key, value in options.items()}
     return {"type": cls.__name__, "params": params}
+
+
+def rebuilt_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The config section and the param groups to build ``optimizer`` anew over the engine's
+    shards: its class, its defaults and every group's options (as they are now: a schedule may
+    have set the learning rate already)."""
+    cls = type(optimizer)
+    accepted = optimizer_options(cls)
+    section = optimizer_section(cls, {k: v for k, v in optimizer.defaults.items() if k in accepted},
+                                f"configure_optimizers' {cls.__name__}")
+    groups = [
+        {"params": group["params"], **{k: v for k, v in group.items() if k in accepted}}
+        for group in optimizer.param_groups
+    ]
+    return section, groups
+
+
+def rebind(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """``scheduler`` (built on the optimizer ``configure_optimizers`` returned) driving the
+    engine's optimizer instead: same groups in the same order, the rates it set carried over."""
+    old = scheduler.optimizer
+    if len(old.param_groups) != len(optimizer.param_groups):
+        raise ConfigError(
+            f"the scheduler's optimizer has {len(old.param_groups)} param groups, the engine's "
+            f"{len(optimizer.param_groups)}: cannot carry the schedule over"
+        )
+    for before, after in zip(old.param_groups, optimizer.param_groups):
+        for key in ("lr", "initial_lr"):
+            if key in before:
+                after[key] = before[key]
+    scheduler.optimizer = optimizer
+    return scheduler

@@ -48,11 +48,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
-from .. import ConfigError, Engine, ZeroEngineConfig, initialize, load_config
-from ..config import auto_keys, optimizer_options, read_config_mapping
+from .. import Engine, ZeroEngineConfig, initialize, load_config
+from ..config import auto_keys, read_config_mapping
 from ..state.consolidate import load_client_state, load_consolidated
 from ..state.storage import write_atomically
-from .config_filling import AUTO, Authority, Rule, fill, optimizer_section, with_stand_ins
+from .config_filling import AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer, with_stand_ins
 from .engine_model import EngineModel
 
 __all__ = ["ZeroEngineStrategy", "convert_to_lightning_checkpoint"]
@@ -160,7 +160,7 @@ class ZeroEngineStrategy(DDPStrategy):
                     f"ZeroEngineStrategy: configure_optimizers gave {len(optimizers)} optimizers and {len(schedules)} "
                     "schedulers; the engine takes one optimizer and at most one scheduler"
                 )
-            raw["optimizer"], groups = _rebuilt_optimizer(optimizers[0])
+            raw["optimizer"], groups = rebuilt_optimizer(optimizers[0])
             if schedules:
                 schedule = self._take_schedule(schedules[0])
         engine = initialize(
@@ -168,14 +168,14 @@ class ZeroEngineStrategy(DDPStrategy):
             param_init_fn=self._param_init_fn,
         )
         for config in self._lightning_schedules:
-            _rebind(config.scheduler, engine.optimizer)
+            rebind(config.scheduler, engine.optimizer)
         return engine
 
     def _take_schedule(self, config: LRSchedulerConfig) -> Callable[[torch.optim.Optimizer], Any] | None:
         """A schedule stepped every optimizer step goes to the engine (stepped on applied steps
         only); any other stays Lightning's (``self._lightning_schedules``)."""
         if config.interval == "step" and config.frequency == 1 and not config.reduce_on_plateau:
-            return lambda optimizer: _rebind(config.scheduler, optimizer)
+            return lambda optimizer: rebind(config.scheduler, optimizer)
         self._lightning_schedules = [config]
         return None
 
@@ -313,38 +313,6 @@ def _trainer_rules(trainer: Trainer, raw: dict[str, Any]) -> list[Rule]:
     elif raw.get("gradient_clipping", AUTO) == AUTO:  # left out: Lightning's DeepSpeed strategy does not clip either
         rules.append(Rule("gradient_clipping", 0.0, "gradient_clip_val = None (no clipping)", True))
     return rules
-
-
-def _rebuilt_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The config section and the param groups to build ``optimizer`` anew over the engine's
-    shards: its class, its defaults and every group's options (as they are now: a schedule may
-    have set the learning rate already)."""
-    cls = type(optimizer)
-    accepted = optimizer_options(cls)
-    section = optimizer_section(cls, {k: v for k, v in optimizer.defaults.items() if k in accepted},
-                                f"configure_optimizers' {cls.__name__}")
-    groups = [
-        {"params": group["params"], **{k: v for k, v in group.items() if k in accepted}}
-        for group in optimizer.param_groups
-    ]
-    return section, groups
-
-
-def _rebind(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
-    """``scheduler`` (built on the optimizer ``configure_optimizers`` returned) driving the
-    engine's optimizer instead: same groups in the same order, the rates it set carried over."""
-    old = scheduler.optimizer
-    if len(old.param_groups) != len(optimizer.param_groups):
-        raise ConfigError(
-            f"the scheduler's optimizer has {len(old.param_groups)} param groups, the engine's "
-            f"{len(optimizer.param_groups)}: cannot carry the schedule over"
-        )
-    for before, after in zip(old.param_groups, optimizer.param_groups):
-        for key in ("lr", "initial_lr"):
-            if key in before:
-                after[key] = before[key]
-    scheduler.optimizer = optimizer
-    return scheduler
 
 
 ZeroEngineStrategy.register_strategies(StrategyRegistry)
