@@ -93,7 +93,7 @@ class BF16Config(_Section):
 
 class OffloadConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = Field(
-        "none", description="'cpu': keep it in host memory (see Offload in the README); 'nvme' is refused (not built)."
+        "none", description="'cpu': keep it in host memory (see the Offload guide, docs/guides/offload.md); 'nvme' is refused (not built)."
     )
     pin_memory: bool = Field(
         False, description="Page-locked host buffers, so copies overlap the GPU's work (ignored without CUDA)."

@@ -27,7 +27,7 @@ How the Trainer's loop meets the engine, through the Trainer's own overridable m
 
 A model too large for one rank is built on the meta device and materialized by the engine
 (``zero_weights=`` a Hugging Face directory or safetensors file, ``zero_param_init_fn=`` for
-what no file holds), the counterpart of DeepSpeed's ``zero.Init``; see the README.
+what no file holds), the counterpart of DeepSpeed's ``zero.Init``; see docs/guides/big-models.md.
 """
 
 from __future__ import annotations
