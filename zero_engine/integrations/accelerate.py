@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader
 from .. import Engine, initialize, load_config
 from ..config import read_config_mapping
 from .config_filling import Authority, Rule, fill, rebind, rebuilt_optimizer
-from .engine_model import EngineModel
+from .engine_model import EngineModel, SteppedByEngine
 
 __all__ = ["Accelerator"]
 
@@ -113,9 +113,9 @@ class Accelerator(accelerate.Accelerator):
             if isinstance(arg, nn.Module):
                 prepared.append(self._engine_model)
             elif isinstance(arg, torch.optim.Optimizer):
-                prepared.append(_SteppedByEngine(self._require_engine().optimizer))
+                prepared.append(SteppedByEngine(self._require_engine().optimizer))
             elif _is_scheduler(arg):
-                prepared.append(_SteppedByEngine(arg))
+                prepared.append(SteppedByEngine(arg))
             else:
                 prepared.append(super().prepare(arg, device_placement=device_placement))
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
@@ -130,22 +130,27 @@ class Accelerator(accelerate.Accelerator):
                     "section"
                 )
             raw["optimizer"], groups = rebuilt_optimizer(optimizer)
-        schedule = None
-        if scheduler is not None:
-            if "scheduler" in raw:
-                raise ValueError(
-                    f"zero_engine's Accelerator: both a prepared scheduler and the config's scheduler section "
-                    f"({self._zero_origin}); keep one"
-                )
-            repeats = 1 if self.split_batches or not self.step_scheduler_with_optimizer else self.num_processes
-            schedule = lambda engine_optimizer: _RepeatedSchedule(rebind(scheduler, engine_optimizer), repeats)  # noqa: E731
-        if self.device.type != "meta" and not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-            model.to(self.device)
+        schedule = self._engine_schedule(scheduler, raw)
+        if not any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
+            model.to(self.device)  # as Accelerate places a model; a meta one is the engine's to build
         self.zero_engine = initialize(
             model, load_config(raw), param_groups=groups, lr_scheduler=schedule, weights=self._zero_weights,
             param_init_fn=self._zero_param_init_fn,
         )
         self._engine_model = EngineModel(self.zero_engine)
+
+    def _engine_schedule(self, scheduler: Any, raw: dict[str, Any]) -> Callable[[torch.optim.Optimizer], Any] | None:
+        """The prepared scheduler as the engine's schedule: rebound to the engine's optimizer and
+        stepped as Accelerate's `AcceleratedScheduler` steps it (`_RepeatedSchedule`)."""
+        if scheduler is None:
+            return None
+        if "scheduler" in raw:
+            raise ValueError(
+                f"zero_engine's Accelerator: both a prepared scheduler and the config's scheduler section "
+                f"({self._zero_origin}); keep one"
+            )
+        repeats = 1 if self.split_batches or not self.step_scheduler_with_optimizer else self.num_processes
+        return lambda engine_optimizer: _RepeatedSchedule(rebind(scheduler, engine_optimizer), repeats)
 
     def _rules(self, loader: DataLoader | None) -> list[Rule]:
         rules = [
@@ -257,20 +262,3 @@ class _RepeatedSchedule:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.scheduler, name)
-
-
-class _SteppedByEngine:
-    """The optimizer or scheduler the script holds: the engine stepped them in ``backward``,
-    so ``step`` and ``zero_grad`` do nothing; everything else is the real object's."""
-
-    def __init__(self, target: Any) -> None:
-        self._target = target
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)

@@ -1,4 +1,5 @@
-"""The engine as the module a framework's loop calls (where it would hold DDP)."""
+"""The engine as the module a framework's loop calls (where it would hold DDP), and the
+optimizer and schedule as that loop sees them once the engine steps them itself."""
 
 from __future__ import annotations
 
@@ -30,3 +31,21 @@ class EngineModel(nn.Module):
 
     def _get_name(self) -> str:  # Hugging Face's Trainer picks the label smoother's shift by the class name
         return self.module._get_name()
+
+
+class SteppedByEngine:
+    """The optimizer or schedule as a framework's loop sees it: ``engine.step()`` already
+    stepped them (the schedule only on applied steps), so ``step`` and ``zero_grad`` do
+    nothing; everything else is the real object's."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)

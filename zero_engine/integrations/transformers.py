@@ -16,7 +16,7 @@ How the Trainer's loop meets the engine, through the Trainer's own overridable m
   ``engine.backward(loss, scale_wrt_gas=False)`` (the Trainer divides by its own count, a short
   last window included) and ``engine.step()``, as Accelerate does for DeepSpeed. The engine
   clips, steps the optimizer and steps the schedule on applied steps only, so the optimizer and
-  schedule the Trainer steps afterwards are stand-ins that do nothing (`_SteppedByEngine`).
+  schedule the Trainer steps afterwards are stand-ins that do nothing (`engine_model.SteppedByEngine`).
   The logged gradient norm is the engine's, the logged rate the one the step used.
 - Checkpoints: ``save_checkpoint`` on every rank into the Trainer's ``checkpoint-N`` folder
   (model, optimizer, schedule and loss scale, resumable at any stage and world size), beside
@@ -43,7 +43,7 @@ from transformers import Trainer
 from .. import Engine, initialize, load_config
 from ..config import optimizer_class, optimizer_options, read_config_mapping
 from .config_filling import optimizer_section
-from .engine_model import EngineModel
+from .engine_model import EngineModel, SteppedByEngine
 from .training_arguments import fill_from_arguments, fill_schedule, provisional_schedule
 
 __all__ = ["ZeroEngineTrainer"]
@@ -118,8 +118,8 @@ class ZeroEngineTrainer(Trainer):
             self.zero_engine = self._build_engine(max_steps)
             self._engine_model = EngineModel(self.zero_engine)
         engine = self.zero_engine
-        self.optimizer = _SteppedByEngine(engine.optimizer)
-        self.lr_scheduler = _SteppedByEngine(engine.lr_scheduler)
+        self.optimizer = SteppedByEngine(engine.optimizer)
+        self.lr_scheduler = SteppedByEngine(engine.lr_scheduler)
         self.model_wrapped = self._engine_model
         if resume_from_checkpoint is not None:
             self._load_engine_checkpoint(resume_from_checkpoint)
@@ -253,21 +253,3 @@ class ZeroEngineTrainer(Trainer):
                 f"only its weights: start from them with zero_weights={str(checkpoint)!r} instead of resuming"
             )
         self._require_engine().load_checkpoint(checkpoint)
-
-
-class _SteppedByEngine:
-    """The optimizer or schedule as the Trainer's loop sees it: ``engine.step()`` already
-    stepped them (the schedule only on applied steps), so ``step`` and ``zero_grad`` do
-    nothing; everything else is the real object's."""
-
-    def __init__(self, target: Any) -> None:
-        self._target = target
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
