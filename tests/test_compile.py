@@ -91,3 +91,17 @@ def test_inductor_compiled_units_train_as_eager(tmp_path: Path) -> None:
 def test_a_model_compiled_before_initialize_is_refused_with_the_fix() -> None:
     with pytest.raises(TypeError, match=r"pass the module itself \(model._orig_mod\), then call engine.compile"):
         zero_engine.initialize(torch.compile(BlockStack(WIDTH, 3)), engine_config(0, micro=MICRO, lr=0.01))
+
+
+def test_stage_3_refuses_compile_modes_that_capture_cuda_graphs() -> None:
+    """CUDA graphs replay fixed addresses and stage 3 allocates each unit anew at every gather
+    (issue 45's N12): refused there with the modes that do not capture, allowed below stage 3."""
+    for asked in ({"mode": "reduce-overhead"}, {"mode": "max-autotune"}, {"options": {"triton.cudagraphs": True}}):
+        engine = zero_engine.initialize(BlockStack(WIDTH, 3), engine_config(3, micro=MICRO, lr=0.01))
+        with pytest.raises(ValueError, match=r"at stage 3: CUDA graphs .* Use mode='default' or 'max-autotune-no-cudagraphs'"):
+            engine.compile(**asked)
+        engine.close()
+    for stage, asked in ((2, {"mode": "reduce-overhead"}), (3, {"mode": "max-autotune-no-cudagraphs"})):
+        engine = zero_engine.initialize(BlockStack(WIDTH, 3), engine_config(stage, micro=MICRO, lr=0.01))
+        engine.compile(**asked)  # compiled lazily: nothing runs until a forward
+        engine.close()

@@ -301,7 +301,13 @@ class Engine:
         """``torch.compile(**options)`` each unit module's forward: stage 3's leaf units, the same
         modules at stages 0-2, or the whole model's forward when it has no such module. The
         engine's hooks run around the compiled forwards, never inside a graph; names, state
-        dicts and checkpoints stay eager's. Call it once, before or between steps."""
+        dicts and checkpoints stay eager's. Call it once, before or between steps.
+
+        At stage 3, modes that capture CUDA graphs are refused: a graph replays fixed addresses,
+        and stage 3 allocates each unit's storage anew at every gather, so the graphs would be
+        recorded again every step (or fall back to eager) while their memory pools pile up."""
+        if self.stage.shard_parameters:
+            _refuse_cuda_graphs(options)
         self.unit_forwards.compile(options, self.module)
         return self
 
@@ -435,6 +441,22 @@ _WRAPPED: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary
 def is_wrapped(model: nn.Module) -> bool:
     """Whether an engine has hooked ``model`` and not been closed."""
     return model in _WRAPPED
+
+
+# torch.compile's modes that capture CUDA graphs (torch._inductor.list_mode_options).
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _refuse_cuda_graphs(options: dict[str, Any]) -> None:
+    """``engine.compile(**options)`` at stage 3: no CUDA-graph capture (see `Engine.compile`)."""
+    mode = options.get("mode")
+    if mode in _CUDA_GRAPH_MODES or (options.get("options") or {}).get("triton.cudagraphs"):
+        asked = f"mode={mode!r}" if mode in _CUDA_GRAPH_MODES else "options={'triton.cudagraphs': True}"
+        raise ValueError(
+            f"engine.compile({asked}) at stage 3: CUDA graphs replay fixed addresses, and stage 3 allocates each "
+            "unit's parameters anew at every gather, so they would be recorded again every step. Use mode='default' "
+            "or 'max-autotune-no-cudagraphs'"
+        )
 
 
 def _check_loss(loss: Any) -> None:
