@@ -18,7 +18,6 @@ global batch of 6 rows per step (3 per rank here), so that 1, 2, 3 and 6 ranks c
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record_deepspeed_traces import VOCAB, SEQ, inputs_and_targets, loss_of, make_model  # noqa: E402
+from record_deepspeed_traces import SEQ, VOCAB, inputs_and_targets, loss_of, make_model, start_recording  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "deepspeed_checkpoints"
 WORLD_SIZE, GLOBAL_ROWS, SAVE_AT, STEPS = 2, 6, 3, 6
@@ -199,16 +198,9 @@ def record_loss_scale() -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", help="record these cases only (by name)")
-    args = parser.parse_args()
-    import deepspeed
+    args = start_recording(__doc__.split("\n")[0])
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    if dist.get_world_size() != WORLD_SIZE:
-        raise SystemExit(f"run with --nproc_per_node={WORLD_SIZE}")
     if dist.get_rank() == 0 and not args.only:
         scales = OUT.parent / "deepspeed_loss_scale.json"
         scales.write_text(json.dumps(record_loss_scale(), indent=1) + "\n")

@@ -297,8 +297,10 @@ def record_defaults() -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def start_recording(description: str) -> argparse.Namespace:
+    """What every recording script starts with: ``--only`` (the cases to record, by name),
+    one torch thread, and DeepSpeed's gloo group of the world size the tests replay on."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--only", nargs="*", help="record these cases only (by name)")
     args = parser.parse_args()
     import deepspeed
@@ -306,9 +308,17 @@ def main() -> None:
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if world_size != WORLD_SIZE:
+    if dist.get_world_size() != WORLD_SIZE:
         raise SystemExit(f"run with --nproc_per_node={WORLD_SIZE} (the test replays on {WORLD_SIZE} ranks)")
+    return args
+
+
+def main() -> None:
+    args = start_recording(__doc__.split("\n")[0])
+    import deepspeed
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     OUT.mkdir(parents=True, exist_ok=True)
     if rank == 0 and not args.only:
         DEFAULTS.write_text(json.dumps(record_defaults(), indent=1) + "\n")
