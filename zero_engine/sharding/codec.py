@@ -32,7 +32,6 @@ Reductions. Every gradient reduce-scatter of stages 1-3 goes through the reducer
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -42,16 +41,9 @@ from ..devices import tensor_bytes
 from ..quantize import BlockQuantizer, BufferMeter
 
 
-class Gathering(NamedTuple):
-    """An all-gather in flight and what completes it after the wait (None: nothing)."""
-
-    pending: Pending
-    finish: Callable[[], None] | None = None
-
-    def wait(self) -> None:
-        self.pending.wait()
-        if self.finish is not None:
-            self.finish()
+# A unit's all-gather in flight and what completes it after the wait (decoding): the same
+# object as a finishing reduction.
+Gathering = Finishing
 
 
 class GatherCodec(Protocol):
