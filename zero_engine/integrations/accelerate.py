@@ -204,14 +204,14 @@ class Accelerator(accelerate.Accelerator):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full state (fp32 masters) on the main process, gathered one unit at a time
         (collective: every process calls it); ``{}`` elsewhere."""
-        if isinstance(model, EngineModel) or model is getattr(self._engine_model, "module", None):
+        if self._is_engines(model):
             return self._require_engine().full_state_dict(rank0_only=True)
         return super().get_state_dict(model, unwrap)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True) -> None:
         """The engine's streamed ``save_pretrained`` layout (sharded safetensors and an index)."""
-        if not (isinstance(model, EngineModel) or model is getattr(self._engine_model, "module", None)):
+        if not self._is_engines(model):
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
         if not safe_serialization:
             raise ValueError("zero_engine's Accelerator.save_model writes safetensors only")
@@ -232,6 +232,10 @@ class Accelerator(accelerate.Accelerator):
     def _latest_state_dir(self) -> str:
         folder = Path(self.project_dir) / "checkpoints"
         return str(max(folder.iterdir(), key=lambda p: int(p.name.rsplit("_", 1)[-1])))
+
+    def _is_engines(self, model: nn.Module) -> bool:
+        """``model`` is what `prepare` returned for the engine, or the module it wraps."""
+        return isinstance(model, EngineModel) or model is getattr(self._engine_model, "module", None)
 
     def _require_engine(self) -> Engine:
         if self.zero_engine is None:
