@@ -22,9 +22,10 @@ from zero_engine.sharding.agreement import (
 class ScriptedComm:
     """Rank 0 of ``world_size`` ranks; each round's other rows come from ``script``."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, orders_on_device: bool = False) -> None:
         self.rank = 0
         self.world_size = world_size
+        self.orders_on_device = orders_on_device  # NCCL: a wait orders the stream
         self.script: deque[list[list[int]]] = deque()
         self.sent: list[list[int]] = []
 
@@ -47,8 +48,10 @@ class Reductions:
         self.second_phases.append(stop)
 
 
-def _schedule(world_size: int, gathered: set[int] | None = None) -> tuple[CollectiveSchedule, ScriptedComm, list]:
-    comm = ScriptedComm(world_size)
+def _schedule(
+    world_size: int, gathered: set[int] | None = None, orders_on_device: bool = False
+) -> tuple[CollectiveSchedule, ScriptedComm, list]:
+    comm = ScriptedComm(world_size, orders_on_device)
     launched: list[tuple[int, bool]] = []
     gathered = gathered if gathered is not None else set()
 
@@ -103,6 +106,25 @@ def test_every_rank_may_wait_for_a_reduction_only_once_every_row_says_it_launche
         expected = True if reduction < agreed else False
         assert schedule.launched_everywhere(reduction) is expected, (ready, reduction)
     assert schedule.agreed_ready == agreed
+
+
+@pytest.mark.parametrize("orders_on_device", [False, True])
+def test_on_nccl_agreed_gathers_launch_before_a_wait_for_a_reduction(orders_on_device: bool) -> None:
+    """GPU review N6: on NCCL a wait for a reduction orders this rank's stream, and a gather
+    launched after it queues behind the reduction, which another rank may have launched only
+    after that very gather: every agreed gather is launched before the answer "you may wait"
+    (a prefetch earlier than planned). On gloo the wait blocks only the host: gathers launch
+    when needed."""
+    schedule, comm, launched = _schedule(2, orders_on_device=orders_on_device)
+    schedule.begin_pass(PassKind.BACKWARD)
+    comm.script.append([_row([4, 6], ready=2, kind=PassKind.BACKWARD)])
+    schedule.reductions = Reductions(ready=2)
+    schedule.issue([3])
+    schedule.need(3)
+    assert launched == [(3, True)] and schedule.queued(4) and schedule.queued(6)
+    assert schedule.launched_everywhere(1) is True
+    expected = [(3, True), (4, False), (6, False)] if orders_on_device else [(3, True)]
+    assert launched == expected
 
 
 def test_a_pass_ends_when_every_row_says_so() -> None:

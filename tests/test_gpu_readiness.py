@@ -5,6 +5,9 @@ differ between ranks (as random numbers do between GPU models)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -43,21 +46,43 @@ def test_nccl_record_streams_are_avoided_before_torch_2_8(
 
 
 class _NotDone:
-    """An async work that is never complete when polled (NCCL: the host runs ahead of the GPU)."""
+    """An async work that is never complete when polled (NCCL: the host runs ahead of the GPU);
+    says where its ``wait`` was called (the stream it would order)."""
+
+    def __init__(self, where: list[str], stream: list[str]) -> None:
+        self.where, self.stream = where, stream
 
     def is_completed(self) -> bool:
         return False
 
     def wait(self) -> None:
-        pass
+        self.where.append(self.stream[-1])
 
 
-def test_on_nccl_the_second_phase_starts_at_once() -> None:
+def test_on_nccl_the_second_phase_starts_at_once_on_the_side_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NCCL the hybrid second phase launches at once, and its wait for the first phase
+    orders the side stream, never the compute stream (GPU review N1: a compute-stream wait
+    serialized backward and, at stage 3, closed a cycle with the gathers; the multi-rank check
+    is tests/test_nccl_model.py)."""
+    stream = ["compute"]
+
+    @contextlib.contextmanager
+    def side() -> Iterator[None]:
+        stream.append("side")
+        yield
+        stream.pop()
+
+    monkeypatch.setattr(comm, "second_phase_stream", side)
+    waits: list[str] = []
     started: list[str] = []
-    polled = TwoPhase(Pending((_NotDone(),)), lambda: started.append("gloo") or Pending())
-    assert not polled.advance() and started == []  # gloo: waits for the first phase to be done
-    TwoPhase(Pending((_NotDone(),)), lambda: started.append("nccl") or Pending(), start_now=True)
-    assert started == ["nccl"]  # NCCL: launched now, ordered on the device
+    polled = TwoPhase(Pending((_NotDone(waits, stream),)), lambda: started.append(stream[-1]) or Pending())
+    assert not polled.advance() and started == [] and waits == []  # gloo: waits for the first phase to be done
+    second = _NotDone(waits, stream)
+    at_once = TwoPhase(Pending((_NotDone(waits, stream),)), lambda: started.append(stream[-1]) or Pending((second,)),
+                       start_now=True)
+    assert started == ["side"] and waits == ["side"]  # NCCL: launched now, the first phase waited on the side
+    at_once.wait()
+    assert waits == ["side", "compute"]  # the compute stream waits for the second phase's collective only
     nccl = Comm(*(GroupComm(0, 1, "nccl") for _ in range(3)))
     gloo = Comm(*(GroupComm(0, 1, "gloo") for _ in range(3)))
     assert nccl.orders_on_device and not gloo.orders_on_device

@@ -340,6 +340,67 @@ def test_host_memory_is_checked_before_anything_is_allocated(monkeypatch: pytest
     zero_engine.initialize(model, _plain(3, **BOTH)).close()
 
 
+PINNED_CASES = [
+    (3, {**BOTH, "stage3_param_persistence_threshold": 0}, 2, "bf16"),
+    (3, {**BOTH}, 1, None),
+    (2, {"offload_optimizer": {"device": "cpu", "pin_memory": True}, "reduce_bucket_size": 50}, 1, None),
+    (1, {**OPTIMIZER}, 3, "bf16"),
+]
+
+
+def planned_and_pinned(rank: int, world_size: int, cases: list) -> list[tuple[list[int], list[int]]]:
+    """Per case: the pinned buffers `initialize` planned for its host check, and those offload
+    then asked to pin (after two steps: staging buffers come on a window's second micro-step)."""
+    results = []
+    real_empty, real_overshoot = offload.host_empty, offload.pinning_overshoot
+    for stage, zero, accum, dtype in cases:
+        asked: list[int] = []
+        planned: list[int] = []
+
+        def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+            if pin:
+                asked.append(numel * torch.tensor([], dtype=dtype).element_size())
+            return real_empty(numel, dtype, pin)
+
+        offload.pinning_overshoot = lambda buffers: planned.extend(buffers) or 0
+        offload.host_empty = host_empty
+        try:
+            engine = zero_engine.initialize(make_model(), engine_config(stage, micro=2, lr=0.01, accum=accum, dtype=dtype, **zero))
+            train_engine(engine, rank, world_size, range(2), 2, accum)
+            engine.close()
+        finally:
+            offload.host_empty, offload.pinning_overshoot = real_empty, real_overshoot
+        results.append((planned, asked))
+    return results
+
+
+def test_the_pinned_buffers_planned_before_allocation_are_those_allocated() -> None:
+    """What `initialize` checks the host for (each pinned buffer, rounded up by the allocator)
+    is planned before anything is allocated: it must be every buffer offload then asks to pin,
+    the host gradients and staging buffers, offloaded parameter shards and (``pin_memory``)
+    masters, at 3 ranks' padded shard sizes."""
+    for rank_results in run_on_ranks(3, planned_and_pinned, PINNED_CASES):
+        for (planned, asked), case in zip(rank_results, PINNED_CASES):
+            assert asked and sorted(planned) == sorted(asked), case
+
+
+def test_pinned_buffers_are_counted_as_the_allocator_holds_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's caching host allocator gives a pinned buffer a power-of-two block: the host check
+    counts that (GPU review N4), so a node with room for the exact bytes but not the blocks is
+    refused at initialize."""
+    assert [offload.pinned_block_bytes(n) for n in (1, 4, 5, 3 * 2**20, 2**30 + 1)] == [1, 4, 8, 4 * 2**20, 2**31]
+    assert offload.pinning_overshoot([5, 8]) == 0  # a CPU-only torch pins nothing
+    monkeypatch.setattr(offload, "_can_pin", lambda: True)
+    assert offload.pinning_overshoot([5, 8, 3 * 2**20]) == 3 + 2**20
+    config = engine_config(3, micro=2, lr=0.01, stage3_param_persistence_threshold=0, **BOTH)
+    model = make_model()
+    num_params = sum(p.numel() for p in model.parameters())
+    exact = estimate_from_config(zero_engine.load_config(config), num_params, 1).host
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: exact)  # room for the exact bytes only
+    with pytest.raises(MemoryError, match="offload_optimizer / offload_param"):
+        zero_engine.initialize(model, config)
+
+
 def test_host_bytes_as_the_process_holds_them_the_report_and_the_estimate_agree() -> None:
     """One rank, stage 3, bf16, both offloaded, the model adopted as device tensors: the host
     storages the engine added (live tensors, counted from the storages) are what
@@ -413,7 +474,7 @@ def test_a_host_gradient_accumulates_a_window_and_starts_the_next_anew() -> None
 
     device = torch.device("cpu")
     first, second, third = (torch.full((5,), value) for value in (1.0, 2.0, 4.0))
-    grad = HostGradient(5, device, pin_memory=False)
+    grad = HostGradient(5, device)
     grad.values.fill_(7.0)  # what an earlier window left
     assert torch.equal(grad.value(), torch.zeros(5)), "a window nothing wrote must read as zeros"
 

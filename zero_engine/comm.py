@@ -26,10 +26,11 @@ each), the lower bound that NCCL reaches and that the ZeRO paper's analysis uses
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -113,11 +114,15 @@ class TwoPhase:
     reductions in launch order, stopping at the first not ready, so every rank launches the
     second phases in the same order.
 
-    On NCCL the second phase is launched at once (``start_now``): there ``is_completed()``
-    reflects GPU completion, which the host is ahead of, so polling right after a launch would
-    almost never succeed and every cross-group reduction would start after backward, one after
-    another; ``wait()`` on an NCCL work only makes the current stream wait, so starting at once
-    blocks nothing and the device runs the phases in order."""
+    On NCCL (``start_now``) the second phase is launched at once, on a side stream
+    (`second_phase_stream`): there ``is_completed()`` reflects GPU completion, which the host
+    is ahead of, so polling would almost never succeed and every cross-group reduction would
+    start after backward. ``wait()`` on an NCCL work makes the *current* stream wait, so the
+    side stream waits for the first phase and the compute stream goes on: backward kernels
+    are never queued behind a reduce-scatter (which serialized backward and, at stage 3,
+    closed a cycle with the gathers queued behind it: a GPU hang). `wait` makes the compute
+    stream wait for the second phase's collective itself, never for the side stream, whose
+    queue by then holds the waits for later reductions too."""
 
     def __init__(
         self, first: Pending | Finishing, second: Callable[[], Pending | Finishing], *, start_now: bool = False
@@ -125,7 +130,8 @@ class TwoPhase:
         self.first, self._second = first, second
         self.second: Pending | Finishing | None = None
         if start_now:  # NCCL (`Comm.orders_on_device`): the device orders the phases
-            self._start_second()
+            with second_phase_stream():
+                self._start_second()
 
     def advance(self) -> bool:
         if self.second is None and all(work.is_completed() for work in self.first.works):
@@ -147,8 +153,56 @@ class TwoPhase:
         self.second.wait()
 
     def _start_second(self) -> None:
-        self.first.wait()  # done already when advanced; on a GPU this orders the streams
+        self.first.wait()  # done already when advanced; on NCCL this orders the side stream
         self.second = self._second()
+
+
+DONE = Pending()
+
+
+@contextlib.contextmanager
+def second_phase_stream() -> Iterator[None]:
+    """Where the second phases of hybrid reductions run (`TwoPhase`): on CUDA a side stream
+    that first waits for the current one; elsewhere the current stream (nothing to order)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        yield
+        return
+    with _cuda_side_stream():
+        yield
+
+
+def used_on_current_stream(tensor: torch.Tensor) -> None:
+    """``tensor`` was made on the side stream and is read on the current one (a second phase's
+    encoded buffer, decoded after its wait): CUDA must not hand its memory back to the side
+    stream before the current stream is done with it. Elsewhere nothing to do."""
+    if tensor.is_cuda:
+        _cuda_record_stream(tensor)
+
+
+_SIDE_STREAMS: dict[int, Any] = {}
+
+
+def _cuda_side_stream_of(device: int) -> Any:
+    """CUDA only: the device's side stream for second phases, made once."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+@contextlib.contextmanager
+def _cuda_side_stream() -> Iterator[None]:
+    """CUDA only: the side stream, current for the block, after waiting for the current stream
+    (what the block reads was written there). Tensors made in the block belong to the side
+    stream's pool; one read later on another stream is marked (`used_on_current_stream`)."""
+    current = torch.cuda.current_stream()
+    side = _cuda_side_stream_of(current.device.index)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
+
+
+def _cuda_record_stream(tensor: torch.Tensor) -> None:
+    tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
 
 DONE = Pending()

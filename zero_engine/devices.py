@@ -17,6 +17,13 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def host_values(tensor: torch.Tensor) -> list:
+    """``tensor``'s values as Python numbers. On a GPU the host waits here for the device (the
+    step's one host sync), so it is one named function: the NCCL model of
+    `zero_engine.testing.nccl_model` records it."""
+    return tensor.tolist()
+
+
 def local_cuda_device() -> torch.device:
     """CUDA only: this rank's GPU, one per local rank as torchrun numbers them (``LOCAL_RANK``,
     0 without torchrun), among the GPUs this process sees: where each process sees only its own

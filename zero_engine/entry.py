@@ -21,7 +21,7 @@ from torch import nn
 
 from . import offload
 from .auto_values import fill_auto
-from .comm import connect, expected_world_size
+from .comm import Comm, connect, expected_world_size
 from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .engine import Engine, is_wrapped
@@ -32,6 +32,7 @@ from .offload import offload_plan
 from .optim import check_optimizer_for_stage
 from .param_groups import resolve_param_groups
 from .precision import Precision
+from .sharding.build import planned_host_buffers
 from .sharding.module_plan import ModulePlan
 from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .stage import Stage, stage_for
@@ -97,7 +98,7 @@ def initialize(
         elif param_init_fn is not None and comm.rank == 0:
             logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
         batch = config.batch_sizes(comm.world_size)
-        _check_host_memory(model, config, stage, comm.world_size)
+        _check_host_memory(model, plan, groups, config, stage, precision, comm, batch.gradient_accumulation_steps)
         if comm.rank == 0:
             _log_settings(config, stage)
         engine = Engine(
@@ -163,13 +164,23 @@ def _check_scheduler_factory(factory: Any, config: ZeroEngineConfig) -> None:
         )
 
 
-def _check_host_memory(model: nn.Module, config: ZeroEngineConfig, stage: Stage, world_size: int) -> None:
+def _check_host_memory(
+    model: nn.Module, plan: ModulePlan, groups: list, config: ZeroEngineConfig, stage: Stage, precision: Precision,
+    comm: Comm, accumulation: int,
+) -> None:
     """With offload: the host state of every rank on this node must fit the node's available
-    memory, checked before any of it is allocated."""
-    if offload_plan(config.zero_optimization, stage).any:
-        num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
-        needed = host_bytes_needed(config, num_params, world_size)
-        offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")
+    memory, checked before any of it is allocated: the formula's bytes, plus what the pinned
+    allocator rounds each pinned buffer up by (up to twice its size)."""
+    placement = offload_plan(config.zero_optimization, stage)
+    if not placement.any:
+        return
+    num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
+    pinned = planned_host_buffers(
+        model, plan, groups, stage, config.zero_optimization, comm.num_shards, precision.compute_dtype, placement,
+        accumulation,
+    )
+    needed = host_bytes_needed(config, num_params, comm.world_size) + offload.pinning_overshoot(pinned)
+    offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")
 
 
 def _log_settings(config: ZeroEngineConfig, stage: Stage) -> None:

@@ -55,6 +55,35 @@ def offload_plan(zero: Any, stage: Stage) -> OffloadPlan:
     return OffloadPlan(optimizer, params, pin)
 
 
+# Host buffers that cross to or from the device in every forward or backward are pinned
+# wherever CUDA exists, whatever ``pin_memory`` says: a copy between the device and pageable
+# memory makes the host wait for everything queued on the stream before it, once per bucket in
+# backward (gradients) or per gather (parameter shards). ``pin_memory`` decides for the master,
+# which crosses in the step only, after its one host sync anyway.
+PIN_CROSSING = True
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """What a pinned host buffer of ``nbytes`` takes: torch's caching host allocator hands out
+    power-of-two blocks, so up to twice the bytes asked for."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
+
+
+def held_bytes(tensor: torch.Tensor) -> int:
+    """The host memory a host buffer (a whole tensor, not a view) holds: a pinned one its
+    allocator block."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return pinned_block_bytes(nbytes) if tensor.is_pinned() else nbytes
+
+
+def pinning_overshoot(buffer_bytes: list[int]) -> int:
+    """How much more than ``buffer_bytes`` pinned buffers of those sizes take, where pinning
+    happens (a CUDA machine); 0 elsewhere."""
+    if not _can_pin():
+        return 0
+    return sum(pinned_block_bytes(nbytes) - nbytes for nbytes in buffer_bytes)
+
+
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host buffer, page-locked when asked and possible (a copy from pinned memory can run
     asynchronously beside the device's work)."""
@@ -75,7 +104,7 @@ def copy_to_host(destination: torch.Tensor, values: torch.Tensor) -> None:
     if values.dtype != destination.dtype:
         raise TypeError(f"copy_to_host: cast on the device first ({values.dtype} -> {destination.dtype})")
     # non_blocking always: asynchronous into pinned memory; into pageable memory CUDA completes
-    # the copy before returning, so the wait that follows is a no-op for it.
+    # the copy, and everything queued before it, before returning (why `PIN_CROSSING`).
     destination.copy_(values, non_blocking=True)
 
 

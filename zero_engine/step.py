@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import devices
 from .comm import Comm
 from .config import ZeroEngineConfig
 from .offload import OffloadPlan
@@ -111,7 +112,7 @@ class OptimizerStep:
         # non_blocking: a pageable host-to-device copy need not stall the host (sync debug mode)
         packed = torch.cat([self.reducer.used_mask().to(self.device, non_blocking=True), squares.view(1)])
         self.comm.all_reduce_sum(packed).wait()
-        *used, total = packed.tolist()
+        *used, total = devices.host_values(packed)
         return [count > 0 for count in used], total
 
     def _gradient_multiplier(self) -> float:

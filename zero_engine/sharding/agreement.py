@@ -221,6 +221,12 @@ class CollectiveSchedule:
         for a round. False when this rank cannot learn more now."""
         self._read_arrived()
         if self.agreed_ready > reduction:
+            if self.comm.orders_on_device:
+                # NCCL: the wait orders this rank's stream, and every gather launched after it
+                # queues behind the reduction, which on another rank may follow a gather agreed
+                # here and not launched yet: launch them all first (a prefetch earlier than
+                # planned), so none is left behind the wait.
+                self.launch_all()
             return True
         if not self._rounds or self._events:
             return False

@@ -185,23 +185,67 @@ def _bucketed_units(
     placement: Placement,
 ) -> list[FlatUnit]:
     """Whole-parameter units of at most ``reduce_bucket_size`` elements, per param group."""
-    units = []
+    return [
+        FlatUnit(
+            [param for _, param, _ in bucket], [name for name, _, _ in bucket], [group for _, _, group in bucket],
+            comm.shard_rank, comm.num_shards, compute_dtype=compute_dtype, spec=stage.unit_spec(zero),
+            placement=placement,
+        )
+        for bucket in _buckets(named, position, zero)
+    ]
+
+
+def _buckets(
+    named: Sequence[Sequence[tuple[str, nn.Parameter, int]]],
+    position: dict[nn.Parameter, int],
+    zero: ZeroOptimizationConfig,
+) -> list[list[tuple[str, nn.Parameter, int]]]:
+    """The (name, parameter, group) triples of each whole-parameter unit, per param group."""
+    buckets = []
     for triples in named:
         ordered = sorted(triples, key=lambda triple: position[triple[1]], reverse=True)
-        for indices in plan_units([ordered[i][1].numel() for i in range(len(ordered))], zero.reduce_bucket_size):
-            units.append(
-                FlatUnit(
-                    [ordered[i][1] for i in indices],
-                    [ordered[i][0] for i in indices],
-                    [ordered[i][2] for i in indices],
-                    comm.shard_rank,
-                    comm.num_shards,
-                    compute_dtype=compute_dtype,
-                    spec=stage.unit_spec(zero),
-                    placement=placement,
-                )
-            )
-    return units
+        for indices in plan_units([triple[1].numel() for triple in ordered], zero.reduce_bucket_size):
+            buckets.append([ordered[i] for i in indices])
+    return buckets
+
+
+def planned_host_buffers(
+    model: nn.Module,
+    plan: ModulePlan,
+    groups: list[ParamGroup],
+    stage: Stage,
+    zero: ZeroOptimizationConfig,
+    num_shards: int,
+    compute_dtype: torch.dtype,
+    offload: OffloadPlan,
+    accumulation: int,
+) -> list[int]:
+    """The bytes of each pinned host buffer offload will allocate, unit by unit, before any is
+    (`zero_engine.offload.pinning_overshoot`: the allocator rounds each one up): the host
+    gradient (and its staging buffer when several micro-steps reduce into a window), the parameter
+    shard of each stage 3 unit with ``offload_param``, and the master with ``pin_memory``."""
+    position = {param: index for index, param in enumerate(model.parameters())}
+    if stage.shard_parameters:
+        sharded = [sum(param.numel() for param in unit.params) for unit in plan.units if unit.params]
+        per_group: list[list[tuple[str, nn.Parameter, int]]] = [[] for _ in groups]
+        for item in plan.resident:
+            per_group[item.group_index].append((item.name, item.param, item.group_index))
+    else:
+        sharded = []
+        per_group = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
+    whole = [sum(param.numel() for _, param, _ in bucket) for bucket in _buckets(per_group, position, zero)]
+    shard = lambda numel: -(-numel // num_shards)  # noqa: E731 - each rank's shard, padded
+    buffers: list[int] = []
+    for numel, is_sharded in [*((n, True) for n in sharded), *((n, False) for n in whole)]:
+        if offload.optimizer:
+            staged = accumulation > 1 and stage.streams_gradients(zero)  # reduced every micro-step: staged
+            buffers += [4 * shard(numel)] * (2 if staged else 1)  # host gradient (and staging)
+            shared_master = is_sharded and offload.params and compute_dtype == torch.float32
+            if offload.pin_memory and not shared_master:
+                buffers.append(4 * shard(numel))
+        if offload.params and is_sharded:
+            buffers.append(torch.tensor([], dtype=compute_dtype).element_size() * shard(numel))
+    return buffers
 
 
 def _in_arrival_order(units: list[FlatUnit], position: dict[nn.Parameter, int]) -> list[FlatUnit]:

@@ -36,7 +36,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..comm import DONE, CollectiveKind, Comm, Finishing, GroupComm, Pending, TwoPhase
+from ..comm import DONE, CollectiveKind, Comm, Finishing, GroupComm, Pending, TwoPhase, used_on_current_stream
 from ..devices import tensor_bytes
 from ..quantize import BlockQuantizer, BufferMeter
 
@@ -177,6 +177,7 @@ class QuantizedGrads:
         pending = group.all_gather(encoded, kind=CollectiveKind.ALL_REDUCE)
 
         def sum_in_replica_order() -> None:  # the same fp32 sums on every replica
+            used_on_current_stream(encoded)  # made on the second phases' stream (NCCL)
             total = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
             for segment in segments:
                 total += self.quantizer.decode(segment, shard.numel())

@@ -18,38 +18,35 @@ from __future__ import annotations
 import torch
 
 from .. import offload
-from ..devices import tensor_bytes
-from ..offload import copy_to_host, host_empty
 
 
 class HostGradient:
     """The fp32 host gradient of ``numel`` elements and where its window stands."""
 
-    def __init__(self, numel: int, device: torch.device, pin_memory: bool) -> None:
+    def __init__(self, numel: int, device: torch.device) -> None:
         self.device = device  # where the copies come from
-        self.pin_memory = pin_memory
-        self.values = host_empty(numel, torch.float32, pin_memory)
+        self.values = offload.host_empty(numel, torch.float32, offload.PIN_CROSSING)  # written every backward
         self._started = False  # ``values`` holds this window's gradient (else the next copy overwrites it)
         self._staging: torch.Tensor | None = None
         self._staged = False  # the staging buffer holds a copy not added yet
 
     @property
     def nbytes(self) -> int:
-        return tensor_bytes(self.values) + (0 if self._staging is None else tensor_bytes(self._staging))
+        return offload.held_bytes(self.values) + (0 if self._staging is None else offload.held_bytes(self._staging))
 
     def receive(self, update: torch.Tensor) -> None:
         """Start copying a device fp32 ``update`` in: over the values on the window's first,
         else into the staging buffer (added by `finish`)."""
         if not self._started:
-            copy_to_host(self.values, update)
+            offload.copy_to_host(self.values, update)
             self._started = True
             return
         if self._staged:  # a second backward in one micro-step: add the first one's copy first
             offload.wait_for_host_copies(self.device)
             self.finish()
         if self._staging is None:
-            self._staging = host_empty(self.values.numel(), torch.float32, self.pin_memory)
-        copy_to_host(self._staging, update)
+            self._staging = offload.host_empty(self.values.numel(), torch.float32, offload.PIN_CROSSING)
+        offload.copy_to_host(self._staging, update)
         self._staged = True
 
     def replace(self, update: torch.Tensor) -> None:

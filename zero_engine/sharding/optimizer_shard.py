@@ -32,8 +32,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from .. import offload
 from ..devices import tensor_bytes
-from ..offload import copy_across
 from .layout import UnitLayout
 from .placement import StepGrad
 
@@ -143,7 +143,10 @@ class OptimizerShard:
     @property
     def host_bytes(self) -> int:
         """What of the master and the step gradient lives on the host (offload_optimizer)."""
-        return self.master_bytes + self.grad.nbytes if self.grad.on_host else 0
+        if not self.grad.on_host:
+            return 0
+        master = 0 if self.master_is_compute_copy else offload.held_bytes(self.master)
+        return master + self.grad.nbytes
 
     def load_owned(self, index: int, values: torch.Tensor, values_start: int) -> None:
         """Set the owned part of parameter ``index`` from ``values`` (fp32, elements
@@ -156,7 +159,7 @@ class OptimizerShard:
         piece = values.reshape(-1)[param_offset - values_start : param_offset - values_start + numel]
         self.master[owned_offset : owned_offset + numel].copy_(piece)
         if self.publish_to is not None:
-            copy_across(self.publish_to[owned_offset : owned_offset + numel], piece)
+            offload.copy_across(self.publish_to[owned_offset : owned_offset + numel], piece)
 
     # -- the step gradient (its kind: `zero_engine.sharding.placement`) -----------------------
 
@@ -220,7 +223,7 @@ class OptimizerShard:
         """Cast the updated fp32 master into the compute copy (mixed precision), or copy it to
         the device (offloaded): the cast happens where the compute copy lives."""
         if self.publish_to is not None:
-            copy_across(self.publish_to, self.master)
+            offload.copy_across(self.publish_to, self.master)
 
 
 def step_shards(

@@ -26,8 +26,9 @@ from typing import Protocol
 
 import torch
 
+from .. import offload
 from ..devices import tensor_bytes
-from ..offload import OffloadPlan, host_copy
+from ..offload import OffloadPlan
 from .host_gradient import HostGradient
 
 
@@ -148,8 +149,8 @@ class HostGrad:
     on_host = True
     persistent = True
 
-    def __init__(self, numel: int, device: torch.device, pin_memory: bool) -> None:
-        self.host = HostGradient(numel, device, pin_memory)
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.host = HostGradient(numel, device)
         self.device = device  # where the copies come from
 
     @property
@@ -181,7 +182,7 @@ class Placement:
 
     offload_optimizer: bool  # masters, step gradients and optimizer state on the host
     offload_params: bool  # stage 3's parameter shards on the host
-    pin_memory: bool
+    pin_memory: bool  # the masters' (what crosses every pass is pinned anyway: `offload.PIN_CROSSING`)
 
     def masters(
         self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int
@@ -189,7 +190,7 @@ class Placement:
         """A whole-parameter unit's master of ``[start, end)`` and the compute copy to publish it
         into (None: the master is the compute copy, fp32 on the device)."""
         if self.offload_optimizer:
-            return host_copy(full_fp32[start:end], self.pin_memory), flat_param[start:end]
+            return offload.host_copy(full_fp32[start:end], self.pin_memory), flat_param[start:end]
         if flat_param.dtype == torch.float32:
             return flat_param[start:end], None
         return full_fp32[start:end].clone(), flat_param[start:end]
@@ -201,13 +202,13 @@ class Placement:
         copy to publish the master into: in fp32 the shard is the master where both live in one
         place (no second copy)."""
         if self.offload_params:
-            param_shard = host_copy(flat_param[start:end], self.pin_memory)  # cast on the device first
+            param_shard = offload.host_copy(flat_param[start:end], offload.PIN_CROSSING)  # cast on the device first; gathered every pass
         else:
             param_shard = flat_param[start:end].clone()
         if flat_param.dtype == torch.float32 and self.offload_params == self.offload_optimizer:
             return param_shard, param_shard, None
         if self.offload_optimizer:
-            return param_shard, host_copy(full_fp32[start:end], self.pin_memory), param_shard
+            return param_shard, offload.host_copy(full_fp32[start:end], self.pin_memory), param_shard
         return param_shard, full_fp32[start:end].clone(), param_shard
 
     def step_grad(
@@ -216,7 +217,7 @@ class Placement:
         """The step gradient's kind: on the host (offloaded), a view of the full gradient buffer's
         range (``full_grad``, stages 0-1), or a device tensor of its own."""
         if self.offload_optimizer:
-            return HostGrad(numel, device, self.pin_memory)
+            return HostGrad(numel, device)
         if full_grad is not None:
             return GradView(full_grad)
         return DeviceGrad(numel, dtype, device, releases)

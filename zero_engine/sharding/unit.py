@@ -26,9 +26,9 @@ from enum import Enum
 import torch
 from torch import nn
 
+from .. import offload
 from ..comm import Comm
 from ..devices import tensor_bytes
-from ..offload import copy_across
 from ..stage import UnitSpec
 from .codec import IDENTITY, GatherCodec, Gathering
 from .layout import UnitLayout
@@ -248,7 +248,7 @@ class ShardedFlatUnit(FlatUnit):
             for index, param in enumerate(self.params):
                 param.data = self.param_view(index)
         start, end = self.layout.shard_range(self.rank)
-        copy_across(self.flat_param[start:end], self.param_shard)  # from the host with offload_param
+        offload.copy_across(self.flat_param[start:end], self.param_shard)  # from the host with offload_param
         self._gatherings.append(self.gather(comm))
         self.state = ShardedState.GATHERING
 
@@ -279,7 +279,7 @@ class ShardedFlatUnit(FlatUnit):
 
     @property
     def host_bytes(self) -> int:
-        shard = tensor_bytes(self.param_shard) if self.placement.offload_params else 0
+        shard = offload.held_bytes(self.param_shard) if self.placement.offload_params else 0
         return shard + self.optimizer_shard.host_bytes
 
     @property
