@@ -131,7 +131,7 @@ class FSDP2System(TorchSystem):
 class EngineSystem:
     def __init__(
         self, model: nn.Module, stage: int, bucket: int, shard_group_size: int | None = None, offload: str = "",
-        package: Any = zero_engine,
+        package: Any = zero_engine, force_collectives: bool = False,
     ) -> None:
         offload, _, variant = offload.partition("-")
         compile_units, recompute = offload == "compile", offload == "recompute"
@@ -150,6 +150,8 @@ class EngineSystem:
                 **OFFLOAD[offload],
             },
         }
+        if force_collectives:  # only when asked: a baseline may predate the key
+            config["comm"] = {"force_collectives": True}
         self.engine = package.initialize(model, config, param_groups=decay_groups(model))
         if compile_units:
             self.engine.compile()  # inductor, each Block's forward
@@ -185,12 +187,15 @@ OFFLOAD = {
 
 
 def build_systems(
-    names: list[str], model_config, bucket: int, device: torch.device, baseline: Any = None
+    names: list[str], model_config, bucket: int, device: torch.device, baseline: Any = None,
+    force_collectives: bool = False,
 ) -> dict[str, Callable]:
     """``ddp``, ``zero_redundancy``, ``fsdp2``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B
     elements); ``/G`` after fsdp2 or an engine: hybrid sharding over groups of G ranks (HSDP);
     ``+opt``, ``+param``, ``+both`` after an engine: CPU offload (`OFFLOAD`); ``base:`` before an
-    engine: the ``--baseline`` revision's package."""
+    engine: the ``--baseline`` revision's package. ``force_collectives``: the engines issue their
+    collectives at world size 1 too (``comm.force_collectives``), as DDP and FSDP2 do, so a
+    one-GPU comparison is not flattered."""
     systems = {}
     for name in names:
         torch.manual_seed(0)
@@ -210,7 +215,9 @@ def build_systems(
             base, _, offload = base.partition("+")
             stage, _, size = base.removeprefix("engine").partition("@")
             bucket_size = int(float(size)) if size else bucket
-            systems[name] = EngineSystem(model, int(stage), bucket_size, shard_group_size, offload, package)
+            systems[name] = EngineSystem(
+                model, int(stage), bucket_size, shard_group_size, offload, package, force_collectives
+            )
         else:
             raise SystemExit(f"unknown system {name!r}: ddp, zero_redundancy, fsdp2[/G], engineS[@BUCKET][+OFFLOAD][/G]")
     return systems
@@ -220,7 +227,9 @@ def run(args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model_config = PRESETS[args.model]
     device = _device(args.device)
-    systems = build_systems(args.systems, model_config, args.bucket, device, load_baseline(args.baseline))
+    systems = build_systems(
+        args.systems, model_config, args.bucket, device, load_baseline(args.baseline), args.force_collectives
+    )
     data = TextBatches(load_corpus(), model_config.context)
     times: dict[str, list[float]] = {name: [] for name in systems}
     profiles = {name: cProfile.Profile() for name in systems} if args.profile and rank == 0 else {}
@@ -302,7 +311,7 @@ def peak_rss(args: argparse.Namespace) -> dict:
     device = _device(args.device)
     data = TextBatches(load_corpus(), model_config.context)
     before = _peak_bytes(device)
-    system = build_systems([name], model_config, args.bucket, device)[name]
+    system = build_systems([name], model_config, args.bucket, device, force_collectives=args.force_collectives)[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(args.warmup + args.steps):
         system.train_step(*[t.to(device) for t in data.rank_batch(step, 0, rank, world, args.micro_batch, 1)])
@@ -389,6 +398,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: this rank's GPU, NCCL")
     parser.add_argument("--baseline", help="git revision whose package the base:engineS systems run")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print each system's top N functions")
+    parser.add_argument(
+        "--force-collectives", action="store_true",
+        help="engines issue their collectives at world size 1 too (comm.force_collectives), as DDP and FSDP2 do",
+    )
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")

@@ -40,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-budget", type=float, default=90.0, help="stop training after this many seconds")
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the final loss")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--force-collectives", action="store_true",
+        help="issue every collective at world size 1 too (comm.force_collectives: a first run on one GPU exercises NCCL)",
+    )
     return parser.parse_args(argv)
 
 
@@ -60,7 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
     device = training_device()
     model = GPT(PRESETS[args.model]).to(device)
     num_params = sum(p.numel() for p in model.parameters())  # before stage 3 shards them
-    engine = zero_engine.initialize(model, args.config, param_groups=decay_groups(model))
+    config = zero_engine.load_config(args.config)
+    if args.force_collectives:
+        config = config.model_copy(update={"comm": config.comm.model_copy(update={"force_collectives": True})})
+    engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
     rank, world = engine.comm.rank, engine.comm.world_size
     micro, accum = engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps
     data = TextBatches(load_corpus(), model.config.context)
@@ -70,7 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"replica group {engine.comm.replica_group_ranks}\n")
         sys.stdout.write(line)  # one write, newline included: the ranks share the launcher's stdout
         sys.stdout.flush()
-    log(f"zero_engine stage {engine.stage.level} on {world} rank(s) ({engine.comm.backend}); "
+    forced = ", collectives forced" if world == 1 and not engine.comm.world.skips_collectives else ""
+    log(f"zero_engine stage {engine.stage.level} on {world} rank(s) ({engine.comm.backend}{forced}); "
         f"{num_params / 1e6:.2f}M parameters; global batch "
         f"{engine.batch.train_batch_size} x {model.config.context} tokens; unigram baseline "
         f"{data.unigram_loss():.3f} nats")
@@ -95,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"optimizer {memory['optimizer_states'] / 2**20:.1f}")
             last = now
 
+    sent = engine.comm_report()["total"]["sent"]  # the last optimizer step's
     engine.eval()
     with torch.no_grad():
         held_out = statistics.mean(
@@ -104,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine.train()
     baseline = data.unigram_loss()
     log(f"done: {step} steps in {time.perf_counter() - started:.0f}s; held-out loss {held_out:.3f} nats "
-        f"(unigram baseline {baseline:.3f}, {'learned' if held_out < baseline - 0.5 else 'NOT below baseline'})")
+        f"(unigram baseline {baseline:.3f}, {'learned' if held_out < baseline - 0.5 else 'NOT below baseline'}); "
+        f"rank 0 sent {sent / 2**20:.2f} MiB in the last step")
     engine.close()
     return {"steps": step, "held_out_loss": held_out, "baseline": baseline}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
 import warnings
 from pathlib import Path
 
@@ -273,3 +274,142 @@ def test_offloaded_state_is_pinned_host_memory_and_leaves_the_gpu() -> None:
     held = run_on_ranks(1, offload_placement, backend=None, timeout=600)[0]
     assert held["all_pinned_host"] and held["state_on_host"] and held["params_on_device"], held
     assert held["offloaded"] < held["plain"], held
+
+
+# -- the host far ahead of the GPU (GPU review plan: "GPU lag" and the hidden-sync detector) -------
+
+LAG_CYCLES = 50_000_000  # torch.cuda._sleep: tens of milliseconds of GPU time per call
+
+
+class _Lagging:
+    """An engine whose every forward and backward first queues a long GPU sleep, so the host
+    runs far ahead of the device: storage freed and reused, the NCCL stash and the stream
+    waits must still order everything (the results must not change)."""
+
+    def __init__(self, engine: zero_engine.Engine) -> None:
+        self.engine = engine
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(LAG_CYCLES)
+        return self.engine(*args)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        torch.cuda._sleep(LAG_CYCLES)
+        self.engine.backward(loss)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+
+LAG_CASES = [
+    {"stage": 3, "dtype": "bf16", "accum": 2, "clip": 1.0},
+    {"stage": 2, "dtype": "fp32", "accum": 2, "clip": 1.0},
+    {"stage": 3, "dtype": "bf16", "accum": 2, "clip": 1.0, "zero": {"offload_optimizer": {"device": "cpu"}}},
+]
+
+
+def lagging_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    device = local_cuda_device()
+    results = []
+    for case in cases:
+        engine = _engine(case, device)
+        windows, norms = train_engine(_Lagging(engine), rank, world_size, range(STEPS), MICRO, case["accum"], device=device)
+        results.append({
+            "losses": [sum(window) / len(window) for window in windows], "norms": norms, "skipped": engine.skipped_steps,
+            "state": {name: value.cpu() for name, value in engine.full_state_dict().items()},
+        })
+        engine.close()
+    return results
+
+
+def test_a_host_far_ahead_of_the_gpu_changes_nothing() -> None:
+    """One rank, NCCL with every collective forced, a GPU sleep before each forward and backward."""
+    per_rank = run_on_ranks(1, lagging_grid, LAG_CASES, backend=None, timeout=600)
+    for index, case in enumerate(LAG_CASES):
+        _check(case, 1, [per_rank[0][index]])
+
+
+SYNC_CASES = [
+    {"stage": 2, "dtype": "bf16", "accum": 1, "clip": 1.0},
+    {"stage": 3, "dtype": "bf16", "accum": 1, "clip": 1.0},
+    {"stage": 3, "dtype": "bf16", "accum": 1, "clip": 1.0, "zero": {"offload_optimizer": PINNED, "offload_param": PINNED}},
+    {"stage": 3, "dtype": "bf16", "accum": 1, "clip": 1.0,
+     "zero": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}},  # pin_memory false
+    {"stage": 2, "dtype": "fp32", "accum": 1, "clip": 1.0, "zero": {"offload_optimizer": {"device": "cpu"}}},
+]
+
+
+def host_lead(rank: int, world_size: int, cases: list[dict]) -> list[tuple[float, float]]:
+    """Per case: how long the host took from queueing a GPU sleep to the end of a forward and
+    backward (up to the backward's one wait for host copies, with offload), against how long the
+    sleep takes alone. Torch's sync debug mode misses a copy into pageable memory; this does not."""
+    from zero_engine import offload
+
+    device = local_cuda_device()
+    out = []
+    real_wait = offload.wait_for_host_copies
+    for case in cases:
+        engine = _engine(case, device)
+        train_engine(engine, rank, world_size, range(1), MICRO, 1, device=device)  # warm-up
+        batch = tuple(t.to(device) for t in micro_batch(1, 0, rank, world_size, MICRO, 1))
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        torch.cuda._sleep(4 * LAG_CYCLES)
+        torch.cuda.synchronize(device)
+        sleep = time.perf_counter() - started
+        reached: list[float] = []
+        offload.wait_for_host_copies = lambda device_: reached.append(time.perf_counter()) or real_wait(device_)
+        try:
+            started = time.perf_counter()
+            torch.cuda._sleep(4 * LAG_CYCLES)
+            engine.backward(engine(*batch))
+            reached.append(time.perf_counter())
+        finally:
+            offload.wait_for_host_copies = real_wait
+        engine.step()
+        torch.cuda.synchronize(device)
+        out.append((reached[0] - started, sleep))
+        engine.close()
+    return out
+
+
+def test_forward_and_backward_never_wait_for_the_gpu() -> None:
+    """The host reaches the end of backward (or its one wait for host copies) before a GPU sleep
+    queued first has ended: no hidden host sync in forward or backward, at stages 2-3 and with
+    offload, pinned or not (GPU review N3: a copy into pageable memory syncs every bucket)."""
+    for case, (host, sleep) in zip(SYNC_CASES, run_on_ranks(1, host_lead, SYNC_CASES, backend=None, timeout=600)[0]):
+        assert host < 0.5 * sleep, (case, host, sleep)
+
+
+def test_lightning_trains_on_one_gpu() -> None:
+    """GPU review N2: the strategy moves a LightningModule built in ``__init__`` to the GPU
+    before building the engine (the CPU tests check the call; this, the device)."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch import LightningModule, Trainer
+
+    from zero_engine.integrations.lightning import ZeroEngineStrategy
+
+    class Small(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.body(x), y)
+
+        def configure_optimizers(self) -> None:
+            return None
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+            return torch.utils.data.DataLoader(data, batch_size=4)
+
+    module = Small()
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 2}}
+    trainer = Trainer(accelerator="gpu", devices=1, max_steps=2, strategy=ZeroEngineStrategy(config),
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(module)
+    assert all(param.device.type == "cuda" for param in module.parameters())
+    assert trainer.global_step == 2

@@ -531,10 +531,12 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def connect(config: ZeroEngineConfig, device: torch.device, stage: Stage) -> Comm:
+def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     """The engine's `Comm`: groups of its own beside the caller's default group (so its
     collectives time out after ``comm.timeout_s`` whatever the caller chose), a new default
-    group from torchrun's environment, or world size 1 without ``torch.distributed``."""
+    group from torchrun's environment, or world size 1 without ``torch.distributed``. What
+    the stage adds comes once it is known (`with_stage_groups`: ``stage: auto`` is agreed
+    over this one)."""
     timeout, primitives = config.comm.timeout_s, config.comm.primitives
     if dist.is_available() and dist.is_initialized():
         if dist.get_backend() == "nccl":  # read by each NCCL group as it is made: ours come next
@@ -557,12 +559,22 @@ def connect(config: ZeroEngineConfig, device: torch.device, stage: Stage) -> Com
     size = _agreed_shard_group_size(config.zero_optimization, world)
     shard_group, replica_group = _hybrid_groups(timeout, world_size, rank, size, data)
     shards = GroupComm(rank % size, size, backend, shard_group, None, primitives, force)
-    reduces = None
-    if stage.shard_parameters and size > 1:
-        reduce_group = _reduce_group(timeout, world_size, rank, size)
-        reduces = GroupComm(rank % size, size, backend, reduce_group, None, primitives, force)
     replicas = GroupComm(rank // size, world_size // size, backend, replica_group, None, primitives, force)
-    return Comm(world, shards, replicas, reduces)
+    return Comm(world, shards, replicas)
+
+
+def with_stage_groups(comm: Comm, config: ZeroEngineConfig, stage: Stage) -> Comm:
+    """``comm`` with what ``stage`` needs besides: at stage 3, reduce-scatters on a group of
+    their own (`_reduce_group`). Every rank calls it at the same point (``new_group`` is
+    collective)."""
+    size = comm.num_shards
+    if not (stage.shard_parameters and size > 1):
+        return comm
+    group = _reduce_group(config.comm.timeout_s, comm.world_size, comm.rank, size)
+    reduces = GroupComm(
+        comm.shard_rank, size, comm.backend, group, None, config.comm.primitives, config.comm.force_collectives
+    )
+    return Comm(comm.world, comm.shard_group, comm.replica_group, reduces)
 
 
 def _agreed_shard_group_size(zero: ZeroOptimizationConfig, world: GroupComm) -> int:
@@ -624,14 +636,6 @@ def choose_backend(requested: str, device: torch.device) -> str:
     if requested != "auto":
         return requested
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-def expected_world_size() -> int:
-    """The world size `connect` will find, before connecting: the existing group's, else
-    torchrun's ``WORLD_SIZE``, else 1."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
 
 
 def free_cuda_bytes(device: torch.device) -> int:

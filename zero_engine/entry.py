@@ -21,7 +21,7 @@ from torch import nn
 
 from . import offload
 from .auto_values import fill_auto
-from .comm import Comm, connect, expected_world_size
+from .comm import Comm, connect, with_stage_groups
 from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .engine import Engine, is_wrapped
@@ -78,7 +78,10 @@ def initialize(
     groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
     device = materialization_device(model)
     plan = ModulePlan(model, groups, config.zero_optimization)  # decided once, for everything that asks
-    config, stage_table = resolve_stage(config, plan, groups, expected_world_size(), device)
+    _make_current(device)
+    # stage: auto is agreed between the ranks, so they connect first; a set stage is checked first
+    comm = connect(config, device) if config.zero_optimization.stage == "auto" else None
+    config, stage_table = resolve_stage(config, plan, groups, device, comm)
     refuse_unbuilt_features(config)
     stage = stage_for(config.zero_optimization.stage)
     check_optimizer_for_stage(config.optimizer, stage)
@@ -88,7 +91,7 @@ def initialize(
     try:
         file_names = match_weights(model, weights_file) if weights_file is not None else {}
         _check_device(device)
-        comm = connect(config, device, stage)
+        comm = with_stage_groups(comm or connect(config, device), config, stage)
         if stage_table is not None and comm.rank == 0:
             logger.info(stage_table)
         deferred = None
@@ -129,6 +132,18 @@ def _check_not_wrapped(model: Any) -> None:
             "initialize: this model is already wrapped by an engine (its hooks and flat parameters are in place): "
             "call engine.close() on that engine first, or build a new model"
         )
+
+
+def _make_current(device: torch.device) -> None:
+    """CUDA only: the model's GPU becomes the current device, as torchrun scripts set it, also
+    where the caller made the process group without ``torch.cuda.set_device``: otherwise
+    tensors made without a device and every CUDA context of this rank land on GPU 0."""
+    if device.type == "cuda":
+        _set_cuda_device(device)
+
+
+def _set_cuda_device(device: torch.device) -> None:
+    torch.cuda.set_device(device)
 
 
 def _check_device(device: torch.device) -> None:

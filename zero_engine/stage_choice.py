@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .comm import free_cuda_bytes
+from .comm import Comm, free_cuda_bytes
 from .config import OffloadOptimizerConfig, OffloadParamConfig, ZeroEngineConfig
 from .errors import ConfigError
 from .memory import estimate_from_config
@@ -116,12 +116,15 @@ def _size(size: int) -> str:
     return f"{size / 2**10:.3f} KiB"
 
 
-def budget_bytes(config: ZeroEngineConfig, device: torch.device) -> int:
+def budget_bytes(config: ZeroEngineConfig, device: torch.device, model_bytes_on_device: int = 0) -> int:
+    """This rank's budget: ``memory_budget_gib``, else the GPU's free memory less the margin,
+    plus what the model already holds on that GPU (the driver counts it as used, and every
+    candidate counts it again)."""
     zero = config.zero_optimization
     if zero.memory_budget_gib is not None:
         return int(zero.memory_budget_gib * GIB)
     if device.type == "cuda":
-        return free_cuda_bytes(device) - int(zero.memory_margin_gib * GIB)
+        return free_cuda_bytes(device) + model_bytes_on_device - int(zero.memory_margin_gib * GIB)
     raise ConfigError(
         "zero_optimization.stage = 'auto' needs zero_optimization.memory_budget_gib (GiB per rank) on "
         f"{device.type}: only a GPU's free memory can stand in for it"
@@ -129,18 +132,32 @@ def budget_bytes(config: ZeroEngineConfig, device: torch.device) -> int:
 
 
 def resolve_stage(
-    config: ZeroEngineConfig, plan: ModulePlan, groups: Sequence[ParamGroup], world_size: int, device: torch.device
+    config: ZeroEngineConfig, plan: ModulePlan, groups: Sequence[ParamGroup], device: torch.device, comm: Comm | None
 ) -> tuple[ZeroEngineConfig, str | None]:
     """``config`` with ``stage: auto`` replaced by the chosen stage (and offload), and the
-    table to log; a config with a stage set comes back as it is."""
+    table to log; a config with a stage set comes back as it is. Every rank weighs the
+    smallest budget of any rank (``comm``, connected for it), so all choose alike: GPUs whose
+    free memory differs would otherwise build different stages and pair unrelated collectives."""
     if config.zero_optimization.stage != "auto":
         return config, None
+    assert comm is not None, "stage: auto is agreed between the ranks: connect first"
     num_params = sum(param.numel() for group in groups for param in group.params)
-    table = candidates(config, num_params, world_size, plan.largest_unit_numel())
-    budget = budget_bytes(config, device)
+    table = candidates(config, num_params, comm.world_size, plan.largest_unit_numel())
+    own = budget_bytes(config, device, _bytes_on(plan.model, device))
+    budgets = comm.each_rank(own).values()
+    budget = min(budgets)
     chosen = choose(table, budget)
+    smallest = "" if len(set(budgets)) == 1 else f", the smallest of the ranks' ({budgets.index(budget)})"
     text = (
-        f"zero_optimization.stage = 'auto' chose {chosen.name} for a budget of {_size(budget)} per rank "
-        f"({num_params:,} trainable parameters, {world_size} rank(s)):\n{format_table(table, budget, chosen)}"
+        f"zero_optimization.stage = 'auto' chose {chosen.name} for a budget of {_size(budget)} per rank{smallest} "
+        f"({num_params:,} trainable parameters, {comm.world_size} rank(s)):\n{format_table(table, budget, chosen)}"
     )
     return chosen.config, text
+
+
+def _bytes_on(model: torch.nn.Module, device: torch.device) -> int:
+    """What the model's parameters and buffers hold on ``device`` now (CUDA: counted as used)."""
+    if device.type != "cuda":
+        return 0
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.device == device}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
