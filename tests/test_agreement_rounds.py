@@ -26,8 +26,13 @@ class ScriptedComm:
         self.rank = 0
         self.world_size = world_size
         self.orders_on_device = orders_on_device  # NCCL: a wait orders the stream
+        self.aborted = 0
         self.script: deque[list[list[int]]] = deque()
         self.sent: list[list[int]] = []
+
+    def abort_data_groups(self) -> bool:
+        self.aborted += 1
+        return self.orders_on_device
 
     def each_rank(self, value: list[int]) -> EachRank:
         self.sent.append(list(value))
@@ -136,6 +141,20 @@ def test_a_pass_ends_when_every_row_says_so() -> None:
     sent_wants = [row[2] for row in comm.sent]
     assert sent_wants == [PASS_DONE, PASS_DONE, PASS_DONE]  # three rounds until the peer was done too
     assert launched == [(6, False)] and schedule.passes == 1 and schedule.kind is PassKind.BETWEEN
+
+
+@pytest.mark.parametrize("orders_on_device", [False, True])
+def test_on_nccl_a_divergence_aborts_the_data_communicators(orders_on_device: bool) -> None:
+    """GPU review N10: the gathers one rank launched and another never will would otherwise
+    hold the next device sync, or the exit, for the collective timeout (30 minutes)."""
+    schedule, comm, _ = _schedule(2, orders_on_device=orders_on_device)
+    schedule.begin_pass(PassKind.FORWARD)
+    comm.script.append([_row([1], passes=1, kind=PassKind.BACKWARD)])
+    schedule.issue([0])
+    with pytest.raises(DivergedRanksError) as raised:
+        schedule.need(0)
+    assert comm.aborted == 1
+    assert ("communicators were aborted" in str(raised.value)) is orders_on_device
 
 
 def test_rows_from_different_passes_raise_naming_each_rank() -> None:

@@ -195,3 +195,50 @@ def test_one_rank_can_issue_every_collective_for_a_gpu_check() -> None:
         assert expected <= set(result[True]["calls"]), (case, result[True]["calls"])
         for name, value in result[False]["state"].items():
             assert torch.equal(result[True]["state"][name], value), (case, name)
+
+
+class _Group:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def abort(self) -> None:
+        self.log.append(self.name)
+
+
+def test_on_nccl_a_divergence_aborts_each_data_group_once_and_forgets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU review N10: the engine's data, shard, replica and reduce groups are aborted (each
+    once: a group may stand in several roles) and dropped from the cache, so a later engine
+    makes new ones; on gloo nothing is aborted."""
+    log: list[str] = []
+    data, shards, reduces = _Group(log, "data"), _Group(log, "shards"), _Group(log, "reduces")
+    monkeypatch.setattr(comm, "_OWN_GROUPS", {(0, 1.0, "data", None): data, (0, 1.0, "other", None): _Group(log, "x")})
+    nccl = Comm(GroupComm(0, 4, "nccl", data), GroupComm(0, 2, "nccl", shards), GroupComm(0, 2, "nccl", data),
+                GroupComm(0, 2, "nccl", reduces))
+    assert nccl.abort_data_groups()
+    assert sorted(log) == ["data", "reduces", "shards"]
+    assert list(comm._OWN_GROUPS) == [(0, 1.0, "other", None)]
+    gloo = Comm(GroupComm(0, 4, "gloo", _Group(log, "gloo")), *(GroupComm(0, 2, "gloo") for _ in range(2)))
+    assert not gloo.abort_data_groups() and "gloo" not in log
+
+
+def test_stage_3_on_nccl_warns_about_a_single_hardware_queue(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GPU review N5's mitigation: the two stage 3 communicators' orders differ between ranks;
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` serializes them, and the user is told at initialize."""
+    from zero_engine import entry
+    from zero_engine.stage import stage_for
+
+    nccl = Comm(*(GroupComm(0, 1, "nccl") for _ in range(3)))
+    gloo = Comm(*(GroupComm(0, 1, "gloo") for _ in range(3)))
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with caplog.at_level("WARNING", logger="zero_engine"):
+        entry._warn_if_one_hardware_queue(stage_for(2), nccl)
+        entry._warn_if_one_hardware_queue(stage_for(3), gloo)
+        assert not caplog.records
+        entry._warn_if_one_hardware_queue(stage_for(3), nccl)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1 with stage 3 on NCCL may hang" in caplog.text
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    caplog.clear()
+    entry._warn_if_one_hardware_queue(stage_for(3), nccl)
+    assert not caplog.records

@@ -484,6 +484,25 @@ class Comm:
         """Overwrite this rank's ``shards`` with their copies in the first shard group."""
         self.replica_group.broadcast(shards, src=0)
 
+    def abort_data_groups(self) -> bool:
+        """After the ranks diverged, on NCCL: abort the engine's data communicators, whose
+        queues hold collectives one rank launched and another never will; otherwise the next
+        device sync (``loss.item()``) or the exit would wait ``comm.timeout_s`` for them (30
+        minutes by default) before the watchdog ends the job. On gloo nothing waits on a device:
+        the host raises and its collectives time out on their own. Returns whether it aborted."""
+        if not self.orders_on_device:
+            return False
+        groups = [comm.group for comm in (self.world, self.shard_group, self.replica_group, self.reduce_group)]
+        aborted = {id(group): group for group in groups if group is not None}
+        if self.world.group is None and dist.is_initialized():  # the default group, which the engine made
+            aborted[id(dist.group.WORLD)] = dist.group.WORLD
+        for group in aborted.values():
+            _abort_group(group)
+        for key, group in list(_OWN_GROUPS.items()):  # a later engine makes new ones
+            if id(group) in aborted:
+                del _OWN_GROUPS[key]
+        return True
+
     # -- control -----------------------------------------------------------------------------
 
     def barrier(self) -> None:
@@ -630,6 +649,13 @@ def _own_group(timeout_s: float, role: str, backend: str | None, ranks: range | 
         timeout = datetime.timedelta(seconds=timeout_s)
         _OWN_GROUPS[key] = dist.new_group(ranks=list(members) if members else None, timeout=timeout, backend=backend)
     return _OWN_GROUPS[key]
+
+
+def _abort_group(group: Any) -> None:
+    """NCCL: abort a process group's communicators (drops what is queued; torch 2.6 on has it)."""
+    abort = getattr(group, "abort", None)
+    if abort is not None:
+        abort()
 
 
 def choose_backend(requested: str, device: torch.device) -> str:

@@ -104,6 +104,7 @@ def initialize(
         _check_host_memory(model, plan, groups, config, stage, precision, comm, batch.gradient_accumulation_steps)
         if comm.rank == 0:
             _log_settings(config, stage)
+            _warn_if_one_hardware_queue(stage, comm)
         engine = Engine(
             model, config, comm, stage, batch, groups, precision, plan, device=device, deferred=deferred,
             lr_scheduler=lr_scheduler,
@@ -205,6 +206,19 @@ def _log_settings(config: ZeroEngineConfig, stage: Stage) -> None:
     for message in no_effect_settings(config):
         logger.warning(message)
     logger.info(_clipping_in_effect(config))
+
+
+def _warn_if_one_hardware_queue(stage: Stage, comm: Comm) -> None:
+    """Stage 3 on NCCL runs gathers and reductions on two communicators whose launch orders
+    differ between ranks (docs/architecture.md, "On GPUs"): they progress only while both
+    kernels can be resident, which one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``, set
+    by Megatron-style stacks) does not allow."""
+    if stage.shard_parameters and comm.orders_on_device and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        logger.warning(
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 with stage 3 on NCCL may hang: gathers and reductions run on two "
+            "communicators in orders that differ between ranks, and one hardware queue serializes them. Unset it "
+            "for this job (see docs/architecture.md, 'On GPUs')"
+        )
 
 
 def _clipping_in_effect(config: ZeroEngineConfig) -> str:

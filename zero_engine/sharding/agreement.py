@@ -61,6 +61,9 @@ PASS_DONE = -2  # a row that asks for no gather and has nothing left to ask in t
 WANTS_PER_ROW = 4
 
 
+ABORTED = " (the engine's NCCL communicators were aborted, so nothing waits for the unmatched collectives)"
+
+
 class PassKind(IntEnum):
     BETWEEN = 0  # between passes (rows proposing the next pass's first gathers)
     FORWARD = 1
@@ -310,9 +313,12 @@ class CollectiveSchedule:
             return
         self.divergence = message
         # Every rank agreed on the events of the earlier rounds and may be waiting for one of
-        # them: launch them all, so each rank gets to read this round and raise too.
+        # them: launch them all, so each rank gets to read this round and raise too; then
+        # (NCCL) drop what no other rank will match.
         self.launch_all()
         self._rounds.clear()
+        if self.comm.abort_data_groups():
+            self.divergence += ABORTED
         raise DivergedRanksError(self.divergence)
 
     def _pass_divergence(self, rows: list[list[int]]) -> str | None:
