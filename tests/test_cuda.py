@@ -334,8 +334,10 @@ SYNC_CASES = [
     {"stage": 3, "dtype": "bf16", "accum": 1, "clip": 1.0},
     {"stage": 3, "dtype": "bf16", "accum": 1, "clip": 1.0, "zero": {"offload_optimizer": PINNED, "offload_param": PINNED}},
     {"stage": 3, "dtype": "bf16", "accum": 1, "clip": 1.0,
-     "zero": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}},  # pin_memory false
-    {"stage": 2, "dtype": "fp32", "accum": 1, "clip": 1.0, "zero": {"offload_optimizer": {"device": "cpu"}}},
+     "zero": {"offload_optimizer": {"device": "cpu", "pin_memory": False},
+              "offload_param": {"device": "cpu", "pin_memory": False}}},
+    {"stage": 2, "dtype": "fp32", "accum": 1, "clip": 1.0,
+     "zero": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}},
 ]
 
 

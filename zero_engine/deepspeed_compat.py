@@ -80,10 +80,6 @@ DEFAULTS_THAT_DIFFER: dict[str, str] = {
     "reduction sums the same values in any cut)",
     "zero_optimization.overlap_comm": "DeepSpeed overlaps at stage 3 only (unset: false below); we overlap at every "
     "stage: the same numbers, sooner",
-    "zero_optimization.offload_optimizer.pin_memory": "pinned host buffers are rounded up to a power of two by "
-    "torch's host allocator, so DeepSpeed's default could take up to twice the host memory initialize checks for "
-    "(the GPU readiness review's N4); set true for faster copies where the host has room",
-    "zero_optimization.offload_param.pin_memory": "as offload_optimizer.pin_memory",
     "zero_optimization.leaf_module": "DeepSpeed makes Mixtral's and Qwen-MoE's sparse blocks leaf modules (gathered "
     "whole); every unit here is a whole module already, and those blocks sit inside the decoder layers Hugging Face "
     "declares in _no_split_modules",

@@ -96,7 +96,10 @@ class OffloadConfig(_Section):
         "none", description="'cpu': keep it in host memory (see the Offload guide, docs/guides/offload.md); 'nvme' is refused (not built)."
     )
     pin_memory: bool = Field(
-        False, description="Page-locked host buffers, so copies overlap the GPU's work (ignored without CUDA)."
+        True,
+        description="Page-locked fp32 masters, so their copies overlap the GPU's work (ignored without CUDA); the "
+        "host gradients and parameter shards, which cross in every pass, are pinned whatever it says. Pinned buffers "
+        "round up to a power of two, which initialize's host check counts.",
     )
     nvme_path: str | None = Field(None, description="NVMe directory for 'nvme' offload (not built).")
     buffer_count: PositiveCount = Field(4, description="DeepSpeed's NVMe buffer count; accepted, no effect with 'cpu'.")
