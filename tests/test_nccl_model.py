@@ -33,6 +33,8 @@ def _config(case: dict[str, Any]) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}  # what crosses every pass is pinned anyway
         if case["stage"] == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    if case.get("quantized"):  # the encoded second phase: made on the side stream, decoded after its wait
+        zero.update(zero_quantized_gradients=True, zero_quantized_weights=True)
     config = engine_config(case["stage"], micro=MICRO, lr=0.05, accum=case.get("accum", 1), **zero)
     config["comm"] = {"timeout_s": 60, "primitives": "native"}  # NCCL's: one collective per gather or reduction
     return config
@@ -74,6 +76,7 @@ GRID = [
     {"stage": 2, "form": "skip", "accum": 2, "untouched": True},
     {"stage": 3, "form": "skip", "offload": True, "accum": 2},
     {"stage": 2, "form": "guard", "offload": True, "group": 2},
+    {"stage": 3, "form": "skip", "group": 2, "quantized": True},
     {"stage": 3, "form": "skip", "group": 2, "plant_n1": True},
 ]
 

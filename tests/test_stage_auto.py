@@ -123,7 +123,7 @@ def test_budgets_choose_each_candidate_and_training_equals_that_stage_by_hand(tm
             assert torch.equal(result["runs"]["auto"]["state"][key], value), key
     log = results[0]["log"]
     assert len(log) == len(budgets) + 1  # one table per initialize, rank 0 alone
-    assert "the smallest of the ranks' (0)" in log[-1] and "chose stage 2" in log[-1]
+    assert "the smallest of the ranks' (rank 0's)" in log[-1] and "chose stage 2" in log[-1]
     assert log[2].startswith("zero_optimization.stage = 'auto' chose stage 2 for a budget of")
     assert all(c.name in log[2] for c in table) and "[chosen]" in log[2] and "[too large]" in log[2]
     assert not results[1]["log"]

@@ -205,9 +205,6 @@ def _cuda_record_stream(tensor: torch.Tensor) -> None:
     tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
 
-DONE = Pending()
-
-
 def advance_in_order(reductions: Iterable[Pending | Finishing | TwoPhase]) -> None:
     """Start the second phase of reductions whose first is done, in launch order, stopping at
     the first not ready: the same order on every rank, and crossing groups overlaps whatever

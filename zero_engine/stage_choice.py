@@ -26,6 +26,7 @@ import torch
 
 from .comm import Comm, free_cuda_bytes
 from .config import OffloadOptimizerConfig, OffloadParamConfig, ZeroEngineConfig
+from .devices import tensor_bytes
 from .errors import ConfigError
 from .memory import estimate_from_config
 from .param_groups import ParamGroup
@@ -147,7 +148,7 @@ def resolve_stage(
     budgets = comm.each_rank(own).values()
     budget = min(budgets)
     chosen = choose(table, budget)
-    smallest = "" if len(set(budgets)) == 1 else f", the smallest of the ranks' ({budgets.index(budget)})"
+    smallest = "" if len(set(budgets)) == 1 else f", the smallest of the ranks' (rank {budgets.index(budget)}'s)"
     text = (
         f"zero_optimization.stage = 'auto' chose {chosen.name} for a budget of {_size(budget)} per rank{smallest} "
         f"({num_params:,} trainable parameters, {comm.world_size} rank(s)):\n{format_table(table, budget, chosen)}"
@@ -160,4 +161,4 @@ def _bytes_on(model: torch.nn.Module, device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.device == device}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(tensor_bytes(tensor) for tensor in tensors.values())

@@ -234,7 +234,10 @@ def planned_host_buffers(
         sharded = []
         per_group = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
     whole = [sum(param.numel() for _, param, _ in bucket) for bucket in _buckets(per_group, position, zero)]
-    shard = lambda numel: -(-numel // num_shards)  # noqa: E731 - each rank's shard, padded
+
+    def shard(numel: int) -> int:  # each rank's shard, padded
+        return -(-numel // num_shards)
+
     buffers: list[int] = []
     for numel, is_sharded in [*((n, True) for n in sharded), *((n, False) for n in whole)]:
         if offload.optimizer:
