@@ -242,3 +242,18 @@ def test_stage_3_on_nccl_warns_about_a_single_hardware_queue(
     caplog.clear()
     entry._warn_if_one_hardware_queue(stage_for(3), nccl)
     assert not caplog.records
+
+
+def test_initialize_makes_the_models_gpu_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU review N13: where the caller made the process group without ``set_device``, tensors
+    made without a device and every CUDA context would land on GPU 0 from every rank."""
+    from zero_engine import entry
+
+    made_current: list[torch.device] = []
+    monkeypatch.setattr(entry, "_set_cuda_device", made_current.append)
+    entry._make_current(torch.device("cpu"))
+    assert made_current == []
+    entry._make_current(torch.device("cuda", 3))
+    assert made_current == [torch.device("cuda", 3)]
+    zero_engine.initialize(make_model(), engine_config(0, micro=2, lr=0.1)).close()  # a CPU model: no CUDA call
+    assert made_current == [torch.device("cuda", 3)]

@@ -61,3 +61,16 @@ def test_big_model_script_trains_from_meta_under_a_memory_limit() -> None:
     assert sorted(rank for rank, *_ in lines) == ["0", "1"], done.stdout
     for _, first, second in lines:
         assert 4.0 < float(first) < 6.0 and 4.0 < float(second) < 6.0, "a byte-level GPT starts near ln(256) = 5.55"
+
+
+def test_train_script_forces_collectives_at_one_rank_when_asked() -> None:
+    """``--force-collectives`` (GPU review N9): one rank runs every collective through a group of
+    one, as a first run on one GPU needs; without it a rank alone issues none."""
+    for flag, expected in ((["--force-collectives"], "(gloo, collectives forced)"), ([], "(gloo);")):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+            str(ROOT / "scripts" / "train.py"), "--steps", "1", "--eval-batches", "1", *flag,
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"stage 1 on 1 rank(s) {expected}" in done.stdout, done.stdout
