@@ -12,7 +12,7 @@ from collections import deque
 import pytest
 import torch
 
-from zero_engine.comm import DONE, EachRank
+from zero_engine.comm import ABORTED, DONE, EachRank
 from zero_engine.errors import DivergedRanksError
 from zero_engine.sharding.agreement import (
     NO_UNIT, PASS_DONE, Call, CollectiveSchedule, PassKind, call_row, make_row,
@@ -30,9 +30,9 @@ class ScriptedComm:
         self.script: deque[list[list[int]]] = deque()
         self.sent: list[list[int]] = []
 
-    def abort_data_groups(self) -> bool:
+    def abort_data_groups(self) -> str:
         self.aborted += 1
-        return self.orders_on_device
+        return ABORTED if self.orders_on_device else ""
 
     def each_rank(self, value: list[int]) -> EachRank:
         self.sent.append(list(value))

@@ -214,11 +214,42 @@ def test_on_nccl_a_divergence_aborts_each_data_group_once_and_forgets_it(monkeyp
     monkeypatch.setattr(comm, "_OWN_GROUPS", {(0, 1.0, "data", None): data, (0, 1.0, "other", None): _Group(log, "x")})
     nccl = Comm(GroupComm(0, 4, "nccl", data), GroupComm(0, 2, "nccl", shards), GroupComm(0, 2, "nccl", data),
                 GroupComm(0, 2, "nccl", reduces))
-    assert nccl.abort_data_groups()
+    assert nccl.abort_data_groups() == comm.ABORTED
     assert sorted(log) == ["data", "reduces", "shards"]
     assert list(comm._OWN_GROUPS) == [(0, 1.0, "other", None)]
     gloo = Comm(GroupComm(0, 4, "gloo", _Group(log, "gloo")), *(GroupComm(0, 2, "gloo") for _ in range(2)))
-    assert not gloo.abort_data_groups() and "gloo" not in log
+    assert gloo.abort_data_groups() == "" and "gloo" not in log
+
+
+def test_a_torch_that_cannot_abort_says_the_job_must_be_killed() -> None:
+    """GPU review P7: on torch 2.4-2.5 (no ``ProcessGroup.abort``) the divergence message must
+    not claim the communicators were aborted."""
+    old = Comm(*(GroupComm(0, 2, "nccl", object()) for _ in range(3)))
+    note = old.abort_data_groups()
+    assert note == comm.NOT_ABORTED and "Kill the job" in note and "were aborted" not in note
+
+
+@pytest.mark.parametrize(
+    "made_with, device, expected",
+    [("cuda:nccl,cpu:gloo", "cuda", "nccl"), ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("nccl", "cuda", "nccl"),
+     (None, "cuda", "nccl"), ("gloo", "cuda", "gloo")],
+)
+def test_the_nccl_paths_follow_the_devices_backend_not_the_groups_string(
+    monkeypatch: pytest.MonkeyPatch, made_with: str | None, device: str, expected: str
+) -> None:
+    """GPU review P1: ``init_process_group("cuda:nccl,cpu:gloo")`` reports that string from
+    ``dist.get_backend``, and a plain ``init_process_group()`` reports "undefined": compared with
+    "nccl", both turned the NCCL paths off (stream-ordered second phases, N6's launches, the
+    abort). The group's configuration, as torch records it for each, names NCCL for CUDA."""
+    import torch.distributed as dist
+
+    configs = {"cuda:nccl,cpu:gloo": "cuda:nccl,cpu:gloo", "cpu:gloo,cuda:nccl": "cpu:gloo,cuda:nccl",
+               "nccl": "cuda:nccl", None: "cpu:gloo,cuda:nccl", "gloo": "cpu:gloo,cuda:gloo"}
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: configs[made_with])
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: made_with or "undefined")
+    backend = comm.device_backend(torch.device(device))
+    assert backend == expected
+    assert Comm(*(GroupComm(0, 2, backend) for _ in range(3))).orders_on_device is (expected == "nccl")
 
 
 def test_stage_3_on_nccl_warns_about_a_single_hardware_queue(

@@ -348,14 +348,16 @@ PINNED_CASES = [
 ]
 
 
-def planned_and_pinned(rank: int, world_size: int, cases: list) -> list[tuple[list[int], list[int]]]:
-    """Per case: the pinned buffers `initialize` planned for its host check, and those offload
-    then asked to pin (after two steps: staging buffers come on a window's second micro-step)."""
+def planned_and_pinned(rank: int, world_size: int, cases: list) -> list[tuple[list[int], list[int], list[int]]]:
+    """Per case: the pinned buffers `initialize` planned for its host check, those offload
+    then asked to pin, and those of them asked for during two steps of training (none: a
+    page-locked allocation inside a backward is a device-wide sync, GPU review P2)."""
     results = []
     real_empty, real_overshoot = offload.host_empty, offload.pinning_overshoot
     for stage, zero, accum, dtype in cases:
         asked: list[int] = []
         planned: list[int] = []
+        training: list[int] = []
 
         def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
             if pin:
@@ -366,11 +368,13 @@ def planned_and_pinned(rank: int, world_size: int, cases: list) -> list[tuple[li
         offload.host_empty = host_empty
         try:
             engine = zero_engine.initialize(make_model(), engine_config(stage, micro=2, lr=0.01, accum=accum, dtype=dtype, **zero))
+            built = len(asked)
             train_engine(engine, rank, world_size, range(2), 2, accum)
+            training = asked[built:]
             engine.close()
         finally:
             offload.host_empty, offload.pinning_overshoot = real_empty, real_overshoot
-        results.append((planned, asked))
+        results.append((planned, asked, training))
     return results
 
 
@@ -378,10 +382,12 @@ def test_the_pinned_buffers_planned_before_allocation_are_those_allocated() -> N
     """What `initialize` checks the host for (each pinned buffer, rounded up by the allocator)
     is planned before anything is allocated: it must be every buffer offload then asks to pin,
     the host gradients and staging buffers, offloaded parameter shards and (``pin_memory``)
-    masters, at 3 ranks' padded shard sizes."""
+    masters, at 3 ranks' padded shard sizes; all of them pinned at initialize, none while
+    training (staging buffers included: GPU review P2)."""
     for rank_results in run_on_ranks(3, planned_and_pinned, PINNED_CASES):
-        for (planned, asked), case in zip(rank_results, PINNED_CASES):
+        for (planned, asked, training), case in zip(rank_results, PINNED_CASES):
             assert asked and sorted(planned) == sorted(asked), case
+            assert training == [], case
 
 
 def test_pinned_buffers_are_counted_as_the_allocator_holds_them(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -300,22 +300,25 @@ class GroupComm:
             for owner, shard in enumerate(self._shards(flat))
         ))
 
-    def gather(self, flat: torch.Tensor, dst: int = 0) -> Pending:
-        """Fill every shard of ``flat`` on rank ``dst`` alone with its owner's values (state
-        export onto one rank); other ranks' buffers are left as they are.
+    def gather(self, own: torch.Tensor, flat: torch.Tensor | None, dst: int = 0) -> Pending:
+        """Fill every shard of ``flat`` on rank ``dst`` with its owner's ``own`` shard (state
+        export onto one rank). Only rank ``dst`` holds a full buffer: the others send their
+        shard and pass ``flat`` None (GPU review P4: a whole unit allocated on every rank to
+        send 1/N of it). ``own`` on rank ``dst`` is its shard of ``flat`` already.
 
         Point to point, each shard received straight into its place: ``dist.gather`` would
-        take a copy of the own shard and, on gloo, a staging buffer of the whole ``flat``, so
+        take a copy of the own shard and, on gloo, a staging buffer of the whole buffer, so
         rank ``dst`` would hold the unit 2.5 times over instead of once."""
         if self.skips_collectives:
             return DONE
-        self._count(CollectiveKind.GATHER, tensor_bytes(flat))
-        shards = self._shards(flat)
+        self._count(CollectiveKind.GATHER, tensor_bytes(own) * self.world_size)
         if self.rank == dst:
+            if flat is None:
+                raise ValueError("the gathering rank needs the full buffer")
             ops = [dist.P2POp(dist.irecv, shard, self._global_rank(rank), self.group)
-                   for rank, shard in enumerate(shards) if rank != dst]
+                   for rank, shard in enumerate(self._shards(flat)) if rank != dst]
         else:
-            ops = [dist.P2POp(dist.isend, shards[self.rank], self._global_rank(dst), self.group)]
+            ops = [dist.P2POp(dist.isend, own, self._global_rank(dst), self.group)]
         if not ops:  # a group of one (``force_collectives``): no peer, the unit is already whole
             return DONE
         return Pending(tuple(dist.batch_isend_irecv(ops)))
@@ -468,11 +471,12 @@ class Comm:
         """Fill every shard of ``flat`` with its owner's values (inside the shard group)."""
         return self.shard_group.all_gather(flat)
 
-    def gather(self, flat: torch.Tensor, dst: int = 0) -> Pending:
-        """Fill every shard of ``flat`` on rank 0 alone; only rank 0's group takes part."""
+    def gather(self, own: torch.Tensor, flat: torch.Tensor | None, dst: int = 0) -> Pending:
+        """Fill every shard of ``flat`` on rank 0 alone (`GroupComm.gather`: the others pass
+        None); only rank 0's group takes part."""
         if dst != 0:
             raise ValueError("gather collects onto rank 0 only")
-        return self.shard_group.gather(flat, dst=0) if self.replica_rank == 0 else DONE
+        return self.shard_group.gather(own, flat, dst=0) if self.replica_rank == 0 else DONE
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         self.world.broadcast(tensors, src)
@@ -481,24 +485,27 @@ class Comm:
         """Overwrite this rank's ``shards`` with their copies in the first shard group."""
         self.replica_group.broadcast(shards, src=0)
 
-    def abort_data_groups(self) -> bool:
+    def abort_data_groups(self) -> str:
         """After the ranks diverged, on NCCL: abort the engine's data communicators, whose
         queues hold collectives one rank launched and another never will; otherwise the next
         device sync (``loss.item()``) or the exit would wait ``comm.timeout_s`` for them (30
         minutes by default) before the watchdog ends the job. On gloo nothing waits on a device:
-        the host raises and its collectives time out on their own. Returns whether it aborted."""
+        the host raises and its collectives time out on their own.
+
+        Returns what the divergence message adds: that they were aborted, that they could not
+        be (torch before 2.6 has no ``ProcessGroup.abort``: the job must be killed), or nothing
+        (gloo)."""
         if not self.orders_on_device:
-            return False
+            return ""
         groups = [comm.group for comm in (self.world, self.shard_group, self.replica_group, self.reduce_group)]
         aborted = {id(group): group for group in groups if group is not None}
         if self.world.group is None and dist.is_initialized():  # the default group, which the engine made
             aborted[id(dist.group.WORLD)] = dist.group.WORLD
-        for group in aborted.values():
-            _abort_group(group)
+        done = [_abort_group(group) for group in aborted.values()]
         for key, group in list(_OWN_GROUPS.items()):  # a later engine makes new ones
             if id(group) in aborted:
                 del _OWN_GROUPS[key]
-        return True
+        return ABORTED if all(done) else NOT_ABORTED
 
     # -- control -----------------------------------------------------------------------------
 
@@ -555,9 +562,10 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     over this one)."""
     timeout, primitives = config.comm.timeout_s, config.comm.primitives
     if dist.is_available() and dist.is_initialized():
-        if dist.get_backend() == "nccl":  # read by each NCCL group as it is made: ours come next
+        backend = device_backend(device)
+        if backend == "nccl":  # read by each NCCL group as it is made: ours come next
             avoid_nccl_record_streams()
-        data, backend = _own_group(timeout, "data", None), dist.get_backend()
+        data = _own_group(timeout, "data", None)
     elif "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         config.zero_optimization.shard_group_size_for(1)  # a group size that needs more ranks fails here too
         return Comm.alone(primitives)
@@ -648,11 +656,35 @@ def _own_group(timeout_s: float, role: str, backend: str | None, ranks: range | 
     return _OWN_GROUPS[key]
 
 
-def _abort_group(group: Any) -> None:
-    """NCCL: abort a process group's communicators (drops what is queued; torch 2.6 on has it)."""
+ABORTED = " (the engine's NCCL communicators were aborted, so nothing waits for the unmatched collectives)"
+NOT_ABORTED = (
+    f" (this torch, {torch.__version__}, cannot abort NCCL communicators (ProcessGroup.abort came in 2.6): the "
+    "unmatched collectives stay queued, so the next device sync or the exit waits comm.timeout_s for them. "
+    "Kill the job)"
+)
+
+
+def _abort_group(group: Any) -> bool:
+    """NCCL: abort a process group's communicators (drops what is queued; torch 2.6 on has it).
+    Returns whether it could."""
     abort = getattr(group, "abort", None)
-    if abort is not None:
-        abort()
+    if abort is None:
+        return False
+    abort()
+    return True
+
+
+def device_backend(device: torch.device, group: Any = None) -> str:
+    """The backend that moves ``device``'s tensors on ``group`` (the default group when None).
+
+    ``dist.get_backend`` reports the string the group was made with, which may name a backend
+    per device: ``init_process_group("cuda:nccl,cpu:gloo")`` (torchtitan-style scripts) reports
+    that string, and a plain ``init_process_group()`` reports "undefined". Compared with "nccl",
+    either turned every NCCL-specific path off (GPU review P1); the group's backend
+    configuration names the backend of each device type."""
+    config = dist.get_backend_config(group)  # "cuda:nccl", "cpu:gloo,cuda:gloo", "cpu:gloo,cuda:nccl"
+    per_device = dict(entry.split(":", 1) for entry in config.split(",") if ":" in entry)
+    return per_device.get(device.type) or dist.get_backend(group)
 
 
 def choose_backend(requested: str, device: torch.device) -> str:

@@ -77,7 +77,7 @@ class Engine:
         zero = config.zero_optimization
         self._sync_from_rank0()
         self.device = device or _model_device(model)  # where parameters, gradients and state live
-        self.offload = offload_plan(zero, stage)  # what lives in host memory instead
+        self.offload = offload_plan(zero, stage, batch.gradient_accumulation_steps)  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
         self.units, self.gatherer, self.reducer, self.calls, self.codecs = build_mechanism(

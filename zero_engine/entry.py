@@ -187,13 +187,12 @@ def _check_host_memory(
     """With offload: the host state of every rank on this node must fit the node's available
     memory, checked before any of it is allocated: the formula's bytes, plus what the pinned
     allocator rounds each pinned buffer up by (up to twice its size)."""
-    placement = offload_plan(config.zero_optimization, stage)
+    placement = offload_plan(config.zero_optimization, stage, accumulation)
     if not placement.any:
         return
     num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
     pinned = planned_host_buffers(
         model, plan, groups, stage, config.zero_optimization, comm.num_shards, precision.compute_dtype, placement,
-        accumulation,
     )
     needed = host_bytes_needed(config, num_params, comm.world_size) + offload.pinning_overshoot(pinned)
     offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")

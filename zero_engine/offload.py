@@ -36,6 +36,9 @@ class OffloadPlan:
     optimizer: bool = False  # fp32 master, fp32 step gradient and optimizer state of the shard
     params: bool = False  # stage 3: the parameter shard (in the compute dtype)
     pin_memory: bool = False  # host buffers page-locked (only where CUDA exists)
+    # Several reductions reach a window's step gradient (accumulation over micro-steps at
+    # stages 2-3): a staging buffer beside it, allocated with it (`HostGradient`).
+    staged_gradients: bool = False
 
     @property
     def any(self) -> bool:
@@ -45,14 +48,16 @@ class OffloadPlan:
 NO_OFFLOAD = OffloadPlan()
 
 
-def offload_plan(zero: Any, stage: Stage) -> OffloadPlan:
+def offload_plan(zero: Any, stage: Stage, accumulation: int = 1) -> OffloadPlan:
     """The plan from a ``zero_optimization`` section (validated: `zero_engine.config`);
-    ``offload_param`` counts at stage 3 only (below it parameters are whole, as in DeepSpeed)."""
+    ``offload_param`` counts at stage 3 only (below it parameters are whole, as in DeepSpeed).
+    ``accumulation``: micro-steps per optimizer step (stages 2-3 reduce at every one)."""
     optimizer = zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
     params = stage.shard_parameters and zero.offload_param is not None and zero.offload_param.device == "cpu"
     pin = any(section is not None and section.device == "cpu" and section.pin_memory
               for section in (zero.offload_optimizer, zero.offload_param))
-    return OffloadPlan(optimizer, params, pin)
+    staged = optimizer and accumulation > 1 and stage.streams_gradients(zero)
+    return OffloadPlan(optimizer, params, pin, staged)
 
 
 # Host buffers that cross to or from the device in every forward or backward are pinned

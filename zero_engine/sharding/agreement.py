@@ -61,7 +61,6 @@ PASS_DONE = -2  # a row that asks for no gather and has nothing left to ask in t
 WANTS_PER_ROW = 4
 
 
-ABORTED = " (the engine's NCCL communicators were aborted, so nothing waits for the unmatched collectives)"
 
 
 class PassKind(IntEnum):
@@ -317,8 +316,7 @@ class CollectiveSchedule:
         # (NCCL) drop what no other rank will match.
         self.launch_all()
         self._rounds.clear()
-        if self.comm.abort_data_groups():
-            self.divergence += ABORTED
+        self.divergence += self.comm.abort_data_groups()
         raise DivergedRanksError(self.divergence)
 
     def _pass_divergence(self, rows: list[list[int]]) -> str | None:

@@ -218,7 +218,6 @@ def planned_host_buffers(
     num_shards: int,
     compute_dtype: torch.dtype,
     offload: OffloadPlan,
-    accumulation: int,
 ) -> list[int]:
     """The bytes of each pinned host buffer offload will allocate, unit by unit, before any is
     (`zero_engine.offload.pinning_overshoot`: the allocator rounds each one up): the host
@@ -241,8 +240,7 @@ def planned_host_buffers(
     buffers: list[int] = []
     for numel, is_sharded in [*((n, True) for n in sharded), *((n, False) for n in whole)]:
         if offload.optimizer:
-            staged = accumulation > 1 and stage.streams_gradients(zero)  # reduced every micro-step: staged
-            buffers += [4 * shard(numel)] * (2 if staged else 1)  # host gradient (and staging)
+            buffers += [4 * shard(numel)] * (2 if offload.staged_gradients else 1)  # host gradient (and staging)
             shared_master = is_sharded and offload.params and compute_dtype == torch.float32
             if offload.pin_memory and not shared_master:
                 buffers.append(4 * shard(numel))

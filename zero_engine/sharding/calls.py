@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from ..comm import Comm, EachRank
 from ..errors import DivergedRanksError
-from .agreement import ABORTED, Call, call_divergence, call_row
+from .agreement import Call, call_divergence, call_row
 from .gatherer import ParamGatherer
 
 
@@ -59,8 +59,8 @@ class CallGuard:
         if self._unread is not None:
             rows, self._unread = self._unread.values(), None
             self.divergence = call_divergence(rows) or ""
-            if self.divergence and self.comm.abort_data_groups():
-                self.divergence += ABORTED
+            if self.divergence:
+                self.divergence += self.comm.abort_data_groups()
             self.check_usable()
 
     def check_usable(self) -> None:

@@ -7,8 +7,8 @@ anything under a copy in flight:
 
 - the window's first copy overwrites the gradient (nothing is zeroed between windows);
 - a later micro-step's copy lands in a staging buffer, added on the host after the wait: one
-  host add over the shard per later micro-step (the staging buffer exists only once a window
-  has more than one micro-step);
+  host add over the shard per later micro-step (the staging buffer is made with the gradient
+  where windows have several micro-steps, else at a second backward in one micro-step);
 - hybrid sharding takes the window's part back to the device once (`move_into`), and the next
   copy overwrites it again.
 """
@@ -23,11 +23,14 @@ from .. import offload
 class HostGradient:
     """The fp32 host gradient of ``numel`` elements and where its window stands."""
 
-    def __init__(self, numel: int, device: torch.device) -> None:
+    def __init__(self, numel: int, device: torch.device, staged: bool = False) -> None:
         self.device = device  # where the copies come from
         self.values = offload.host_empty(numel, torch.float32, offload.PIN_CROSSING)  # written every backward
         self._started = False  # ``values`` holds this window's gradient (else the next copy overwrites it)
-        self._staging: torch.Tensor | None = None
+        # ``staged``: windows of several reductions. Pinned now, not at the first later copy: a
+        # page-locked allocation there, inside a backward, is an implicit device-wide sync
+        # (GPU review P2), a stall of the driver's lock, and memory the plan did not place.
+        self._staging = offload.host_empty(numel, torch.float32, offload.PIN_CROSSING) if staged else None
         self._staged = False  # the staging buffer holds a copy not added yet
 
     @property

@@ -149,8 +149,8 @@ class HostGrad:
     on_host = True
     persistent = True
 
-    def __init__(self, numel: int, device: torch.device) -> None:
-        self.host = HostGradient(numel, device)
+    def __init__(self, numel: int, device: torch.device, staged: bool) -> None:
+        self.host = HostGradient(numel, device, staged)
         self.device = device  # where the copies come from
 
     @property
@@ -183,6 +183,7 @@ class Placement:
     offload_optimizer: bool  # masters, step gradients and optimizer state on the host
     offload_params: bool  # stage 3's parameter shards on the host
     pin_memory: bool  # the masters' (what crosses every pass is pinned anyway: `offload.PIN_CROSSING`)
+    staged_gradients: bool = False  # host gradients get their staging buffer when made (`HostGradient`)
 
     def masters(
         self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int
@@ -217,14 +218,14 @@ class Placement:
         """The step gradient's kind: on the host (offloaded), a view of the full gradient buffer's
         range (``full_grad``, stages 0-1), or a device tensor of its own."""
         if self.offload_optimizer:
-            return HostGrad(numel, device)
+            return HostGrad(numel, device, self.staged_gradients)
         if full_grad is not None:
             return GradView(full_grad)
         return DeviceGrad(numel, dtype, device, releases)
 
 
 def place(plan: OffloadPlan) -> Placement:
-    return Placement(plan.optimizer, plan.params, plan.pin_memory)
+    return Placement(plan.optimizer, plan.params, plan.pin_memory, plan.staged_gradients)
 
 
 ON_DEVICE = Placement(offload_optimizer=False, offload_params=False, pin_memory=False)

@@ -108,14 +108,18 @@ class FlatUnit:
         gathered for compute (after a step below stage 3; in forward and backward at stage 3)."""
         return self.codec.launch(comm, self.flat_param)
 
-    def gather_masters(self, comm: Comm, onto: int | None = None) -> torch.Tensor:
+    def gather_masters(self, comm: Comm, onto: int | None = None) -> torch.Tensor | None:
         """The fp32 masters over the whole flat buffer, exactly (no codec: an export), gathered
-        from every rank's shard (onto rank ``onto`` alone, when given; the others' result holds
-        their own shard only)."""
-        full = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        from every rank's shard; onto rank ``onto`` alone, when given: the others send their
+        shard from the master itself (a device copy when offloaded) and return None."""
         start, end = self.optimizer_shard.owned_range
-        full[start:end] = self.optimizer_shard.master
-        (comm.all_gather(full) if onto is None else comm.gather(full, dst=onto)).wait()
+        master = self.optimizer_shard.master
+        if onto is not None and comm.rank != onto:
+            comm.gather(master.to(self.device), None, dst=onto).wait()
+            return None
+        full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        full[start:end] = master
+        (comm.all_gather(full) if onto is None else comm.gather(full[start:end], full, dst=onto)).wait()
         return full
 
     def view_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
