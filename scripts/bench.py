@@ -9,7 +9,12 @@ with torch's ZeroRedundancyOptimizer, and FSDP2 (``fully_shard`` on every Block,
 root: the same units as the engine's stage 3). Writes JSON and a markdown table.
 
 ``--device cuda`` runs the same systems on this rank's GPU (``cuda:LOCAL_RANK``) over NCCL: the
-same command gives GPU figures.
+same command gives GPU figures. ``--dtype bf16`` trains each system in its usual bf16 recipe: DDP
+under ``torch.autocast``, FSDP2 with bf16 parameters and fp32 reductions
+(``MixedPrecisionPolicy``), the engine with ``bf16.enabled`` (bf16 parameters, fp32 masters).
+
+The JSON is rewritten after every timed step, so a run stopped early (a time limit) still
+leaves each system's median over the steps done so far.
 
 ``--baseline REV`` loads the package as it was at git revision REV next to the current one, so
 ``base:engine3`` (that revision's stage 3) and ``engine3`` alternate in ONE job: a change's
@@ -58,12 +63,15 @@ LR, WEIGHT_DECAY = 1e-3, 0.1
 
 
 class TorchSystem:
-    """DDP with a torch optimizer (plain AdamW, or ZeroRedundancyOptimizer over AdamW)."""
+    """DDP with a torch optimizer (plain AdamW, or ZeroRedundancyOptimizer over AdamW); in bf16,
+    fp32 parameters under ``torch.autocast``."""
 
     free_grads = False  # DDP keeps its gradient storage between steps
+    autocast = False
 
-    def __init__(self, model: nn.Module, sharded_optimizer: bool) -> None:
+    def __init__(self, model: nn.Module, sharded_optimizer: bool, bf16: bool = False) -> None:
         device = next(model.parameters()).device
+        self.autocast = bf16
         self.model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         groups = decay_groups(model, WEIGHT_DECAY)
         if sharded_optimizer:
@@ -73,7 +81,8 @@ class TorchSystem:
         self.sharded = sharded_optimizer
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = self.model(tokens, targets)
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.model(tokens, targets)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=self.free_grads)
@@ -101,17 +110,19 @@ class FSDP2System(TorchSystem):
 
     free_grads = True  # as FSDP2's examples do
 
-    def __init__(self, model: nn.Module, shard_group_size: int | None = None) -> None:  # replaces DDP's set-up
+    def __init__(self, model: nn.Module, shard_group_size: int | None = None, bf16: bool = False) -> None:  # replaces DDP's set-up
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = None
         if shard_group_size:
             shape = (dist.get_world_size() // shard_group_size, shard_group_size)
             mesh = init_device_mesh(next(model.parameters()).device.type, shape, mesh_dim_names=("replicate", "shard"))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        options = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        self.model = fully_shard(model, mesh=mesh)
+            fully_shard(block, **options)
+        self.model = fully_shard(model, **options)
         self.optimizer = torch.optim.AdamW(decay_groups(model, WEIGHT_DECAY), lr=LR)
 
     def memory(self) -> dict[str, int]:
@@ -131,7 +142,7 @@ class FSDP2System(TorchSystem):
 class EngineSystem:
     def __init__(
         self, model: nn.Module, stage: int, bucket: int, shard_group_size: int | None = None, offload: str = "",
-        package: Any = zero_engine, force_collectives: bool = False,
+        package: Any = zero_engine, force_collectives: bool = False, bf16: bool = False,
     ) -> None:
         offload, _, variant = offload.partition("-")
         compile_units, recompute = offload == "compile", offload == "recompute"
@@ -152,6 +163,8 @@ class EngineSystem:
         }
         if force_collectives:  # only when asked: a baseline may predate the key
             config["comm"] = {"force_collectives": True}
+        if bf16:
+            config["bf16"] = {"enabled": True}
         self.engine = package.initialize(model, config, param_groups=decay_groups(model))
         if compile_units:
             self.engine.compile()  # inductor, each Block's forward
@@ -188,14 +201,14 @@ OFFLOAD = {
 
 def build_systems(
     names: list[str], model_config, bucket: int, device: torch.device, baseline: Any = None,
-    force_collectives: bool = False,
+    force_collectives: bool = False, bf16: bool = False,
 ) -> dict[str, Callable]:
     """``ddp``, ``zero_redundancy``, ``fsdp2``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B
     elements); ``/G`` after fsdp2 or an engine: hybrid sharding over groups of G ranks (HSDP);
     ``+opt``, ``+param``, ``+both`` after an engine: CPU offload (`OFFLOAD`); ``base:`` before an
     engine: the ``--baseline`` revision's package. ``force_collectives``: the engines issue their
     collectives at world size 1 too (``comm.force_collectives``), as DDP and FSDP2 do, so a
-    one-GPU comparison is not flattered."""
+    one-GPU comparison is not flattered. ``bf16``: each system's bf16 recipe (module docstring)."""
     systems = {}
     for name in names:
         torch.manual_seed(0)
@@ -208,27 +221,29 @@ def build_systems(
         base, _, group = name.removeprefix("base:").partition("/")
         shard_group_size = int(group) if group else None
         if base in ("ddp", "zero_redundancy"):
-            systems[name] = TorchSystem(model, sharded_optimizer=base == "zero_redundancy")
+            systems[name] = TorchSystem(model, sharded_optimizer=base == "zero_redundancy", bf16=bf16)
         elif base == "fsdp2":
-            systems[name] = FSDP2System(model, shard_group_size)
+            systems[name] = FSDP2System(model, shard_group_size, bf16)
         elif base.startswith("engine"):
             base, _, offload = base.partition("+")
             stage, _, size = base.removeprefix("engine").partition("@")
             bucket_size = int(float(size)) if size else bucket
             systems[name] = EngineSystem(
-                model, int(stage), bucket_size, shard_group_size, offload, package, force_collectives
+                model, int(stage), bucket_size, shard_group_size, offload, package, force_collectives, bf16
             )
         else:
             raise SystemExit(f"unknown system {name!r}: ddp, zero_redundancy, fsdp2[/G], engineS[@BUCKET][+OFFLOAD][/G]")
     return systems
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, out: Path | None = None) -> dict:
+    """The alternating steps; with ``out`` (rank 0), the JSON so far after every timed step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model_config = PRESETS[args.model]
     device = _device(args.device)
     systems = build_systems(
-        args.systems, model_config, args.bucket, device, load_baseline(args.baseline), args.force_collectives
+        args.systems, model_config, args.bucket, device, load_baseline(args.baseline), args.force_collectives,
+        args.dtype == "bf16",
     )
     data = TextBatches(load_corpus(), model_config.context)
     times: dict[str, list[float]] = {name: [] for name in systems}
@@ -252,14 +267,29 @@ def run(args: argparse.Namespace) -> dict:
             dist.barrier()
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
+        if step >= args.warmup and out is not None:
+            write_result(out, summarize(args, systems, times, losses, model_config, final=False))
+    result = summarize(args, systems, times, losses, model_config, final=True)
+    result["profiles"] = {name: _top_functions(profile, args.profile, args.steps) for name, profile in profiles.items()}
+    return result
+
+
+def summarize(
+    args: argparse.Namespace, systems: dict, times: dict[str, list[float]], losses: dict[str, list[float]],
+    model_config: Any, final: bool,
+) -> dict:
+    """Each system's median step over the timed steps so far, against the reference's."""
+    world = dist.get_world_size()
     num_params = sum(p.numel() for p in GPT(model_config).parameters())
-    reference = "ddp" if "ddp" in systems else names[0]
+    reference = "ddp" if "ddp" in systems else next(iter(systems))
     ref_median = statistics.median(times[reference])
+    tokens = args.micro_batch * model_config.context * world
     rows = {}
     for name, system in systems.items():
         median = statistics.median(times[name])
         rows[name] = {
             "median_step_s": median,
+            "tokens_per_s": tokens / median,
             "ratio_to_" + reference: median / ref_median,
             "max_loss_diff_vs_" + reference: max(abs(a - b) for a, b in zip(losses[name], losses[reference])),
             **system.memory(),
@@ -268,16 +298,27 @@ def run(args: argparse.Namespace) -> dict:
         }
     return {
         "model": args.model,
-        "profiles": {name: _top_functions(profile, args.profile, args.steps) for name, profile in profiles.items()},
+        "dtype": args.dtype,
+        "device": _device_name(args.device),
         "num_params": num_params,
         "world_size": world,
         "backend": dist.get_backend(),
-        "steps_timed": args.steps,
+        "steps_timed": len(times[reference]),
+        "complete": final,
         "micro_batch": args.micro_batch,
         "bucket": args.bucket,
         "theory_comm_bytes_per_step": round(2 * (world - 1) / world * 4 * num_params),
         "systems": rows,
     }
+
+
+def write_result(out: Path, result: dict) -> None:
+    """OUT-MODEL.json and .md, replaced whole (a reader never sees half a file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in ((".json", json.dumps(result, indent=2)), (".md", markdown(result))):
+        partial = out.with_suffix(suffix + ".partial")
+        partial.write_text(text)
+        partial.replace(out.with_suffix(suffix))
 
 
 def load_baseline(revision: str | None) -> Any:
@@ -318,8 +359,22 @@ def peak_rss(args: argparse.Namespace) -> dict:
     grown = torch.tensor([_peak_bytes(device) - before], dtype=torch.int64, device=device)
     per_rank = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(per_rank, grown)
-    return {"model": args.model, "system": name, "steps": args.warmup + args.steps, "device": device.type,
-            "micro_batch": args.micro_batch, "peak_growth_bytes_per_rank": [int(t.item()) for t in per_rank]}
+    result = {"model": args.model, "system": name, "dtype": args.dtype, "steps": args.warmup + args.steps,
+              "device": device.type, "micro_batch": args.micro_batch,
+              "peak_growth_bytes_per_rank": [int(t.item()) for t in per_rank]}
+    if isinstance(system, EngineSystem):  # what the engine believes it holds, beside the allocator's peak
+        result["memory_report"] = system.engine.memory_report()
+    return result
+
+
+def _device_name(kind: str) -> str:
+    return _cuda_device_name() if kind == "cuda" else "cpu"
+
+
+def _cuda_device_name() -> str:
+    """CUDA only: the GPU's name, with torch's CUDA and NCCL versions."""
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    return f"{torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl})"
 
 
 def _device(kind: str) -> torch.device:
@@ -361,22 +416,25 @@ def _max_rss_bytes() -> int:
 def markdown(result: dict) -> str:
     ref = next(k for k in next(iter(result["systems"].values())) if k.startswith("ratio_to_"))
     lines = [
-        f"{result['model']} GPT, {result['num_params'] / 1e6:.2f}M parameters, {result['world_size']} ranks "
-        f"({result['backend']}), micro-batch {result['micro_batch']}, median of {result['steps_timed']} steps; "
+        f"{result['model']} GPT, {result['num_params'] / 1e6:.2f}M parameters, {result.get('dtype', 'fp32')}, "
+        f"{result['world_size']} ranks ({result['backend']}, {result.get('device', 'cpu')}), micro-batch "
+        f"{result['micro_batch']}, median of {result['steps_timed']} steps"
+        f"{'' if result.get('complete', True) else ' (stopped early)'}; "
         f"theory for 2x parameter bytes x (N-1)/N: {result['theory_comm_bytes_per_step'] / 2**20:.2f} MiB/step "
         "(stages 0-2; stage 3 and FSDP2 move 3x)",
         "",
-        f"| system | median step (ms) | {ref.replace('_', ' ')} | params MiB | grads MiB | optimizer MiB "
+        f"| system | median step (ms) | tokens/s | {ref.replace('_', ' ')} | params MiB | grads MiB | optimizer MiB "
         "| comm buffers MiB | peak grads MiB | peak gathered params MiB | of these on the host MiB | comm MiB/step "
         "| across groups MiB/step | max loss diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in result["systems"].items():
         comm = _mib(row["comm_bytes_per_step"])
         loss_key = next(k for k in row if k.startswith("max_loss_diff"))
         extra = [_mib(row.get(key)) for key in ("buffers", "peak_gradients", "peak_gathered_forward", "host")]
         lines.append(
-            f"| {name} | {row['median_step_s'] * 1e3:.1f} | {row[ref]:.3f} | {_mib(row['parameters'])} "
+            f"| {name} | {row['median_step_s'] * 1e3:.1f} | {row.get('tokens_per_s', 0):.0f} | {row[ref]:.3f} "
+            f"| {_mib(row['parameters'])} "
             f"| {_mib(row['gradients'])} | {_mib(row['optimizer_states'])} | {' | '.join(extra)} | {comm} "
             f"| {_mib(row['inter_group_bytes_per_step'])} | {row[loss_key]:.1e} |"
         )
@@ -398,6 +456,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: this rank's GPU, NCCL")
     parser.add_argument("--baseline", help="git revision whose package the base:engineS systems run")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print each system's top N functions")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="bf16: each system's bf16 recipe")
     parser.add_argument(
         "--force-collectives", action="store_true",
         help="engines issue their collectives at world size 1 too (comm.force_collectives), as DDP and FSDP2 do",
@@ -411,14 +470,11 @@ def main() -> None:
             print(json.dumps(result))
         dist.destroy_process_group()
         return
-    result = run(args)
-    if dist.get_rank() == 0:
-        out = Path(f"{args.out}-{args.model}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-        table = markdown(result)
-        out.with_suffix(".md").write_text(table)
-        print(table)
+    out = Path(f"{args.out}-{args.model}") if dist.get_rank() == 0 else None
+    result = run(args, out)
+    if out is not None:
+        write_result(out, result)
+        print(markdown(result))
         if result["profiles"]:
             text = "\n".join(f"## {name}\n{profile}" for name, profile in result["profiles"].items())
             out.with_name(out.name + "-profile.txt").write_text(text)

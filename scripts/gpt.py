@@ -25,6 +25,8 @@ PRESETS = {
     "large": GPTConfig(dim=768, num_layers=8, num_heads=12),  # ~57M parameters: scripts/big_model.py
     # 32 thin blocks, short sequences: per-parameter work (hooks, optimizer loops) weighs most
     "thin": GPTConfig(context=64, dim=96, num_layers=32, num_heads=4),  # ~3.6M parameters
+    # GPT-2 medium's shape at a 512-token context: the "few hundred million" of a first GPU figure
+    "gpt300m": GPTConfig(context=512, dim=1024, num_layers=24, num_heads=16),  # ~303M parameters
 }
 
 

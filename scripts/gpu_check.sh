@@ -1,99 +1,150 @@
 #!/usr/bin/env bash
-# The first run on a machine with one GPU, in under 9 minutes: what one GPU can check, most
-# telling first, each step under its own timeout, every log under $OUT.
+# The first run on a machine with one GPU, inside one 600 s command: what one GPU can check, most
+# telling first, each step under its own timeout (they add up to 570 s), one log per step under
+# $OUT (at most 6 files: the device tool returns 8).
 #
-#   1. the wheels the GPU image lacks (pydantic, hjson, ...) installed from $WHEELS (.whl, made on
-#      your own machine by ../shared/gpu/prepare_wheels.sh), and the versions;
-#   2. the one-GPU NCCL tests with every collective forced: parity at stages 0-3 in fp32 and bf16,
-#      save/resume excepted; one host sync per step; offload pinned; "GPU lag" (a sleep queued on
-#      the GPU before each forward and backward: the host far ahead changes nothing); the
-#      hidden-sync detector (the host reaches the end of backward before a queued GPU sleep ends,
-#      at stages 2-3 and with offload pinned and pageable);
-#   3. the CUDA allocator against memory_report();
-#   4. Lightning on the GPU (a module built in __init__, moved by the strategy);
-#   5. scripts/bench.py --device cuda --force-collectives: DDP, FSDP2 and the engine at stages 0, 2,
-#      3, 3 + offload and 3 + compile (timings last: a timeout loses only them).
+#   versions  (30 s) the wheels the GPU image lacks (pydantic, hjson, typing-extensions, ...)
+#             installed from $WHEELS (.whl, made on your own machine by scripts/prepare_wheels.sh),
+#             their versions, torch's, CUDA's, NCCL's and the driver's (nvidia-smi);
+#   cuda     (200 s) tests/test_cuda.py but for its timing tests, several at once (pytest-xdist,
+#             on the image): parity at stages 0-3 in fp32 and bf16 on NCCL with every collective
+#             forced, ranks sharing the GPU over gloo (plain, hybrid, the hybrid second phase on
+#             the side stream as NCCL orders it), save/resume, one host sync per step, offload,
+#             the allocator against memory_report() with NCCL's buffers, the block quantizer
+#             against the CPU's bytes, a compound backend string, Lightning;
+#   timing    (60 s) the tests that time the GPU, alone on it: "GPU lag" (a sleep queued before
+#             each forward and backward changes nothing) and the hidden-sync detector;
+#   bench     (80 s) scripts/bench.py --device cuda --force-collectives, small GPT: DDP, FSDP2 and
+#             the engine at stages 0, 2, 3 and 3 + offload (the JSON rewritten after every step);
+#   compile   (50 s) the same, engine3 against engine3+compile (inductor's first compile);
+#   gpt300m  (150 s) a 303M-parameter GPT in bf16: DDP, FSDP2 and stage 3 alternating in one job
+#             (step time, tokens/s), then each alone for torch.cuda.max_memory_allocated and,
+#             for the engine, memory_report().
 #
-# One GPU cannot show NCCL between ranks (a 1-rank collective is a local copy); the CPU suite's
-# NCCL model (tests/test_nccl_model.py) checks that ordering instead.
+# One GPU cannot show NCCL between ranks (a 1-rank collective is a local copy, and NCCL refuses
+# two ranks on one GPU); the CPU suite's NCCL model (tests/test_nccl_model.py) checks that ordering.
 #
-#   bash scripts/gpu_check.sh             # on the GPU machine: one `run` call, carrying .whl
-#   bash scripts/gpu_check.sh --dry-run   # here, on a CPU: each step's plumbing, in about a minute
+#   bash scripts/gpu_check.sh [STEP ...]            # on the GPU machine: one `run` call, carrying .whl
+#   bash scripts/gpu_check.sh --dry-run [STEP ...]  # here, on a CPU: each step's plumbing
 #
-# --dry-run installs the wheels of $WHEELS (for this interpreter: the GPU's are for its Python),
-# imports from them, collects each step's tests instead of running them (they need CUDA) and
-# runs the benchmark on the CPU with a tiny model. The last line says how many steps were reached.
+# Steps named run alone (versions always runs first). --dry-run installs the wheels of $WHEELS (for
+# this interpreter: the GPU's are for its Python), imports from them, collects each step's tests
+# instead of running them (they need CUDA) and runs the benchmarks on the CPU with a tiny model.
+# The last line says how many steps were reached and which failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=gpu
-if [[ "${1:-}" == "--dry-run" ]]; then mode=dry; fi
+if [[ "${1:-}" == "--dry-run" ]]; then mode=dry; shift; fi
+wanted=("$@")
 wheels=${WHEELS:-.whl}
 out=${OUT:-runs/gpu_check}
-mkdir -p "$out"
+work=runs/gpu_check_work  # benchmark JSON and tables (their content is printed into the step's log)
+mkdir -p "$out" "$work"
 export PYTHONUNBUFFERED=1
 steps=0
 failed=()
+
+chosen() {  # STEP: whether to run it (all steps when none was named)
+    [[ ${#wanted[@]} -eq 0 ]] && return 0
+    local name
+    for name in "${wanted[@]}"; do [[ $name == "$1" ]] && return 0; done
+    return 1
+}
 
 step() {  # NAME SECONDS COMMAND...: run under a timeout, logged to $out/NAME.log
     local name=$1 limit=$2
     shift 2
     echo "== $name (at most ${limit}s): $*"
-    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$out/$name.log"
     local status=${PIPESTATUS[0]}
-    echo "== $name: exit $status"
+    echo "== $name: exit $status" | tee -a "$out/$name.log"
     steps=$((steps + 1))
     if [[ $status -ne 0 ]]; then failed+=("$name"); fi
 }
 
-pytest_step() {  # NAME SECONDS -k SELECTION: the CUDA tests, or (dry run) their collection only
-    local name=$1 limit=$2 selection=$3
-    local collect=()
-    if [[ $mode == dry ]]; then collect=(--collect-only); fi
-    step "$name" "$limit" python3 -m pytest -q -rA -p no:cacheprovider "${collect[@]}" tests/test_cuda.py -k "$selection"
+pytest_step() {  # NAME SECONDS SELECTION WORKERS: the CUDA tests, or (dry run) their collection only
+    local name=$1 limit=$2 selection=$3 workers=$4
+    local extra=()
+    if [[ $mode == dry ]]; then
+        extra=(--collect-only)
+    else
+        extra=(--durations=20)
+        # A test that hangs fails with its stacks, and the step still reports every other one.
+        if python3 -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout=$((limit - 20))); fi
+        if [[ $workers -gt 1 ]] && python3 -c "import xdist" 2>/dev/null; then extra+=(-n "$workers"); fi
+    fi
+    step "$name" "$limit" python3 -m pytest -q -rA -p no:cacheprovider "${extra[@]}" tests/test_cuda.py -k "$selection"
 }
 
-# 1. wheels and versions
+bench() {  # NAME SECONDS BENCH-ARGS...: scripts/bench.py on one rank, its table and JSON into the log
+    local name=$1 limit=$2
+    shift 2
+    local device=(--device cuda) model=()
+    if [[ $mode == dry ]]; then device=(--device cpu); model=(--model tiny --steps 2 --warmup 1); fi
+    rm -f "$work/$name"-*.json
+    step "$name" "$limit" bash -c 'torchrun --standalone --nproc_per_node=1 scripts/bench.py "${@:2}"; status=$?
+        cat "$1"-*.json 2>/dev/null; exit $status' \
+        bench "$work/$name" "${device[@]}" --force-collectives "$@" "${model[@]}" --out "$work/$name"
+}
+
+# versions: wheels, versions, the driver
 shopt -s nullglob
 found=("$wheels"/*.whl)
 if [[ ${#found[@]} -eq 0 ]]; then
-    echo "no wheels in $wheels: run ../shared/gpu/prepare_wheels.sh first (it downloads them into .whl)"
+    echo "no wheels in $wheels: run scripts/prepare_wheels.sh first (it downloads them into .whl)"
     exit 2
 fi
 site=$(mktemp -d)
-step wheels 60 python3 -m pip install -q --no-index --no-deps --target "$site" "${found[@]}"
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-step versions 60 python3 - "$site" <<'EOF'
+step versions 30 bash -c 'python3 -m pip install -q --no-index --no-deps --target "$1" "${@:2}" && python3 - "$1" <<"PY"
 import importlib, sys
 site = sys.argv[1]
-for name in ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "hjson"):
+for name in ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions", "hjson"):
     module = importlib.import_module(name)
+    version = getattr(module, "__version__", getattr(module, "VERSION", None))
+    if version is None:
+        import importlib.metadata
+        version = importlib.metadata.version(name.replace("_", "-"))
     where = "the wheels" if module.__file__.startswith(site) else module.__file__
-    print(f"{name} {getattr(module, '__version__', getattr(module, 'VERSION', '?'))} from {where}")
+    print(f"{name} {version} from {where}")
     assert module.__file__.startswith(site), f"{name} was not imported from the wheels"
 import torch, zero_engine
 print("zero_engine from", zero_engine.__file__)
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
-    print("nccl", torch.cuda.nccl.version(), "on", torch.cuda.get_device_name())
-EOF
-if [[ $mode == gpu ]]; then
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    print("nccl", ".".join(map(str, torch.cuda.nccl.version())), "on", torch.cuda.get_device_name())
+PY
+[[ $0 == dry ]] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv' \
+    "$mode" "$site" "${found[@]}"
+
+if chosen cuda; then
+    pytest_step cuda 200 "not never_wait and not far_ahead" 6
+fi
+if chosen timing; then
+    pytest_step timing 60 "never_wait or far_ahead" 1
+fi
+if chosen bench; then
+    bench bench 80 --model small --steps 10 --warmup 3 --systems ddp fsdp2 engine0 engine2 engine3 engine3+opt
+fi
+if chosen compile; then
+    if [[ $mode == gpu ]]; then
+        TORCH_LOGS=recompiles bench compile 50 --model small --steps 10 --warmup 3 --systems engine3 engine3+compile
+    else  # inductor's first compile on a CPU takes minutes: the plumbing only
+        bench compile 50 --systems engine3
+    fi
+fi
+if chosen gpt300m; then
+    # Step times in one job, then torch.cuda.max_memory_allocated one system per job (--rss).
+    step gpt300m 150 bash -c '
+        if [[ $0 == dry ]]; then run="--device cpu --model tiny"; timed="--steps 1 --warmup 1"
+        else run="--device cuda --model gpt300m"; timed="--steps 6 --warmup 2"; fi
+        run="torchrun --standalone --nproc_per_node=1 scripts/bench.py $run --force-collectives --dtype bf16 --micro-batch 8"
+        rm -f $1-*.json
+        $run $timed --systems ddp fsdp2 engine3 --out $1 || exit
+        cat $1-*.json
+        for system in ddp fsdp2 engine3; do $run --steps 2 --warmup 1 --rss --systems $system || exit; done' \
+        "$mode" "$work/gpt300m"
 fi
 
-# 2-4. the CUDA tests
-pytest_step cuda_nccl 200 "one_gpu_on_nccl or one_host_sync or offload or far_ahead or never_wait"
-pytest_step allocator 80 "allocator"
-pytest_step lightning 60 "lightning"
-
-# 5. timings, collectives forced at world size 1 as DDP and FSDP2 run theirs
-if [[ $mode == gpu ]]; then
-    TORCH_LOGS=recompiles step bench 150 torchrun --standalone --nproc_per_node=1 scripts/bench.py --device cuda \
-        --force-collectives --model small --systems ddp fsdp2 engine0 engine2 engine3 engine3+opt engine3+compile \
-        --steps 10 --warmup 3 --out "$out/bench"
-else
-    OMP_NUM_THREADS=1 step bench 150 torchrun --standalone --nproc_per_node=1 scripts/bench.py --device cpu \
-        --force-collectives --model tiny --systems ddp fsdp2 engine3+opt --steps 2 --warmup 1 --out "$out/bench"
-fi
-
-echo "== steps reached: $steps of 6 ($mode); failed: ${failed[*]:-none}"
+echo "== steps reached: $steps ($mode); failed: ${failed[*]:-none}"
 [[ ${#failed[@]} -eq 0 ]]

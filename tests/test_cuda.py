@@ -106,6 +106,72 @@ def test_four_ranks_sharing_one_gpu_as_two_groups_of_two() -> None:
         _check(case, 4, results)
 
 
+QUANTIZED = {"zero_quantized_gradients": True, "zero_quantized_weights": True}
+SIDE_STREAM_CASES = [
+    dict(case, shard_group_size=2) for case in CASES if case["stage"] in (1, 3)
+] + [dict(case, shard_group_size=2, zero=QUANTIZED) for case in CASES if case["stage"] == 3]
+
+
+def side_stream_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """`cuda_grid` with the NCCL ordering forced on (GPU review K5): the second phases start at
+    once on the side stream, which waits for the compute stream, and the compute stream waits
+    for them; buffers made there are marked with ``record_stream``. One GPU cannot run NCCL
+    between ranks, so gloo moves the data while the streams are ordered as on NCCL."""
+    from zero_engine.comm import Comm
+
+    Comm.orders_on_device = property(lambda self: True)  # this rank process only
+    return cuda_grid(rank, world_size, cases)
+
+
+def test_the_hybrid_second_phase_on_a_side_stream_matches_the_reference() -> None:
+    per_rank = run_on_ranks(4, side_stream_grid, SIDE_STREAM_CASES, timeout=600)
+    for index, case in enumerate(SIDE_STREAM_CASES):
+        _check(case, 4, [r[index] for r in per_rank])
+
+
+def backend_as_made(rank: int, world_size: int, made_with: str | None) -> tuple[str, bool]:
+    """The engine's backend and NCCL ordering under a default group made as user scripts make it."""
+    import torch.distributed as dist
+
+    device = local_cuda_device()
+    torch.cuda.set_device(device)
+    dist.init_process_group(made_with)
+    engine = _engine({"stage": 3, "dtype": "bf16", "accum": 1, "clip": 1.0}, device)
+    train_engine(engine, rank, world_size, range(1), MICRO, 1, device=device)
+    made = (engine.comm.backend, engine.comm.orders_on_device)
+    engine.close()
+    return made
+
+
+def test_a_default_group_made_with_a_compound_backend_takes_the_nccl_paths() -> None:
+    """GPU review P1: ``init_process_group("cuda:nccl,cpu:gloo")`` (torchtitan's) and a plain
+    ``init_process_group()`` report another string than "nccl"; the engine's data still runs on
+    NCCL, and so must its stream ordering, N6's launches and the abort."""
+    for made_with in ("cuda:nccl,cpu:gloo", None, "nccl"):
+        assert run_on_ranks(1, backend_as_made, made_with, backend=None, timeout=300)[0] == ("nccl", True), made_with
+
+
+def test_the_block_quantizer_on_the_gpu_is_the_cpus_bit_for_bit() -> None:
+    """GPU review K5: the int8 and int4 codecs' kernels on CUDA (odd lengths, a tail shorter than
+    a block, bf16 input, an all-zero block) encode the same bytes and decode the same values."""
+    from zero_engine.quantize import BlockQuantizer
+
+    generator = torch.Generator().manual_seed(0)
+    for bits, numel, dtype in itertools.product((8, 4), (1, 7, 2047, 2048, 4099), (torch.float32, torch.bfloat16)):
+        quantizer = BlockQuantizer(bits)
+        values = (torch.randn(numel, generator=generator) * 3).to(dtype)
+        values[: min(numel, 5)] = 0
+        encoded = {}
+        run = numel + 3  # a shard shorter than the run: the missing tail counts as zeros
+        for device in ("cpu", "cuda"):
+            out = torch.empty(quantizer.encoded_bytes(run), dtype=torch.uint8, device=device)
+            quantizer.encode(values.to(device), out, numel=run)
+            encoded[device] = out.cpu()
+        assert torch.equal(encoded["cpu"], encoded["cuda"]), (bits, numel, dtype)
+        decoded = [quantizer.decode(encoded["cpu"].to(device), run).cpu() for device in ("cpu", "cuda")]
+        assert torch.equal(decoded[0], decoded[1]), (bits, numel, dtype)
+
+
 def resume_grid(rank: int, world_size: int, cases: list[dict], directory: str) -> list[dict]:
     """4 steps straight, against 2 steps, save, a new engine, load, 2 more steps."""
     device = local_cuda_device()
@@ -139,10 +205,13 @@ SLACK = 8 * MiB  # an autograd weight gradient before it is accumulated (4 MiB),
 
 
 def _memory_config(stage: int, dtype: str) -> dict:
-    return engine_config(
+    config = engine_config(
         stage, micro=BATCH, lr=0.01, optimizer="SGD", dtype=dtype, stage3_wrap_modules=["Block"],
         reduce_bucket_size=BLOCK_NUMEL,
     )
+    # Every collective through NCCL (GPU review N9/K5): its buffers meet the caching allocator.
+    config["comm"] = {"force_collectives": True}
+    return config
 
 
 def measure_cuda_memory(rank: int, world_size: int, cases: list[tuple[int, str]]) -> list[dict]:
@@ -341,10 +410,20 @@ SYNC_CASES = [
 ]
 
 
-def host_lead(rank: int, world_size: int, cases: list[dict]) -> list[tuple[float, float]]:
+def _timed_sleep(device: torch.device) -> float:
+    """Seconds the GPU takes for the test's sleep, queued alone."""
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    torch.cuda._sleep(4 * LAG_CYCLES)
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def host_lead(rank: int, world_size: int, cases: list[dict]) -> list[tuple[float, float, bool]]:
     """Per case: how long the host took from queueing a GPU sleep to the end of a forward and
     backward (up to the backward's one wait for host copies, with offload), against how long the
-    sleep takes alone. Torch's sync debug mode misses a copy into pageable memory; this does not."""
+    sleep takes alone, and whether the sleep was still queued when the host got there. Torch's
+    sync debug mode misses a copy into pageable memory; this does not."""
     from zero_engine import offload
 
     device = local_cuda_device()
@@ -354,23 +433,28 @@ def host_lead(rank: int, world_size: int, cases: list[dict]) -> list[tuple[float
         engine = _engine(case, device)
         train_engine(engine, rank, world_size, range(1), MICRO, 1, device=device)  # warm-up
         batch = tuple(t.to(device) for t in micro_batch(1, 0, rank, world_size, MICRO, 1))
-        torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        torch.cuda._sleep(4 * LAG_CYCLES)
-        torch.cuda.synchronize(device)
-        sleep = time.perf_counter() - started
+        # GPU review K4: an idle GPU clocks down (345 MHz against 1980 boosted on an H200), so a
+        # sleep calibrated cold runs long and flatters the host. Twice after the warm-up, the
+        # shorter one kept; and the stream must still be busy when the host arrives.
+        sleep = min(_timed_sleep(device), _timed_sleep(device))
         reached: list[float] = []
-        offload.wait_for_host_copies = lambda device_: reached.append(time.perf_counter()) or real_wait(device_)
+        busy: list[bool] = []
+
+        def arrive() -> None:
+            reached.append(time.perf_counter())
+            busy.append(not torch.cuda.current_stream(device).query())
+
+        offload.wait_for_host_copies = lambda device_: arrive() or real_wait(device_)
         try:
             started = time.perf_counter()
             torch.cuda._sleep(4 * LAG_CYCLES)
             engine.backward(engine(*batch))
-            reached.append(time.perf_counter())
+            arrive()
         finally:
             offload.wait_for_host_copies = real_wait
         engine.step()
         torch.cuda.synchronize(device)
-        out.append((reached[0] - started, sleep))
+        out.append((reached[0] - started, sleep, busy[0]))
         engine.close()
     return out
 
@@ -379,8 +463,9 @@ def test_forward_and_backward_never_wait_for_the_gpu() -> None:
     """The host reaches the end of backward (or its one wait for host copies) before a GPU sleep
     queued first has ended: no hidden host sync in forward or backward, at stages 2-3 and with
     offload, pinned or not (GPU review N3: a copy into pageable memory syncs every bucket)."""
-    for case, (host, sleep) in zip(SYNC_CASES, run_on_ranks(1, host_lead, SYNC_CASES, backend=None, timeout=600)[0]):
-        assert host < 0.5 * sleep, (case, host, sleep)
+    results = run_on_ranks(1, host_lead, SYNC_CASES, backend=None, timeout=600)[0]
+    for case, (host, sleep, still_queued) in zip(SYNC_CASES, results):
+        assert still_queued and host < 0.5 * sleep, (case, host, sleep, still_queued)
 
 
 def test_lightning_trains_on_one_gpu() -> None:

@@ -1,26 +1,29 @@
-"""``scripts/gpu_check.sh --dry-run``: the GPU kit's plumbing on a CPU, so the ten minutes of
-a first GPU run are not lost to a missing import or a step that never starts. It installs the
+"""``scripts/gpu_check.sh --dry-run``: the GPU kit's plumbing on a CPU, so the minutes of a
+first GPU run are not lost to a missing import or a step that never starts. It installs the
 wheels it is given (as the GPU image needs pydantic and hjson from ``.whl``), imports from them,
-collects each step's CUDA tests and runs the benchmark with collectives forced at one rank."""
+collects each step's CUDA tests and runs the benchmarks with collectives forced at one rank. The
+kit fits the device tool's limits: its step budgets inside one 600 s command, at most 7 files
+back from ``$OUT`` (the tool returns 8)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "hjson")
+WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "hjson")
+KIT = ROOT / "scripts" / "gpu_check.sh"
 
 
 def _kit(tmp_path: Path, wheels: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "WHEELS": str(wheels), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True, timeout=400,
-        env=env,
+        ["bash", str(KIT), "--dry-run"], capture_output=True, text=True, timeout=400, env=env,
     )
 
 
@@ -35,14 +38,31 @@ def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path) -> None:
     )
     done = _kit(tmp_path, wheels)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "== steps reached: 6 of 6 (dry); failed: none" in done.stdout
-    versions = (tmp_path / "out" / "versions.log").read_text()
-    for module in ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "hjson"):
+    assert "== steps reached: 6 (dry); failed: none" in done.stdout
+    out = tmp_path / "out"
+    assert sorted(path.name for path in out.iterdir()) == sorted(
+        f"{step}.log" for step in ("versions", "cuda", "timing", "bench", "compile", "gpt300m")
+    )
+    versions = (out / "versions.log").read_text()
+    for module in ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions", "hjson"):
         assert f"\n{module} " in f"\n{versions}" and "from the wheels" in versions, versions
-    for step, tests in (("cuda_nccl", 6), ("allocator", 1), ("lightning", 1)):
-        assert f"{tests}/" in (tmp_path / "out" / f"{step}.log").read_text(), step  # "6/11 tests collected"
-    bench = json.loads((tmp_path / "out" / "bench-tiny.json").read_text())
-    assert sorted(bench["systems"]) == ["ddp", "engine3+opt", "fsdp2"]
+    collected = {step: (out / f"{step}.log").read_text() for step in ("cuda", "timing")}
+    # "12/14 tests collected (2 deselected)": every CUDA test in one of the two steps
+    selected, total = map(int, re.search(r"(\d+)/(\d+) tests collected", collected["cuda"]).groups())
+    assert f"{total - selected}/{total} tests collected" in collected["timing"] and total - selected == 2, collected
+    assert total >= 14, collected["cuda"]
+    bench = json.loads((out / "bench.log").read_text().split("\n{", 1)[1].rsplit("}", 1)[0].join("{}"))
+    assert sorted(bench["systems"]) == ["ddp", "engine0", "engine2", "engine3", "engine3+opt", "fsdp2"]
+    runs = (out / "gpt300m.log").read_text()  # the timed job's JSON, then one --rss line per system
+    assert '"dtype": "bf16"' in runs and all(f'"system": "{name}"' in runs for name in ("ddp", "fsdp2", "engine3"))
+
+
+def test_the_kits_step_budgets_fit_one_command() -> None:
+    """GPU review K2: the device tool runs one command for at most 600 s; the steps' timeouts
+    (each step's second argument) must add up to less, with room for the start."""
+    text = KIT.read_text()
+    budgets = [int(n) for n in re.findall(r"^\s*(?:pytest_step|bench|step) \S+ (\d+)\b", text, re.M)]
+    assert len(budgets) >= 6 and sum(budgets) <= 580, budgets
 
 
 def test_the_gpu_kit_stops_at_once_without_wheels(tmp_path: Path) -> None:
