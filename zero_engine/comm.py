@@ -300,7 +300,7 @@ class GroupComm:
             for owner, shard in enumerate(self._shards(flat))
         ))
 
-    def gather(self, own: torch.Tensor, flat: torch.Tensor | None, dst: int = 0) -> Pending:
+    def gather(self, own: torch.Tensor, flat: torch.Tensor | None, dst: int = 0) -> Pending | Finishing:
         """Fill every shard of ``flat`` on rank ``dst`` with its owner's ``own`` shard (state
         export onto one rank). Only rank ``dst`` holds a full buffer: the others send their
         shard and pass ``flat`` None (GPU review P4: a whole unit allocated on every rank to
@@ -308,20 +308,32 @@ class GroupComm:
 
         Point to point, each shard received straight into its place: ``dist.gather`` would
         take a copy of the own shard and, on gloo, a staging buffer of the whole buffer, so
-        rank ``dst`` would hold the unit 2.5 times over instead of once."""
+        rank ``dst`` would hold the unit 2.5 times over instead of once. Where the backend's
+        point to point cannot read device memory (`p2p_through_host`), each shard crosses
+        through a host copy."""
         if self.skips_collectives:
             return DONE
         self._count(CollectiveKind.GATHER, tensor_bytes(own) * self.world_size)
+        staged = p2p_through_host(self.backend, own)
         if self.rank == dst:
             if flat is None:
                 raise ValueError("the gathering rank needs the full buffer")
-            ops = [dist.P2POp(dist.irecv, shard, self._global_rank(rank), self.group)
-                   for rank, shard in enumerate(self._shards(flat)) if rank != dst]
+            peers = [(rank, shard) for rank, shard in enumerate(self._shards(flat)) if rank != dst]
+            landing = [torch.empty_like(shard, device=HOST) if staged else shard for _, shard in peers]
+            ops = [dist.P2POp(dist.irecv, into, self._global_rank(rank), self.group)
+                   for (rank, _), into in zip(peers, landing)]
+
+            def place() -> None:
+                for (_, shard), into in zip(peers, landing):
+                    shard.copy_(into)
+
+            finish = place if staged else None
         else:
-            ops = [dist.P2POp(dist.isend, own, self._global_rank(dst), self.group)]
+            ops = [dist.P2POp(dist.isend, own.to(HOST) if staged else own, self._global_rank(dst), self.group)]
+            finish = None
         if not ops:  # a group of one (``force_collectives``): no peer, the unit is already whole
             return DONE
-        return Pending(tuple(dist.batch_isend_irecv(ops)))
+        return Finishing(Pending(tuple(dist.batch_isend_irecv(ops))), finish)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values, synchronously."""
@@ -471,7 +483,7 @@ class Comm:
         """Fill every shard of ``flat`` with its owner's values (inside the shard group)."""
         return self.shard_group.all_gather(flat)
 
-    def gather(self, own: torch.Tensor, flat: torch.Tensor | None, dst: int = 0) -> Pending:
+    def gather(self, own: torch.Tensor, flat: torch.Tensor | None, dst: int = 0) -> Pending | Finishing:
         """Fill every shard of ``flat`` on rank 0 alone (`GroupComm.gather`: the others pass
         None); only rank 0's group takes part."""
         if dst != 0:
@@ -672,6 +684,14 @@ def _abort_group(group: Any) -> bool:
         return False
     abort()
     return True
+
+
+def p2p_through_host(backend: str, tensor: torch.Tensor) -> bool:
+    """Whether point-to-point sends and receives of ``tensor`` must cross through host memory:
+    gloo's read and write the tensor's pointer as host memory, so a CUDA tensor ends the
+    process ("writev: Bad address"; seen on an H200 with torch 2.11, ranks sharing the GPU
+    over gloo). Its collectives take CUDA tensors."""
+    return backend == "gloo" and tensor.device.type != "cpu"
 
 
 def device_backend(device: torch.device, group: Any = None) -> str:

@@ -51,7 +51,10 @@ class BlockQuantizer:
         x = torch.zeros(blocks * self.block, dtype=torch.float32, device=values.device)
         x[: values.numel()] = values
         x = x.view(blocks, self.block)
-        scales = x.abs().amax(dim=1).div_(self.qmax)
+        # Times the reciprocal, not divided by qmax: CUDA divides by a scalar that way, the CPU
+        # exactly, so ranks on either would disagree by an ulp of a scale (seen on an H200);
+        # a multiplication rounds alike on both.
+        scales = x.abs().amax(dim=1).mul_(1.0 / self.qmax)
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block decodes to zeros
         q = x.div_(scales[:, None]).round_().clamp_(-self.qmax, self.qmax).to(torch.int8).view(-1)[:numel]
         if self.bits == 4:
