@@ -29,13 +29,14 @@ def _train(engine: Any, rank: int) -> tuple[list[float], list[int]]:
 
     generator = torch.Generator().manual_seed(10 + rank)
     losses, graphs = [], []
+    before = counters["stats"]["unique_graphs"]  # the counter is the process's: count this engine's
     for _ in range(STEPS):
         x, y = torch.randn(MICRO, WIDTH, generator=generator), torch.randn(MICRO, 1, generator=generator)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-        graphs.append(counters["stats"]["unique_graphs"])
+        graphs.append(counters["stats"]["unique_graphs"] - before)
     return losses, graphs
 
 
@@ -70,6 +71,10 @@ def _check(results: list[dict], stages: list[int], tolerance: float, directory: 
             for key, value in eager["state"].items():
                 assert torch.allclose(compiled["state"][key], value, rtol=0, atol=tolerance), (stage, key)
             assert len(set(compiled["graphs"])) == 1, f"stage {stage}: compiled again after the first step"
+            # The three Blocks share their forward's graphs: one, and one more for the first
+            # Block, whose input needs no gradient. A graph per Block is a recompile per unit,
+            # which past dynamo's limit of 8 falls back to eager (seen on an H200 at stage 3).
+            assert compiled["graphs"][-1] <= 2, (stage, compiled["graphs"])
     for stage in stages:
         saved = load_consolidated(directory / f"{stage}-compiled")
         assert sorted(saved) == sorted(results[0][f"{stage}-eager"]["state"])

@@ -309,9 +309,16 @@ class ParamGatherer(NoGather):
 
     def _on_read(self, param: nn.Parameter) -> None:
         """A module's parameter was read during a forward: gather its unit there unless some
-        module running holds it already (the common case: its own module's forward)."""
+        module running holds it already (the common case: its own module's forward).
+
+        Nothing to do inside a compiled forward (its unit is gathered around it), asked first:
+        dynamo traces this, and a unit's own state read here became a guard of every compiled
+        unit forward, so each unit recompiled the shared code, and past dynamo's limit of 8
+        the rest ran eager (seen on an H200: a recompile per GPT block)."""
+        if torch.compiler.is_compiling():
+            return
         index = self._unit_of.get(param)
-        if index is not None and not self._holds[index].forward and not torch.compiler.is_compiling():
+        if index is not None and not self._holds[index].forward:
             self._serve_read(index, param)
 
     def _serve_read(self, index: int, param: nn.Parameter) -> None:
