@@ -352,7 +352,9 @@ def peak_rss(args: argparse.Namespace) -> dict:
     device = _device(args.device)
     data = TextBatches(load_corpus(), model_config.context)
     before = _peak_bytes(device)
-    system = build_systems([name], model_config, args.bucket, device, force_collectives=args.force_collectives)[name]
+    system = build_systems(
+        [name], model_config, args.bucket, device, force_collectives=args.force_collectives, bf16=args.dtype == "bf16"
+    )[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(args.warmup + args.steps):
         system.train_step(*[t.to(device) for t in data.rank_batch(step, 0, rank, world, args.micro_batch, 1)])

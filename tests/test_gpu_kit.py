@@ -55,6 +55,8 @@ def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path) -> None:
     assert sorted(bench["systems"]) == ["ddp", "engine0", "engine2", "engine3", "engine3+opt", "fsdp2"]
     runs = (out / "gpt300m.log").read_text()  # the timed job's JSON, then one --rss line per system
     assert '"dtype": "bf16"' in runs and all(f'"system": "{name}"' in runs for name in ("ddp", "fsdp2", "engine3"))
+    alone = json.loads(next(line for line in runs.splitlines() if '"system": "engine3"' in line))
+    assert alone["memory_report"]["master_parameters"] > 0, alone  # bf16 indeed: fp32 masters beside
 
 
 def test_the_kits_step_budgets_fit_one_command() -> None:
