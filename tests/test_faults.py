@@ -413,3 +413,13 @@ def test_cli_refuses_bad_numbers_and_unsafe_checkpoints(tmp_path: Path, capsys: 
     assert "extra.pt: refused by torch.load(weights_only=True)" in err and "argparse.Namespace" in err
     with pytest.raises(CheckpointError, match="extra.pt: refused"):
         zero_engine.load_consolidated(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("name", ["WarmupDecayLR", "WarmupCosineLR"])
+def test_a_decay_must_end_after_its_warmup_at_the_boundary(name: str) -> None:
+    """total_num_steps equal to warmup_num_steps leaves no step to decay over: refused, for
+    both decaying schedules; one step more is a schedule."""
+    with pytest.raises(ConfigError, match="total_num_steps = 100 must exceed warmup_num_steps = 100: the decay"):
+        zero_engine.load_config({"scheduler": {"type": name, "params": {"total_num_steps": 100, "warmup_num_steps": 100}}})
+    config = zero_engine.load_config({"scheduler": {"type": name, "params": {"total_num_steps": 101, "warmup_num_steps": 100}}})
+    assert config.scheduler.params["total_num_steps"] == 101

@@ -322,3 +322,117 @@ def test_reading_a_parameter_outside_a_forward_gathers_nothing() -> None:
     assert model.embed.weight.numel() == 0 and not any(unit.has_full_storage for unit in engine.gatherer.units)
     engine.close()
     assert type(model.embed._parameters) is dict  # close() puts the plain mapping back
+
+
+# -- the plan and the read watch, at their edges (issue 52's mutation audit) ----------------------------
+
+
+def test_a_module_of_exactly_the_limit_is_a_unit() -> None:
+    """``reduce_bucket_size`` is the least a unit holds: Linear(4, 8) has 40 elements, a unit at
+    limit 40; Linear(8, 4) has 36 and stays with the root."""
+    from zero_engine.param_groups import resolve_param_groups
+    from zero_engine.sharding.module_plan import plan_module_units
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    groups = resolve_param_groups(model, None, torch.optim.AdamW)
+    plans, _ = plan_module_units(model, groups, None, 40, 0)
+    assert [(plan.module, len(plan.params)) for plan in plans] == [(model, 2), (model[0], 2)]
+    plans, _ = plan_module_units(model, groups, None, 41, 0)
+    assert [(plan.module, len(plan.params)) for plan in plans] == [(model, 4)]
+
+
+class _TiedPair(nn.Module):
+    """Two units sharing one weight: the second uses the first's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x))).pow(2).mean()
+
+
+def tied_pair_run(rank: int, world_size: int) -> dict[str, Any]:
+    from zero_engine.param_groups import resolve_param_groups
+    from zero_engine.sharding.module_plan import plan_module_units
+
+    messages = _Messages()
+    logging.getLogger("zero_engine").addHandler(messages)
+    torch.manual_seed(0)
+    model = _TiedPair()
+    groups = resolve_param_groups(model, None, torch.optim.AdamW)
+    plans = {plan.label: plan for plan in plan_module_units(model, groups, None, DIM, 0)[0]}  # the engine's plan
+    config = _config()
+    config["zero_optimization"]["reduce_bucket_size"] = DIM
+    engine = zero_engine.initialize(model, config)
+    for step in range(2):
+        engine.backward(engine(torch.randn(4, DIM, generator=torch.Generator().manual_seed(step * 10 + rank))))
+        engine.step()
+    logging.getLogger("zero_engine").removeHandler(messages)
+    result = {
+        "second_uses_the_tied_weight": any(p is model.first.weight for p in plans["second"].uses),
+        "second_owns": [p is model.second.bias for p in plans["second"].params],
+        "read_outside": [line for line in messages.lines if "is read outside" in line],
+    }
+    engine.close()
+    return result
+
+
+def test_a_weight_tied_across_units_is_in_the_second_units_uses() -> None:
+    """The first unit owns the tied weight; the second's plan must list it among what it uses,
+    so it is gathered with the second's own hooks, not served by the read watch (which would
+    log a read outside, and serves no read inside a compiled unit)."""
+    for result in run_on_ranks(2, tied_pair_run):
+        assert result["second_uses_the_tied_weight"] and result["second_owns"] == [True], result
+        assert result["read_outside"] == [], result
+
+
+class _Reader(nn.Module):
+    """Reads another unit's weight (a module it holds outside the module tree) in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + F.linear(x, self.__dict__["peer"].weight)
+
+
+class _ReadsPeer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.peer, self.reader, self.after = nn.Linear(DIM, DIM), _Reader(), nn.Linear(DIM, DIM)
+        self.reader.__dict__["peer"] = self.peer  # not a submodule: the read goes through the watch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.after(torch.tanh(self.reader(x))).pow(2).mean()
+
+
+def served_read_run(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _ReadsPeer()
+    config = _config()
+    config["zero_optimization"]["reduce_bucket_size"] = DIM * DIM
+    engine = zero_engine.initialize(model, config)
+    peer_unit = next(i for i, unit in enumerate(engine.gatherer.units) if unit.label == "peer")
+    seen: list[int] = []  # the peer unit's gathered bytes as ``after`` starts (read past the watch)
+    model.after.register_forward_pre_hook(
+        lambda module, args: seen.append(engine.gatherer.units[peer_unit].gathered_bytes)
+    )
+    for step in range(2):
+        engine.backward(engine(torch.randn(4, DIM, generator=torch.Generator().manual_seed(step * 10 + rank))))
+        engine.step()
+    holders = [module for module, needs in engine.gatherer._needs.items() if peer_unit in needs]
+    result = {"holders": [type(module).__name__ for module in holders], "peer_numel_in_after": seen}
+    engine.close()
+    return result
+
+
+def test_a_served_read_is_held_by_the_innermost_running_module_and_released_with_it() -> None:
+    """The reader's forward reads the peer unit's weight: the reader (the innermost module
+    running) holds it from then on, so it is freed when the reader's forward ends, before the
+    next module runs; held by the root, it would stay gathered through the whole forward."""
+    for result in run_on_ranks(2, served_read_run):
+        assert result["holders"] == ["Linear", "_Reader"], result  # the peer itself, and its reader
+        assert result["peer_numel_in_after"] == [0, 0], result
