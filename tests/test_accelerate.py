@@ -186,3 +186,71 @@ def test_accelerate_launch_with_a_deepspeed_config_file_needs_only_the_import(tm
     assert (result["stage"], result["micro"], result["accumulation"], result["unwrapped"]) == (2, 4, 2, True)
     assert "gradient_accumulation_steps = 2, but the Accelerator has gradient_accumulation_steps = 3" in result["error"]
     assert str(config_file) in result["error"]
+
+
+def test_a_schedule_with_total_steps_steps_as_accelerates_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OneCycle-like schedules stop at their ``total_steps``: Accelerate's ``AcceleratedScheduler``
+    steps one once per process while ``_step_count <= total_steps``, and so must the engine's
+    (`_RepeatedSchedule`), to the last step: the rates after every optimizer step are the same."""
+    from types import SimpleNamespace
+
+    import accelerate.scheduler
+
+    from zero_engine.integrations.accelerate import _RepeatedSchedule
+
+    monkeypatch.setattr(accelerate.scheduler, "AcceleratorState", lambda: SimpleNamespace(num_processes=2))
+
+    def one_cycle() -> torch.optim.lr_scheduler.OneCycleLR:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        optimizer.step_was_skipped = False
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=7)
+
+    theirs_schedule = one_cycle()
+    theirs = accelerate.scheduler.AcceleratedScheduler(
+        theirs_schedule, [theirs_schedule.optimizer], step_with_optimizer=True, split_batches=False
+    )
+    ours = _RepeatedSchedule(one_cycle(), repeats=2)
+    for _ in range(5):  # past total_steps: both stop at its end
+        theirs.step()
+        ours.step()
+        assert ours.get_last_lr() == theirs_schedule.get_last_lr()
+        assert ours._step_count == theirs_schedule._step_count
+    assert theirs_schedule._step_count == 8  # stepped to total_steps, not one short
+
+
+def split_and_groups(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """Per ``split_batches``: the micro-batch the engine's "auto" got from a loader of 8, and
+    the engine's optimizer groups' options."""
+    from accelerate import DataLoaderConfiguration
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from zero_engine.integrations.accelerate import Accelerator
+
+    out = []
+    for split in (False, True):
+        config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                  "gradient_accumulation_steps": 1}
+        accelerator = Accelerator(cpu=True, zero_config=config,
+                                  dataloader_config=DataLoaderConfiguration(split_batches=split))
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.AdamW(
+            [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0, "lr": 0.5}],
+            lr=0.01,
+        )
+        loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
+        accelerator.prepare(model, optimizer, loader)
+        engine = accelerator.zero_engine
+        groups = [(g["weight_decay"], g["lr"]) for g in engine.optimizer.param_groups]
+        out.append({"split": split, "micro": engine.batch.micro_batch_size, "groups": sorted(groups)})
+        engine.close()
+    return out
+
+
+def test_split_batches_and_the_optimizers_groups_reach_the_engine_at_two_ranks() -> None:
+    """A loader of 8 is each rank's micro-batch of 8, or with ``split_batches`` the global batch
+    split in 4s (one rank cannot tell these apart); the prepared optimizer's groups keep their
+    own weight decay and rate in the engine's optimizer."""
+    for rank_result in run_on_ranks(2, split_and_groups, backend=None, allow_numpy=True, timeout=300):
+        assert [(r["split"], r["micro"]) for r in rank_result] == [(False, 8), (True, 4)], rank_result
+        for result in rank_result:
+            assert result["groups"] == [(0.0, 0.5), (0.1, 0.01)], result

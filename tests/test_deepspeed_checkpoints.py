@@ -245,3 +245,18 @@ def test_a_deepspeed_checkpoint_serves_as_pretrained_weights() -> None:
         state = engine.full_state_dict()
         assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
         engine.close()
+
+
+def test_the_loss_scalers_remaining_hysteresis_is_its_current_not_its_configured() -> None:
+    """DeepSpeed's DynamicLossScaler saves ``delayed_shift`` (the configured hysteresis) and
+    ``cur_hysteresis`` (what is left of it after recent overflows): a resumed run goes on with
+    what was left. The recorded fp16 fixture has both at 2; here they differ."""
+    from zero_engine.state.deepspeed_checkpoint import translate_loss_scaler
+
+    saved = {"dynamic": True, "cur_scale": 1024.0, "cur_iter": 37, "last_overflow_iter": 30, "scale_factor": 2.0,
+             "scale_window": 1000, "min_scale": 1.0, "delayed_shift": 4, "cur_hysteresis": 1,
+             "consecutive_hysteresis": False}
+    assert translate_loss_scaler(saved) == {"scale": 1024.0, "remaining_hysteresis": 1, "iteration": 37,
+                                            "last_overflow": 30}
+    assert translate_loss_scaler({**saved, "dynamic": False}) is None
+    assert translate_loss_scaler({"dynamic": True, "cur_scale": 8.0}) == {"scale": 8.0}  # the stage 0 wrapper's few fields
