@@ -277,3 +277,17 @@ def test_rank0_memory_grows_by_a_unit_and_a_shard_and_the_others_by_nothing(stag
         assert bound < UNIT_BYTES + SHARD + SLACK and growth["export"] <= bound, (stage, growth, bound)
         assert growth["whole"] >= model_bytes - SLACK > bound, (stage, growth)  # the same probe sees a whole model
         assert len(list((tmp_path / f"stage{stage}").glob("model-*.safetensors"))) >= 16
+
+
+def test_each_shard_holds_at_most_max_shard_size_unless_one_tensor_is_larger() -> None:
+    """Shards are filled in order up to ``max_shard_size`` bytes (a shard of exactly that size
+    is full), and a tensor larger than that sits alone in its own."""
+    sizes = [4, 8, 4, 40, 12, 16, 4, 4]  # fp32 elements: 16, 32, 16, 160, 48, 64, 16, 16 bytes
+    entries = [TensorSpec(f"t{i}", torch.float32, (n,)) for i, n in enumerate(sizes)]
+    shards = plan_shards(entries, 64)
+    assert [[entry.name for entry in shard] for shard in shards] == [
+        ["t0", "t1", "t2"], ["t3"], ["t4"], ["t5"], ["t6", "t7"]
+    ]
+    for shard in shards:
+        assert len(shard) == 1 or sum(entry.nbytes for entry in shard) <= 64, shard
+    assert [entry.name for shard in shards for entry in shard] == [entry.name for entry in entries]
