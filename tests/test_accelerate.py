@@ -254,3 +254,27 @@ def test_split_batches_and_the_optimizers_groups_reach_the_engine_at_two_ranks()
         assert [(r["split"], r["micro"]) for r in rank_result] == [(False, 8), (True, 4)], rank_result
         for result in rank_result:
             assert result["groups"] == [(0.0, 0.5), (0.1, 0.01)], result
+
+
+def clipping_auto_without_the_launcher(rank: int, world_size: int) -> str:
+    import os
+
+    from zero_engine import ConfigError
+    from zero_engine.integrations.accelerate import Accelerator
+
+    os.environ.pop("ACCELERATE_GRADIENT_CLIPPING", None)
+    config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": "auto"}
+    model = torch.nn.Linear(2, 1)
+    try:
+        Accelerator(cpu=True, zero_config=config).prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    except ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_clipping_auto_without_the_launchers_value_names_accelerates_source() -> None:
+    """Under Accelerate, ``gradient_clipping: "auto"`` comes from ``accelerate launch
+    --gradient_clipping``; without it the error says so, not what the Trainer would fill it from."""
+    message = run_on_ranks(1, clipping_auto_without_the_launcher, backend=None, allow_numpy=True)[0]
+    assert "gradient_clipping = 'auto' is filled from accelerate launch's --gradient_clipping" in message, message
+    assert "TrainingArguments" not in message and "give a number in the config" in message

@@ -44,9 +44,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import Engine, initialize, load_config
+from .. import ConfigError, Engine, initialize, load_config
 from ..config import read_config_mapping
-from .config_filling import Authority, Rule, fill, rebind, rebuilt_optimizer
+from .config_filling import AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer
 from .engine_model import EngineModel, SteppedByEngine
 
 __all__ = ["Accelerator"]
@@ -122,6 +122,12 @@ class Accelerator(accelerate.Accelerator):
 
     def _build_engine(self, model: nn.Module, optimizer: Any, scheduler: Any, loader: DataLoader | None) -> None:
         raw = fill(self._zero_raw, self._rules(loader), self._zero_origin, ACCELERATE)
+        if raw.get("gradient_clipping") == AUTO:  # else refused in the Trainer's terms, which do not apply here
+            raise ConfigError(
+                f"{self._zero_origin}: gradient_clipping = 'auto' is filled from accelerate launch's "
+                "--gradient_clipping (the launcher sets ACCELERATE_GRADIENT_CLIPPING), which this run does not have: "
+                "launch with --gradient_clipping VALUE, or give a number in the config (0: no clipping)"
+            )
         groups = None
         if "optimizer" not in raw:
             if optimizer is None:
