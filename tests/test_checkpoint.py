@@ -581,3 +581,37 @@ def test_a_checkpoint_written_by_an_earlier_version_still_loads() -> None:
     _train_losses = train_engine(engine, 0, 1, range(3, 4), 4, 2)[0]
     assert all(math.isfinite(loss) for window in _train_losses for loss in window)
     engine.close()
+
+
+def test_a_tag_being_resaved_stays_readable_while_its_new_copy_moves_into_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader of tag "last" while ``save_checkpoint(dir, tag="last")`` runs again: the new copy
+    is complete before it moves into place, but a reader that resolved it just before the move
+    found its files gone ("not a complete checkpoint"). Here the move happens in the middle of
+    the read, deterministically: the reader must resolve again and read the new copy whole."""
+    from zero_engine.state import storage
+
+    engine = zero_engine.initialize(make_model(), engine_config(1, micro=2, lr=0.1))
+    engine.save_checkpoint(tmp_path, tag="last")
+    real_finish = storage.finish_publish
+    monkeypatch.setattr(storage, "finish_publish", lambda root, tag: None)  # the re-save stops, pending
+    engine.backward(engine(*micro_batch(0, 0, 0, 1, 2, 1)))
+    engine.step()
+    engine.save_checkpoint(tmp_path, tag="last")
+    monkeypatch.setattr(storage, "finish_publish", real_finish)
+    assert storage.tag_path(tmp_path, "last") == storage.pending_path(tmp_path, "last")
+
+    real_sha, moved = storage.sha256_of, []
+
+    def sha_while_the_writer_moves_it(file: Path) -> str:
+        if not moved:  # the writer's renames land while the reader checks its first file
+            moved.append(file)
+            real_finish(tmp_path, "last")
+        return real_sha(file)
+
+    monkeypatch.setattr(storage, "sha256_of", sha_while_the_writer_moves_it)
+    checkpoint = storage.open_checkpoint(tmp_path, "last")
+    assert moved and moved[0].parent == storage.pending_path(tmp_path, "last")
+    assert checkpoint.path == tmp_path / "last" and checkpoint.manifest["global_step"] == 1
+    engine.close()

@@ -142,9 +142,27 @@ class Checkpoint(NamedTuple):
 
 
 def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint:
-    """Resolve ``tag`` (default: ``latest``), check the manifest and verify every file against it."""
+    """Resolve ``tag`` (default: ``latest``), check the manifest and verify every file against it.
+
+    A re-save of the tag may move the copy being read (its pending new copy into place, the old
+    one aside: `finish_publish`) between resolving and reading: a read whose directory moved
+    resolves again, so a reader polling a tag that is re-saved always finds a complete copy."""
     root = Path(directory)
-    path = tag_path(root, resolve_tag(root, tag))
+    for _ in range(_READ_ATTEMPTS - 1):
+        path = tag_path(root, resolve_tag(root, tag))
+        try:
+            return _verified(path)
+        except (FileNotFoundError, CheckpointError):
+            if path.is_dir() and tag_path(root, resolve_tag(root, tag)) == path:
+                raise  # not a move: the copy itself is incomplete or corrupted
+    return _verified(tag_path(root, resolve_tag(root, tag)))
+
+
+_READ_ATTEMPTS = 5  # a move takes two renames; each retry follows one
+
+
+def _verified(path: Path) -> Checkpoint:
+    """The checkpoint in ``path``: its manifest checked, every file against it."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{manifest_path}: missing; {path} is not a complete checkpoint")
