@@ -16,13 +16,25 @@ host behave as on NCCL and records, in host order, what the rank did:
   ``is_completed()`` on it is False;
 - a control round issued (``issue``) and read (``read``, or ``arrived`` when polled done): the
   control group is gloo on NCCL too, so its waits are real;
-- host syncs (``sync``): the step's read-back (`zero_engine.devices.host_values`),
-  `zero_engine.offload.wait_for_host_copies`, and copies between a device tensor and a host
-  buffer that would not be pinned on a GPU (made by `zero_engine.offload.host_empty` without
-  pinning): CUDA completes those before returning. Deferred waits run here for real;
+- host syncs of the compute stream (``sync``): the step's read-back
+  (`zero_engine.devices.host_values`), `zero_engine.offload.wait_for_host_copies`, and copies
+  between a device tensor and a host buffer that would not be pinned on a GPU (made by
+  `zero_engine.offload.host_empty` without pinning): CUDA completes those before returning.
+  Deferred waits run here for real;
+- device-wide syncs (``device_sync``): a page-locked allocation once the run has started (the
+  caller's first `mark`, after ``initialize``: CUDA lists ``cudaHostAlloc`` among the implicit
+  synchronizations), ``torch.cuda.synchronize`` and ``torch.cuda.empty_cache``. They wait for
+  every collective the rank launched, on every stream;
+- point-to-point sends and receives (``batch_isend_irecv``, how the engine sends: the export's
+  gather onto rank 0): each is a launch on the pair's own communicator (``p2p[src>dst]``,
+  numbered per pair), complete once both ends launched it, so a send or receive without its
+  match is a collective some member never launched;
 - the side stream of hybrid second phases (``side_begin``, ``side_end``);
-- ``Comm.orders_on_device`` is True (the NCCL code paths), and freeing a stage 3 unit's
-  storage does nothing (gloo may still be writing into it).
+- the default group reports NCCL as the backend of the model's device (as
+  ``init_process_group("cuda:nccl,cpu:gloo")`` does for CUDA), so the engine's own backend
+  detection chooses the NCCL code paths (`Comm.orders_on_device`); its answer is a mark
+  (``data backend nccl``); and freeing a stage 3 unit's storage does nothing (gloo may still be
+  writing into it).
 
 `find_hang` then builds NCCL's dependency graph from every rank's trace and returns a cycle
 (or a collective some member never launched) as a `Hang`, or None:
@@ -30,8 +42,8 @@ host behave as on NCCL and records, in host order, what the rank did:
 - a launch depends on the host reaching it, on every collective its stream waited for before
   it, and on the previous collective of its communicator (one communicator runs in order);
 - a collective completes once every member launched it;
-- a host sync depends on every collective the compute stream waited for; a control round is
-  read once every rank issued it.
+- a host sync depends on every collective the compute stream waited for, a device-wide sync on
+  every collective the rank launched; a control round is read once every rank issued it.
 
 Tests only: the values a modelled run computes are not meaningful (waits are deferred).
 """
@@ -88,6 +100,7 @@ class NcclModel:
     def __init__(self, *, second_phase_on_compute_stream: bool = False) -> None:
         self.events: list[Event] = []
         self.second_phase_on_compute_stream = second_phase_on_compute_stream
+        self._started = False  # the caller's first mark: pinned allocations are device syncs from here
         self._seq: dict[str, int] = defaultdict(int)
         self._deferred: list[Any] = []  # real works whose wait a sync will do
         self._host_buffers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> pinned on a GPU
@@ -100,7 +113,13 @@ class NcclModel:
             self._patch(dist, name, self._collective(name, getattr(dist, name)))
         for name in _FLAT_COLLECTIVES:
             self._patch(comm, name, self._collective(name.strip("_"), getattr(comm, name)))
-        self._patch(comm.Comm, "orders_on_device", property(lambda _self: True))
+        # NCCL for the device's tensors, as the group's configuration would say on a GPU: the
+        # engine's own detection (`comm.device_backend`) must then take the NCCL paths.
+        self._patch(dist, "get_backend_config", lambda group=None: "cpu:nccl,cuda:nccl")
+        self._patch(comm, "device_backend", self._device_backend(comm.device_backend))
+        self._patch(dist, "batch_isend_irecv", self._batch_isend_irecv(dist.batch_isend_irecv))
+        self._patch(torch.cuda, "synchronize", lambda device=None: self._device_sync("torch.cuda.synchronize"))
+        self._patch(torch.cuda, "empty_cache", lambda: self._device_sync("torch.cuda.empty_cache"))
         self._patch(comm, "second_phase_stream", self._second_phase_stream)
         self._patch(devices, "host_values", self._host_values(devices.host_values))
         self._patch(offload, "wait_for_host_copies", self._wait_for_host_copies)
@@ -122,7 +141,9 @@ class NcclModel:
 
     def mark(self, what: str) -> None:
         """Put a label of the caller's into the trace (``forward``, ``step``: to say where
-        recorded syncs happened); the analysis passes over it."""
+        recorded syncs happened); the analysis passes over it. The first one starts the run
+        proper: a page-locked allocation after it is a device-wide sync."""
+        self._started = True
         self._record("mark", what=what)
 
     # -- recording -----------------------------------------------------------------------------
@@ -163,6 +184,37 @@ class NcclModel:
         self._record("sync", what=what)
         self._run_deferred()
 
+    def _device_sync(self, what: str) -> None:
+        self._record("device_sync", what=what)
+        self._run_deferred()
+
+    def _device_backend(self, real: Callable[..., str]) -> Callable[..., str]:
+        """The engine's decision, recorded as a mark ("data backend nccl"): on this model's groups
+        anything else is the engine missing NCCL (GPU review P1)."""
+
+        def device_backend(device: torch.device, group: Any = None) -> str:
+            backend = real(device, group)
+            self._record("mark", what=f"data backend {backend}")
+            return backend
+
+        return device_backend
+
+    def _batch_isend_irecv(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def batch_isend_irecv(ops: list[Any]) -> list[Any]:
+            names = [self._p2p_launch(op.op.__name__, op.peer, op.group) for op in ops]
+            return [_DataWork(self, work, *name) for work, name in zip(real(ops), names)]
+
+        return batch_isend_irecv
+
+    def _p2p_launch(self, kind: str, peer: int | None, group: Any) -> tuple[str, int]:
+        """A send or receive as a launch on the pair's communicator (global ranks)."""
+        me = dist.get_rank()
+        src, dst = (me, peer) if kind.endswith("send") else (peer, me)
+        name = f"p2p[{src}>{dst}]"
+        seq = self._next_seq(name)
+        self._record("launch", name, seq, kind.lstrip("i"))
+        return name, seq
+
     def _run_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for work in deferred:
@@ -191,6 +243,8 @@ class NcclModel:
 
     def _host_empty(self, real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+            if pin and self._started:
+                self._device_sync("pinned allocation")
             tensor = real(numel, dtype, pin)
             self._host_buffers[tensor.untyped_storage()] = pin
             return tensor
@@ -280,6 +334,7 @@ def find_hang(traces: Sequence[Sequence[Event]]) -> Hang | None:
     for rank, trace in enumerate(traces):
         compute: dict[str, int] = {}  # group -> the last collective the compute stream waited for
         side: dict[str, int] = {}
+        launched: set[tuple] = set()  # every collective this rank launched so far
         in_side = False
         for index, event in enumerate(trace):
             host = ("H", rank, index)
@@ -301,6 +356,10 @@ def find_hang(traces: Sequence[Sequence[Event]]) -> Hang | None:
                 stream[event.group] = max(stream.get(event.group, -1), event.seq)
             elif event.kind == "sync":
                 deps[host] |= _done(compute)
+            elif event.kind == "device_sync":
+                deps[host] |= launched
+            if event.kind == "launch":
+                launched.add(("D", event.group, event.seq))
             elif event.kind == "issue":
                 arrived = ("R", event.group, event.seq)
                 labels[arrived] = f"round {event.group}#{event.seq} reaches every rank"
@@ -375,6 +434,8 @@ def _a_cycle(stuck: set[tuple], deps: dict[tuple, set[tuple]], labels: dict[tupl
 def describe(event: Event) -> str:
     if event.kind == "sync":
         return f"host sync ({event.what})"
+    if event.kind == "device_sync":
+        return f"device-wide sync ({event.what})"
     if event.kind == "mark":
         return f"mark {event.what!r}"
     if event.kind in ("side_begin", "side_end"):
