@@ -345,3 +345,52 @@ def test_keys_without_effect_are_said_and_change_nothing(caplog: pytest.LogCaptu
         assert f"{key} = True has no effect" in messages, key
     for name, value in quiet.items():
         assert torch.equal(value, loud[name]), name
+
+
+class _Loopback:
+    """A group of ``size`` ranks seen from rank ``rank``: the collectives copy locally (what
+    arrives is beside the point here: the kernels the codecs launch are)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.world_size = self.num_shards = size
+        self.rank = self.shard_rank = rank
+
+    def all_to_all(self, send: torch.Tensor, received: torch.Tensor) -> comm_module.Pending:
+        received.copy_(send)
+        return comm_module.DONE
+
+    def all_gather(self, flat: torch.Tensor, kind: object = None) -> comm_module.Pending:
+        return comm_module.DONE
+
+
+def _operations(run: object) -> int:
+    """The aten operations ``run()`` dispatches (on a GPU, about one kernel each)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        run()
+    return Count.calls
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_codecs_launch_as_many_kernels_at_2_ranks_as_at_64(bits: int) -> None:
+    """GPU review P3: an encode per destination and a decode per source made O(ranks) small
+    kernels per bucket and per gather (about 20 per rank: 1,300 at 64 ranks). Every segment of
+    a collective is now encoded or decoded in one call, so the count does not grow with ranks."""
+    counts = {}
+    for size in (2, 8, 64):
+        group = _Loopback(size, rank=1)
+        flat = torch.randn(size * 3000)
+        grads = QuantizedGrads(BlockQuantizer(bits), BufferMeter())
+        reduce = lambda: grads._all_to_all_reduce(group, flat).wait()  # noqa: E731
+        gather = lambda: QuantizedGatherCodec(BlockQuantizer(8), BufferMeter()).launch(group, flat).wait()  # noqa: E731
+        counts[size] = (_operations(reduce), _operations(gather))
+    assert counts[2] == counts[8] == counts[64], counts
+    assert max(counts[2]) <= 80, counts  # int8 before: 2,595 and 1,164 at 64 ranks

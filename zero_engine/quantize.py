@@ -8,7 +8,10 @@ is at most half its block's scale: ``absmax / 254`` in int8, ``absmax / 14`` in 
 The encoded form is one byte buffer, ``[integers | padding to 4 bytes | scales]``, whose length
 depends on ``numel`` alone (`BlockQuantizer.encoded_bytes`): a collective moves many such
 segments side by side in one uint8 tensor and each receiver finds its segments without a
-header. Nothing here communicates; the codecs in `zero_engine.sharding.codec` do.
+header. The segments of one collective are encoded and decoded together, as the rows of one
+tensor (`encode_rows`, `decode_rows`): a fixed number of kernels whatever the number of ranks
+(GPU review P3: one encode per destination launched O(ranks) small kernels per bucket). Nothing
+here communicates; the codecs in `zero_engine.sharding.codec` do.
 """
 
 from __future__ import annotations
@@ -46,50 +49,62 @@ class BlockQuantizer:
         """Write the encoded form of ``values`` (1-D, floating) into ``out`` (uint8,
         `encoded_bytes` long). ``numel``: the run's length when longer than ``values`` (the
         missing tail counts as zeros: a last shard shorter than the others)."""
-        numel = values.numel() if numel is None else numel
+        self.encode_rows(values.view(1, -1), out.view(1, -1), numel)
+
+    def encode_rows(self, values: torch.Tensor, out: torch.Tensor, numel: int | None = None) -> None:
+        """`encode` each row of ``values`` (2-D, floating) into the same row of ``out`` (uint8,
+        ``encoded_bytes(numel)`` per row), all rows at once."""
+        rows, given = values.shape
+        numel = given if numel is None else numel
         blocks, payload, padded = self._sizes(numel)
-        x = torch.zeros(blocks * self.block, dtype=torch.float32, device=values.device)
-        x[: values.numel()] = values
-        x = x.view(blocks, self.block)
+        x = torch.zeros(rows, blocks * self.block, dtype=torch.float32, device=values.device)
+        x[:, :given] = values
+        x = x.view(rows, blocks, self.block)
         # Times the reciprocal, not divided by qmax: CUDA divides by a scalar that way, the CPU
         # exactly, so ranks on either would disagree by an ulp of a scale (seen on an H200);
         # a multiplication rounds alike on both.
-        scales = x.abs().amax(dim=1).mul_(1.0 / self.qmax)
+        scales = x.abs().amax(dim=2).mul_(1.0 / self.qmax)
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block decodes to zeros
-        q = x.div_(scales[:, None]).round_().clamp_(-self.qmax, self.qmax).to(torch.int8).view(-1)[:numel]
+        q = x.div_(scales[..., None]).round_().clamp_(-self.qmax, self.qmax).to(torch.int8).view(rows, -1)[:, :numel]
         if self.bits == 4:
             q = _pack_nibbles(q)
-        out[:payload].copy_(q.view(torch.uint8))
-        out[padded:].copy_(scales.view(torch.uint8))
+        out[:, :payload].copy_(q.view(torch.uint8))
+        out[:, padded:].copy_(scales.view(torch.uint8))
 
     def decode(self, encoded: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The ``numel`` values (fp32) of an encoded run; written into ``out`` (any floating
         dtype, ``numel`` long or shorter: the tail is dropped) when given."""
-        blocks, payload, padded = self._sizes(numel)
-        scales = encoded[padded : padded + 4 * blocks].view(torch.float32)
-        q = encoded[:payload]
-        q = _unpack_nibbles(q, numel) if self.bits == 4 else q.view(torch.int8)
-        values = torch.zeros(blocks * self.block, dtype=torch.float32, device=encoded.device)
-        values[:numel] = q
-        values = values.view(blocks, self.block).mul_(scales[:, None]).view(-1)[:numel]
+        values = self.decode_rows(encoded.view(1, -1), numel)[0]
         if out is not None:
             out.copy_(values[: out.numel()])
         return values
 
+    def decode_rows(self, encoded: torch.Tensor, numel: int) -> torch.Tensor:
+        """`decode` each row of ``encoded`` (uint8, ``encoded_bytes(numel)`` per row): the
+        values as rows of fp32, all at once."""
+        rows = encoded.shape[0]
+        blocks, payload, padded = self._sizes(numel)
+        scales = encoded[:, padded : padded + 4 * blocks].view(torch.float32)
+        q = encoded[:, :payload]
+        q = _unpack_nibbles(q, numel) if self.bits == 4 else q.view(torch.int8)
+        values = torch.zeros(rows, blocks * self.block, dtype=torch.float32, device=encoded.device)
+        values[:, :numel] = q
+        return values.view(rows, blocks, self.block).mul_(scales[..., None]).view(rows, -1)[:, :numel]
+
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """int8 values in [-7, 7] as unsigned nibbles (offset 8), two to a byte, low one first."""
+    """Rows of int8 values in [-7, 7] as unsigned nibbles (offset 8), two to a byte, low one first."""
     shifted = (q.to(torch.int16) + 8).to(torch.uint8)
-    if shifted.numel() % 2:
-        shifted = torch.cat([shifted, shifted.new_full((1,), 8)])
-    pairs = shifted.view(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+    if shifted.shape[1] % 2:
+        shifted = torch.cat([shifted, shifted.new_full((shifted.shape[0], 1), 8)], dim=1)
+    pairs = shifted.view(shifted.shape[0], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def _unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
     low = (packed & 0x0F).to(torch.int8) - 8
     high = (packed >> 4).to(torch.int8) - 8
-    return torch.stack([low, high], dim=1).view(-1)[:numel]
+    return torch.stack([low, high], dim=2).view(packed.shape[0], -1)[:, :numel]
 
 
 class BufferMeter:
