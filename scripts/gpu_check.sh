@@ -19,7 +19,7 @@
 #   compile   (50 s) the same, engine3 against engine3+compile (inductor's first compile);
 #   gpt300m  (150 s) a 303M-parameter GPT in bf16: DDP, FSDP2 and stage 3 alternating in one job
 #             (step time, tokens/s), then each alone for torch.cuda.max_memory_allocated and,
-#             for the engine, memory_report().
+#             for the engine, memory_report() (the dry run: the engine alone).
 #
 # One GPU cannot show NCCL between ranks (a 1-rank collective is a local copy, and NCCL refuses
 # two ranks on one GPU); the CPU suite's NCCL model (tests/test_nccl_model.py) checks that ordering.
@@ -83,7 +83,7 @@ bench() {  # NAME SECONDS BENCH-ARGS...: scripts/bench.py on one rank, its table
     if [[ $mode == dry ]]; then device=(--device cpu); model=(--model tiny --steps 2 --warmup 1); fi
     rm -f "$work/$name"-*.json
     step "$name" "$limit" bash -c 'torchrun --standalone --nproc_per_node=1 scripts/bench.py "${@:2}"; status=$?
-        cat "$1"-*.json 2>/dev/null; exit $status' \
+        cat "$1"-*.json 2>/dev/null; echo; exit $status' \
         bench "$work/$name" "${device[@]}" --force-collectives "$@" "${model[@]}" --out "$work/$name"
 }
 
@@ -136,13 +136,13 @@ fi
 if chosen gpt300m; then
     # Step times in one job, then torch.cuda.max_memory_allocated one system per job (--rss).
     step gpt300m 150 bash -c '
-        if [[ $0 == dry ]]; then run="--device cpu --model tiny"; timed="--steps 1 --warmup 1"
-        else run="--device cuda --model gpt300m"; timed="--steps 6 --warmup 2"; fi
+        if [[ $0 == dry ]]; then run="--device cpu --model tiny"; timed="--steps 1 --warmup 1"; alone="engine3"
+        else run="--device cuda --model gpt300m"; timed="--steps 6 --warmup 2"; alone="ddp fsdp2 engine3"; fi
         run="torchrun --standalone --nproc_per_node=1 scripts/bench.py $run --force-collectives --dtype bf16 --micro-batch 8"
         rm -f $1-*.json
         $run $timed --systems ddp fsdp2 engine3 --out $1 || exit
-        cat $1-*.json
-        for system in ddp fsdp2 engine3; do $run --steps 2 --warmup 1 --rss --systems $system || exit; done' \
+        cat $1-*.json; echo
+        for system in $alone; do $run --steps 2 --warmup 1 --rss --systems $system || exit; done' \
         "$mode" "$work/gpt300m"
 fi
 

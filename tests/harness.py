@@ -1,11 +1,13 @@
 """Run a function on N ranks in real processes, with gloo over a file rendezvous (or, with
 ``backend=None``, torchrun's environment, from which the engine makes its own group).
 
-Spawning is the slow part (each process imports torch), so tests pass a whole grid of cases
-to one call. Rank processes cannot import numpy, which the engine must not need (unless a test
-of a library that needs it, such as transformers, says ``allow_numpy=True``). A rank that
-raises is reported with its traceback and the others are killed at once; ranks that do not
-finish within the timeout fail the test instead of hanging it.
+Starting the processes is the slow part (each imports torch), so tests pass a whole grid of
+cases to one call, and ranks are forked from a server that imported torch once
+(`_rank_context`; a fresh interpreter per rank where that server would not fit). Rank processes
+cannot import numpy, which the engine must not need (unless a test of a library that needs it,
+such as transformers, says ``allow_numpy=True``). A rank that raises is reported with its
+traceback and the others are killed at once; ranks that do not finish within the timeout fail
+the test instead of hanging it.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def run_on_ranks(
     ``backend=None`` initializes no process group: each rank gets torchrun's variables (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), so `initialize` connects as under torchrun.
     """
-    context = multiprocessing.get_context("spawn")
+    context = _rank_context(allow_numpy)
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         outbox = context.Queue()
@@ -87,6 +89,35 @@ def run_on_ranks(
                     proc.kill()
                     proc.join()
     return [results[rank] for rank in range(world_size)]
+
+
+_SERVER_ENVIRONMENT: dict[str, str] | None = None  # the environment the fork server started in
+
+
+def _rank_context(allow_numpy: bool) -> Any:
+    """Where rank processes come from. A fork server (Linux) imports this module once, with
+    numpy kept out and torch imported, and forks each rank from it: a rank starts in a fraction
+    of the second or two a fresh interpreter takes to import torch, which over the suite's few
+    hundred calls is minutes. Forked ranks get the server's environment, so a call whose
+    environment differs (a test that set a variable: the allocator's, say) or that needs numpy
+    gets fresh interpreters, as every call did before."""
+    global _SERVER_ENVIRONMENT
+    # pytest names the running test in PYTEST_CURRENT_TEST, which no rank reads
+    environment = {key: value for key, value in os.environ.items()
+                   if key != _RANK_PROCESS and not key.startswith("PYTEST_")}
+    if allow_numpy or not sys.platform.startswith("linux"):
+        return multiprocessing.get_context("spawn")
+    if _SERVER_ENVIRONMENT is None:
+        # The server imports this module by name before it knows the caller's sys.path (Python
+        # 3.11 applies it only afterwards), so this directory goes on PYTHONPATH, for good: the
+        # environment compared below stays the same.
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])  # started at the first rank, numpy kept out (run_on_ranks)
+        _SERVER_ENVIRONMENT = {**environment, "PYTHONPATH": os.environ["PYTHONPATH"]}
+        return context
+    return multiprocessing.get_context("forkserver" if environment == _SERVER_ENVIRONMENT else "spawn")
 
 
 def _check_alive(procs: list[Any], results: dict[int, Any], deadline: float, timeout: float) -> None:

@@ -183,7 +183,10 @@ def save_and_die_publishing(rank: int, world_size: int, directory: str, victim: 
     engine.save_checkpoint(directory)
 
 
-@pytest.mark.parametrize("victim, point", [(0, "publish"), (0, "latest"), (1, "written")])
+@pytest.mark.parametrize(  # one kill point in the fast run, the others with -m slow
+    "victim, point",
+    [(0, "publish"), pytest.param(0, "latest", marks=pytest.mark.slow), pytest.param(1, "written", marks=pytest.mark.slow)],
+)
 def test_a_save_killed_while_publishing_leaves_the_previous_checkpoint(
     tmp_path: Path, victim: int, point: str
 ) -> None:

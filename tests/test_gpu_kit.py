@@ -15,19 +15,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "hjson")
 KIT = ROOT / "scripts" / "gpu_check.sh"
 
 
-def _kit(tmp_path: Path, wheels: Path) -> subprocess.CompletedProcess:
+def _kit(tmp_path: Path, wheels: Path, steps: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {**os.environ, "WHEELS": str(wheels), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        ["bash", str(KIT), "--dry-run"], capture_output=True, text=True, timeout=400, env=env,
+        ["bash", str(KIT), "--dry-run", *steps], capture_output=True, text=True, timeout=400, env=env,
     )
 
 
-def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path) -> None:
+ALL_STEPS = ("versions", "cuda", "timing", "bench", "compile", "gpt300m")
+
+
+@pytest.mark.parametrize(  # the fast run: the tests' steps and one of the benchmark's (bench.py's plumbing)
+    "steps", [("cuda", "timing", "gpt300m"), pytest.param((), marks=pytest.mark.slow)], ids=["some", "all"]
+)
+def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path, steps: tuple[str, ...]) -> None:
     """This interpreter's wheels of the versions installed here, as prepare_wheels.sh fetches
     the GPU image's."""
     wheels = tmp_path / "whl"
@@ -36,13 +44,12 @@ def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path) -> None:
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wheels), *specs],
         check=True, capture_output=True, timeout=300,
     )
-    done = _kit(tmp_path, wheels)
+    done = _kit(tmp_path, wheels, steps)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "== steps reached: 6 (dry); failed: none" in done.stdout
+    ran = ("versions", *steps) if steps else ALL_STEPS
+    assert f"== steps reached: {len(ran)} (dry); failed: none" in done.stdout
     out = tmp_path / "out"
-    assert sorted(path.name for path in out.iterdir()) == sorted(
-        f"{step}.log" for step in ("versions", "cuda", "timing", "bench", "compile", "gpt300m")
-    )
+    assert sorted(path.name for path in out.iterdir()) == sorted(f"{step}.log" for step in ran)
     versions = (out / "versions.log").read_text()
     for module in ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions", "hjson"):
         assert f"\n{module} " in f"\n{versions}" and "from the wheels" in versions, versions
@@ -51,10 +58,12 @@ def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path) -> None:
     selected, total = map(int, re.search(r"(\d+)/(\d+) tests collected", collected["cuda"]).groups())
     assert f"{total - selected}/{total} tests collected" in collected["timing"] and total - selected == 2, collected
     assert total >= 14, collected["cuda"]
-    bench = json.loads((out / "bench.log").read_text().split("\n{", 1)[1].rsplit("}", 1)[0].join("{}"))
-    assert sorted(bench["systems"]) == ["ddp", "engine0", "engine2", "engine3", "engine3+opt", "fsdp2"]
-    runs = (out / "gpt300m.log").read_text()  # the timed job's JSON, then one --rss line per system
-    assert '"dtype": "bf16"' in runs and all(f'"system": "{name}"' in runs for name in ("ddp", "fsdp2", "engine3"))
+    if "bench" in ran:
+        bench = json.loads((out / "bench.log").read_text().split("\n{", 1)[1].split("\n}", 1)[0].join("{}"))
+        assert sorted(bench["systems"]) == ["ddp", "engine0", "engine2", "engine3", "engine3+opt", "fsdp2"]
+    runs = (out / "gpt300m.log").read_text()  # the timed job's JSON, then the engine's --rss line
+    timed = json.loads(runs.split("\n{", 1)[1].split("\n}", 1)[0].join("{}"))
+    assert timed["dtype"] == "bf16" and sorted(timed["systems"]) == ["ddp", "engine3", "fsdp2"], timed
     alone = json.loads(next(line for line in runs.splitlines() if '"system": "engine3"' in line))
     assert alone["memory_report"]["master_parameters"] > 0, alone  # bf16 indeed: fp32 masters beside
 

@@ -181,7 +181,7 @@ def overflow_on_one_rank(rank: int, world_size: int, stage: int, poisoner: int =
     }
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_fp16_overflow_on_one_rank_skips_everywhere(stage: int) -> None:
     for rank, result in enumerate(run_on_ranks(2, overflow_on_one_rank, stage)):
         check_skipped_everywhere(rank, result)

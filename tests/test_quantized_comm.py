@@ -112,7 +112,7 @@ def _nbytes(args: tuple) -> int:
     return max((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), default=0)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])  # 3: a shard shorter than the block
 def test_codecs_keep_the_own_shard_exact_and_the_rest_within_the_bound(world_size: int) -> None:
     for rank, failures in enumerate(run_on_ranks(world_size, codecs_over_ranks)):
         assert failures == [], (rank, failures)
@@ -184,7 +184,7 @@ def _compare_to_unquantized(world_size: int, ranks: list[list[dict]]) -> None:
                 assert torch.equal(value, theirs["state"][name]), name
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_quantized_training_stays_within_tolerance_of_unquantized(world_size: int) -> None:
     _compare_to_unquantized(world_size, run_on_ranks(world_size, quantized_training, RUNS))
 

@@ -211,7 +211,7 @@ def _reference(name: str, world_size: int) -> tuple[list[float], dict[str, torch
     return losses, model.state_dict()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_ordinary_models_train_at_stage_3_without_a_wrap_list(world_size: int) -> None:
     per_rank = run_on_ranks(world_size, train_every_model)
     for name, (_, _, units, read_outside) in MODELS.items():
