@@ -690,7 +690,8 @@ def p2p_through_host(backend: str, tensor: torch.Tensor) -> bool:
     """Whether point-to-point sends and receives of ``tensor`` must cross through host memory:
     gloo's read and write the tensor's pointer as host memory, so a CUDA tensor ends the
     process ("writev: Bad address"; seen on an H200 with torch 2.11, ranks sharing the GPU
-    over gloo). Its collectives take CUDA tensors."""
+    over gloo). The collectives the engine runs on gloo (all-reduce, reduce, broadcast) took
+    CUDA tensors there."""
     return backend == "gloo" and tensor.device.type != "cpu"
 
 

@@ -61,8 +61,6 @@ PASS_DONE = -2  # a row that asks for no gather and has nothing left to ask in t
 WANTS_PER_ROW = 4
 
 
-
-
 class PassKind(IntEnum):
     BETWEEN = 0  # between passes (rows proposing the next pass's first gathers)
     FORWARD = 1
