@@ -250,6 +250,8 @@ def run(args: argparse.Namespace, out: Path | None = None) -> dict:
     profiles = {name: cProfile.Profile() for name in systems} if args.profile and rank == 0 else {}
     losses: dict[str, list[float]] = {name: [] for name in systems}
     names = list(systems)
+    with torch.device("meta"):  # counted once, without building another model's values
+        num_params = sum(p.numel() for p in GPT(model_config).parameters())
     for step in range(args.warmup + args.steps):
         batch = [t.to(device) for t in data.rank_batch(step, 0, rank, world, args.micro_batch, 1)]
         rotation = names[step % len(names):] + names[: step % len(names)]
@@ -268,19 +270,18 @@ def run(args: argparse.Namespace, out: Path | None = None) -> dict:
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
         if step >= args.warmup and out is not None:
-            write_result(out, summarize(args, systems, times, losses, model_config, final=False))
-    result = summarize(args, systems, times, losses, model_config, final=True)
+            write_result(out, summarize(args, systems, times, losses, model_config, num_params, final=False))
+    result = summarize(args, systems, times, losses, model_config, num_params, final=True)
     result["profiles"] = {name: _top_functions(profile, args.profile, args.steps) for name, profile in profiles.items()}
     return result
 
 
 def summarize(
     args: argparse.Namespace, systems: dict, times: dict[str, list[float]], losses: dict[str, list[float]],
-    model_config: Any, final: bool,
+    model_config: Any, num_params: int, final: bool,
 ) -> dict:
     """Each system's median step over the timed steps so far, against the reference's."""
     world = dist.get_world_size()
-    num_params = sum(p.numel() for p in GPT(model_config).parameters())
     reference = "ddp" if "ddp" in systems else next(iter(systems))
     ref_median = statistics.median(times[reference])
     tokens = args.micro_batch * model_config.context * world

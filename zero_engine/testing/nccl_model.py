@@ -201,13 +201,13 @@ class NcclModel:
 
     def _batch_isend_irecv(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def batch_isend_irecv(ops: list[Any]) -> list[Any]:
-            names = [self._p2p_launch(op.op.__name__, op.peer, op.group) for op in ops]
+            names = [self._p2p_launch(op.op.__name__, op.peer) for op in ops]
             return [_DataWork(self, work, *name) for work, name in zip(real(ops), names)]
 
         return batch_isend_irecv
 
-    def _p2p_launch(self, kind: str, peer: int | None, group: Any) -> tuple[str, int]:
-        """A send or receive as a launch on the pair's communicator (global ranks)."""
+    def _p2p_launch(self, kind: str, peer: int) -> tuple[str, int]:
+        """A send or receive as a launch on the pair's communicator (``peer``: a global rank)."""
         me = dist.get_rank()
         src, dst = (me, peer) if kind.endswith("send") else (peer, me)
         name = f"p2p[{src}>{dst}]"
@@ -352,14 +352,13 @@ def find_hang(traces: Sequence[Sequence[Event]]) -> Hang | None:
                 if event.seq:
                     deps[start].add(("D", event.group, event.seq - 1))
                 deps[done] |= {("S", member, event.group, event.seq) for member in members[event.group]}
+                launched.add(done)
             elif event.kind == "swait":
                 stream[event.group] = max(stream.get(event.group, -1), event.seq)
             elif event.kind == "sync":
                 deps[host] |= _done(compute)
             elif event.kind == "device_sync":
                 deps[host] |= launched
-            if event.kind == "launch":
-                launched.add(("D", event.group, event.seq))
             elif event.kind == "issue":
                 arrived = ("R", event.group, event.seq)
                 labels[arrived] = f"round {event.group}#{event.seq} reaches every rank"
