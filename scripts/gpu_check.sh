@@ -55,6 +55,7 @@ step() {  # NAME SECONDS COMMAND...: run under a timeout, logged to $out/NAME.lo
     local name=$1 limit=$2
     shift 2
     echo "== $name (at most ${limit}s): $*"
+    : > "$out/$name.log"  # a log of this run only (the exit line is appended after the command's)
     timeout "$limit" "$@" 2>&1 | tee -a "$out/$name.log"
     local status=${PIPESTATUS[0]}
     echo "== $name: exit $status" | tee -a "$out/$name.log"
