@@ -120,6 +120,7 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             "root_unit_bytes": sum(
                 4 * engine.gatherer.units[index].layout.padded_numel for index in engine.gatherer.root_units
             ),
+            "frozen_unit_bytes": sum(4 * unit.layout.padded_numel for unit in engine.frozen_units),
             "groups_made": made,
         })
         engine.close()
@@ -163,9 +164,9 @@ def test_bytes_handed_to_torch_distributed_follow_the_formulas(traffic: list[lis
     step of Ψ trainable elements in U units over N ranks, the gradients are reduce-scattered
     once (Ψ plus padding, fp32), stage 1 all-gathers the updated parameters once and stage 3
     gathers every unit twice (its forward and its backward) but the root unit once (it stays
-    gathered from the forward into the backward), the only all-reduce is the used-mask
-    and norm (8 bytes per parameter, plus one), and a rank-0 export sends each other rank's
-    shard straight to rank 0."""
+    gathered from the forward into the backward), the frozen layer's unit too (never reduced),
+    the only all-reduce is the used-mask and norm (8 bytes per parameter, plus one), and a
+    rank-0 export sends each other rank's shard straight to rank 0, frozen ones included."""
     psi, n = sum(p.numel() for p in make_model().parameters() if p.requires_grad), 3
     for rank, per_case in enumerate(traffic):
         for case, result in zip(CASES, per_case):
@@ -175,11 +176,14 @@ def test_bytes_handed_to_torch_distributed_follow_the_formulas(traffic: list[lis
             assert sent["reduce_scatter"] % n == 0, (label, sent)
             if case["stage"] == 3:
                 assert result["root_unit_bytes"] > 0, label  # the model has a root unit: the case is real
-                assert sent["all_gather"] == 2 * sent["reduce_scatter"] - result["root_unit_bytes"], (label, sent)
+                assert result["frozen_unit_bytes"] > 0, label  # and a frozen unit, gathered, not reduced
+                gathered = 2 * (sent["reduce_scatter"] + result["frozen_unit_bytes"]) - result["root_unit_bytes"]
+                assert sent["all_gather"] == gathered, (label, sent)
             else:
                 assert sent["all_gather"] == sent["reduce_scatter"], (label, sent)
             assert sent["all_reduce"] == 8 * (result["num_params"] + 1), (label, sent)
-            shards = sent["reduce_scatter"] // n if case["stage"] == 3 else 0  # below stage 3 rank 0 has it all
+            # below stage 3 rank 0 has it all
+            shards = (sent["reduce_scatter"] + result["frozen_unit_bytes"]) // n if case["stage"] == 3 else 0
             exported = {"isend": 0, "irecv": (n - 1) * shards} if rank == 0 else {"isend": shards, "irecv": 0}
             assert result["export_gather_bytes"] == exported, (label, result["export_gather_bytes"])
             assert set(sent) == {"reduce_scatter", "all_gather", "all_reduce"}, (label, sent)

@@ -162,10 +162,11 @@ def test_stage3_sets_no_attributes_on_parameters_and_empties_them_between_uses()
     model = make_model()
     engine = zero_engine.initialize(model, _with(zero_optimization=STAGE3))
     assert all(vars(param) == {} for param in model.parameters()), "the engine set attributes on a Parameter"
-    assert model.fc1.weight.shape == (0,) and model.frozen.weight.shape == (7, 7)  # frozen: whole
+    assert model.fc1.weight.shape == (0,) and model.frozen.weight.shape == (0,)  # frozen: sharded too
     engine.backward(engine(*micro_batch(0, 0, 0, 1, 2, 1)))
     engine.step()
     assert model.fc1.weight.shape == (0,), "a unit stayed gathered after the step"
+    assert model.frozen.weight.shape == (0,), "a frozen unit stayed gathered after the backward"
     assert engine.full_state_dict()["fc1.weight"].shape == (11, 7)
     engine.close()
     assert not model._forward_hooks and not model.fc1._forward_pre_hooks, "close() left module hooks"
@@ -174,10 +175,11 @@ def test_stage3_sets_no_attributes_on_parameters_and_empties_them_between_uses()
 def test_stage3_memory_is_the_formula_at_world_size_one() -> None:
     model = make_model()
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    engine = zero_engine.initialize(model, _with(zero_optimization=STAGE3))
     frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    engine = zero_engine.initialize(model, _with(zero_optimization=STAGE3))
     # Gradients exist from the backward to the step, as with FSDP2's zero_grad(set_to_none=True).
     report = engine.memory_report()
+    assert report["frozen_parameters"] == frozen  # one rank: its shard is the whole of it
     assert report["parameters"] - frozen == 4 * psi and report["gradients"] == 0
     engine.backward(engine(*micro_batch(0, 0, 0, 1, 2, 1)))
     assert engine.memory_report()["gradients"] == 4 * psi

@@ -170,7 +170,8 @@ def _check_case(case: dict, world_size: int, group: int, results: list[dict]) ->
         assert abs(comm["reduce_scatter"]["sent"] - scatters * padded_bytes * inside) <= 4 * len(result["shard_numels"])
         if stage < 3:  # updated shards, once; stage 3 gathers each unit at each use (compared across G below)
             assert abs(comm["all_gather"]["sent"] - padded_bytes * inside) <= 4 * len(result["shard_numels"]), label
-        assert comm["intra_group"]["sent"] == comm["reduce_scatter"]["sent"] + comm["all_gather"]["sent"], label
+        gathers = comm["all_gather"]["sent"] + comm["all_gather_frozen"]["sent"]  # the frozen layer's, at stage 3
+        assert comm["intra_group"]["sent"] == comm["reduce_scatter"]["sent"] + gathers, label
 
         # Memory: the ZeRO formula with G in place of N. The engine's count is enough here: the
         # same counting is held to the storages the process holds in test_distributed.py and
@@ -179,7 +180,8 @@ def _check_case(case: dict, world_size: int, group: int, results: list[dict]) ->
         if stage >= 2 and case.get("each_micro_step", True):  # stage 3 releases them after the step
             assert memory["gradients"] == (0 if stage == 3 else shard_bytes), label
         if stage == 3:
-            assert memory["parameters"] - 4 * 7 * 7 - 4 * 7 == formula.parameters == shard_bytes, label  # + frozen
+            assert memory["parameters"] - memory["frozen_parameters"] == formula.parameters == shard_bytes, label
+            assert 0 < memory["frozen_parameters"] <= 4 * (7 * 7 + 7) / group + 4 * 2 * group, label  # sharded over G
     if stage >= 1 and case["optimizer"] == "AdamW":  # each shard's state once per group, R copies in all
         states = sum(r["memory"]["optimizer_states"] - 4 * r["optimizer_tensors"] for r in results)
         stepped = sum(p.numel() for p in make_model().parameters() if p.requires_grad) - 5  # less `unused`

@@ -128,8 +128,10 @@ def test_meta_init_is_the_same_model_at_every_stage_and_world_size(world_size: i
             for name, value in ref_trained.items():
                 diff = (trained[name] - value).abs().max().item()
                 assert diff <= TOL, f"{case} rank {rank}: trained {name} differs by {diff}"
-        for state in result["bf16"]:
-            assert all(torch.equal(state[name], value) for name, value in expected.items()), "bf16 initial state"
+        frozen = {name for name, param in TrapModel().named_parameters() if not param.requires_grad}
+        for state in result["bf16"]:  # frozen weights are stored in bf16: their fp32 init, rounded once
+            for name, value in expected.items():
+                assert torch.equal(state[name], value.to(torch.bfloat16).float() if name in frozen else value), name
         tied = result["tied"]
         assert tied["head.weight"].abs().max() > 1 / 16**0.5, "the head's uniform init overwrote the tied embedding"
         assert torch.equal(tied["head.weight"], tied["embed.weight"])

@@ -426,8 +426,9 @@ def test_host_bytes_as_the_process_holds_them_the_report_and_the_estimate_agree(
         engine.close()
     whole = make_model()  # stage 3 left the model's parameters empty
     num_params = sum(p.numel() for p in whole.parameters() if p.requires_grad)
-    estimate = estimate_from_config(zero_engine.load_config(config), num_params, 1)
-    assert estimate.host == num_params * (4 + 4 + 8 + 2)
+    frozen = sum(p.numel() for p in whole.parameters() if not p.requires_grad)
+    estimate = estimate_from_config(zero_engine.load_config(config), num_params, 1, frozen_params=frozen)
+    assert estimate.host == num_params * (4 + 4 + 8 + 2) + frozen * 2  # the frozen layer's bf16 shard too
     # Measured: Adam has no state for the parameter no rank used, and one step count per tensor.
     steps = sum(s["step"].numel() * 4 for s in engine.optimizer.state.values())
     assert measured["host"] == estimate.host - 8 * whole.unused.numel() + steps

@@ -1,7 +1,7 @@
 """Stage 3 against one process: the same losses, evaluation losses and final parameters.
 
 The model's traps at stage 3: the tied embedding/head weight is owned by the embedding's unit
-and used by the head's, the frozen layer is wrapped but has nothing to shard, one parameter is
+and used by the head's, the frozen layer is wrapped and sharded in a frozen unit (never reduced), one parameter is
 never used, sizes divide by no world size, two param groups split every unit, and with
 ``mlp_calls=2`` the norm/fc1/fc2 units run twice in one forward. Every step is followed by an
 evaluation forward (eval mode, no_grad), which gathers and frees outside any backward.
@@ -48,7 +48,8 @@ def train_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             "norms": norms,
             "eval": eval_losses,
             "state": engine.full_state_dict(),
-            "units": [unit.label for unit in engine.gatherer.units],
+            "units": [unit.label for unit in engine.gatherer.units if not unit.frozen],
+            "frozen_units": [unit.label for unit in engine.frozen_units],
         })
         engine.close()
     return results
@@ -98,6 +99,11 @@ def test_stage3_matches_single_process(world_size: int) -> None:
     assert per_rank[0][2]["units"] == ["<root>", "fc1", "fc2"]  # biases resident, embed in the root
     assert per_rank[0][3]["units"] == ["<root>", "embed", "fc1", "fc2"]
     assert per_rank[0][4]["units"] == ["<root>"]
+    # The frozen layer (49 + 7 elements) is sharded too, in a unit of its own beside the trainable ones
+    # (wrapped as a Linear; in the root's frozen unit where the root holds it), its bias where the
+    # persistence threshold lets it.
+    frozen = [per_rank[0][case]["frozen_units"] for case in (0, 2, 3, 4)]
+    assert frozen == [["frozen [frozen]"]] * 3 + [["<root> [frozen]"]], frozen
 
 
 # -- memory, communication, export, failures, structured inputs: one spawn per world size --------

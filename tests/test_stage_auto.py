@@ -35,25 +35,28 @@ def _table() -> list[Any]:
     groups = resolve_param_groups(model, None, torch.optim.AdamW)
     num_params = sum(p.numel() for group in groups for p in group.params)
     largest = ModulePlan(model, groups, config.zero_optimization).largest_unit_numel()
-    return candidates(config, num_params, WORLD, largest), num_params
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # counted as stored, as initialize does
+    return candidates(config, num_params, WORLD, largest, frozen), num_params
 
 
 def test_the_table_is_the_zero_formula_plus_the_largest_unit() -> None:
     table, p = _table()
     n = WORLD
-    unit = max(sum(q.numel() for q in plan.params) for plan in _plans()) * 4
+    unit = max(sum(q.numel() for q in [*plan.params, *plan.frozen_params]) for plan in _plans()) * 4
+    f = sum(q.numel() for q in make_model().parameters() if not q.requires_grad)  # the frozen layer: stored only
     # fp32 AdamW, per rank: parameters 4, gradients 4, optimizer state 8 bytes per parameter,
     # sharded from stage 3, 2 and 1 on; offloaded: an fp32 host master, gradient and state.
     expected = {
-        "stage 0": 4 * p + 4 * p + 8 * p,
-        "stage 1": 4 * p + 4 * p + 8 * p // n,
-        "stage 2": 4 * p + 4 * p // n + 8 * p // n,
-        "stage 3": 4 * p // n + 4 * p // n + 8 * p // n + unit,
-        "stage 3 + offload_optimizer": 4 * p // n + unit,
+        "stage 0": 4 * p + 4 * p + 8 * p + 4 * f,
+        "stage 1": 4 * p + 4 * p + 8 * p // n + 4 * f,
+        "stage 2": 4 * p + 4 * p // n + 8 * p // n + 4 * f,
+        "stage 3": 4 * p // n + 4 * p // n + 8 * p // n + unit + 4 * f // n,
+        "stage 3 + offload_optimizer": 4 * p // n + unit + 4 * f // n,
         "stage 3 + offload_optimizer + offload_param": unit,
     }
     assert {c.name: c.device for c in table} == expected
-    assert [c.host for c in table][-2:] == [4 * p // n * 2 + 8 * p // n, 4 * p // n * 2 + 8 * p // n]
+    offloaded = 4 * p // n * 2 + 8 * p // n
+    assert [c.host for c in table][-2:] == [offloaded, offloaded + 4 * f // n]  # fp32: the master is the shard
 
 
 def test_the_gathered_unit_is_counted_in_the_compute_dtype() -> None:

@@ -1,7 +1,8 @@
 """The ``zero-engine`` console script.
 
     zero-engine validate CONFIG [--world-size N]        print the resolved config, or its errors
-    zero-engine estimate CONFIG --params N [--world-size N] [--shard-group-size G] [--largest-unit N]
+    zero-engine estimate CONFIG --params N [--frozen-params N] [--world-size N] [--shard-group-size G]
+                                                         [--largest-unit N]
                                                          per-rank model-state bytes by the formula,
                                                          host and device apart with offload; with
                                                          stage: auto, every candidate and the choice
@@ -39,6 +40,13 @@ def _positive_count(text: str) -> int:
     return count
 
 
+def _non_negative_count(text: str) -> int:
+    count = as_count(text)
+    if count is None or count < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return count
+
+
 def _validate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
@@ -67,7 +75,7 @@ def _estimate(args: argparse.Namespace) -> int:
         if config.zero_optimization.stage == "auto":
             return _estimate_auto(config, args)
         group = args.shard_group_size or config.zero_optimization.shard_group_size_for(args.world_size)
-        report = estimate_from_config(config, args.params, args.world_size, group)
+        report = estimate_from_config(config, args.params, args.world_size, group, frozen_params=args.frozen_params)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -76,10 +84,13 @@ def _estimate(args: argparse.Namespace) -> int:
     sharding = ""
     if group < args.world_size:
         sharding = f" (sharded over groups of {group}, {args.world_size // group} replicas)"
+    frozen = f" and {args.frozen_params:,} frozen" if args.frozen_params else ""
     print(f"stage {zero.stage}, {dtype}, {config.optimizer.type}, {args.world_size} rank(s){sharding}, "
-          f"{args.params:,} trainable parameters; per rank, without padding and activations:")
+          f"{args.params:,} trainable{frozen} parameters; per rank, without padding and activations:")
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
+        if key == "parameters" and args.frozen_params:
+            print(f"  {'  of which frozen':18s} {report.frozen_parameters / 2**30:10.3f} GiB")
     total = report.model_states
     print(f"  {'total':18s} {total / 2**30:10.3f} GiB")
     if report.host:
@@ -98,7 +109,7 @@ def _estimate_auto(config: ZeroEngineConfig, args: argparse.Namespace) -> int:
     if args.shard_group_size:
         config = config.model_copy(update={"zero_optimization": config.zero_optimization.model_copy(
             update={"shard_group_size": args.shard_group_size})})
-    table = candidates(config, args.params, args.world_size, args.largest_unit)
+    table = candidates(config, args.params, args.world_size, args.largest_unit, args.frozen_params)
     zero = config.zero_optimization
     unit = f"{args.largest_unit:,} parameters" if args.largest_unit else "not given: --largest-unit N"
     print(f"stage auto, {args.params:,} trainable parameters, {args.world_size} rank(s); per rank, on the device "
@@ -172,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     estimate = verbs.add_parser("estimate", help="per-rank model-state memory by the ZeRO formula")
     estimate.add_argument("config", help="a .yaml, .yml or .json config file")
     estimate.add_argument("--params", required=True, type=_positive_count, help="trainable parameters, e.g. 7e9")
+    estimate.add_argument(
+        "--frozen-params", type=_non_negative_count, default=0,
+        help="frozen parameters (a LoRA base, a reference model), e.g. 7e9: their storage alone, sharded at stage 3",
+    )
     estimate.add_argument("--world-size", type=_positive_count, default=1, help="data-parallel ranks")
     estimate.add_argument(
         "--shard-group-size", type=_positive_count, help="ranks per shard group (hybrid sharding); default: the config's"

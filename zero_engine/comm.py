@@ -52,6 +52,7 @@ class CollectiveKind(str, Enum):
     ALL_REDUCE = "all_reduce"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
+    ALL_GATHER_FROZEN = "all_gather_frozen"  # stage 3's gathers of frozen units, apart from the trainable ones
     BROADCAST = "broadcast"
     GATHER = "gather"
 
@@ -479,9 +480,9 @@ class Comm:
         """Sum a shard over the ranks that hold the same shard in every group."""
         return self.replica_group.all_reduce_sum(shard)
 
-    def all_gather(self, flat: torch.Tensor) -> Pending:
+    def all_gather(self, flat: torch.Tensor, kind: CollectiveKind = CollectiveKind.ALL_GATHER) -> Pending:
         """Fill every shard of ``flat`` with its owner's values (inside the shard group)."""
-        return self.shard_group.all_gather(flat)
+        return self.shard_group.all_gather(flat, kind)
 
     def gather(self, own: torch.Tensor, flat: torch.Tensor | None, dst: int = 0) -> Pending | Finishing:
         """Fill every shard of ``flat`` on rank 0 alone (`GroupComm.gather`: the others pass

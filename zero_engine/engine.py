@@ -37,8 +37,8 @@ from .sharding.agreement import Call
 from .stage import Stage
 from .sharding.unit_forwards import UnitForwards
 from .state import checkpoint, export
-from .state.state_dict import ModelState
-from .step import OptimizerStep
+from .state.state_dict import ModelState, cast_frozen
+from .step import NoOptimizerStep, OptimizerStep
 from .tree import iter_tensors, map_tensors
 
 logger = logging.getLogger("zero_engine")
@@ -80,15 +80,20 @@ class Engine:
         self.offload = offload_plan(zero, stage, batch.gradient_accumulation_steps)  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
-        self.units, self.gatherer, self.reducer, self.calls, self.codecs = build_mechanism(
+        cast_frozen(model, precision.compute_dtype)  # before any unit takes their values: no fp32 copy, ever
+        self.units, self.frozen_units, self.gatherer, self.reducer, self.calls, self.codecs = build_mechanism(
             model, plan, groups, comm, stage, zero, precision.compute_dtype, precision.reduce_dtype, self.device,
             self.lifecycle, self._begin_backward, deferred, self.offload,
         )
-        self.model_state = ModelState(model, self.units, comm, precision.compute_dtype)
+        cast_frozen(model, precision.compute_dtype)  # those materialized from the meta device while building
+        self.model_state = ModelState(model, self.units, comm, precision.compute_dtype, self.frozen_units)
+        # requires_grad as built: a change (PEFT's set_adapter, unfreezing a layer) would train wrong
+        self._trainable_as_built = [(name, param, param.requires_grad) for name, param in model.named_parameters()]
         # The leaf unit modules recomputed now (recompute_units), compiled later (compile()).
         self.unit_forwards = UnitForwards(plan.leaf_modules, zero.recompute_units)
-        self.optimizer_step = OptimizerStep(
-            config, stage, self.units, groups, comm, self.reducer, self.device, self.offload, lr_scheduler
+        self.optimizer_step: OptimizerStep | NoOptimizerStep = (
+            OptimizerStep(config, stage, self.units, groups, comm, self.reducer, self.device, self.offload, lr_scheduler)
+            if self.units else NoOptimizerStep()
         )
         self.step_log = StepLog(build_monitors(config) if comm.rank == 0 else [])  # DeepSpeed's monitor sections
 
@@ -129,6 +134,7 @@ class Engine:
         short last window included). A plain ``loss.backward()`` reduces the same way, but
         neither divides nor scales."""
         _check_loss(loss)
+        self._check_trains("backward")
         self.step_log.add_loss(loss)  # with a monitor on: summed on the device, read back at the step
         divisor = self.batch.gradient_accumulation_steps if scale_wrt_gas else 1
         self._scaling_backward = True
@@ -162,6 +168,7 @@ class Engine:
         reducer and queues the end of the backward on the autograd engine (as FSDP2 does)."""
         if self.lifecycle.state.in_backward:
             return
+        self._check_requires_grad_unchanged()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self.window.backwards and not self.reducer.reduces_every_micro_step:
             raise RuntimeError(
@@ -183,6 +190,7 @@ class Engine:
     def step(self) -> None:
         """Call after every micro-batch's backward; updates only on accumulation boundaries."""
         self.calls.check_usable()
+        self._check_trains("step")
         self._check_backwards()
         boundary = self.window.end_micro_step()
         self._train_row_sent = False
@@ -204,10 +212,38 @@ class Engine:
                 self.loss_scale, self.skipped_steps,
             )
 
+    def _check_trains(self, call: str) -> None:
+        """An engine over a model without a trainable parameter (a reference or reward model)
+        serves forwards only."""
+        if not self.units:
+            raise RuntimeError(
+                f"engine.{call}(): this engine has nothing to train: its model has no trainable parameter "
+                "(requires_grad=True) in any param group, so it has no optimizer. Use it for forwards (under "
+                "torch.no_grad() or engine.eval()), or unfreeze parameters before zero_engine.initialize"
+            )
+
+    def _check_requires_grad_unchanged(self) -> None:
+        """Which parameters train was decided at `initialize` (units, optimizer, reductions): a
+        parameter whose ``requires_grad`` changed since would train wrong, silently."""
+        changed = [
+            f"{name!r} ({'frozen' if was else 'unfrozen'} after initialize)"
+            for name, param, was in self._trainable_as_built
+            if param.requires_grad != was
+        ]
+        if changed:
+            raise RuntimeError(
+                f"requires_grad changed after zero_engine.initialize for {len(changed)} parameter(s): "
+                f"{', '.join(changed[:8])}{', ...' if len(changed) > 8 else ''}. The engine decided which parameters "
+                "train when it was built (their units, optimizer state and reductions): set requires_grad before "
+                "initialize (PEFT: call set_adapter or freeze layers first), or build a new engine (engine.close(), "
+                "then zero_engine.initialize again)"
+            )
+
     # -- the optimizer step's parts, as the engine's (`zero_engine.step.OptimizerStep`) ----------
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The torch optimizer over this rank's shards; None for an engine with nothing to train."""
         return self.optimizer_step.optimizer
 
     @property
@@ -329,7 +365,7 @@ class Engine:
         needs the full model on any other rank; the other ranks get an empty dict.
         """
         self.calls.check_usable()
-        if any(unit.shard_master for unit in self.units):  # collective: every rank must be here
+        if any(unit.shard_master for unit in [*self.units, *self.frozen_units]):  # collective: every rank must be here
             self._agree_on_call(Call.FULL_STATE_DICT)
         return self.model_state.full_state_dict(rank0_only=rank0_only)
 
@@ -338,6 +374,7 @@ class Engine:
         report = measure_memory(
             self.model_state.loose_params,
             self.units,
+            self.frozen_units,
             self.optimizer,
             self.reducer,
             self.gatherer.peaks(),
@@ -352,7 +389,7 @@ class Engine:
         return self.comm.report()
 
     def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the whole averaged, unscaled gradient at the last optimizer step
@@ -360,7 +397,13 @@ class Engine:
         return self.optimizer_step.grad_norm
 
     def save_checkpoint(
-        self, directory: str | Path, tag: str | None = None, client_state: Any = None, *, within_window: bool = False
+        self,
+        directory: str | Path,
+        tag: str | None = None,
+        client_state: Any = None,
+        *,
+        within_window: bool = False,
+        exclude_frozen_parameters: bool = False,
     ) -> Path:
         """Save everything needed to resume, at any stage and world size (collective).
 
@@ -370,6 +413,10 @@ class Engine:
         saves what the last boundary left (parameters, optimizer, schedule): the window's
         gradients so far stay in this run and are not saved, as a DDP checkpoint holds none (for
         loops that checkpoint between micro-batches, as Lightning's ModelCheckpoint can).
+
+        ``exclude_frozen_parameters=True`` (DeepSpeed's keyword) saves the trainable state only: a
+        LoRA run's checkpoint then holds its adapters, not the base. Resuming it takes the frozen
+        weights from the model as built, or from ``weights=`` at `initialize`.
         """
         self.calls.check_usable()
         if self.window.in_window and not within_window:
@@ -381,7 +428,7 @@ class Engine:
         self._agree_on_call(Call.SAVE_CHECKPOINT)
         counters = checkpoint.Counters(self.global_step, self.skipped_steps)
         tag = tag or f"global_step{self.global_step}"
-        return checkpoint.save(self._resumable(), counters, directory, tag, client_state)
+        return checkpoint.save(self._resumable(exclude_frozen_parameters), counters, directory, tag, client_state)
 
     def load_checkpoint(
         self,
@@ -417,10 +464,10 @@ class Engine:
         self._agree_on_call(Call.SAVE_PRETRAINED)
         return export.export_model(self.model_state, directory, max_shard_size, dtype)
 
-    def _resumable(self) -> checkpoint.Resumable:
+    def _resumable(self, exclude_frozen: bool = False) -> checkpoint.Resumable:
         return checkpoint.Resumable(
             self.model_state, self.optimizer, self.lr_scheduler, self.loss_scaler, self.config, self.stage.level,
-            self.device,
+            self.device, exclude_frozen,
         )
 
     def close(self) -> None:

@@ -104,6 +104,7 @@ def initialize(
         _check_host_memory(model, plan, groups, config, stage, precision, comm, batch.gradient_accumulation_steps)
         if comm.rank == 0:
             _log_settings(config, stage)
+            _log_if_nothing_trains(groups, config)
             _warn_if_one_hardware_queue(stage, comm)
         engine = Engine(
             model, config, comm, stage, batch, groups, precision, plan, device=device, deferred=deferred,
@@ -205,6 +206,19 @@ def _log_settings(config: ZeroEngineConfig, stage: Stage) -> None:
     for message in no_effect_settings(config):
         logger.warning(message)
     logger.info(_clipping_in_effect(config))
+
+
+def _log_if_nothing_trains(groups: list, config: ZeroEngineConfig) -> None:
+    """A model without a trainable parameter (a reference or reward model, built with the
+    policy's config as TRL does) gets no optimizer: say that its sections have no effect."""
+    if any(group.params for group in groups):
+        return
+    sections = [name for name in ("optimizer", "scheduler") if name in config.model_fields_set and getattr(config, name)]
+    if sections:
+        logger.info(
+            "the model has no trainable parameter: this engine serves forwards only, and the config's %s "
+            "section(s) have no effect (no optimizer is built)", " and ".join(sections)
+        )
 
 
 def _warn_if_one_hardware_queue(stage: Stage, comm: Comm) -> None:

@@ -24,6 +24,7 @@ from .config import ZeroEngineConfig
 from .stage import Stage, stage_for
 from .offload import OffloadPlan, offload_plan
 from .sharding.reducer import GradReducer
+from .sharding.frozen_unit import FrozenUnit
 from .sharding.unit import FlatUnit
 
 
@@ -41,6 +42,7 @@ class MemoryReport(NamedTuple):
     peak_step_gradients: int = 0  # fp32 copies of low-precision gradients alive at once in the last step
     host: int = 0  # of the held-now kinds, what lives in host memory (offload); the rest is on the device
     peak_quantized_buffers: int = 0  # most encoded (ZeRO++ quantized) communication buffers alive at once this step
+    frozen_parameters: int = 0  # of `parameters`, the frozen ones (requires_grad False): sharded at stage 3
 
     @property
     def model_states(self) -> int:
@@ -97,11 +99,17 @@ def optimizer_bytes_per_param(name: str, params: dict) -> int:
 
 
 def estimate_from_config(
-    config: ZeroEngineConfig, num_params: int, world_size: int, shard_group_size: int | None = None
+    config: ZeroEngineConfig,
+    num_params: int,
+    world_size: int,
+    shard_group_size: int | None = None,
+    frozen_params: int = 0,
 ) -> MemoryReport:
     """The formula for a config: its stage, precision, optimizer and offload. States are
     sharded over the shard group (``shard_group_size``, else the config's for ``world_size``),
-    not over every rank: with hybrid sharding ``G`` takes the place of ``N``."""
+    not over every rank: with hybrid sharding ``G`` takes the place of ``N``. ``num_params``
+    trainable parameters; ``frozen_params`` frozen ones add their storage alone (2 bytes under
+    fp16/bf16, else 4), sharded at stage 3 unless ``frozen_weights`` is ``replicate``."""
     mixed = config.fp16.enabled or config.bf16.enabled
     if shard_group_size is None:
         shard_group_size = config.zero_optimization.shard_group_size_for(world_size)
@@ -118,7 +126,11 @@ def estimate_from_config(
         master_bytes=4 if mixed else 0,
     )
     plan = offload_plan(config.zero_optimization, stage)
-    return with_offload(report, plan, num_params, shard_group_size, mixed=mixed, stage=stage)
+    report = with_offload(report, plan, num_params, shard_group_size, mixed=mixed, stage=stage)
+    sharded = stage.shard_parameters and config.zero_optimization.frozen_weights == "shard"
+    frozen = frozen_params * (2 if mixed else 4) // (shard_group_size if sharded else 1)
+    host = report.host + (frozen if plan.params and sharded else 0)  # offload_param moves frozen shards too
+    return report._replace(parameters=report.parameters + frozen, frozen_parameters=frozen, host=host)
 
 
 def with_offload(
@@ -153,7 +165,8 @@ def host_bytes_needed(config: ZeroEngineConfig, num_params: int, world_size: int
 def measure_memory(
     loose_params: Sequence[nn.Parameter],
     units: Sequence[FlatUnit],
-    optimizer: torch.optim.Optimizer,
+    frozen_units: Sequence[FrozenUnit],
+    optimizer: torch.optim.Optimizer | None,
     reducer: GradReducer,
     gathered_peaks: tuple[int, int] = (0, 0),
     step_grad_bytes: int = 0,
@@ -161,14 +174,16 @@ def measure_memory(
     peak_encoded_bytes: int = 0,
 ) -> MemoryReport:
     """What this rank holds now, counted from the tensors themselves. ``loose_params`` are the
-    parameters outside every unit (frozen ones), counted as they are stored; stage 3 units
-    count their shard (gathered copies are transient and reported as peaks). ``host`` counts
-    what offload put in host memory (``optimizer_on_host``: the optimizer's state too)."""
-    optimizer_states = sum(
-        tensor_bytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
-    )
+    parameters outside every unit (frozen ones below stage 3 or replicated), counted as they
+    are stored; stage 3 units count their shard (gathered copies are transient and reported as
+    peaks). ``frozen_parameters`` is the part of ``parameters`` that trains not. ``host``
+    counts what offload put in host memory (``optimizer_on_host``: the optimizer's state too)."""
+    states = optimizer.state.values() if optimizer is not None else ()
+    optimizer_states = sum(tensor_bytes(value) for state in states for value in state.values() if torch.is_tensor(value))
+    frozen = sum(tensor_bytes(p) for p in loose_params if not p.requires_grad)
+    frozen += sum(unit.param_bytes for unit in frozen_units)
     return MemoryReport(
-        parameters=sum(tensor_bytes(p) for p in loose_params) + sum(unit.param_bytes for unit in units),
+        parameters=sum(tensor_bytes(p) for p in loose_params) + sum(unit.param_bytes for unit in [*units, *frozen_units]),
         gradients=reducer.held_grad_bytes(),
         optimizer_states=optimizer_states,
         master_parameters=sum(unit.optimizer_shard.master_bytes for unit in units),
@@ -177,6 +192,7 @@ def measure_memory(
         peak_gathered_forward=gathered_peaks[0],
         peak_gathered_backward=gathered_peaks[1],
         peak_step_gradients=step_grad_bytes,
-        host=sum(unit.host_bytes for unit in units) + (optimizer_states if optimizer_on_host else 0),
+        host=sum(unit.host_bytes for unit in [*units, *frozen_units]) + (optimizer_states if optimizer_on_host else 0),
         peak_quantized_buffers=peak_encoded_bytes,
+        frozen_parameters=frozen,
     )

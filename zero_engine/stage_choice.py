@@ -31,7 +31,7 @@ from .errors import ConfigError
 from .memory import estimate_from_config
 from .param_groups import ParamGroup
 from .precision import Precision
-from .sharding.module_plan import ModulePlan
+from .sharding.module_plan import ModulePlan, frozen_params
 
 GIB = 2**30
 CANDIDATES: list[tuple[str, dict[str, Any]]] = [
@@ -63,9 +63,12 @@ class Candidate(NamedTuple):
         return self.states + self.gathered + self.activations
 
 
-def candidates(config: ZeroEngineConfig, num_params: int, world_size: int, largest_unit_numel: int) -> list[Candidate]:
+def candidates(
+    config: ZeroEngineConfig, num_params: int, world_size: int, largest_unit_numel: int, frozen_params: int = 0
+) -> list[Candidate]:
     """Every candidate's figures, in the order they are tried; the largest stage 3 unit counted
-    gathered whole in the compute dtype."""
+    gathered whole in the compute dtype; ``frozen_params`` frozen parameters counted as stored
+    (whole below stage 3, sharded at stage 3 unless replicated)."""
     zero = config.zero_optimization
     if zero.offload_optimizer is not None or zero.offload_param is not None:
         raise ConfigError(
@@ -77,7 +80,7 @@ def candidates(config: ZeroEngineConfig, num_params: int, world_size: int, large
     for name, update in CANDIDATES:
         settled = zero.model_copy(update={**update, "memory_budget_gib": None})  # as if set by hand
         chosen = config.model_copy(update={"zero_optimization": settled})
-        report = estimate_from_config(chosen, num_params, world_size)
+        report = estimate_from_config(chosen, num_params, world_size, frozen_params=frozen_params)
         gathered = gathered_unit if update["stage"] == 3 else 0
         table.append(Candidate(name, chosen, report.model_states - report.host, gathered, activations, report.host))
     return table
@@ -143,7 +146,8 @@ def resolve_stage(
         return config, None
     assert comm is not None, "stage: auto is agreed between the ranks: connect first"
     num_params = sum(param.numel() for group in groups for param in group.params)
-    table = candidates(config, num_params, comm.world_size, plan.largest_unit_numel())
+    frozen = sum(param.numel() for param in frozen_params(plan.model))
+    table = candidates(config, num_params, comm.world_size, plan.largest_unit_numel(), frozen)
     own = budget_bytes(config, device, _bytes_on(plan.model, device))
     budgets = comm.each_rank(own).values()
     budget = min(budgets)
@@ -151,7 +155,8 @@ def resolve_stage(
     smallest = "" if len(set(budgets)) == 1 else f", the smallest of the ranks' (rank {budgets.index(budget)}'s)"
     text = (
         f"zero_optimization.stage = 'auto' chose {chosen.name} for a budget of {_size(budget)} per rank{smallest} "
-        f"({num_params:,} trainable parameters, {comm.world_size} rank(s)):\n{format_table(table, budget, chosen)}"
+        f"({num_params:,} trainable and {frozen:,} frozen parameters, {comm.world_size} rank(s)):\n"
+        f"{format_table(table, budget, chosen)}"
     )
     return chosen.config, text
 

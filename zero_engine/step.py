@@ -185,3 +185,23 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
         squares = norms.double().pow(2).sum()
         total = total + (squares if place == device else squares.to(device, non_blocking=True))
     return total
+
+
+class NoOptimizerStep:
+    """An engine whose model has no trainable parameter (a reference or reward model): no
+    optimizer, schedule or loss scaler is built, whatever the config's sections say, and
+    nothing steps (the engine refuses ``backward`` and ``step`` first)."""
+
+    optimizer = None
+    lr_scheduler = None
+    loss_scaler = None
+    grad_norm = None
+    applied = False
+    peak_grad_bytes = 0
+    loss_scale = 1.0
+
+    def __init__(self) -> None:
+        self.skipped_steps = 0
+
+    def run(self, step_number: int) -> StepResult:
+        raise RuntimeError("an engine without trainable parameters has no optimizer step")

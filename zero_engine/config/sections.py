@@ -230,6 +230,14 @@ class ZeroOptimizationConfig(_Section):
         description="Stage 3: trainable parameters with fewer elements stay whole on every rank "
         "(their gradients and optimizer state are still sharded, as at stage 2).",
     )
+    frozen_weights: Literal["shard", "replicate"] = Field(
+        "shard",
+        description="Ours, not DeepSpeed's: at stage 3, 'shard' (default) shards frozen parameters (requires_grad "
+        "False: a LoRA base, a reference model) 1/N as trainable ones, gathered around their use and never reduced; "
+        "'replicate' keeps them whole on every rank and never gathers them (spare memory, scarce bandwidth). Below "
+        "stage 3 frozen parameters are whole either way. Frozen weights are never copied to fp32: under fp16/bf16 "
+        "they are stored in the compute dtype.",
+    )
     stage3_model_persistence_threshold: Count = Field(
         2**63 - 1, description="DeepSpeed option (a model-wide cap on parameters kept whole); accepted, no effect."
     )
@@ -313,7 +321,7 @@ class ZeroOptimizationConfig(_Section):
     # when set, and in the key table (`zero_engine.config.deepspeed`).
     NO_EFFECT: ClassVar[dict[str, str]] = {
         "contiguous_gradients": "gradients always live in one flat buffer per unit",
-        "zero_quantized_nontrainable_weights": "frozen parameters stay whole on every rank and are never gathered",
+        "zero_quantized_nontrainable_weights": "frozen parameters are gathered exactly, in their own dtype (int8 not built)",
         "reduce_scatter": "stages 1-3 always reduce-scatter (comm.primitives picks how)",
         "allgather_partitions": "updated shards are always all-gathered, one unit per call",
         "allgather_bucket_size": (

@@ -34,7 +34,8 @@ from .deferred_init import DeferredInit
 from .gatherer import NoGather, ParamGatherer
 from .layout import plan_units
 from .lifecycle import Lifecycle
-from .module_plan import ModulePlan
+from .frozen_unit import FrozenUnit, frozen_dtype
+from .module_plan import ModulePlan, ModuleUnitPlan
 from .placement import Placement, place
 from .bucket_reducer import ShardedGradReducer
 from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads
@@ -45,7 +46,8 @@ class Mechanism(NamedTuple):
     """What shards a model: its units, what gathers them (stage 3), what reduces their
     gradients, and what catches a collective call made on some ranks only."""
 
-    units: list[FlatUnit]
+    units: list[FlatUnit]  # the trainable units: reduced, stepped
+    frozen_units: list[FrozenUnit]  # stage 3's frozen ones: gathered only
     gatherer: NoGather
     reducer: GradReducer
     calls: CallGuard | PassCallGuard
@@ -73,7 +75,7 @@ def build_mechanism(
     guard reads its rows before the reducer's first launch (stages 0-2) or among the rounds
     (stage 3). ``on_unarmed_grad``: the engine's, for a gradient outside an armed backward."""
     codecs = stage_codecs(stage, zero)
-    units, gatherer = build_units(
+    units, frozen_units, gatherer = build_units(
         model, plan, groups, comm, stage, zero, compute_dtype, device, lifecycle, deferred, offload, codecs.gather
     )
     calls = PassCallGuard(gatherer) if isinstance(gatherer, ParamGatherer) else CallGuard(comm)
@@ -83,7 +85,7 @@ def build_mechanism(
         before_launch=calls.before_reduction, codec=codecs.grads,
     )
     gatherer.attach_reducer(reducer)
-    return Mechanism(units, gatherer, reducer, calls, codecs)
+    return Mechanism(units, frozen_units, gatherer, reducer, calls, codecs)
 
 
 def stage_codecs(stage: Stage, zero: ZeroOptimizationConfig) -> Codecs:
@@ -110,10 +112,11 @@ def build_units(
     deferred: DeferredInit | None = None,
     offload: OffloadPlan = NO_OFFLOAD,
     gather_codec: GatherCodec = IDENTITY,
-) -> tuple[list[FlatUnit], NoGather]:
-    """All units in reducer order, and what gathers them (nothing below stage 3). ``offload``
-    puts sharded state on the host: optimizer state in every unit, parameter shards in the
-    stage 3 units (resident parameters stay whole on the device, as DeepSpeed's persistent ones)."""
+) -> tuple[list[FlatUnit], list[FrozenUnit], NoGather]:
+    """All trainable units in reducer order, stage 3's frozen units, and what gathers them
+    (nothing below stage 3). ``offload`` puts sharded state on the host: optimizer state in
+    every unit, parameter shards in the trainable stage 3 units (resident parameters stay whole
+    on the device, as DeepSpeed's persistent ones; frozen shards stay on the device)."""
     placement = place(offload)  # where every unit's optimizer side lives, decided once
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
@@ -122,7 +125,7 @@ def build_units(
             _agree_on_drawn_values(model, [], comm)
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
         units = _bucketed_units(named, position, comm, stage, zero, compute_dtype, placement)
-        return _in_arrival_order(units, position), NoGather()
+        return _in_arrival_order(units, position), [], NoGather()
     plans, resident = plan.units, plan.resident
     sharded = [
         ShardedFlatUnit(
@@ -133,26 +136,57 @@ def build_units(
         for plan in plans
         if plan.params
     ]
-    if deferred is not None:  # what no sharded unit took: buffers, frozen and small parameters
+    frozen = [
+        unit for plan in plans for unit in _frozen_units(plan, comm, device, compute_dtype, deferred, offload.params)
+    ]
+    if deferred is not None:  # what no sharded unit took: buffers, small parameters
         deferred.materialize_all()
-        _agree_on_drawn_values(model, sharded, comm)
-    index_of = {param: index for index, unit in enumerate(sharded) for param in unit.params}
+        _agree_on_drawn_values(model, [*sharded, *frozen], comm)
+    gathered: list[ShardedFlatUnit | FrozenUnit] = [*sharded, *frozen]
+    index_of = {param: index for index, unit in enumerate(gathered) for param in unit.params}
     hooked = []
     for plan in plans:
         needs = tuple(sorted({index_of[param] for param in plan.uses if param in index_of}))
         if needs:
             hooked.append((plan.module, needs))
     gatherer = ParamGatherer(
-        model, sharded, hooked, comm, zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, lifecycle
+        model, gathered, hooked, comm, zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, lifecycle
     )
     per_group: list[list[tuple[str, nn.Parameter, int]]] = [[] for _ in groups]
     for item in resident:
         per_group[item.group_index].append((item.name, item.param, item.group_index))
     resident_units = _bucketed_units(per_group, position, comm, stage, zero, compute_dtype, placement)
-    return _in_arrival_order([*sharded, *resident_units], position), gatherer
+    return _in_arrival_order([*sharded, *resident_units], position), frozen, gatherer
 
 
-def _agree_on_drawn_values(model: nn.Module, sharded: Sequence[ShardedFlatUnit], comm: Comm) -> None:
+def _frozen_units(
+    plan: ModuleUnitPlan,
+    comm: Comm,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    deferred: DeferredInit | None,
+    on_host: bool,
+) -> list[FrozenUnit]:
+    """The unit module's frozen parameters as `FrozenUnit` s, one per stored dtype (each gathers
+    in it: the compute dtype under mixed precision, see `cast_frozen`, else the parameter's
+    own), in registration order within each."""
+    by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+    for name, param in zip(plan.frozen_names, plan.frozen_params):
+        by_dtype.setdefault(frozen_dtype(param, compute_dtype), []).append((name, param))
+    units = []
+    for dtype, named in by_dtype.items():
+        params = [param for _, param in named]
+        label = plan.label if len(by_dtype) == 1 else f"{plan.label} ({dtype})"
+        units.append(FrozenUnit(
+            params, [name for name, _ in named], comm.shard_rank, comm.num_shards, label=f"{label} [frozen]",
+            device=device, dtype=dtype, materialize=_materializer(deferred, params), on_host=on_host,
+        ))
+    return units
+
+
+def _agree_on_drawn_values(
+    model: nn.Module, sharded: Sequence[ShardedFlatUnit | FrozenUnit], comm: Comm
+) -> None:
     """After materializing from the meta device: random numbers on a GPU depend on its launch
     grid, so ranks on different GPUs (or MIG slices) draw different values. What every rank
     keeps whole takes rank 0's, as for an eager model; each shard takes its copy's in the first
@@ -161,11 +195,16 @@ def _agree_on_drawn_values(model: nn.Module, sharded: Sequence[ShardedFlatUnit],
     whole = [tensor for tensor in (*model.parameters(), *model.buffers()) if tensor not in in_units]
     comm.broadcast([tensor.detach() for tensor in whole], src=0)
     if sharded and comm.num_replicas > 1:
-        staged = [unit.optimizer_shard.master.to(unit.device) for unit in sharded]  # offloaded masters cross on the device
-        comm.broadcast_across_groups(staged)
-        for unit, values in zip(sharded, staged):
+        trained = [unit for unit in sharded if unit.optimizer_shard is not None]
+        staged = [unit.optimizer_shard.master.to(unit.device) for unit in trained]  # offloaded masters cross on the device
+        frozen = [unit for unit in sharded if unit.optimizer_shard is None]
+        frozen_staged = [unit.param_shard.to(unit.device) for unit in frozen]
+        comm.broadcast_across_groups(staged + frozen_staged)
+        for unit, values in zip(trained, staged):
             unit.optimizer_shard.master.copy_(values)
             unit.optimizer_shard.publish()
+        for unit, values in zip(frozen, frozen_staged):
+            unit.param_shard.copy_(values)
 
 
 def _materializer(deferred: DeferredInit | None, params: list[nn.Parameter]) -> Callable[[], None] | None:
@@ -238,6 +277,13 @@ def planned_host_buffers(
         return -(-numel // num_shards)
 
     buffers: list[int] = []
+    if offload.params and stage.shard_parameters:  # each frozen unit's shard (per module and stored dtype)
+        for unit in plan.units:
+            per_dtype: dict[torch.dtype, int] = {}
+            for param in unit.frozen_params:
+                dtype = frozen_dtype(param, compute_dtype)
+                per_dtype[dtype] = per_dtype.get(dtype, 0) + param.numel()
+            buffers += [dtype.itemsize * shard(numel) for dtype, numel in per_dtype.items()]
     for numel, is_sharded in [*((n, True) for n in sharded), *((n, False) for n in whole)]:
         if offload.optimizer:
             buffers += [4 * shard(numel)] * (2 if offload.staged_gradients else 1)  # host gradient (and staging)

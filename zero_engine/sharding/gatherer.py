@@ -12,7 +12,13 @@ post-hook also puts a hook on the module's output tensors: the first gradient th
 one of them, at the start of the module's backward, gathers its units again (and prefetches
 the next in reverse forward order). A unit is freed in backward once all of its parameters
 have received their gradient (the reducer says so): every operation that needed its values
-has then run. Whatever is still gathered when backward returns (unused parameters) is freed.
+has then run. A frozen unit (`FrozenUnit`) gets no gradient: it is freed by a post-backward
+signal instead, an identity autograd function over the module's inputs (as FSDP2's
+``RegisterPostBackwardFunction``), whose backward runs once the gradients of those inputs are
+computed, after every operation of that call of the module; its gathers count per call, so a
+module called twice keeps its frozen units until both calls' backwards are done. Whatever is
+still gathered when backward returns (unused parameters, a call whose inputs needed no
+gradient) is freed.
 
 Every gather is agreed on first, and launched in the order `CollectiveSchedule` derives from
 what every rank asked for (`zero_engine.sharding.agreement`), with the reductions of the
@@ -54,6 +60,7 @@ from .lifecycle import Lifecycle, TrainingState
 from .param_access import ReadWatch, unserved_reads, watch_reads
 from .reducer import GradReducer
 from .agreement import WANTS_PER_ROW, CollectiveSchedule, PassKind
+from .frozen_unit import FrozenUnit
 from .unit import FlatUnit, ShardedFlatUnit
 
 logger = logging.getLogger("zero_engine")
@@ -97,7 +104,7 @@ class ParamGatherer(NoGather):
     def __init__(
         self,
         root: nn.Module,
-        units: Sequence[ShardedFlatUnit],
+        units: Sequence[ShardedFlatUnit | FrozenUnit],
         hooked: Sequence[tuple[nn.Module, tuple[int, ...]]],
         comm: Comm,
         prefetch_numel: int,
@@ -129,6 +136,7 @@ class ParamGatherer(NoGather):
         self._needs: dict[nn.Module, tuple[int, ...]] = {root: ()}
         self._needs.update(hooked)
         self._running: list[nn.Module] = []
+        self._calls: list[_Call] = []  # the calls of the hooked modules running, as `_running`
         self._root = root
         self._forward_thread = threading.get_ident()
         self._unit_of = {param: index for index, unit in enumerate(self.units) for param in unit.params}
@@ -141,7 +149,7 @@ class ParamGatherer(NoGather):
         # first (pre) and last (post), so they run around the unit hooks of the root itself.
         self._handles = [root.register_forward_pre_hook(self._enter_root)]
         for module in self._needs:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
 
@@ -230,13 +238,15 @@ class ParamGatherer(NoGather):
         self.peak_backward_bytes = self._live_bytes()
         self.schedule.begin_pass(PassKind.BACKWARD)
         if self.reducer is not None:  # units whose modules did not run get no gradient here
-            self.reducer.settle([unit for index, unit in enumerate(self.units) if index not in self._ran])
+            self.reducer.settle(
+                [unit for index, unit in enumerate(self.units) if index not in self._ran and not unit.frozen]
+            )
 
     def end_backward(self) -> None:
         """Before the reducer's end: other ranks may need this rank's drain rows to end their
         backward and launch the reductions this rank will wait for."""
         for holds in self._holds:
-            holds.backward = False
+            holds.backward, holds.backward_calls = False, 0
         self._backward_ended = True
         self._end_pass()
         self._propose_next_pass(backward_follows=False)
@@ -261,9 +271,11 @@ class ParamGatherer(NoGather):
 
     # -- module hooks ----------------------------------------------------------------------------
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
         needs = self._needs[module]
         self._running.append(module)
+        call = _Call(tuple(index for index in needs if self.units[index].frozen))
+        self._calls.append(call)
         self._free_served()
         self._ran.update(needs)
         for index in needs:
@@ -272,13 +284,33 @@ class ParamGatherer(NoGather):
             if index not in self._order:
                 self._order.append(index)
         self._prefetch_after(needs, self._recorded, window=WANTS_PER_ROW)
+        if call.frozen and torch.is_grad_enabled():
+            return self._signal_post_backward(call, args, kwargs)
+        return None
+
+    def _signal_post_backward(
+        self, call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, dict[str, Any]] | None:
+        """Pass the call's input tensors that need a gradient through `_PostBackward`, whose
+        backward releases the call's frozen units (None: no input needs one; the backward's end
+        frees them then)."""
+        flat = [*args, *kwargs.values()]
+        positions = [i for i, value in enumerate(flat) if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not positions:
+            return None
+        passed = _PostBackward.apply(functools.partial(self._post_backward, call), *[flat[i] for i in positions])
+        for i, tensor in zip(positions, passed):
+            flat[i] = tensor
+        return tuple(flat[: len(args)]), dict(zip(kwargs, flat[len(args) :]))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         needs = self._needs[module]  # with what reads served in this forward added
+        call = _Call(())
         if self._running and self._running[-1] is module:
             self._running.pop()
+            call = self._calls.pop()
         if torch.is_grad_enabled():
-            hook = functools.partial(self._pre_backward, needs)
+            hook = functools.partial(self._pre_backward, needs, call)
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(hook)
@@ -296,14 +328,33 @@ class ParamGatherer(NoGather):
         or the next forward (`_release_all`) lets them go."""
         return module is self._root and torch.is_grad_enabled()
 
-    def _pre_backward(self, needs: tuple[int, ...], grad: torch.Tensor) -> None:
+    def _pre_backward(self, needs: tuple[int, ...], call: _Call, grad: torch.Tensor) -> None:
         self._free_served()
+        first = not call.backward_started
+        call.backward_started = True
         for index in needs:
-            if not self._holds[index].backward:
-                self._holds[index].backward = True
+            holds = self._holds[index]
+            if self.units[index].frozen:  # held per call, until that call's post-backward
+                if first and index in call.frozen:
+                    holds.backward_calls += 1
+                self._ensure_gathered(index)
+            elif not holds.backward:
+                holds.backward = True
                 self._ensure_gathered(index)
         if not self._prefetch_after(needs, self._recorded[::-1], window=1):
             self.schedule.issue()  # still tell the ranks which reductions are launched here
+
+    def _post_backward(self, call: _Call) -> None:
+        """The gradients of ``call``'s inputs are computed: its frozen units are needed no more
+        for it (a trainable unit waits for its gradients instead, `unit_complete`)."""
+        if not call.backward_started or call.backward_done:
+            return
+        call.backward_done = True
+        for index in call.frozen:
+            holds = self._holds[index]
+            holds.backward_calls = max(0, holds.backward_calls - 1)
+            if not holds.held and self.units[index].has_full_storage:
+                self._reshard(index)
 
     # -- parameters read outside the hooks (see `zero_engine.sharding.param_access`) -------------
 
@@ -539,11 +590,38 @@ def _label(path: str | None) -> str:
 @dataclass
 class _Holds:
     """Who needs a unit gathered: modules running their forward (counted: nested and tied
-    uses share one gather), and its backward until every parameter has its gradient."""
+    uses share one gather), and its backward until every parameter has its gradient (a
+    trainable unit), or until the post-backward of each call whose backward began (a frozen
+    one)."""
 
     forward: int = 0
     backward: bool = False
+    backward_calls: int = 0
 
     @property
     def held(self) -> bool:
-        return self.forward > 0 or self.backward
+        return self.forward > 0 or self.backward or self.backward_calls > 0
+
+
+@dataclass(eq=False)
+class _Call:
+    """One call of a hooked module: the frozen units it needs, and where its backward is."""
+
+    frozen: tuple[int, ...]
+    backward_started: bool = False
+    backward_done: bool = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity over a module call's inputs; its backward runs once their gradients are
+    computed, i.e. after every operation of the call, and tells the gatherer."""
+
+    @staticmethod
+    def forward(ctx: Any, on_backward: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.on_backward = on_backward
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.on_backward()
+        return (None, *grads)

@@ -40,6 +40,8 @@ class ModuleUnitPlan:
     params: list[nn.Parameter] = field(default_factory=list)
     group_indices: list[int] = field(default_factory=list)
     uses: list[nn.Parameter] = field(default_factory=list)
+    frozen_names: list[str] = field(default_factory=list)  # the frozen parameters it shards (`FrozenUnit`)
+    frozen_params: list[nn.Parameter] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -65,12 +67,16 @@ def plan_module_units(
     wrap_classes: Sequence[str] | None,
     min_unit_numel: int,
     persistence_threshold: int,
+    shard_frozen: bool = True,
 ) -> tuple[list[ModuleUnitPlan], list[ResidentParam]]:
-    """Unit plans in module order (root first) and the parameters that stay resident."""
+    """Unit plans in module order (root first) and the parameters that stay resident.
+    ``shard_frozen``: frozen floating-point parameters of at least ``persistence_threshold``
+    elements are sharded too, each with the unit module that registers it first."""
     in_group = {
         param: (index, name) for index, group in enumerate(groups) for name, param in zip(group.names, group.params)
     }
-    sharded = {param for param in in_group if param.numel() >= persistence_threshold}
+    frozen = frozen_params(model) if shard_frozen else {}
+    sharded = {param for param in [*in_group, *frozen] if param.numel() >= persistence_threshold}
     if wrap_classes:
         unit_modules = _modules_of_classes(model, wrap_classes)
     elif declared := declared_unit_classes(model):
@@ -94,6 +100,10 @@ def plan_module_units(
                 plan.uses.append(param)
             if param in sharded and param not in owner:
                 owner[param] = plan
+                if param in frozen:
+                    plan.frozen_names.append(frozen[param])
+                    plan.frozen_params.append(param)
+                    continue
                 group_index, name = in_group[param]
                 plan.names.append(name)
                 plan.params.append(param)
@@ -109,6 +119,16 @@ def plan_module_units(
         if param not in sharded
     ]
     return list(plans.values()), resident
+
+
+def frozen_params(model: nn.Module) -> dict[nn.Parameter, str]:
+    """The model's frozen floating-point parameters (``requires_grad=False``), each once, by
+    its first name: what stage 3 shards beside the trainable ones."""
+    found: dict[nn.Parameter, str] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad and param.is_floating_point() and param not in found:
+            found[param] = name
+    return found
 
 
 def declared_unit_classes(model: nn.Module) -> list[str]:
@@ -183,7 +203,10 @@ class ModulePlan:
 
     def __init__(self, model: nn.Module, groups: Sequence[ParamGroup], zero: Any) -> None:
         self.model = model
-        self._args = (groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold)
+        self._args = (
+            groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold,
+            zero.frozen_weights == "shard",
+        )
         self._planned: tuple[list[ModuleUnitPlan], list[ResidentParam]] | None = None
 
     def _plan(self) -> tuple[list[ModuleUnitPlan], list[ResidentParam]]:
@@ -202,8 +225,8 @@ class ModulePlan:
         return self._plan()[1]
 
     def largest_unit_numel(self) -> int:
-        """The parameters of the largest unit stage 3 would gather whole."""
-        return max((sum(param.numel() for param in plan.params) for plan in self.units), default=0)
+        """The parameters of the largest unit stage 3 would gather whole (frozen ones too)."""
+        return max((sum(p.numel() for p in [*plan.params, *plan.frozen_params]) for plan in self.units), default=0)
 
     def leaf_modules(self) -> list[nn.Module]:
         """The unit modules (the root aside) holding no other unit module: what

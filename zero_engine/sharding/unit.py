@@ -40,6 +40,7 @@ class FlatUnit:
     """Parameters flattened in order into padded flat buffers (whole between steps)."""
 
     sharded_params = False  # stage 3 units hold only their shard between uses
+    frozen = False  # a unit of trainable parameters, with an optimizer shard (frozen ones: `FrozenUnit`)
 
     def __init__(
         self,
@@ -183,60 +184,39 @@ class ShardedState(Enum):
     GATHERED = "gathered"  # the full values are valid; the parameters are views of them
 
 
-class ShardedFlatUnit(FlatUnit):
-    """Stage 3: the unit's parameters exist in full only while it is gathered.
+class GatheredStorage:
+    """Stage 3's storage of a unit: its shard between uses, the full buffer while gathered.
 
-    Between uses the rank holds ``param_shard`` (its shard in the compute dtype; in fp32 the
-    master itself). The full buffer ``flat_param`` is one tensor for the unit's whole life;
-    resharding frees its *storage* (``resize_(0)``) and gathering allocates it again in place.
-    That matters because autograd saves the weights a forward used (or views of them, as
-    ``F.linear`` saves ``weight.t()``) for the backward: those saved tensors share the buffer's
-    storage, so between forward and backward they hold no bytes, and the backward computes with
-    the values its own gather put back (see note "Freeing storage, not tensors" in
-    ``docs/architecture.md``). The parameters themselves are empty tensors between uses, as
-    DeepSpeed leaves them, so a use outside the engine's hooks fails on a shape instead of
-    reading freed memory.
+    Between uses the rank holds ``param_shard``. The full buffer ``flat_param`` is one tensor
+    for the unit's whole life; resharding frees its *storage* (``resize_(0)``) and gathering
+    allocates it again in place. That matters because autograd saves the weights a forward
+    used (or views of them, as ``F.linear`` saves ``weight.t()``) for the backward: those saved
+    tensors share the buffer's storage, so between forward and backward they hold no bytes, and
+    the backward computes with the values its own gather put back (see note "Freeing storage,
+    not tensors" in ``docs/architecture.md``). The parameters themselves are empty tensors
+    between uses, as DeepSpeed leaves them, so a use outside the engine's hooks fails on a
+    shape instead of reading freed memory. Shared by trainable units (`ShardedFlatUnit`) and
+    frozen ones (`zero_engine.sharding.frozen_unit.FrozenUnit`), which differ only in what
+    they keep beside the shard.
     """
 
     sharded_params = True
+    params: list[nn.Parameter]
+    flat_param: torch.Tensor
+    param_shard: torch.Tensor
+    layout: UnitLayout
+    rank: int
 
-    def __init__(
-        self,
-        params: Sequence[nn.Parameter],
-        names: Sequence[str],
-        group_indices: Sequence[int],
-        rank: int,
-        world_size: int,
-        *,
-        label: str,
-        compute_dtype: torch.dtype = torch.float32,
-        device: torch.device | None = None,
-        materialize: Callable[[], None] | None = None,
-        placement: Placement = ON_DEVICE,
-        codec: GatherCodec = IDENTITY,
-    ) -> None:
-        super().__init__(
-            params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, spec=SHARDED_UNIT,
-            device=device, materialize=materialize, placement=placement, codec=codec,
-        )
+    def _start_sharded(self, label: str) -> None:
+        """Record the full buffer's size, then free it: the unit starts sharded."""
         self.label = label  # the module path the unit stands for, for messages
-        self._empty = torch.empty(0, dtype=compute_dtype, device=self.device)
+        self._empty = torch.empty(0, dtype=self.flat_param.dtype, device=self.flat_param.device)
         self.unsharded_bytes = self.flat_param.untyped_storage().nbytes()
         self.state = ShardedState.GATHERED
         self._gatherings: list[Gathering] = []  # the all-gathers in flight while GATHERING
         self.reshard()
 
-    def _make_optimizer_shard(
-        self, full_fp32: torch.Tensor, owned_range: tuple[int, int], releases_grad: bool
-    ) -> OptimizerShard:
-        """The unit keeps ``param_shard``, its shard in the compute dtype, made here beside the
-        master: in fp32 they are one tensor when they live in one place (no second copy), else
-        the master is published into it after each update. ``offload_param`` puts the shard on
-        the host (cast on the device first), ``offload_optimizer`` the master."""
-        start, end = owned_range
-        self.param_shard, master, publish_to = self.placement.sharded(self.flat_param, full_fp32, start, end)
-        grad = self.placement.step_grad(end - start, self.compute_dtype, self.device, None, releases_grad)
-        return OptimizerShard(self, owned_range, master, publish_to, grad, shaped_pieces=False)
+    # and, from the unit: ``gather(comm)``, the all-gather of ``flat_param``; ``param_view(i)``
 
     @property
     def has_full_storage(self) -> bool:
@@ -278,6 +258,50 @@ class ShardedFlatUnit(FlatUnit):
         self.state = ShardedState.SHARDED
 
     @property
+    def gathered_bytes(self) -> int:
+        """What the full buffer's storage holds now: the whole unit while gathered, else 0."""
+        return self.flat_param.untyped_storage().nbytes()
+
+
+class ShardedFlatUnit(GatheredStorage, FlatUnit):
+    """Stage 3: a trainable unit's parameters exist in full only while it is gathered
+    (`GatheredStorage`). Between uses the rank holds ``param_shard`` (its shard in the
+    compute dtype; in fp32 the master itself) and its optimizer shard."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        group_indices: Sequence[int],
+        rank: int,
+        world_size: int,
+        *,
+        label: str,
+        compute_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        materialize: Callable[[], None] | None = None,
+        placement: Placement = ON_DEVICE,
+        codec: GatherCodec = IDENTITY,
+    ) -> None:
+        FlatUnit.__init__(
+            self, params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, spec=SHARDED_UNIT,
+            device=device, materialize=materialize, placement=placement, codec=codec,
+        )
+        self._start_sharded(label)
+
+    def _make_optimizer_shard(
+        self, full_fp32: torch.Tensor, owned_range: tuple[int, int], releases_grad: bool
+    ) -> OptimizerShard:
+        """The unit keeps ``param_shard``, its shard in the compute dtype, made here beside the
+        master: in fp32 they are one tensor when they live in one place (no second copy), else
+        the master is published into it after each update. ``offload_param`` puts the shard on
+        the host (cast on the device first), ``offload_optimizer`` the master."""
+        start, end = owned_range
+        self.param_shard, master, publish_to = self.placement.sharded(self.flat_param, full_fp32, start, end)
+        grad = self.placement.step_grad(end - start, self.compute_dtype, self.device, None, releases_grad)
+        return OptimizerShard(self, owned_range, master, publish_to, grad, shaped_pieces=False)
+
+    @property
     def param_bytes(self) -> int:
         return tensor_bytes(self.param_shard)
 
@@ -285,11 +309,6 @@ class ShardedFlatUnit(FlatUnit):
     def host_bytes(self) -> int:
         shard = offload.held_bytes(self.param_shard) if self.placement.offload_params else 0
         return shard + self.optimizer_shard.host_bytes
-
-    @property
-    def gathered_bytes(self) -> int:
-        """What the full buffer's storage holds now: the whole unit while gathered, else 0."""
-        return self.flat_param.untyped_storage().nbytes()
 
     def kept_range(self, index: int) -> tuple[int, int] | None:
         owned = self.optimizer_shard.owned_part(index)

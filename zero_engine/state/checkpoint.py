@@ -179,7 +179,7 @@ def load(
         source = open_source(directory, tag)
         read.append(source)
         _check_fit(model, source.checkpoint, source.extra, strict)
-        if load_optimizer_states:
+        if load_optimizer_states and state.optimizer is not None:
             _check_optimizer_type(source.checkpoint, state.optimizer)
             if source.writer == "deepspeed":
                 _check_schedule(state.lr_scheduler, source)
@@ -196,11 +196,16 @@ def load(
 
     def saved_values(unit: FlatUnit, param_index: int, start: int, numel: int) -> torch.Tensor | None:
         name = unit.names[param_index]
-        return index.assemble(name, start, numel) if name in fitting else None
+        if name in fitting:
+            return index.assemble(name, start, numel)
+        whole = extra["module"].get(name)  # a frozen parameter saved whole (below stage 3, or replicated)
+        if whole is not None and list(whole.shape) == list(unit.shapes[param_index]):
+            return whole.reshape(-1)[start : start + numel]
+        return None
 
     def restore() -> None:
         model.load_kept(saved_values)  # each rank assembles only the elements it keeps
-        model.load_loose_state(extra["module"])
+        model.load_loose_state({**_loose_from_pieces(model, saved, index), **extra["module"]})
         if load_optimizer_states:
             restore_optimizer(state, index, extra, fitting)
             if state.lr_scheduler is not None and extra["lr_scheduler"] is not None:
@@ -213,6 +218,19 @@ def load(
 
     on_every_rank(model.comm, f"load_checkpoint from {checkpoint.path}", restore)
     return Loaded(Counters(extra["global_step"], extra["skipped_steps"]), extra["client_state"])
+
+
+def _loose_from_pieces(model: ModelState, saved: dict[str, Any], index: Any) -> dict[str, torch.Tensor]:
+    """This engine's loose parameters that the checkpoint saved as pieces (frozen parameters
+    sharded at stage 3, resumed where they are whole), assembled whole."""
+    found = {}
+    for name, tensor in model.loose_state().items():
+        entry = saved.get(name)
+        if entry is not None and entry["shape"] == list(tensor.shape):
+            values = index.assemble(name, 0, tensor.numel())
+            if values is not None:
+                found[name] = values.view(tensor.shape)
+    return found
 
 
 def _check_schedule(scheduler: Any, source: Source) -> None:
@@ -254,12 +272,21 @@ def _check_fit(model: ModelState, checkpoint: Checkpoint, extra: dict[str, Any],
     ours.update({k: list(v.shape) for k, v in model.loose_state().items()})
     theirs = {name: entry["shape"] for name, entry in checkpoint.manifest["params"].items()}
     theirs.update({k: list(v.shape) for k, v in extra["module"].items()})
-    missing = sorted(set(ours) - set(theirs))
+    excluded = set(checkpoint.manifest.get("excluded_frozen", ()))
+    still_frozen = set(model.frozen_names())
+    # Saved with exclude_frozen_parameters: the frozen weights come from the model as built (or weights=).
+    missing = sorted(set(ours) - set(theirs) - (excluded & still_frozen))
     unexpected = sorted(set(theirs) - set(ours))
     reshaped = sorted(f"{k} (checkpoint {theirs[k]}, model {ours[k]})" for k in set(ours) & set(theirs) if ours[k] != theirs[k])
     message = misfit_message(str(checkpoint.path), missing, unexpected, reshaped)
     if message is None:
         return
+    if excluded & set(missing):
+        message += (
+            f" ({', '.join(sorted(excluded & set(missing)))} were frozen when saved with exclude_frozen_parameters=True, "
+            "so the checkpoint holds no values for them: freeze them as then, the model as built or weights= giving "
+            "their values)"
+        )
     if strict:
         raise CheckpointError(message + ". Load with strict=False to take what matches.")
     warnings.warn(message + "; loaded what matches", stacklevel=3)

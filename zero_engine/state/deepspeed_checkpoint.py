@@ -119,6 +119,8 @@ def read_deepspeed(directory: str | Path, tag: str | None = None) -> Translated:
         "format": "deepspeed", "stage": stage, "world_size": world, "optimizer": None,
         "config": {"deepspeed": model.get("ds_config"), "deepspeed_version": model.get("ds_version")},
         "params": {name: {"shape": list(shape), "aliases": aliases[name]} for name, shape in shapes.items()},
+        # stage 3 frozen parameters saved with exclude_frozen_parameters: the model as built gives them
+        "excluded_frozen": [name for name in (model.get("frozen_param_shapes") or {}) if name not in loose],
     }
     extra = {
         "module": loose,
@@ -376,7 +378,8 @@ class _flat_slots:
 
 
 def _stage3_loose(model: dict[str, Any], path: Path, world: int) -> dict[str, torch.Tensor]:
-    """Buffers from rank 0's module; frozen parameters from every rank's fragment of them."""
+    """Buffers from rank 0's module; frozen parameters from every rank's fragment of them (none
+    of a frozen parameter's: saved with ``exclude_frozen_parameters``, `excluded_frozen`)."""
     loose = {name: model["module"][name] for name in model.get("buffer_names") or () if name in model["module"]}
     shapes = model.get("frozen_param_shapes") or {}
     if not shapes:
@@ -387,8 +390,10 @@ def _stage3_loose(model: dict[str, Any], path: Path, world: int) -> dict[str, to
         for name, fragment in (states.get("frozen_param_fragments") or {}).items():
             fragments[name].append(fragment.reshape(-1))
     for name, shape in shapes.items():
+        if not fragments[name]:  # left out by exclude_frozen_parameters
+            continue
         numel = math.prod(shape)
-        values = torch.cat(fragments[name])[:numel] if fragments[name] else torch.empty(0)
+        values = torch.cat(fragments[name])[:numel]
         if values.numel() != numel:
             raise CheckpointError(f"{path}: frozen parameter {name!r}: the ranks' fragments hold {values.numel()} of {numel} elements")
         loose[name] = values.view(shape)

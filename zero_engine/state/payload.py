@@ -36,12 +36,13 @@ class Resumable:
     """Everything a checkpoint saves and restores, handed over by the engine."""
 
     model: ModelState
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None: an engine with nothing to train
     lr_scheduler: Any  # with state_dict / load_state_dict, or None
     loss_scaler: Any  # likewise
     config: ZeroEngineConfig
     stage: int
     device: torch.device
+    exclude_frozen: bool = False  # save the trainable state only (DeepSpeed's exclude_frozen_parameters)
 
     def targets(self) -> list[OptimizerTarget]:
         return [target for unit in self.model.units for target in unit.optimizer_shard.targets]
@@ -60,10 +61,14 @@ def rank_payload(state: Resumable) -> dict[str, Any]:
             master = unit.optimizer_shard.master_of_shard[piece.shard_offset : piece.shard_offset + numel]
             saved = {}
             for target in targets[name]:  # the optimizer tensor holding element `start`
-                if target.param_offset <= start < target.param_offset + target.tensor.numel():
+                if state.optimizer is not None and target.param_offset <= start < target.param_offset + target.tensor.numel():
                     saved = _slice_state(state.optimizer.state.get(target.tensor, {}), target, start, numel)
             # a copy: torch.save of a view would write the whole flat buffer behind it
             pieces.append({"name": name, "start": start, "numel": numel, "master": _to_host(master), "state": saved})
+    saves_frozen = model.comm.replica_rank == 0 and not state.exclude_frozen
+    for unit in model.frozen_units if saves_frozen else ():  # values in their own dtype, no state
+        for index, start, numel, values in unit.shard_pieces():
+            pieces.append({"name": unit.names[index], "start": start, "numel": numel, "master": _to_host(values), "state": {}})
     return {"pieces": pieces, "rng": _rng_state(state.device)}
 
 
@@ -89,10 +94,13 @@ def _slice_state(state: dict[str, Any], target: OptimizerTarget, start: int, num
 
 def extra_payload(state: Resumable, counters: Counters, client_state: Any) -> dict[str, Any]:
     return {
-        "module": {k: _to_host(v) for k, v in state.model.loose_state().items()},
+        "module": {k: _to_host(v) for k, v in state.model.loose_state(with_frozen=not state.exclude_frozen).items()},
         "global_step": counters.global_step,
         "skipped_steps": counters.skipped_steps,
-        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in state.optimizer.param_groups],
+        "param_groups": [
+            {k: v for k, v in group.items() if k != "params"}
+            for group in (state.optimizer.param_groups if state.optimizer is not None else ())
+        ],
         "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
         "loss_scaler": state.loss_scaler.state_dict() if state.loss_scaler is not None else None,
         "client_state": client_state,
@@ -105,10 +113,12 @@ def manifest_of(state: Resumable, counters: Counters, tag: str, files: dict[str,
     for name, param in model.module.named_parameters(remove_duplicate=False):
         aliases[id(param)].append(name)
     params = {
-        name: {"shape": list(shape), "aliases": aliases[id(param)]}
+        name: {"shape": list(shape), "aliases": aliases[id(param)], **({"frozen": True} if unit.frozen else {})}
         for unit in model.units_in_model_order()
+        if not (unit.frozen and state.exclude_frozen)
         for name, param, shape in zip(unit.names, unit.params, unit.shapes)
     }
+    excluded = sorted(model.frozen_names()) if state.exclude_frozen else []
     return {
         "format": FORMAT,
         "tag": tag,
@@ -116,9 +126,10 @@ def manifest_of(state: Resumable, counters: Counters, tag: str, files: dict[str,
         "stage": state.stage,
         "world_size": model.comm.world_size,
         "shard_group_size": model.comm.num_shards,
-        "optimizer": type(state.optimizer).__name__,
+        "optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
         "config": state.config.model_dump(mode="json"),
         "params": params,
+        "excluded_frozen": excluded,  # left out by exclude_frozen_parameters: the model as built provides them
         "files": files,
     }
 
@@ -193,6 +204,8 @@ IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "different
 def restore_optimizer(state: Resumable, index: PieceIndex, extra: dict[str, Any], fitting: set[str]) -> None:
     """Group options, and the state of every piece whose parameter fits the checkpoint."""
     optimizer = state.optimizer
+    if optimizer is None:  # nothing to train: nothing to restore
+        return
     groups = extra["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(

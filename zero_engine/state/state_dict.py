@@ -1,10 +1,15 @@
 """The model's values as state dicts, wherever the stage keeps them.
 
 Trainable parameters live in units (`zero_engine.sharding.unit`): whole or sharded, with their
-fp32 masters in each unit's `OptimizerShard`. Everything else of ``module.state_dict()``
-(frozen parameters, parameters left out of every param group, buffers) is *loose*: whole on
-every rank, kept as the module holds it; under mixed precision loose parameters compute in the
-compute dtype too, and their fp32 values are kept here for state dicts and checkpoints.
+fp32 masters in each unit's `OptimizerShard`. At stage 3 frozen parameters live in frozen units
+(`zero_engine.sharding.frozen_unit`), sharded in their own dtype. Everything else of
+``module.state_dict()`` (frozen parameters below stage 3 or replicated, parameters left out of
+every param group, buffers) is *loose*: whole on every rank, kept as the module holds it.
+
+Frozen weights are never copied to fp32: under mixed precision they are rounded to the compute
+dtype once, in place (`cast_frozen`), as DeepSpeed's ``module.bfloat16()`` does; a bf16 base
+under ``bf16`` is left as it is. Loose *trainable* parameters (left out of ``param_groups``)
+compute in the compute dtype too, and their fp32 values are kept here for state dicts.
 
 `ModelState` is what the engine, checkpoints and pretrained weights share: the full state dict
 (gathered unit by unit), the loose entries, and loading values into what each rank keeps.
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..sharding.frozen_unit import FrozenUnit, frozen_dtype
 from ..sharding.unit import FlatUnit
 
 # Values of elements [start, start + numel) of a unit's parameter ``index``, or None to leave it.
@@ -27,14 +33,27 @@ ValuesFor = Callable[[FlatUnit, int, int, int], "torch.Tensor | None"]
 class ModelState:
     """The module, its units and its loose entries, read and written by name."""
 
-    def __init__(self, module: nn.Module, units: Sequence[FlatUnit], comm: Comm, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        units: Sequence[FlatUnit],
+        comm: Comm,
+        compute_dtype: torch.dtype,
+        frozen_units: Sequence[FrozenUnit] = (),
+    ) -> None:
         self.module = module
-        self.units = list(units)
+        self.units = list(units)  # the trainable units
+        self.frozen_units = list(frozen_units)
         self.comm = comm
-        in_units = {param for unit in self.units for param in unit.params}
-        # Parameters outside every unit: frozen ones, and any left out of param_groups.
+        in_units = {param for unit in self.all_units for param in unit.params}
+        # Parameters outside every unit: frozen ones below stage 3, and any left out of param_groups.
         self.loose_params = [param for param in module.parameters() if param not in in_units]
-        self.loose_masters = _cast_loose_params(self.loose_params, compute_dtype)
+        self.loose_masters = _cast_loose_params([p for p in self.loose_params if p.requires_grad], compute_dtype)
+
+    @property
+    def all_units(self) -> list[FlatUnit | FrozenUnit]:
+        """Trainable and frozen units: everything held in units."""
+        return [*self.units, *self.frozen_units]
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -46,7 +65,7 @@ class ModelState:
         keep = not rank0_only or self.comm.rank == 0
         # One CPU fp32 copy per parameter, made once: a unit's straight from its full master.
         copies: dict[nn.Parameter, torch.Tensor] = {}
-        for unit in self.units:
+        for unit in self.all_units:
             full = self.full_master(unit, rank0_only)
             if keep:
                 for index, param in enumerate(unit.params):
@@ -65,9 +84,12 @@ class ModelState:
             state[name] = copies[param]
         return state
 
-    def full_master(self, unit: FlatUnit, rank0_only: bool = False) -> torch.Tensor:
-        """The unit's fp32 master values over the whole flat buffer (on rank 0 alone with
-        ``rank0_only``, when they must be gathered)."""
+    def full_master(self, unit: FlatUnit | FrozenUnit, rank0_only: bool = False) -> torch.Tensor | None:
+        """The unit's fp32 master values over the whole flat buffer (a frozen unit's values, in
+        its dtype), on rank 0 alone with ``rank0_only`` when they must be gathered (the other
+        ranks get None)."""
+        if unit.optimizer_shard is None:
+            return unit.gather_masters(self.comm, onto=0 if rank0_only else None)
         shard = unit.optimizer_shard
         if not unit.shard_master:
             return shard.master
@@ -75,29 +97,34 @@ class ModelState:
             return unit.flat_param  # stages 1-2 in fp32: the whole buffer is up to date
         return unit.gather_masters(self.comm, onto=0 if rank0_only else None)
 
-    def units_in_model_order(self) -> list[FlatUnit]:
+    def units_in_model_order(self) -> list[FlatUnit | FrozenUnit]:
         """The units by their first parameter's place in ``module.parameters()`` (an empty unit
         last): the order exports and checkpoint manifests list parameters in, so a checkpoint's
         export writes the same shards as the engine's."""
         place = {param: index for index, param in enumerate(self.module.parameters())}
-        return sorted(self.units, key=lambda unit: min((place[p] for p in unit.params), default=len(place)))
+        return sorted(self.all_units, key=lambda unit: min((place[p] for p in unit.params), default=len(place)))
 
-    def loose_state(self) -> dict[str, torch.Tensor]:
-        """State-dict entries outside the units (frozen parameters as their fp32 values,
-        buffers), for checkpoints."""
+    def loose_state(self, *, with_frozen: bool = True) -> dict[str, torch.Tensor]:
+        """State-dict entries outside the units (frozen parameters as they are stored, loose
+        trainable ones as their fp32 values, buffers), for checkpoints; ``with_frozen=False``
+        leaves frozen parameters out."""
         loose = set(self.loose_params)
         by_name = dict(self.module.named_parameters(remove_duplicate=False))
         state = {}
         for name, tensor in self.module.state_dict().items():
             param = by_name.get(name)
-            if param is not None and param not in loose:
+            if param is not None and (param not in loose or not (with_frozen or param.requires_grad)):
                 continue
             state[name] = self.loose_masters.get(param, tensor) if param is not None else tensor
         return state
 
+    def frozen_names(self) -> list[str]:
+        """Every name of ``module.state_dict()`` that holds a frozen parameter (aliases too)."""
+        return [name for name, param in self.module.named_parameters(remove_duplicate=False) if not param.requires_grad]
+
     def unit_param_shapes(self) -> dict[str, list[int]]:
         """Shape of every parameter held in units, by its name."""
-        return {name: list(shape) for unit in self.units for name, shape in zip(unit.names, unit.shapes)}
+        return {name: list(shape) for unit in self.all_units for name, shape in zip(unit.names, unit.shapes)}
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -105,7 +132,7 @@ class ModelState:
         """Set what this rank keeps of every unit parameter (its kept range: the whole
         parameter below stage 3, its shard at stage 3) from ``values_for`` (fp32)."""
         with torch.no_grad():
-            for unit in self.units:
+            for unit in self.all_units:
                 for index in range(len(unit.params)):
                     kept = unit.kept_range(index)
                     if kept is not None:
@@ -127,9 +154,24 @@ class ModelState:
                     master.copy_(value)
 
 
+def cast_frozen(module: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Under mixed precision, frozen floating-point parameters are stored in the compute dtype,
+    cast once in place and never kept in fp32 (a bf16 base under ``bf16`` is untouched): they
+    never update, so their fp32 values would only double what a rank holds. In fp32 they stay
+    as they are. Parameters still on the meta device are left: they are initialized in their
+    declared dtype first (a frozen unit casts them as it takes them; the engine calls this again
+    once the units are built, for those that stay whole)."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if not param.requires_grad and not param.is_meta:
+                dtype = frozen_dtype(param, compute_dtype)
+                if param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+
+
 def _cast_loose_params(params: Sequence[nn.Parameter], compute_dtype: torch.dtype) -> dict[nn.Parameter, torch.Tensor]:
-    """Loose parameters compute in the compute dtype too; their fp32 values are kept (mixed
-    precision only)."""
+    """Loose trainable parameters (outside every param group) compute in the compute dtype too;
+    their fp32 values are kept (mixed precision only)."""
     if compute_dtype == torch.float32:
         return {}
     masters = {}

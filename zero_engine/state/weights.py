@@ -208,10 +208,11 @@ def load_weights(model: ModelState, weights: WeightsFile, file_names: dict[int, 
     fp32 (the masters' dtype), and the whole of what stays outside units."""
 
     def file_values(unit: FlatUnit, index: int, start: int, numel: int) -> torch.Tensor:
-        return weights.read(file_names[id(unit.params[index])], start, numel).to(unit.device, torch.float32)
+        dtype = unit.dtype if unit.frozen else torch.float32  # a frozen unit keeps its own dtype
+        return weights.read(file_names[id(unit.params[index])], start, numel).to(unit.device, dtype)
 
     model.load_kept(file_values)
-    in_units = {id(param) for unit in model.units for param in unit.params}
+    in_units = {id(param) for unit in model.all_units for param in unit.params}
     with torch.no_grad():
         loose = {
             name: weights.read(file_names[id(tensor)], 0, tensor.numel()).view(tensor.shape)

@@ -1,0 +1,152 @@
+"""A frozen unit: parameters that train not (a LoRA base, a frozen tower, a reference model),
+sharded at stage 3 as trainable units are, but with nothing beside the shard.
+
+A `FrozenUnit` keeps only ``param_shard``, its 1/N of the flat buffer in the parameters' own
+dtype (the compute dtype under mixed precision: `zero_engine.state.state_dict.cast_frozen`
+rounds frozen weights to it once, as DeepSpeed's ``module.bfloat16()`` does), and is gathered
+and freed around its modules exactly as a trainable unit (`GatheredStorage`). It has no fp32
+master, no gradient and no optimizer state; nothing reduces it. Its values change only by
+loading (a checkpoint, ``weights=``). In backward a frozen unit is gathered where autograd
+needs its values for input gradients (a LoRA model back-propagates through every frozen
+layer) and released by the gatherer's post-backward signal, since no gradient ever completes
+it (`zero_engine.sharding.gatherer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .. import offload
+from ..comm import Comm, CollectiveKind
+from ..devices import tensor_bytes
+from .codec import Gathering
+from .layout import UnitLayout
+from .unit import GatheredStorage, _point_meta_param
+
+
+def frozen_dtype(param: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a frozen parameter is stored in: the compute dtype under mixed precision (it
+    never updates, so an fp32 copy would only double what a rank holds), else its own."""
+    mixed = compute_dtype != torch.float32
+    return compute_dtype if mixed and param.is_floating_point() else param.dtype
+
+
+class FrozenUnit(GatheredStorage):
+    """Frozen parameters of one dtype, of one unit module, flattened and sharded."""
+
+    frozen = True
+    shard_master = True  # what this rank keeps is its shard, as a trainable stage 3 unit
+    optimizer_shard = None  # nothing to optimize
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        rank: int,
+        world_size: int,
+        *,
+        label: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        materialize: Callable[[], None] | None = None,
+        on_host: bool = False,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.shapes = [param.shape for param in self.params]
+        self.dtype = dtype  # what the unit stores and gathers: the parameters' own, or the compute dtype
+        self.rank = rank
+        self.device = device
+        self.layout = UnitLayout([param.numel() for param in self.params], world_size)
+        self.used_offset = 0
+        self.flat_param = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        # A meta parameter is initialized in its declared dtype (the values eager construction
+        # gives), in a buffer of its own for the moment, then cast into the unit's.
+        staged = {
+            index: torch.empty(param.shape, dtype=param.dtype, device=device)
+            for index, param in enumerate(self.params) if param.is_meta
+        }
+        for index, param in enumerate(self.params):
+            if index in staged:
+                _point_meta_param(param, staged[index], self.names[index], materialize)
+            else:
+                self.param_view(index).copy_(param.detach())
+        if materialize is not None:
+            materialize()  # fills the (former meta) parameters' staged values in place
+        for index, values in staged.items():
+            self.param_view(index).copy_(values)
+        del staged
+        start, end = self.layout.shard_range(rank)
+        self.on_host = on_host  # offload_param: the shard lives in host memory, crosses before each gather
+        shard = self.flat_param[start:end]
+        self.param_shard = offload.host_copy(shard, offload.PIN_CROSSING) if on_host else shard.clone()
+        for index, param in enumerate(self.params):
+            param.data = self.param_view(index)  # then emptied, with the buffer's storage freed
+        self._start_sharded(label)
+
+    def gather(self, comm: Comm) -> Gathering:
+        """The all-gather of the unit's values, in their own dtype, counted apart in the
+        communication report (``all_gather_frozen``)."""
+        return Gathering(comm.all_gather(self.flat_param, kind=CollectiveKind.ALL_GATHER_FROZEN))
+
+    def view_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
+        return flat[offset : offset + numel].view(self.shapes[index])
+
+    def param_view(self, index: int) -> torch.Tensor:
+        return self.view_of(self.flat_param, index)
+
+    @property
+    def param_bytes(self) -> int:
+        """What this rank keeps: its shard."""
+        return tensor_bytes(self.param_shard)
+
+    @property
+    def host_bytes(self) -> int:
+        return offload.held_bytes(self.param_shard) if self.on_host else 0
+
+    @property
+    def grad_bytes(self) -> int:
+        return 0
+
+    def kept_range(self, index: int) -> tuple[int, int] | None:
+        """The elements of parameter ``index`` in this rank's shard, as ``(start, numel)``."""
+        start, end = self.layout.shard_range(self.rank)
+        offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
+        lo, hi = max(offset, start), min(offset + numel, end)
+        return (lo - offset, hi - lo) if lo < hi else None
+
+    def load_kept(self, index: int, values: torch.Tensor) -> None:
+        """Set this rank's elements of parameter ``index`` (``values``: `kept_range`'s, any
+        floating dtype: cast to the unit's)."""
+        kept = self.kept_range(index)
+        if kept is None:
+            return
+        if self.has_full_storage:
+            raise RuntimeError(f"unit {self.label}: loading a shard while the unit is gathered (mid-step?)")
+        shard_start = self.layout.param_offsets[index] + kept[0] - self.layout.shard_range(self.rank)[0]
+        self.param_shard[shard_start : shard_start + kept[1]].copy_(values.reshape(-1))
+
+    def shard_pieces(self) -> list[tuple[int, int, int, torch.Tensor]]:
+        """This rank's pieces: ``(param index, start in the parameter, numel, values)``."""
+        return [
+            (piece.param_index, piece.param_offset, piece.numel,
+             self.param_shard[piece.shard_offset : piece.shard_offset + piece.numel])
+            for piece in self.layout.segments(self.rank)
+        ]
+
+    def gather_masters(self, comm: Comm, onto: int | None = None) -> torch.Tensor | None:
+        """The unit's values over the whole flat buffer, in its own dtype, gathered from every
+        rank's shard (for exports: the same call as a trainable unit's fp32 masters); onto rank
+        ``onto`` alone when given (the others return None)."""
+        if onto is not None and comm.rank != onto:
+            comm.gather(self.param_shard.to(self.device), None, dst=onto).wait()
+            return None
+        start, end = self.layout.shard_range(self.rank)
+        full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        full[start:end] = self.param_shard
+        (comm.all_gather(full) if onto is None else comm.gather(full[start:end], full, dst=onto)).wait()
+        return full
