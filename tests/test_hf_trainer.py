@@ -39,6 +39,14 @@ def _arguments(output_dir: str, **overrides: Any) -> Any:
     return TrainingArguments(**options)
 
 
+def _lora_model() -> Any:
+    """PEFT's LoRA over the tiny GPT-2 (its attention's Conv1D): a frozen base, trained adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True)
+    return get_peft_model(_model(), lora)
+
+
 def _model(meta: bool = False) -> Any:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -105,7 +113,8 @@ def _trained(trainer: Any, directory: Path, resume: str | None = None) -> dict[s
         {key: entry[key] for key in ("step", "loss", "grad_norm", "learning_rate")}
         for entry in trainer.state.log_history if "loss" in entry
     ]
-    weights = load_file(str(directory / "final" / "model.safetensors")) if trainer.args.process_index == 0 else {}
+    saved = directory / "final" / "model.safetensors"  # a PEFT model's plain Trainer saves its adapters alone
+    weights = load_file(str(saved)) if trainer.args.process_index == 0 and saved.is_file() else {}
     return {"logs": logs, "weights": weights}
 
 
@@ -120,8 +129,13 @@ def trainer_runs(rank: int, world_size: int, root: str, cases: list[tuple[str, A
     for name, (kind, config, resume_from, *overrides) in cases:
         directory = Path(root) / name
         args = _arguments(str(directory), **(overrides[0] if overrides else {}))
-        if kind == "ddp":
-            trainer = Trainer(model=_model(), args=args, train_dataset=train, eval_dataset=evaluation)
+        if kind in ("ddp", "ddp-peft"):
+            model = _model() if kind == "ddp" else _lora_model()
+            trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation)
+        elif kind == "zero-peft":
+            trainer = ZeroEngineTrainer(
+                model=_lora_model(), args=args, train_dataset=train, eval_dataset=evaluation, zero_config=config
+            )
         elif kind == "zero":
             trainer = ZeroEngineTrainer(
                 model=_model(), args=args, train_dataset=train, eval_dataset=evaluation, zero_config=config
@@ -134,7 +148,7 @@ def trainer_runs(rank: int, world_size: int, root: str, cases: list[tuple[str, A
         resume = str(Path(root) / resume_from / f"checkpoint-{SAVE_AT}") if resume_from else None
         results[name] = _trained(trainer, directory, resume)
         results[name]["eval_loss"] = trainer.evaluate()["eval_loss"]
-        if kind != "ddp":
+        if not kind.startswith("ddp"):
             results[name]["logits"] = _engine_logits(trainer, evaluation)
             trainer.zero_engine.close()
     trainer = ZeroEngineTrainer(model=_model(), args=_arguments(str(Path(root) / "from-ddp")), train_dataset=train,
@@ -166,6 +180,8 @@ CASES = [
     ("meta-3", ("zero-meta", auto_config(3), None)),
     ("bf16-3", ("zero", auto_config(3), None, {"bf16": True})),
     ("deepspeed-schedule-2", ("zero", auto_config(2, deepspeed_schedule=True), None)),
+    ("ddp-peft", ("ddp-peft", None, None)),
+    ("peft-3", ("zero-peft", auto_config(3), None)),
 ]
 
 
@@ -251,6 +267,15 @@ def test_bf16_arguments_switch_the_engine_to_bf16(runs: dict) -> None:
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=3e-2)
         assert mine["loss"] != theirs["loss"]  # bf16 did run
     assert {str(tensor.dtype) for tensor in bf16["weights"].values()} == {"torch.float32"}  # the masters are saved
+
+
+def test_a_peft_lora_model_at_stage_3_trains_as_under_the_plain_trainer(runs: dict) -> None:
+    """PEFT's LoRA model as the Trainer gets it: the base sharded and frozen at stage 3, the
+    adapters trained, logged and evaluated as the plain Trainer's DDP run."""
+    ddp, zero = runs["rank0"]["ddp-peft"], runs["rank0"]["peft-3"]
+    _assert_logs_close(zero["logs"], ddp["logs"], "PEFT stage 3")
+    assert zero["eval_loss"] == pytest.approx(ddp["eval_loss"], abs=TOLERANCE)
+    assert ddp["logs"][-1]["loss"] != runs["rank0"]["ddp"]["logs"][-1]["loss"]  # the adapters alone trained
 
 
 def test_evaluate_at_every_stage_matches_the_plain_trainer(runs: dict) -> None:
