@@ -134,7 +134,7 @@ def test_frozen_weights_at_stage3_hold_their_share_as_the_process_holds_memory(
     world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    names = list(CASES) if world == 2 else ["lora_bf16", "reference_fp32"]
+    names = ["lora_fp32", "lora_bf16", "reference_bf16"] if world == 2 else list(CASES)
     results = run_on_ranks(world, measure, names)
     for rank, per_case in enumerate(results):
         for name, result in per_case.items():

@@ -313,10 +313,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(config: str, launcher: list[str]) -> subprocess.Popen:
+def _launch(config: str, launcher: list[str], steps: int = 10) -> subprocess.Popen:
     command = [
         sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "scripts" / "train.py"),
-        "--config", str(ROOT / "configs" / config), "--steps", "10", "--eval-batches", "1",
+        "--config", str(ROOT / "configs" / config), "--steps", str(steps), "--eval-batches", "1",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -328,21 +328,23 @@ def _finish(process: subprocess.Popen) -> str:
     return stdout
 
 
-def test_two_nodes_shard_inside_each_node_and_train_as_one() -> None:
+@pytest.mark.parametrize(  # the fast run: the groups after one step; the slow run: ten, against plain stage 3
+    "steps", [1, pytest.param(10, marks=pytest.mark.slow)], ids=["groups", "against-plain"]
+)
+def test_two_nodes_shard_inside_each_node_and_train_as_one(steps: int) -> None:
     """The main job on two torchrun "nodes" (c10d rendezvous on localhost, 2 ranks each) with
     ``shard_group_size: auto``: every rank's shard group is its own node's ranks (which ranks a
     node has is read from which launcher printed them), its replica group one rank per node; and
-    the run prints the same figures as plain stage 3 over the 4 ranks on one node."""
+    (ten steps) the run prints the same figures as plain stage 3 over the 4 ranks on one node."""
     port = _free_port()
     nodes = [
         _launch("zero3_hybrid.yaml", [
             "--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=zero-engine-hybrid-test",
-        ])
+        ], steps)
         for node in (0, 1)
     ]
     outputs = [_finish(node) for node in nodes]
-    plain = _finish(_launch("zero3.yaml", ["--standalone", "--nproc_per_node=4"]))
     line = re.compile(r"^rank (\d+) on node \d+: shard group \[([\d, ]+)\], replica group \[([\d, ]+)\]$", re.M)
     node_ranks = [{int(rank) for rank, *_ in line.findall(output)} for output in outputs]
     assert sorted(map(len, node_ranks)) == [2, 2] and not node_ranks[0] & node_ranks[1], outputs
@@ -351,6 +353,9 @@ def test_two_nodes_shard_inside_each_node_and_train_as_one() -> None:
             assert {int(r) for r in shard.split(", ")} == ranks, f"rank {rank} shards outside its node: {output}"
             replicas = [int(r) for r in replica.split(", ")]
             assert len(replicas) == 2 and sum(r in ranks for r in replicas) == 1, output
+    if steps == 1:
+        return
+    plain = _finish(_launch("zero3.yaml", ["--standalone", "--nproc_per_node=4"]))
     assert "rank 0 on node" not in plain, "one node: no replicas"
     for pattern in (r"step   10  loss (\d+\.\d+)", r"grad norm (\d+\.\d+)", r"held-out loss (\d+\.\d+)"):
         hybrid, single = re.findall(pattern, "".join(outputs)), re.findall(pattern, plain)
