@@ -391,3 +391,32 @@ def test_checkpoints_hold_frozen_shards_and_resume_at_any_stage_and_world_size(t
                 # Without the frozen weights saved, the model as built gives them.
                 expected = initial[name] if name in frozen else value
                 assert torch.equal(result["trainable_only"][name], expected), (world, stage, source, name)
+
+
+def test_exports_write_a_bf16_base_as_bf16_at_every_stage_and_from_a_checkpoint(tmp_path) -> None:
+    """save_pretrained writes trainable weights as their fp32 masters and frozen ones as stored:
+    the same file at stages 0 and 3, and the CLI's export of a stage 3 checkpoint agrees."""
+    from safetensors.torch import load_file
+
+    from zero_engine.state.export import export_checkpoint
+
+    written = {}
+    for stage in (0, 3):
+        engine = zero_engine.initialize(
+            make_mix(torch.bfloat16), {**mix_config(stage, stage3_wrap_modules=["Adapted", "Sequential"]),
+                                       "bf16": {"enabled": True}},
+        )
+        engine.backward(engine(*batch(0, 0, 0, 1)))
+        engine.step()
+        engine.save_pretrained(tmp_path / f"stage{stage}")
+        written[stage] = load_file(str(tmp_path / f"stage{stage}" / "model.safetensors"))
+        if stage == 3:
+            engine.save_checkpoint(tmp_path / "checkpoint", tag="t")
+        engine.close()
+    export_checkpoint(tmp_path / "checkpoint", tmp_path / "from_checkpoint", tag="t")
+    written["checkpoint"] = load_file(str(tmp_path / "from_checkpoint" / "model.safetensors"))
+    frozen = {name for name, param in make_mix().named_parameters() if not param.requires_grad}
+    for source, state in written.items():
+        assert {name for name, value in state.items() if value.dtype == torch.bfloat16} == frozen, source
+        for name, value in state.items():
+            assert torch.equal(value, written[0][name]), (source, name)

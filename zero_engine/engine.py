@@ -455,8 +455,8 @@ class Engine:
     ) -> Path:
         """The model in Hugging Face's layout (collective; rank 0 writes): ``model.safetensors``
         or shards of at most ``max_shard_size`` with ``model.safetensors.index.json``, names as
-        ``module.state_dict()`` gives them (a tied tensor once), values the fp32 masters or cast
-        to ``dtype``; ``config.json`` too for a transformers model. Streamed unit by unit: rank 0
+        ``module.state_dict()`` gives them (a tied tensor once), values the fp32 masters (frozen
+        weights as stored: a bf16 base stays bf16) or cast to ``dtype``; ``config.json`` too for a transformers model. Streamed unit by unit: rank 0
         holds one gathered unit and one shard at a time, never the model (`state.export`).
         Returns on every rank once the files are complete; training goes on unchanged."""
         self.calls.check_usable()

@@ -6,7 +6,7 @@ or ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_size`` byt
 larger than that alone in its shard) with ``model.safetensors.index.json`` (``metadata.total_size``
 and the ``weight_map``); names as ``model.state_dict()`` gives them, a tied tensor written once
 (under the name Hugging Face keeps: not one of the model's ``_tied_weights_keys``), values the
-fp32 masters or cast to ``dtype``.
+fp32 masters (a frozen weight as stored: a bf16 base stays bf16) or cast to ``dtype``.
 
 Streaming: the shards are planned first from the tensors' shapes alone, so every shard file's
 header is known before any value is gathered (`safetensors_file`). Then the units are gathered
@@ -31,8 +31,10 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..sharding.frozen_unit import FrozenUnit
 from ..sharding.unit import FlatUnit
 from .checkpoint import on_every_rank
+from .payload import PieceIndex
 from .safetensors_file import SafetensorsWriter, TensorSpec
 from .state_dict import ModelState
 from .sources import open_source
@@ -196,7 +198,7 @@ def export_model(
     in_units = {alias for unit in units for param in unit.params for alias in aliases[id(param)]}
     loose = loose_entries(model.loose_state(), out, skip=in_units.__contains__)
     entries = [
-        TensorSpec(name, out or torch.float32, tuple(unit.shapes[index]))
+        TensorSpec(name, out or _stored_dtype(unit), tuple(unit.shapes[index]))
         for unit, unit_names in zip(units, names) for index, name in enumerate(unit_names)
     ] + [TensorSpec(name, dtype_out, tuple(tensor.shape)) for name, tensor, dtype_out in loose]
     writer = ShardWriter(directory, plan_shards(entries, max_bytes)) if comm.rank == 0 else None
@@ -225,10 +227,22 @@ def export_model(
     return directory
 
 
+def _stored_dtype(unit: FlatUnit | FrozenUnit) -> torch.dtype:
+    """What a unit's parameters are written as without ``dtype``: the fp32 masters, or a frozen
+    unit's stored dtype (a bf16 base stays bf16, as it was loaded and as stages 0-2 write it)."""
+    return unit.dtype if unit.frozen else torch.float32
+
+
 def _add_unit(writer: ShardWriter | None, unit: FlatUnit, names: list[str], full: torch.Tensor) -> None:
     assert writer is not None
     for index, name in enumerate(names):
         writer.add(name, unit.view_of(full, index))
+
+
+def _saved_dtype(index: PieceIndex, name: str, entry: dict) -> torch.dtype:
+    """fp32 (the masters), or a frozen parameter's stored dtype, as its pieces hold it."""
+    pieces = index.pieces.get(name) if entry.get("frozen") else None
+    return pieces[0]["master"].dtype if pieces else torch.float32
 
 
 def export_checkpoint(
@@ -246,8 +260,10 @@ def export_checkpoint(
     numels = {name: math.prod(entry["shape"]) for name, entry in params.items()}
     # Without the model, a tied tensor is written under its first name (the model's order puts
     # the owner first: GPT-2's embedding before its lm_head, as transformers keeps them).
-    entries = [TensorSpec(written_name(entry["aliases"], ()), out or torch.float32, tuple(entry["shape"]))
-               for entry in params.values()]
+    entries = [
+        TensorSpec(written_name(entry["aliases"], ()), out or _saved_dtype(index, name, entry), tuple(entry["shape"]))
+        for name, entry in params.items()
+    ]
     entries += [TensorSpec(name, dtype_out, tuple(tensor.shape)) for name, tensor, dtype_out in loose]
     writer = ShardWriter(directory, plan_shards(entries, max_bytes))
     try:
