@@ -67,6 +67,11 @@ def _case(name: str, stage: int, **keys: Any) -> dict[str, Any]:
     return {"name": name, "config": config}
 
 
+# A LoRA-shaped run: the first block and the final norm frozen (DeepSpeed's ZeRO-3 partitions
+# them and saves them as frozen_param_fragments), checkpointed twice at step 3: whole, and with
+# exclude_frozen_parameters=True under excluded/ (the trainable state alone).
+FROZEN = ["blocks.0", "norm"]
+
 GRID = [
     _case("stage0_fp32", 0),
     _case("stage0_bf16", 0, bf16={"enabled": True}),
@@ -76,16 +81,26 @@ GRID = [
     _case("stage2_bf16", 2, bf16={"enabled": True}),
     _case("stage3_fp32", 3, zero=SMALL_UNITS),
     _case("stage3_bf16", 3, bf16={"enabled": True}, zero=SMALL_UNITS),
+    {**_case("stage3_fp32_frozen", 3, zero=SMALL_UNITS), "frozen": FROZEN},
 ]
 
 
-def _engine(deepspeed: Any, config: dict[str, Any]) -> Any:
-    model = make_model()
+def freeze(model: torch.nn.Module, frozen: list[str]) -> torch.nn.Module:
+    """Freeze the named submodules (as a fine-tuning run leaves its base)."""
+    modules = dict(model.named_modules())
+    for name in frozen:
+        modules[name].requires_grad_(False)
+    return model
+
+
+def _engine(deepspeed: Any, config: dict[str, Any], frozen: list[str] = ()) -> Any:
+    model = freeze(make_model(), list(frozen))
     if config.get("bf16", {}).get("enabled"):
         model = model.to(torch.bfloat16)
     elif config.get("fp16", {}).get("enabled"):
         model = model.half()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
     return engine
 
 
@@ -131,12 +146,17 @@ def record(case: dict[str, Any], rank: int, world_size: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)
     dist.barrier()
-    engine = _engine(deepspeed, case["config"])
+    engine = _engine(deepspeed, case["config"], case.get("frozen", ()))
     first_lrs, first_losses = _steps(engine, range(SAVE_AT), rank, world_size)
     engine.save_checkpoint(str(directory), client_state={"epoch": 1, "note": "client state"})
+    if case.get("frozen"):
+        engine.save_checkpoint(
+            str(directory / "excluded"), client_state={"epoch": 1, "note": "client state"}, exclude_frozen_parameters=True
+        )
     if rank == 0:  # DeepSpeed copies its conversion scripts beside the checkpoint: not test data
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):
-            (directory / script).unlink(missing_ok=True)
+            for where in (directory, directory / "excluded"):
+                (where / script).unlink(missing_ok=True)
     lrs, losses = _steps(engine, range(SAVE_AT, STEPS), rank, world_size)
     final = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(final)
@@ -150,7 +170,7 @@ def record(case: dict[str, Any], rank: int, world_size: int) -> None:
         torch.save({k: v.detach().clone() for k, v in state.items()}, directory / "final.pt")  # plain tensors only
         shutil.rmtree(final[0])
         trace = {
-            "config": case["config"], "saved_at": SAVE_AT, "first_lrs": first_lrs, "first_losses": first_losses,
+            "config": case["config"], "frozen": case.get("frozen", []), "saved_at": SAVE_AT, "first_lrs": first_lrs, "first_losses": first_losses,
             "lrs": lrs, "losses": losses, "skipped_steps": engine.skipped_steps,
             "made_by": {
                 "command": "DS_ACCELERATOR=cpu ds/bin/torchrun --standalone --nproc_per_node=2 "

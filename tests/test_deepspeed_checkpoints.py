@@ -32,7 +32,7 @@ from zero_engine.state.deepspeed_checkpoint import read_deepspeed
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "deepspeed_checkpoints"
 sys.path.insert(0, str(ROOT / "scripts"))
-from make_deepspeed_checkpoints import GLOBAL_ROWS, rows_of  # noqa: E402
+from make_deepspeed_checkpoints import GLOBAL_ROWS, freeze, rows_of  # noqa: E402
 from record_deepspeed_traces import inputs_and_targets, loss_of, make_model  # noqa: E402
 
 # DeepSpeed's case -> (this engine's stage, world size, tolerance on the losses, on the fp32
@@ -50,6 +50,11 @@ RESUMED_AT = {
     "stage3_bf16": (0, 2, 5e-4, 2e-3),
     "stage1_fp16": (3, 2, 5e-5, 2e-4),
     "stage0_fp16": (2, 3, 5e-5, None),
+    # The first block and the final norm frozen: DeepSpeed saved them as frozen_param_fragments,
+    # resumed into frozen units; and its exclude_frozen_parameters checkpoint, whose frozen
+    # weights come from the model as built (they never changed, so the run goes on the same).
+    "stage3_fp32_frozen": (3, 3, 1e-5, 1e-5),
+    "stage3_fp32_frozen:excluded": (0, 2, 1e-5, 1e-5),
 }
 # DeepSpeed 0.19.8 without ZeRO in fp16 does not scale the loss in backward but divides the
 # gradients by the loss scale before its step (measured: its gradient norm is the true one over
@@ -59,7 +64,13 @@ FIRST_LOSS_ONLY = {"stage0_fp16"}
 
 
 def _trace(case: str) -> dict:
-    return json.loads((DATA / case / "trace.json").read_text())
+    return json.loads((DATA / case.partition(":")[0] / "trace.json").read_text())
+
+
+def _checkpoint(case: str) -> Path:
+    """A case's checkpoint directory: ``CASE`` or, for ``CASE:VARIANT``, ``CASE/VARIANT``."""
+    name, _, variant = case.partition(":")
+    return DATA / name / variant if variant else DATA / name
 
 
 def _config(case: str, stage: int, world_size: int) -> dict:
@@ -76,10 +87,15 @@ def resume(rank: int, world_size: int, cases: list[str]) -> dict:
     for case in cases:
         stage = RESUMED_AT[case][0]
         trace = _trace(case)
-        engine = zero_engine.initialize(make_model(), _config(case, stage, world_size))
+        model = freeze(make_model(), trace.get("frozen", []))
+        if trace.get("frozen") and ":excluded" not in case:  # the checkpoint's frozen values must replace these
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(0.0 if param.requires_grad else 1.0)
+        engine = zero_engine.initialize(model, _config(case, stage, world_size))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            client_state = engine.load_checkpoint(DATA / case)
+            client_state = engine.load_checkpoint(_checkpoint(case))
         lrs, losses = [], []
         for step in range(trace["saved_at"], trace["saved_at"] + len(trace["losses"])):
             lrs.append(engine.get_lr()[0])
@@ -122,7 +138,7 @@ def test_deepspeed_checkpoint_resumes_deepspeeds_run(case: str, resumed: dict[st
     losses = result["losses"][:compared]
     assert losses == pytest.approx(trace["losses"][:compared], abs=loss_tolerance), (case, stage, world_size)
     if weight_tolerance is not None:
-        final = torch.load(DATA / case / "final.pt", weights_only=True)
+        final = torch.load(DATA / case.partition(":")[0] / "final.pt", weights_only=True)
         state = result["state"]
         assert state.keys() == final.keys()
         worst = max((state[name] - final[name]).abs().max().item() for name in final)

@@ -274,6 +274,8 @@ def _check_fit(model: ModelState, checkpoint: Checkpoint, extra: dict[str, Any],
     theirs.update({k: list(v.shape) for k, v in extra["module"].items()})
     excluded = set(checkpoint.manifest.get("excluded_frozen", ()))
     still_frozen = set(model.frozen_names())
+    if "*" in excluded:  # a DeepSpeed checkpoint that recorded no frozen parameter
+        excluded = still_frozen
     # Saved with exclude_frozen_parameters: the frozen weights come from the model as built (or weights=).
     missing = sorted(set(ours) - set(theirs) - (excluded & still_frozen))
     unexpected = sorted(set(theirs) - set(ours))

@@ -119,8 +119,9 @@ def read_deepspeed(directory: str | Path, tag: str | None = None) -> Translated:
         "format": "deepspeed", "stage": stage, "world_size": world, "optimizer": None,
         "config": {"deepspeed": model.get("ds_config"), "deepspeed_version": model.get("ds_version")},
         "params": {name: {"shape": list(shape), "aliases": aliases[name]} for name, shape in shapes.items()},
-        # stage 3 frozen parameters saved with exclude_frozen_parameters: the model as built gives them
-        "excluded_frozen": [name for name in (model.get("frozen_param_shapes") or {}) if name not in loose],
+        # Stage 3 frozen parameters saved with exclude_frozen_parameters: the model as built gives
+        # them. DeepSpeed 0.19.8 then records no frozen shapes at all ("*": any frozen parameter).
+        "excluded_frozen": _excluded_frozen(model, loose) if stage3 else [],
     }
     extra = {
         "module": loose,
@@ -375,6 +376,11 @@ class _flat_slots:
         if left:
             raise CheckpointError(f"{path}: rank {rank}'s flat buffers hold {left} elements beyond the parameters "
                                   "param_shapes lists: an unexpected stage 3 layout")
+
+
+def _excluded_frozen(model: dict[str, Any], loose: dict[str, torch.Tensor]) -> list[str]:
+    shapes = model.get("frozen_param_shapes")
+    return ["*"] if shapes is None else [name for name in shapes if name not in loose]
 
 
 def _stage3_loose(model: dict[str, Any], path: Path, world: int) -> dict[str, torch.Tensor]:
