@@ -91,10 +91,11 @@ class Engine:
         self._trainable_as_built = [(name, param, param.requires_grad) for name, param in model.named_parameters()]
         # The leaf unit modules recomputed now (recompute_units), compiled later (compile()).
         self.unit_forwards = UnitForwards(plan.leaf_modules, zero.recompute_units)
-        self.optimizer_step: OptimizerStep | NoOptimizerStep = (
-            OptimizerStep(config, stage, self.units, groups, comm, self.reducer, self.device, self.offload, lr_scheduler)
-            if self.units else NoOptimizerStep()
-        )
+        self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
+        if self.units:
+            self.optimizer_step = OptimizerStep(
+                config, stage, self.units, groups, comm, self.reducer, self.device, self.offload, lr_scheduler
+            )
         self.step_log = StepLog(build_monitors(config) if comm.rank == 0 else [])  # DeepSpeed's monitor sections
 
     # -- construction --------------------------------------------------------------------------
@@ -456,8 +457,9 @@ class Engine:
         """The model in Hugging Face's layout (collective; rank 0 writes): ``model.safetensors``
         or shards of at most ``max_shard_size`` with ``model.safetensors.index.json``, names as
         ``module.state_dict()`` gives them (a tied tensor once), values the fp32 masters (frozen
-        weights as stored: a bf16 base stays bf16) or cast to ``dtype``; ``config.json`` too for a transformers model. Streamed unit by unit: rank 0
-        holds one gathered unit and one shard at a time, never the model (`state.export`).
+        weights as stored: a bf16 base stays bf16) or cast to ``dtype``; ``config.json`` too for
+        a transformers model. Streamed unit by unit: rank 0 holds one gathered unit and one shard
+        at a time, never the model (`state.export`).
         Returns on every rank once the files are complete; training goes on unchanged."""
         self.calls.check_usable()
         export.parse_shard_size(max_shard_size), export.parse_dtype(dtype)  # bad arguments raise before any collective

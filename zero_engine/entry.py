@@ -213,7 +213,8 @@ def _log_if_nothing_trains(groups: list, config: ZeroEngineConfig) -> None:
     policy's config as TRL does) gets no optimizer: say that its sections have no effect."""
     if any(group.params for group in groups):
         return
-    sections = [name for name in ("optimizer", "scheduler") if name in config.model_fields_set and getattr(config, name)]
+    given = config.model_fields_set
+    sections = [name for name in ("optimizer", "scheduler") if name in given and getattr(config, name)]
     if sections:
         logger.info(
             "the model has no trainable parameter: this engine serves forwards only, and the config's %s "

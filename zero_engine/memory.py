@@ -179,11 +179,14 @@ def measure_memory(
     peaks). ``frozen_parameters`` is the part of ``parameters`` that trains not. ``host``
     counts what offload put in host memory (``optimizer_on_host``: the optimizer's state too)."""
     states = optimizer.state.values() if optimizer is not None else ()
-    optimizer_states = sum(tensor_bytes(value) for state in states for value in state.values() if torch.is_tensor(value))
+    optimizer_states = sum(
+        tensor_bytes(value) for state in states for value in state.values() if torch.is_tensor(value)
+    )
     frozen = sum(tensor_bytes(p) for p in loose_params if not p.requires_grad)
     frozen += sum(unit.param_bytes for unit in frozen_units)
     return MemoryReport(
-        parameters=sum(tensor_bytes(p) for p in loose_params) + sum(unit.param_bytes for unit in [*units, *frozen_units]),
+        parameters=sum(tensor_bytes(p) for p in loose_params)
+        + sum(unit.param_bytes for unit in [*units, *frozen_units]),
         gradients=reducer.held_grad_bytes(),
         optimizer_states=optimizer_states,
         master_parameters=sum(unit.optimizer_shard.master_bytes for unit in units),

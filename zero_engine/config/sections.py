@@ -321,7 +321,9 @@ class ZeroOptimizationConfig(_Section):
     # when set, and in the key table (`zero_engine.config.deepspeed`).
     NO_EFFECT: ClassVar[dict[str, str]] = {
         "contiguous_gradients": "gradients always live in one flat buffer per unit",
-        "zero_quantized_nontrainable_weights": "frozen parameters are gathered exactly, in their own dtype (int8 not built)",
+        "zero_quantized_nontrainable_weights": (
+            "frozen parameters are gathered exactly, in their stored dtype (int8 not built)"
+        ),
         "reduce_scatter": "stages 1-3 always reduce-scatter (comm.primitives picks how)",
         "allgather_partitions": "updated shards are always all-gathered, one unit per call",
         "allgather_bucket_size": (

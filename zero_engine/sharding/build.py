@@ -115,8 +115,8 @@ def build_units(
 ) -> tuple[list[FlatUnit], list[FrozenUnit], NoGather]:
     """All trainable units in reducer order, stage 3's frozen units, and what gathers them
     (nothing below stage 3). ``offload`` puts sharded state on the host: optimizer state in
-    every unit, parameter shards in the trainable stage 3 units (resident parameters stay whole
-    on the device, as DeepSpeed's persistent ones; frozen shards stay on the device)."""
+    every unit, parameter shards in the stage 3 units, frozen ones included (resident parameters
+    stay whole on the device, as DeepSpeed's persistent ones)."""
     placement = place(offload)  # where every unit's optimizer side lives, decided once
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
@@ -196,7 +196,8 @@ def _agree_on_drawn_values(
     comm.broadcast([tensor.detach() for tensor in whole], src=0)
     if sharded and comm.num_replicas > 1:
         trained = [unit for unit in sharded if unit.optimizer_shard is not None]
-        staged = [unit.optimizer_shard.master.to(unit.device) for unit in trained]  # offloaded masters cross on the device
+        # offloaded masters cross on the device
+        staged = [unit.optimizer_shard.master.to(unit.device) for unit in trained]
         frozen = [unit for unit in sharded if unit.optimizer_shard is None]
         frozen_staged = [unit.param_shard.to(unit.device) for unit in frozen]
         comm.broadcast_across_groups(staged + frozen_staged)

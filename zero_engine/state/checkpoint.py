@@ -285,9 +285,9 @@ def _check_fit(model: ModelState, checkpoint: Checkpoint, extra: dict[str, Any],
         return
     if excluded & set(missing):
         message += (
-            f" ({', '.join(sorted(excluded & set(missing)))} were frozen when saved with exclude_frozen_parameters=True, "
-            "so the checkpoint holds no values for them: freeze them as then, the model as built or weights= giving "
-            "their values)"
+            f" ({', '.join(sorted(excluded & set(missing)))} were frozen when saved with "
+            "exclude_frozen_parameters=True, so the checkpoint holds no values for them: freeze them as then, the "
+            "model as built or weights= giving their values)"
         )
     if strict:
         raise CheckpointError(message + ". Load with strict=False to take what matches.")

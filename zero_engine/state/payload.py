@@ -61,14 +61,17 @@ def rank_payload(state: Resumable) -> dict[str, Any]:
             master = unit.optimizer_shard.master_of_shard[piece.shard_offset : piece.shard_offset + numel]
             saved = {}
             for target in targets[name]:  # the optimizer tensor holding element `start`
-                if state.optimizer is not None and target.param_offset <= start < target.param_offset + target.tensor.numel():
+                holds_start = target.param_offset <= start < target.param_offset + target.tensor.numel()
+                if state.optimizer is not None and holds_start:
                     saved = _slice_state(state.optimizer.state.get(target.tensor, {}), target, start, numel)
             # a copy: torch.save of a view would write the whole flat buffer behind it
             pieces.append({"name": name, "start": start, "numel": numel, "master": _to_host(master), "state": saved})
     saves_frozen = model.comm.replica_rank == 0 and not state.exclude_frozen
     for unit in model.frozen_units if saves_frozen else ():  # values in their own dtype, no state
         for index, start, numel, values in unit.shard_pieces():
-            pieces.append({"name": unit.names[index], "start": start, "numel": numel, "master": _to_host(values), "state": {}})
+            pieces.append(
+                {"name": unit.names[index], "start": start, "numel": numel, "master": _to_host(values), "state": {}}
+            )
     return {"pieces": pieces, "rng": _rng_state(state.device)}
 
 
