@@ -44,9 +44,9 @@ class Adapted(nn.Module):
 
 
 class Tower(nn.Module):
-    def __init__(self, trainable: bool = True) -> None:
+    def __init__(self, trainable: bool = True, depth: int = DEPTH) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Adapted(trainable) for _ in range(DEPTH))
+        self.blocks = nn.ModuleList(Adapted(trainable) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -70,9 +70,9 @@ CASES = {  # name: (base dtype, config dtype, trainable adapters)
 }
 
 
-def _build(base_dtype: torch.dtype, trainable: bool) -> Tower:
+def _build(base_dtype: torch.dtype, trainable: bool, depth: int = DEPTH) -> Tower:
     torch.manual_seed(0)
-    model = Tower(trainable)
+    model = Tower(trainable, depth)
     for param in model.parameters():
         if not param.requires_grad:
             param.data = param.data.to(base_dtype)
@@ -92,7 +92,7 @@ def measure(rank: int, world: int, names: list[str]) -> dict[str, dict]:
     x = torch.randn(BATCH, WIDTH, dtype=torch.float32)
     for name in names:  # page in every code path and kernel (bf16 GEMM caches too) before any baseline
         base_dtype, dtype, trainable = CASES[name]
-        engine = zero_engine.initialize(_build(base_dtype, trainable), _config(dtype))
+        engine = zero_engine.initialize(_build(base_dtype, trainable, depth=2), _config(dtype))
         if trainable:
             engine.backward(engine(x))
             engine.step()
