@@ -42,7 +42,7 @@ from ..errors import CheckpointError
 from ..sharding.unit import FlatUnit
 from . import storage
 from .payload import (
-    Counters, Resumable, extra_payload, manifest_of, rank_payload, restore_optimizer, restore_rng,
+    Counters, PieceIndex, Resumable, extra_payload, manifest_of, rank_payload, restore_optimizer, restore_rng,
 )
 from .sources import Source, open_source
 from .state_dict import ModelState
@@ -220,7 +220,7 @@ def load(
     return Loaded(Counters(extra["global_step"], extra["skipped_steps"]), extra["client_state"])
 
 
-def _loose_from_pieces(model: ModelState, saved: dict[str, Any], index: Any) -> dict[str, torch.Tensor]:
+def _loose_from_pieces(model: ModelState, saved: dict[str, Any], index: PieceIndex) -> dict[str, torch.Tensor]:
     """This engine's loose parameters that the checkpoint saved as pieces (frozen parameters
     sharded at stage 3, resumed where they are whole), assembled whole."""
     found = {}
