@@ -170,9 +170,7 @@ def _frozen_units(
     """The unit module's frozen parameters as `FrozenUnit` s, one per stored dtype (each gathers
     in it: the compute dtype under mixed precision, see `cast_frozen`, else the parameter's
     own), in registration order within each."""
-    by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
-    for name, param in zip(plan.frozen_names, plan.frozen_params):
-        by_dtype.setdefault(frozen_dtype(param, compute_dtype), []).append((name, param))
+    by_dtype = _frozen_by_dtype(plan, compute_dtype)
     units = []
     for dtype, named in by_dtype.items():
         params = [param for _, param in named]
@@ -182,6 +180,16 @@ def _frozen_units(
             device=device, dtype=dtype, materialize=_materializer(deferred, params), on_host=on_host,
         ))
     return units
+
+
+def _frozen_by_dtype(
+    plan: ModuleUnitPlan, compute_dtype: torch.dtype
+) -> dict[torch.dtype, list[tuple[str, nn.Parameter]]]:
+    """A unit module's frozen parameters by the dtype they are stored in: one frozen unit each."""
+    by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+    for name, param in zip(plan.frozen_names, plan.frozen_params):
+        by_dtype.setdefault(frozen_dtype(param, compute_dtype), []).append((name, param))
+    return by_dtype
 
 
 def _agree_on_drawn_values(
@@ -280,11 +288,8 @@ def planned_host_buffers(
     buffers: list[int] = []
     if offload.params and stage.shard_parameters:  # each frozen unit's shard (per module and stored dtype)
         for unit in plan.units:
-            per_dtype: dict[torch.dtype, int] = {}
-            for param in unit.frozen_params:
-                dtype = frozen_dtype(param, compute_dtype)
-                per_dtype[dtype] = per_dtype.get(dtype, 0) + param.numel()
-            buffers += [dtype.itemsize * shard(numel) for dtype, numel in per_dtype.items()]
+            for dtype, named in _frozen_by_dtype(unit, compute_dtype).items():
+                buffers.append(dtype.itemsize * shard(sum(param.numel() for _, param in named)))
     for numel, is_sharded in [*((n, True) for n in sharded), *((n, False) for n in whole)]:
         if offload.optimizer:
             buffers += [4 * shard(numel)] * (2 if offload.staged_gradients else 1)  # host gradient (and staging)

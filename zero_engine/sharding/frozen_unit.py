@@ -24,7 +24,7 @@ from ..comm import Comm, CollectiveKind
 from ..devices import tensor_bytes
 from .codec import Gathering
 from .layout import UnitLayout
-from .unit import GatheredStorage, _point_meta_param
+from .unit import FlatUnit, GatheredStorage, _point_meta_param
 
 
 def frozen_dtype(param: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
@@ -80,6 +80,7 @@ class FrozenUnit(GatheredStorage):
             self.param_view(index).copy_(values)
         del staged
         start, end = self.layout.shard_range(rank)
+        self._segments = {segment.param_index: segment for segment in self.layout.segments(rank)}  # what it keeps
         self.on_host = on_host  # offload_param: the shard lives in host memory, crosses before each gather
         shard = self.flat_param[start:end]
         self.param_shard = offload.host_copy(shard, offload.PIN_CROSSING) if on_host else shard.clone()
@@ -92,12 +93,8 @@ class FrozenUnit(GatheredStorage):
         communication report (``all_gather_frozen``)."""
         return Gathering(comm.all_gather(self.flat_param, kind=CollectiveKind.ALL_GATHER_FROZEN))
 
-    def view_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
-        return flat[offset : offset + numel].view(self.shapes[index])
-
-    def param_view(self, index: int) -> torch.Tensor:
-        return self.view_of(self.flat_param, index)
+    view_of = FlatUnit.view_of  # parameter ``index``'s elements of a full flat buffer, shaped
+    param_view = FlatUnit.param_view
 
     @property
     def param_bytes(self) -> int:
@@ -114,28 +111,25 @@ class FrozenUnit(GatheredStorage):
 
     def kept_range(self, index: int) -> tuple[int, int] | None:
         """The elements of parameter ``index`` in this rank's shard, as ``(start, numel)``."""
-        start, end = self.layout.shard_range(self.rank)
-        offset, numel = self.layout.param_offsets[index], self.layout.param_numels[index]
-        lo, hi = max(offset, start), min(offset + numel, end)
-        return (lo - offset, hi - lo) if lo < hi else None
+        segment = self._segments.get(index)
+        return None if segment is None else (segment.param_offset, segment.numel)
 
     def load_kept(self, index: int, values: torch.Tensor) -> None:
         """Set this rank's elements of parameter ``index`` (``values``: `kept_range`'s, any
         floating dtype: cast to the unit's)."""
-        kept = self.kept_range(index)
-        if kept is None:
+        segment = self._segments.get(index)
+        if segment is None:
             return
         if self.has_full_storage:
             raise RuntimeError(f"unit {self.label}: loading a shard while the unit is gathered (mid-step?)")
-        shard_start = self.layout.param_offsets[index] + kept[0] - self.layout.shard_range(self.rank)[0]
-        self.param_shard[shard_start : shard_start + kept[1]].copy_(values.reshape(-1))
+        self.param_shard[segment.shard_offset : segment.shard_offset + segment.numel].copy_(values.reshape(-1))
 
     def shard_pieces(self) -> list[tuple[int, int, int, torch.Tensor]]:
         """This rank's pieces: ``(param index, start in the parameter, numel, values)``."""
         return [
             (piece.param_index, piece.param_offset, piece.numel,
              self.param_shard[piece.shard_offset : piece.shard_offset + piece.numel])
-            for piece in self.layout.segments(self.rank)
+            for piece in self._segments.values()
         ]
 
     def gather_masters(self, comm: Comm, onto: int | None = None) -> torch.Tensor | None:
