@@ -163,9 +163,9 @@ HONOURED: list[tuple[str, dict[str, Any], Any]] = [
     ("zero_optimization.reduce_bucket_size", {"zero_optimization": {"stage": 1, "reduce_bucket_size": 4}},
      lambda e: len(e.units) == 2),  # the 4x4 weight and the bias, each its own unit
     ("zero_optimization.stage3_prefetch_bucket_size", {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 7}},
-     lambda e: e.gatherer.prefetch_numel == 7),
+     lambda e: e.gatherer.prefetch.prefetch_numel == 7),
     ("zero_optimization.stage3_max_live_parameters", {"zero_optimization": {"stage": 3, "max_live_parameters": 9}},
-     lambda e: e.gatherer.max_live_numel == 9),
+     lambda e: e.gatherer.prefetch.max_live_numel == 9),
     ("zero_optimization.stage3_param_persistence_threshold",
      {"zero_optimization": {"stage": 3, "param_persistence_threshold": 5}},  # the bias (4) stays whole
      lambda e: [len(unit.params) for unit in e.gatherer.units] == [1]),

@@ -188,8 +188,56 @@ def rows_and_root(rank: int) -> dict:
     return out
 
 
+def user_holds(rank: int) -> dict:
+    """Holds taken outside the hooks (`ParamGatherer.hold`): nested, beside a forward's own,
+    kept through an evaluation forward without gathering again, and released by the last
+    release only; training afterwards is as if no hold was taken."""
+    out: dict = {}
+    engine = _deep_engine()
+    gatherer = engine.gatherer
+    _deep_steps(engine, rank, range(2))
+    gathers = [0] * len(gatherer.units)
+    for index, unit in enumerate(gatherer.units):
+        unit.unshard = _counting(unit.unshard, gathers, index)
+    full = engine.full_state_dict()  # a call: the gathers agreed for the next forward are settled
+    gatherer.hold([1, 2])
+    gatherer.hold([2])  # nested: one more hold on unit 2
+    engine.full_state_dict()  # a collective call does not free held units
+    out["held"] = [unit.has_full_storage for unit in gatherer.units]
+    out["values_equal"] = all(
+        torch.equal(param.detach(), full[name])
+        for index in (1, 2) for name, param in zip(gatherer.units[index].names, gatherer.units[index].params)
+    )
+    gathers[:] = [0] * len(gathers)
+    with torch.no_grad():
+        out["held_output"] = engine(_deep_batch(7, rank))
+    out["gathers_in_forward"] = list(gathers)
+    out["held_after_forward"] = [unit.has_full_storage for unit in gatherer.units]
+    gatherer.release([1, 2])
+    out["after_first_release"] = [unit.has_full_storage for unit in gatherer.units]
+    gatherer.release([2])
+    out["after_last_release"] = [unit.has_full_storage for unit in gatherer.units]
+    with torch.no_grad():
+        out["free_output"] = engine(_deep_batch(7, rank))
+    _deep_steps(engine, rank, range(2, 4))
+    out["trained"] = engine.full_state_dict()
+    engine.close()
+    engine = _deep_engine()
+    _deep_steps(engine, rank, range(4))
+    out["trained_without_holds"] = engine.full_state_dict()
+    engine.close()
+    return out
+
+
+def _counting(function, counts: list[int], index: int):
+    def counted(*args, **kwargs):
+        counts[index] += 1
+        return function(*args, **kwargs)
+    return counted
+
+
 def behaviour(rank: int, world_size: int) -> dict:
-    out: dict = {"rows_and_root": rows_and_root(rank)}
+    out: dict = {"rows_and_root": rows_and_root(rank), "user_holds": user_holds(rank)}
 
     # Memory and traffic on 8 units, measured in the second step (optimizer state exists).
     for name, zero in {"default": {}, "live_limit": {"stage3_max_live_parameters": WIDTH * WIDTH + WIDTH}}.items():
@@ -350,6 +398,21 @@ def test_stage3_memory_traffic_export_and_failures(world_size: int) -> None:
             for name, value in out["checkpointing"][None].items():
                 assert (out["checkpointing"][mode][name] - value).abs().max().item() <= TOL, (mode, name)
         _check_rows_and_root(out["rows_and_root"])
+        _check_user_holds(out["user_holds"])
+
+
+def _check_user_holds(out: dict) -> None:
+    units = len(out["held"])
+    held = [index in (1, 2) for index in range(units)]
+    assert out["held"] == held and out["values_equal"]
+    assert out["held_after_forward"] == held
+    # the forward gathered every unit once, except the two it found held
+    assert out["gathers_in_forward"] == [0 if index in (1, 2) else 1 for index in range(units)]
+    assert torch.equal(out["held_output"], out["free_output"])
+    assert out["after_first_release"] == [index == 2 for index in range(units)]
+    assert out["after_last_release"] == [False] * units
+    for name, value in out["trained_without_holds"].items():
+        assert torch.equal(out["trained"][name], value), name
 
 
 def _check_rows_and_root(out: dict) -> None:

@@ -14,6 +14,8 @@ and registers it with the module running. We do the same: `watch_reads` makes th
 `WatchedParameters`, a ``dict`` whose ``__getitem__`` (what ``module.name`` reads) tells the
 gatherer, which gathers the unit where it is read (`ParamGatherer._serve_read`). Outside a
 forward the watch is off: reading ``module.weight.shape`` between steps gathers nothing.
+`ParamReads` is the gatherer's side of this: the watch, the names, and what to say about a
+read the gatherer cannot serve (from another thread) or could not see (`unserved_reads`).
 
 What cannot be served this way, a reference kept outside the module (a list, a closure), is
 explained where torch raises (`unserved_reads`): the error names the parameter, the code that
@@ -22,11 +24,110 @@ used it and the fix, instead of a bare shape error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
 from torch import nn
+
+from ..errors import ShardedParameterError
+from .frozen_unit import FrozenUnit
+from .unit import ShardedFlatUnit
+
+logger = logging.getLogger("zero_engine")
+
+
+class ParamReads:
+    """The reads of one gatherer's sharded parameters: watched while a forward runs (each read
+    goes to ``on_read``), named, and explained where they cannot be served."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        units: Sequence[ShardedFlatUnit | FrozenUnit],
+        on_read: Callable[[nn.Parameter], None],
+        rank: int,
+    ) -> None:
+        self.root = root
+        self.units = units
+        self.rank = rank
+        self.unit_of = {param: index for index, unit in enumerate(units) for param in unit.params}
+        self.watch = ReadWatch(on_read)
+        self.forward_thread = threading.get_ident()
+        self._unwatch = watch_reads(
+            [module for module in root.modules() if any(p in self.unit_of for p in module._parameters.values())],
+            self.watch,
+        )
+
+    def begin_forward(self) -> None:
+        self.forward_thread = threading.get_ident()
+        self.watch.active = True
+
+    def end_forward(self) -> None:
+        self.watch.active = False
+
+    def close(self) -> None:
+        self._unwatch()
+
+    def check_thread(self, param: nn.Parameter, holder: nn.Module) -> None:
+        """A gather must run on the forward's thread, in the same order on every rank."""
+        if threading.get_ident() != self.forward_thread:
+            raise ShardedParameterError(
+                f"stage 3: parameter {self.name_of(param)!r} (unit {self._unit(param).label!r}) was read from "
+                f"another thread during the forward of {self.where(holder)}: its unit is sharded, and a "
+                "gather must run on the forward's thread, in the same order on every rank. Read it on that thread, "
+                f"or keep it whole on every rank (zero_optimization.stage3_param_persistence_threshold above "
+                f"{self.numel_of(param)})"
+            )
+
+    def log_served(self, param: nn.Parameter, holder: nn.Module) -> None:
+        if self.rank == 0:
+            where = self.where(holder)
+            logger.info(
+                "stage 3: unit %r is read outside the modules that gather it (first: %r, during the forward of %s); "
+                "it is gathered with %s's units from now on",
+                self._unit(param).label, self.name_of(param), where, where,
+            )
+
+    def explain_failed_forward(self, error: BaseException) -> str | None:
+        """When a forward failed on a sharded parameter that nothing gathered (a reference kept
+        outside its module: a list, a closure), what to say instead of torch's shape error."""
+        if isinstance(error, ShardedParameterError):
+            return None  # said already
+        for param, frame in unserved_reads(error, self._is_sharded_empty):
+            user = frame.f_locals.get("self")
+            where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+            if isinstance(user, nn.Module):
+                where = f"module {self.where(user)} ({type(user).__name__}), {where}"
+            return (
+                f"stage 3: parameter {self.name_of(param)!r} (unit {self._unit(param).label!r}) was used in a forward "
+                f"while sharded, by {where}, through a reference the engine cannot see: it gathers a unit when a "
+                "module that registers the parameter runs, or when the forward reads it from its module "
+                "(module.weight). Read it from its module where it is used, register it on the module that uses it, or keep it whole "
+                f"on every rank (zero_optimization.stage3_param_persistence_threshold above {self.numel_of(param)})"
+            )
+        return None
+
+    def name_of(self, param: nn.Parameter) -> str:
+        unit = self._unit(param)
+        return next(name for name, own in zip(unit.names, unit.params) if own is param)
+
+    def numel_of(self, param: nn.Parameter) -> int:
+        unit = self._unit(param)
+        return unit.layout.param_numels[next(i for i, own in enumerate(unit.params) if own is param)]
+
+    def where(self, module: nn.Module) -> str:
+        path = next((path for path, candidate in self.root.named_modules() if candidate is module), None)
+        return "<root>" if path == "" else repr(path) if path is not None else "a module outside the model"
+
+    def _unit(self, param: nn.Parameter) -> ShardedFlatUnit | FrozenUnit:
+        return self.units[self.unit_of[param]]
+
+    def _is_sharded_empty(self, value: Any) -> bool:
+        index = self.unit_of.get(value) if isinstance(value, nn.Parameter) else None
+        return index is not None and value.numel() == 0 and not self.units[index].has_full_storage
 
 
 class ReadWatch:

@@ -1,0 +1,77 @@
+"""Size and reach figures of the package's structure, for the notes of restructuring work.
+
+Prints the longest classes and modules (lines), the builders' argument counts, and the modules
+the config reaches: those that name the config's types (``ZeroEngineConfig`` or one of its
+section classes) or read a section off a config (``config.zero_optimization``, ``zero.``
+parameters typed as a section). Counted with ``ast`` over ``zero_engine/`` (integrations, the
+config package itself, the CLI and ``testing/`` left out: they are the config's readers by
+trade). Run from the repository root::
+
+    python scripts/structure_metrics.py [--top 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zero_engine"
+NOT_COUNTED_FOR_REACH = ("config/", "integrations/", "testing/", "cli.py")
+
+
+def _modules() -> list[Path]:
+    return sorted(path for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts)
+
+
+def _config_types() -> set[str]:
+    names = {"ZeroEngineConfig"}
+    for file in ("sections.py", "schema.py"):
+        tree = ast.parse((PACKAGE / "config" / file).read_text())
+        names |= {node.name for node in tree.body if isinstance(node, ast.ClassDef) and node.name.endswith("Config")}
+    return names
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(PACKAGE))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--top", type=int, default=5)
+    args = parser.parse_args()
+    classes, modules, builders, reached = [], [], [], []
+    config_types = _config_types()
+    for path in _modules():
+        text = path.read_text()
+        modules.append((len(text.splitlines()), _relative(path)))
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) for item in node.body)
+                classes.append((node.end_lineno - node.lineno + 1, f"{_relative(path)}:{node.name}", methods))
+            if isinstance(node, ast.FunctionDef) and (node.name.startswith("build") or node.name == "__init__"):
+                named = [arg.arg for arg in [*node.args.args, *node.args.kwonlyargs]]
+                count = len([name for name in named if name != "self"])
+                builders.append((count, f"{_relative(path)}:{node.name}"))
+        relative = _relative(path)
+        if not relative.startswith(NOT_COUNTED_FOR_REACH):
+            names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+            if names & config_types:
+                reached.append(relative)
+    print("longest classes (lines, methods):")
+    for lines, name, methods in sorted(classes, reverse=True)[: args.top]:
+        print(f"  {lines:5d} {methods:3d}  {name}")
+    print("longest modules (lines):")
+    for lines, name in sorted(modules, reverse=True)[: args.top]:
+        print(f"  {lines:5d}  {name}")
+    print("most arguments of a builder or constructor:")
+    for count, name in sorted(builders, reverse=True)[: args.top]:
+        print(f"  {count:5d}  {name}")
+    print(f"modules that take the config's types ({len(reached)}):")
+    for name in reached:
+        print(f"  {name}")
+
+
+if __name__ == "__main__":
+    main()
