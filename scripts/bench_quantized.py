@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_engine  # noqa: E402
 from gpt import GPT, PRESETS, decay_groups  # noqa: E402
 from stdlib_text import TextBatches, load_corpus  # noqa: E402
-from zero_engine import comm as comm_module  # noqa: E402
+from zero_engine.comm import groups as comm_module  # noqa: E402
 from zero_engine.quantize import BlockQuantizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import zero_engine
 from harness import run_on_ranks
 from models import decay_groups, make_model, train_engine
-from zero_engine import comm as comm_module
+from zero_engine.comm import groups as comm_module
 
 CONTROL_METHODS = {"each_rank", "all_gather_json"}
 WRAPPED = ("all_reduce", "reduce", "broadcast", "all_gather", "batch_isend_irecv", "barrier")

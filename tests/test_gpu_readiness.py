@@ -15,7 +15,8 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import TrapModel, make_model, micro_batch
-from zero_engine import comm, devices
+from zero_engine import devices
+from zero_engine.comm import connecting as comm_connect, groups as comm_groups, handles as comm_handles
 from zero_engine.comm import Comm, GroupComm, Pending, TwoPhase
 from zero_engine.testing.device_guard import DeviceGuard
 
@@ -34,12 +35,12 @@ def test_a_rank_takes_its_gpu_among_those_it_sees(
 def test_nccl_record_streams_are_avoided_before_torch_2_8(
     monkeypatch: pytest.MonkeyPatch, version: tuple[int, int], preset: str | None, expected: str | None
 ) -> None:
-    monkeypatch.setattr(comm, "_torch_version", lambda: version)
+    monkeypatch.setattr(comm_connect, "_torch_version", lambda: version)
     if preset is None:
         monkeypatch.delenv("TORCH_NCCL_AVOID_RECORD_STREAMS", raising=False)
     else:
         monkeypatch.setenv("TORCH_NCCL_AVOID_RECORD_STREAMS", preset)
-    comm.avoid_nccl_record_streams()
+    comm_connect.avoid_nccl_record_streams()
     import os
 
     assert os.environ.get("TORCH_NCCL_AVOID_RECORD_STREAMS") == expected
@@ -72,7 +73,7 @@ def test_on_nccl_the_second_phase_starts_at_once_on_the_side_stream(monkeypatch:
         yield
         stream.pop()
 
-    monkeypatch.setattr(comm, "second_phase_stream", side)
+    monkeypatch.setattr(comm_handles, "second_phase_stream", side)
     waits: list[str] = []
     started: list[str] = []
     polled = TwoPhase(Pending((_NotDone(waits, stream),)), lambda: started.append(stream[-1]) or Pending())
@@ -157,11 +158,11 @@ def forced_collectives(rank: int, world_size: int, cases: list[dict]) -> list[di
     calls: list[str] = []
     names = ("all_reduce", "reduce", "broadcast", "batch_isend_irecv")
     for name in names:
-        function = getattr(comm.dist, name)
-        setattr(comm.dist, name, lambda *a, function=function, name=name, **k: calls.append(name) or function(*a, **k))
+        function = getattr(dist, name)
+        setattr(dist, name, lambda *a, function=function, name=name, **k: calls.append(name) or function(*a, **k))
     for name in ("_reduce_scatter_tensor", "_all_gather_into_tensor"):
-        function = getattr(comm, name)
-        setattr(comm, name, lambda *a, function=function, name=name, **k: calls.append(name) or function(*a, **k))
+        function = getattr(comm_groups, name)
+        setattr(comm_groups, name, lambda *a, function=function, name=name, **k: calls.append(name) or function(*a, **k))
     out = []
     for case in cases:
         per_setting = {}
@@ -211,12 +212,12 @@ def test_on_nccl_a_divergence_aborts_each_data_group_once_and_forgets_it(monkeyp
     makes new ones; on gloo nothing is aborted."""
     log: list[str] = []
     data, shards, reduces = _Group(log, "data"), _Group(log, "shards"), _Group(log, "reduces")
-    monkeypatch.setattr(comm, "_OWN_GROUPS", {(0, 1.0, "data", None): data, (0, 1.0, "other", None): _Group(log, "x")})
+    monkeypatch.setattr(comm_groups, "_OWN_GROUPS", {(0, 1.0, "data", None): data, (0, 1.0, "other", None): _Group(log, "x")})
     nccl = Comm(GroupComm(0, 4, "nccl", data), GroupComm(0, 2, "nccl", shards), GroupComm(0, 2, "nccl", data),
                 GroupComm(0, 2, "nccl", reduces))
-    assert nccl.abort_data_groups() == comm.ABORTED
+    assert nccl.abort_data_groups() == comm_groups.ABORTED
     assert sorted(log) == ["data", "reduces", "shards"]
-    assert list(comm._OWN_GROUPS) == [(0, 1.0, "other", None)]
+    assert list(comm_groups._OWN_GROUPS) == [(0, 1.0, "other", None)]
     gloo = Comm(GroupComm(0, 4, "gloo", _Group(log, "gloo")), *(GroupComm(0, 2, "gloo") for _ in range(2)))
     assert gloo.abort_data_groups() == "" and "gloo" not in log
 
@@ -226,7 +227,7 @@ def test_a_torch_that_cannot_abort_says_the_job_must_be_killed() -> None:
     not claim the communicators were aborted."""
     old = Comm(*(GroupComm(0, 2, "nccl", object()) for _ in range(3)))
     note = old.abort_data_groups()
-    assert note == comm.NOT_ABORTED and "Kill the job" in note and "were aborted" not in note
+    assert note == comm_groups.NOT_ABORTED and "Kill the job" in note and "were aborted" not in note
 
 
 @pytest.mark.parametrize(
@@ -247,7 +248,7 @@ def test_the_nccl_paths_follow_the_devices_backend_not_the_groups_string(
                "nccl": "cuda:nccl", None: "cpu:gloo,cuda:nccl", "gloo": "cpu:gloo,cuda:gloo"}
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: configs[made_with])
     monkeypatch.setattr(dist, "get_backend", lambda group=None: made_with or "undefined")
-    backend = comm.device_backend(torch.device(device))
+    backend = comm_connect.device_backend(torch.device(device))
     assert backend == expected
     assert Comm(*(GroupComm(0, 2, backend) for _ in range(3))).orders_on_device is (expected == "nccl")
 
@@ -302,12 +303,12 @@ def export_through_host(rank: int, world_size: int, stages: list[int]) -> list[d
             engine.backward(engine(*micro_batch(step, 0, rank, world_size, 2, 1)))
             engine.step()
         everywhere = engine.full_state_dict()
-        real, sent = comm.p2p_through_host, []
-        comm.p2p_through_host = lambda backend, tensor: sent.append(tensor.device.type) or True
+        real, sent = comm_groups.p2p_through_host, []
+        comm_groups.p2p_through_host = lambda backend, tensor: sent.append(tensor.device.type) or True
         try:
             rank0 = engine.full_state_dict(rank0_only=True)
         finally:
-            comm.p2p_through_host = real
+            comm_groups.p2p_through_host = real
         engine.close()
         out.append({"equal": all(torch.equal(rank0[k], v) for k, v in everywhere.items()), "staged": bool(sent)}
                    if rank == 0 else {"empty": rank0 == {}, "staged": bool(sent)})

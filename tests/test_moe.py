@@ -25,7 +25,7 @@ from test_comm_groups import NATIVE, WRAPPED, _recording
 
 import zero_engine
 from configs import engine_config
-from zero_engine import comm as comm_module
+from zero_engine.comm import groups as comm_module
 
 STEPS, MICRO, LR = 3, 2, 0.2
 FP32_TOL, BF16_TOL = 2e-5, 1e-3  # bf16: against the same policy in one process (measured 2.3e-4)

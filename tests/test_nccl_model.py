@@ -76,9 +76,9 @@ def _planted_p1() -> None:
     "cuda:nccl,cpu:gloo" (here: gloo, reporting NCCL for the device) takes the gloo paths."""
     import torch.distributed as dist
 
-    from zero_engine import comm
+    from zero_engine.comm import connecting as connect
 
-    comm.device_backend = lambda device, group=None: dist.get_backend(group)
+    connect.device_backend = lambda device, group=None: dist.get_backend(group)
 
 
 def _planted_n6() -> None:

@@ -14,7 +14,7 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import DeepModel, make_model, train_engine
-from zero_engine import comm as comm_module
+from zero_engine.comm import groups as comm_module
 from zero_engine.comm import Comm, GroupComm
 from zero_engine.quantize import BLOCK, BlockQuantizer, BufferMeter
 from zero_engine.sharding.codec import QuantizedGatherCodec, QuantizedGrads, encoded_all_reduce_is_smaller

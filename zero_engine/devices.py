@@ -31,3 +31,9 @@ def local_cuda_device() -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     visible = torch.cuda.device_count()
     return torch.device("cuda", local_rank % visible if visible else local_rank)
+
+
+def free_cuda_bytes(device: torch.device) -> int:
+    """CUDA only: the device's free memory, as the driver reports it."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return free

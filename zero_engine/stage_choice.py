@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .comm import Comm, free_cuda_bytes
+from .comm import Comm
+from .devices import free_cuda_bytes
 from .config import OffloadOptimizerConfig, OffloadParamConfig, ZeroEngineConfig
 from .devices import tensor_bytes
 from .errors import ConfigError

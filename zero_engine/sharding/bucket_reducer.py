@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..comm import Comm, TwoPhase, advance_in_order
+from ..comm import Comm
+from ..comm.handles import TwoPhase, advance_in_order
 from ..devices import tensor_bytes
 from .codec import EXACT_GRADS, GradCodec, Reduction
 from .reducer import GradReducer

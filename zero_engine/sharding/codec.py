@@ -36,7 +36,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..comm import DONE, CollectiveKind, Comm, Finishing, GroupComm, Pending, TwoPhase, used_on_current_stream
+from ..comm import Comm, GroupComm
+from ..comm.handles import DONE, CollectiveKind, Finishing, Pending, TwoPhase, used_on_current_stream
 from ..devices import tensor_bytes
 from ..quantize import BlockQuantizer, BufferMeter
 

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from .. import offload
-from ..comm import Comm, CollectiveKind
+from ..comm import Comm
+from ..comm.handles import CollectiveKind
 from ..devices import tensor_bytes
 from .codec import Gathering
 from .layout import UnitLayout

@@ -34,7 +34,8 @@ from typing import Any, Protocol
 import torch
 
 from .. import offload
-from ..comm import Comm, Pending, advance_in_order
+from ..comm import Comm
+from ..comm.handles import Pending, advance_in_order
 from ..devices import HOST, tensor_bytes
 from .codec import EXACT_GRADS, GradCodec, Reduction
 from .lifecycle import Lifecycle, TrainingState

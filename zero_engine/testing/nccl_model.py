@@ -59,7 +59,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import comm, devices, offload
+from .. import devices, offload
+from ..comm import connecting, groups, handles
 from ..sharding import unit as unit_module
 
 _DATA_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_to_all_single", "all_gather")
@@ -112,15 +113,15 @@ class NcclModel:
         for name in _DATA_COLLECTIVES:
             self._patch(dist, name, self._collective(name, getattr(dist, name)))
         for name in _FLAT_COLLECTIVES:
-            self._patch(comm, name, self._collective(name.strip("_"), getattr(comm, name)))
+            self._patch(groups, name, self._collective(name.strip("_"), getattr(groups, name)))
         # NCCL for the device's tensors, as the group's configuration would say on a GPU: the
-        # engine's own detection (`comm.device_backend`) must then take the NCCL paths.
+        # engine's own detection (`zero_engine.comm.connecting.device_backend`) must then take the NCCL paths.
         self._patch(dist, "get_backend_config", lambda group=None: "cpu:nccl,cuda:nccl")
-        self._patch(comm, "device_backend", self._device_backend(comm.device_backend))
+        self._patch(connecting, "device_backend", self._device_backend(connecting.device_backend))
         self._patch(dist, "batch_isend_irecv", self._batch_isend_irecv(dist.batch_isend_irecv))
         self._patch(torch.cuda, "synchronize", lambda device=None: self._device_sync("torch.cuda.synchronize"))
         self._patch(torch.cuda, "empty_cache", lambda: self._device_sync("torch.cuda.empty_cache"))
-        self._patch(comm, "second_phase_stream", self._second_phase_stream)
+        self._patch(handles, "second_phase_stream", self._second_phase_stream)
         self._patch(devices, "host_values", self._host_values(devices.host_values))
         self._patch(offload, "wait_for_host_copies", self._wait_for_host_copies)
         self._patch(offload, "host_empty", self._host_empty(offload.host_empty))
@@ -313,7 +314,7 @@ def group_name(group: Any) -> str:
     (`zero_engine.comm`), ``world`` for the default group."""
     if group is None or group is dist.group.WORLD:
         return "world"
-    for (_, _, role, members), own in comm._OWN_GROUPS.items():
+    for (_, _, role, members), own in groups._OWN_GROUPS.items():
         if own is group:
             return f"{role}{list(members) if members else '[all]'}"
     return f"group{dist.get_process_group_ranks(group)}"

@@ -1,4 +1,4 @@
-"""Collectives: the only module that calls ``torch.distributed``.
+"""Process groups: the only module that calls ``torch.distributed``'s collectives.
 
 Every collective of a `GroupComm` works on flat buffers whose length is a multiple of its
 group size ``N``, with group rank ``r``'s shard at ``[r * n / N, (r + 1) * n / N)``, and
@@ -26,208 +26,20 @@ each), the lower bound that NCCL reaches and that the ZeRO paper's analysis uses
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
-import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from enum import Enum
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .config import ZeroEngineConfig, ZeroOptimizationConfig
-from .devices import HOST, local_cuda_device, tensor_bytes
-from .errors import ConfigError
-from .stage import Stage
-
+from ..devices import HOST, tensor_bytes
+from .handles import DONE, CollectiveKind, EachRank, Finishing, Pending, TwoPhase
 
 # Control tensors (agreements, JSON exchanges) live here, named explicitly: a factory without
 # ``device=`` follows ``torch.set_default_device``, which would put every agreement through
 # gloo's CUDA staging and sync the GPU once per gather.
-
-
-class CollectiveKind(str, Enum):
-    ALL_REDUCE = "all_reduce"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_GATHER = "all_gather"
-    ALL_GATHER_FROZEN = "all_gather_frozen"  # stage 3's gathers of frozen units, apart from the trainable ones
-    BROADCAST = "broadcast"
-    GATHER = "gather"
-
-
-class Pending(NamedTuple):
-    """Collectives in flight; `wait` blocks until all of them are done."""
-
-    works: tuple[Any, ...] = ()
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-    def advance(self) -> bool:
-        """Everything is launched already (see `TwoPhase`)."""
-        return True
-
-    def launch_rest(self) -> None:
-        """Everything is launched already (see `TwoPhase`)."""
-
-    def done(self) -> bool:
-        """Completed, without waiting."""
-        return all(work.is_completed() for work in self.works)
-
-
-class Finishing:
-    """Collectives in flight and the local work, if any, that completes their result once
-    they are done (decoding a quantized buffer into place, `zero_engine.sharding.codec`);
-    `wait` runs it once. Stands wherever a `Pending` does."""
-
-    def __init__(self, pending: Pending, finish: Callable[[], None] | None = None) -> None:
-        self.pending = pending
-        self._finish: Callable[[], None] | None = finish
-
-    @property
-    def works(self) -> tuple[Any, ...]:
-        return self.pending.works
-
-    def wait(self) -> None:
-        self.pending.wait()
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
-
-    def advance(self) -> bool:
-        return True
-
-    def launch_rest(self) -> None:
-        """Everything is launched already."""
-
-    def done(self) -> bool:
-        """The collectives completed (the finishing work runs at `wait`), without waiting."""
-        return self.pending.done()
-
-
-class TwoPhase:
-    """A collective whose second phase needs the first one's result (hybrid sharding: the
-    shard across groups once the group has reduced it). `advance` launches the second phase
-    if the first has completed, without waiting; `wait` waits for both. Callers advance their
-    reductions in launch order, stopping at the first not ready, so every rank launches the
-    second phases in the same order.
-
-    On NCCL (``start_now``) the second phase is launched at once, on a side stream
-    (`second_phase_stream`): there ``is_completed()`` reflects GPU completion, which the host
-    is ahead of, so polling would almost never succeed and every cross-group reduction would
-    start after backward. ``wait()`` on an NCCL work makes the *current* stream wait, so the
-    side stream waits for the first phase and the compute stream goes on: backward kernels
-    are never queued behind a reduce-scatter (which serialized backward and, at stage 3,
-    closed a cycle with the gathers queued behind it: a GPU hang). `wait` makes the compute
-    stream wait for the second phase's collective itself, never for the side stream, whose
-    queue by then holds the waits for later reductions too."""
-
-    def __init__(
-        self, first: Pending | Finishing, second: Callable[[], Pending | Finishing], *, start_now: bool = False
-    ) -> None:
-        self.first, self._second = first, second
-        self.second: Pending | Finishing | None = None
-        if start_now:  # NCCL (`Comm.orders_on_device`): the device orders the phases
-            with second_phase_stream():
-                self._start_second()
-
-    def advance(self) -> bool:
-        if self.second is None and all(work.is_completed() for work in self.first.works):
-            self._start_second()
-        return self.second is not None
-
-    def done(self) -> bool:
-        """Both phases completed, without waiting (starts the second if the first has)."""
-        return self.advance() and self.second is not None and self.second.done()
-
-    def launch_rest(self) -> None:
-        """Launch the second phase now, waiting for the first if it has not completed."""
-        if self.second is None:
-            self._start_second()
-
-    def wait(self) -> None:
-        self.launch_rest()
-        assert self.second is not None
-        self.second.wait()
-
-    def _start_second(self) -> None:
-        self.first.wait()  # done already when advanced; on NCCL this orders the side stream
-        self.second = self._second()
-
-
-DONE = Pending()
-
-
-@contextlib.contextmanager
-def second_phase_stream() -> Iterator[None]:
-    """Where the second phases of hybrid reductions run (`TwoPhase`): on CUDA a side stream
-    that first waits for the current one; elsewhere the current stream (nothing to order)."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        yield
-        return
-    with _cuda_side_stream():
-        yield
-
-
-def used_on_current_stream(tensor: torch.Tensor) -> None:
-    """``tensor`` was made on the side stream and is read on the current one (a second phase's
-    encoded buffer, decoded after its wait): CUDA must not hand its memory back to the side
-    stream before the current stream is done with it. Elsewhere nothing to do."""
-    if tensor.is_cuda:
-        _cuda_record_stream(tensor)
-
-
-_SIDE_STREAMS: dict[int, Any] = {}
-
-
-def _cuda_side_stream_of(device: int) -> Any:
-    """CUDA only: the device's side stream for second phases, made once."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
-
-
-@contextlib.contextmanager
-def _cuda_side_stream() -> Iterator[None]:
-    """CUDA only: the side stream, current for the block, after waiting for the current stream
-    (what the block reads was written there). Tensors made in the block belong to the side
-    stream's pool; one read later on another stream is marked (`used_on_current_stream`)."""
-    current = torch.cuda.current_stream()
-    side = _cuda_side_stream_of(current.device.index)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        yield
-
-
-def _cuda_record_stream(tensor: torch.Tensor) -> None:
-    tensor.record_stream(torch.cuda.current_stream(tensor.device))
-
-
-def advance_in_order(reductions: Iterable[Pending | Finishing | TwoPhase]) -> None:
-    """Start the second phase of reductions whose first is done, in launch order, stopping at
-    the first not ready: the same order on every rank, and crossing groups overlaps whatever
-    the caller does next."""
-    for reduction in reductions:
-        if not reduction.advance():
-            break
-
-
-class EachRank(NamedTuple):
-    """Every rank's small integer (or row of them), summed into its own slot; `values` waits
-    for them, `arrived` says without waiting whether every rank has sent its own."""
-
-    slots: torch.Tensor
-    pending: Pending
-
-    def values(self) -> list[Any]:
-        self.pending.wait()
-        return self.slots.tolist()
-
-    def arrived(self) -> bool:
-        return self.pending.done()
 
 
 class GroupComm:
@@ -567,93 +379,6 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
-    """The engine's `Comm`: groups of its own beside the caller's default group (so its
-    collectives time out after ``comm.timeout_s`` whatever the caller chose), a new default
-    group from torchrun's environment, or world size 1 without ``torch.distributed``. What
-    the stage adds comes once it is known (`with_stage_groups`: ``stage: auto`` is agreed
-    over this one)."""
-    timeout, primitives = config.comm.timeout_s, config.comm.primitives
-    if dist.is_available() and dist.is_initialized():
-        backend = device_backend(device)
-        if backend == "nccl":  # read by each NCCL group as it is made: ours come next
-            avoid_nccl_record_streams()
-        data = _own_group(timeout, "data", None)
-    elif "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        config.zero_optimization.shard_group_size_for(1)  # a group size that needs more ranks fails here too
-        return Comm.alone(primitives)
-    else:
-        backend = choose_backend(config.comm.backend, device)
-        options: dict[str, Any] = {}
-        if backend == "nccl":
-            avoid_nccl_record_streams()
-            options["device_id"] = _bind_cuda_device()
-        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout), **options)
-        data = None  # the default group
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    force = config.comm.force_collectives
-    world = GroupComm(rank, world_size, backend, data, _own_group(timeout, "control", "gloo"), primitives, force)
-    size = _agreed_shard_group_size(config.zero_optimization, world)
-    shard_group, replica_group = _hybrid_groups(timeout, world_size, rank, size, data)
-    shards = GroupComm(rank % size, size, backend, shard_group, None, primitives, force)
-    replicas = GroupComm(rank // size, world_size // size, backend, replica_group, None, primitives, force)
-    return Comm(world, shards, replicas)
-
-
-def with_stage_groups(comm: Comm, config: ZeroEngineConfig, stage: Stage) -> Comm:
-    """``comm`` with what ``stage`` needs besides: at stage 3, reduce-scatters on a group of
-    their own (`_reduce_group`). Every rank calls it at the same point (``new_group`` is
-    collective)."""
-    size = comm.num_shards
-    if not (stage.shard_parameters and size > 1):
-        return comm
-    group = _reduce_group(config.comm.timeout_s, comm.world_size, comm.rank, size)
-    reduces = GroupComm(
-        comm.shard_rank, size, comm.backend, group, None, config.comm.primitives, config.comm.force_collectives
-    )
-    return Comm(comm.world, comm.shard_group, comm.replica_group, reduces)
-
-
-def _agreed_shard_group_size(zero: ZeroOptimizationConfig, world: GroupComm) -> int:
-    """``zero_optimization.shard_group_size`` for this world, the same on every rank ('auto'
-    reads each node's LOCAL_WORLD_SIZE, which could differ between nodes)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    size = zero.shard_group_size_for(world.world_size, int(local) if local else None)
-    sizes = world.each_rank(size).values()
-    if len(set(sizes)) > 1:
-        raise ConfigError(
-            f"zero_optimization.shard_group_size resolves differently on different ranks (rank: size "
-            f"{dict(enumerate(sizes))}): with 'auto', every node must run the same number of ranks"
-        )
-    return size
-
-
-def _hybrid_groups(timeout_s: float, world_size: int, rank: int, size: int, data: Any) -> tuple[Any, Any]:
-    """This rank's shard group (``size`` consecutive ranks) and replica group (the ranks at
-    the same place in every shard group). A single group is the data group itself, and a
-    group of one rank needs none. Every rank makes every group (``new_group`` is collective)."""
-    if size == world_size:
-        return data, None
-    if size == 1:
-        return None, data
-    shard_groups = [
-        _own_group(timeout_s, "data", None, range(g * size, (g + 1) * size)) for g in range(world_size // size)
-    ]
-    replica_groups = [_own_group(timeout_s, "data", None, range(s, world_size, size)) for s in range(size)]
-    return shard_groups[rank // size], replica_groups[rank % size]
-
-
-def _reduce_group(timeout_s: float, world_size: int, rank: int, size: int) -> Any:
-    """Stage 3: a group of this rank's shard group's ranks for reduce-scatters alone. Gathers
-    launch in the order the ranks agree on (`zero_engine.sharding.agreement`), reductions in
-    unit order as gradients complete; on one group the two orders would have to interleave
-    alike on every rank, which depends on which parameters got gradients where."""
-    groups = [
-        _own_group(timeout_s, "reduce", None, range(g * size, (g + 1) * size)) for g in range(world_size // size)
-    ]
-    return groups[rank // size]
-
-
 _OWN_GROUPS: dict[tuple[int, float, str, tuple[int, ...] | None], Any] = {}
 
 
@@ -694,53 +419,3 @@ def p2p_through_host(backend: str, tensor: torch.Tensor) -> bool:
     over gloo). The collectives the engine runs on gloo (all-reduce, reduce, broadcast) took
     CUDA tensors there."""
     return backend == "gloo" and tensor.device.type != "cpu"
-
-
-def device_backend(device: torch.device, group: Any = None) -> str:
-    """The backend that moves ``device``'s tensors on ``group`` (the default group when None).
-
-    ``dist.get_backend`` reports the string the group was made with, which may name a backend
-    per device: ``init_process_group("cuda:nccl,cpu:gloo")`` (torchtitan-style scripts) reports
-    that string, and a plain ``init_process_group()`` reports "undefined". Compared with "nccl",
-    either turned every NCCL-specific path off (GPU review P1); the group's backend
-    configuration names the backend of each device type."""
-    config = dist.get_backend_config(group)  # "cuda:nccl", "cpu:gloo,cuda:gloo", "cpu:gloo,cuda:nccl"
-    per_device = dict(entry.split(":", 1) for entry in config.split(",") if ":" in entry)
-    return per_device.get(device.type) or dist.get_backend(group)
-
-
-def choose_backend(requested: str, device: torch.device) -> str:
-    if requested != "auto":
-        return requested
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def free_cuda_bytes(device: torch.device) -> int:
-    """CUDA only: the device's free memory, as the driver reports it."""
-    free, _total = torch.cuda.mem_get_info(device)
-    return free
-
-
-def avoid_nccl_record_streams() -> None:
-    """CUDA only, before the first NCCL group: before torch 2.8, ProcessGroupNCCL records the
-    inputs and outputs of async collectives on its stream, so storage freed with ``resize_(0)``
-    (stage 3's gathered units) or a dropped bucket cannot be reused until the NCCL stream
-    catches up; stage 3 never syncs the host in forward and backward, so about one gathered
-    unit per unit of lead would stay allocated. ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` makes it
-    keep the tensors alive until ``wait()`` instead (the default from torch 2.8). A value the
-    user set is kept."""
-    if _torch_version() < (2, 8):
-        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
-
-
-def _bind_cuda_device() -> torch.device:
-    """CUDA only: make this rank's GPU current; NCCL is told it too (``device_id``), so it
-    binds its communicator eagerly to that GPU."""
-    device = local_cuda_device()
-    torch.cuda.set_device(device)
-    return device

@@ -1,0 +1,18 @@
+"""Collectives: the only package that calls ``torch.distributed``.
+
+- `handles`: what a collective in flight returns (`Pending`, `Finishing`, `TwoPhase`) and the
+  byte counter's kinds; no ``torch.distributed``, so codecs and reducers import it alone;
+- `groups`: `GroupComm` (one process group, its primitives and byte counts) and `Comm` (the
+  engine's groups: data, control, shard, replica, reduce);
+- `connecting`: making those groups from the caller's process group or torchrun's environment.
+"""
+
+from .connecting import choose_backend, connect, device_backend, with_stage_groups
+from .groups import ABORTED, NOT_ABORTED, Comm, GroupComm, p2p_through_host
+from .handles import DONE, CollectiveKind, EachRank, Finishing, Pending, TwoPhase, advance_in_order
+
+__all__ = [
+    "ABORTED", "DONE", "NOT_ABORTED", "CollectiveKind", "Comm", "EachRank", "Finishing", "GroupComm", "Pending",
+    "TwoPhase", "advance_in_order", "choose_backend", "connect", "device_backend", "p2p_through_host",
+    "with_stage_groups",
+]
