@@ -22,7 +22,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 _RANK_PROCESS = "ZERO_ENGINE_TEST_RANK_PROCESS"
@@ -158,3 +159,54 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# -- the collectives a rank issues, recorded at torch.distributed -------------------------------
+
+# The torch.distributed functions the engine's groups call, and the flat collectives looked up
+# in `zero_engine.comm.groups` (names differ between torch versions).
+WRAPPED = ("all_reduce", "reduce", "broadcast", "all_gather", "batch_isend_irecv", "barrier")
+NATIVE = ("_reduce_scatter_tensor", "_all_gather_into_tensor")
+
+
+@contextmanager
+def recorded_collectives(calls: list) -> Iterator[None]:
+    """While inside, every collective the engine's groups issue is appended to ``calls`` as
+    ``(GroupComm method, torch function, group, bytes of its largest tensor)`` (`recording`)."""
+    from zero_engine.comm import groups
+
+    originals = {name: getattr(dist, name) for name in WRAPPED}
+    natives = {name: getattr(groups, name) for name in NATIVE}
+    try:
+        for name, function in originals.items():
+            setattr(dist, name, recording(calls, name, function))
+        for name, function in natives.items():
+            setattr(groups, name, recording(calls, name, function))
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+        for name, function in natives.items():
+            setattr(groups, name, function)
+
+
+def recording(calls: list, name: str, function: Callable) -> Callable:
+    """``function``, recording the `GroupComm` method that called it, the group it was given and
+    the bytes of its largest tensor argument (the whole flat buffer of a native collective, one
+    shard of a per-shard one); point-to-point batches as one call per send or receive."""
+    from zero_engine.comm.groups import GroupComm
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        frame = sys._getframe(1)
+        while frame.f_code.co_name.startswith("<") or not isinstance(frame.f_locals.get("self"), GroupComm):
+            frame = frame.f_back
+        if name == "batch_isend_irecv":
+            for op in args[0]:
+                calls.append((frame.f_code.co_name, op.op.__name__, op.group, op.tensor.numel() * op.tensor.element_size()))
+            return function(*args, **kwargs)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        nbytes = max((a.numel() * a.element_size() for a in tensors), default=0)
+        calls.append((frame.f_code.co_name, name, kwargs.get("group"), nbytes))
+        return function(*args, **kwargs)
+
+    return record

@@ -9,22 +9,17 @@ training step, a save, a load and a state export at stage 1 and stage 3.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from collections import defaultdict
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import zero_engine
-from harness import run_on_ranks
+from harness import NATIVE, recorded_collectives, run_on_ranks
 from models import decay_groups, make_model, train_engine
-from zero_engine.comm import groups as comm_module
 
 CONTROL_METHODS = {"each_rank", "all_gather_json"}
-WRAPPED = ("all_reduce", "reduce", "broadcast", "all_gather", "batch_isend_irecv", "barrier")
-NATIVE = ("_reduce_scatter_tensor", "_all_gather_into_tensor")
 # What each recorded torch function implements (gloo's per-shard primitives: reduce, broadcast).
 KINDS = {
     "reduce": "reduce_scatter", "_reduce_scatter_tensor": "reduce_scatter", "broadcast": "all_gather",
@@ -33,36 +28,13 @@ KINDS = {
 }
 
 
-def _recording(calls: list, name: str, function):
-    """``function``, recording the `GroupComm` method that called it, the group it was given and
-    the bytes of its largest tensor argument (the whole flat buffer of a native collective, one
-    shard of a per-shard one); point-to-point batches as one call per send or receive."""
-
-    def record(*args, **kwargs):
-        frame = sys._getframe(1)
-        while frame.f_code.co_name.startswith("<") or not isinstance(frame.f_locals.get("self"), comm_module.GroupComm):
-            frame = frame.f_back
-        if name == "batch_isend_irecv":
-            for op in args[0]:
-                calls.append((frame.f_code.co_name, op.op.__name__, op.group, op.tensor.numel() * op.tensor.element_size()))
-            return function(*args, **kwargs)
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        nbytes = max((a.numel() * a.element_size() for a in tensors), default=0)
-        calls.append((frame.f_code.co_name, name, kwargs.get("group"), nbytes))
-        return function(*args, **kwargs)
-
-    return record
-
-
 def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     results = []
     made: list = []  # the backend each group the engine makes is asked for (None: the default's)
-    new_group = comm_module.dist.new_group
-    comm_module.dist.new_group = lambda **kwargs: made.append(kwargs.get("backend")) or new_group(**kwargs)
+    new_group = dist.new_group
+    dist.new_group = lambda **kwargs: made.append(kwargs.get("backend")) or new_group(**kwargs)
     for case in cases:
         calls: list = []
-        originals = {name: getattr(comm_module.dist, name) for name in WRAPPED}
-        natives = {name: getattr(comm_module, name) for name in NATIVE}
         model = make_model()
         config = {
             "train_micro_batch_size_per_gpu": 2,
@@ -74,12 +46,8 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             "comm": {"primitives": case["primitives"]},
         }
         engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
-        comm_module.dist.new_group = new_group
-        try:
-            for name, function in originals.items():
-                setattr(comm_module.dist, name, _recording(calls, name, function))
-            for name, function in natives.items():
-                setattr(comm_module, name, _recording(calls, name, function))
+        dist.new_group = new_group
+        with recorded_collectives(calls):
             train_engine(engine, rank, world_size, range(1), 2, 1)
             step_calls = len(calls)
             engine.full_state_dict(rank0_only=True)
@@ -90,11 +58,6 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
                 engine.load_checkpoint(directory)
                 engine.comm.barrier()
             engine.full_state_dict()
-        finally:
-            for name, function in originals.items():
-                setattr(comm_module.dist, name, function)
-            for name, function in natives.items():
-                setattr(comm_module, name, function)
         roles = {id(engine.comm.control_group): "control", id(engine.comm.group): "data"}
         if engine.comm.num_replicas > 1:  # hybrid: the shard and replica groups are groups of their own
             shard_group, replica_group = engine.comm.shard_group.group, engine.comm.replica_group.group

@@ -19,13 +19,11 @@ from itertools import product
 
 import pytest
 import torch
-from harness import run_on_ranks
+from harness import recorded_collectives, run_on_ranks
 from moe import global_moe_batch, make_moe, moe_batch, train_moe_engine, train_moe_reference
-from test_comm_groups import NATIVE, WRAPPED, _recording
 
 import zero_engine
 from configs import engine_config
-from zero_engine.comm import groups as comm_module
 
 STEPS, MICRO, LR = 3, 2, 0.2
 FP32_TOL, BF16_TOL = 2e-5, 1e-3  # bf16: against the same policy in one process (measured 2.3e-4)
@@ -50,19 +48,8 @@ def train_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         model = make_moe(case["form"], checkpointing=case.get("checkpointing", False))
         engine = zero_engine.initialize(model, _config(case, world_size))
         calls: list = []
-        originals = {name: getattr(comm_module.dist, name) for name in WRAPPED}
-        natives = {name: getattr(comm_module, name) for name in NATIVE}
-        try:
-            for name, function in originals.items():
-                setattr(comm_module.dist, name, _recording(calls, name, function))
-            for name, function in natives.items():
-                setattr(comm_module, name, _recording(calls, name, function))
+        with recorded_collectives(calls):
             losses = train_moe_engine(engine, rank, range(1), MICRO, case.get("accum", 1))
-        finally:
-            for name, function in originals.items():
-                setattr(comm_module.dist, name, function)
-            for name, function in natives.items():
-                setattr(comm_module, name, function)
         losses += train_moe_engine(engine, rank, range(1, STEPS), MICRO, case.get("accum", 1))
         results.append({
             "case": case,
