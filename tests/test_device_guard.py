@@ -22,7 +22,7 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch
-from zero_engine.state import payload
+from zero_engine.sharding import optimizer_shard
 from zero_engine.testing.device_guard import GUARDED_DEVICE, DeviceGuard, DeviceMistake, HostSync
 from zero_engine.engine import Engine
 from zero_engine.step import OptimizerStep, _sum_of_squares
@@ -154,8 +154,8 @@ def reintroduced_mistakes(rank: int, world_size: int, directory: str) -> dict:
     finally:
         OptimizerStep._agree_on_used_params_and_norm = original
 
-    original_device = payload.state_device
-    payload.state_device = lambda key, group, param: param.device  # `step` beside the parameter
+    original_device = optimizer_shard.state_device
+    optimizer_shard.state_device = lambda key, group, param: param.device  # `step` beside the parameter
     try:
         with DeviceGuard() as guard:
             engine = _guarded_engine(guard, case)
@@ -166,7 +166,7 @@ def reintroduced_mistakes(rank: int, world_size: int, directory: str) -> dict:
             out["optimizer_tensors"] = sum(1 for state in engine.optimizer.state.values() if "step" in state)
             engine.close()
     finally:
-        payload.state_device = original_device
+        optimizer_shard.state_device = original_device
     return out
 
 

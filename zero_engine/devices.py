@@ -17,6 +17,12 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def saved_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy to save: on a GPU, no second copy of the state on the device; a copy of a view
+    (``torch.save`` would write the whole storage behind it)."""
+    return tensor.detach().to("cpu", copy=True)
+
+
 def host_values(tensor: torch.Tensor) -> list:
     """``tensor``'s values as Python numbers. On a GPU the host waits here for the device (the
     step's one host sync), so it is one named function: the NCCL model of

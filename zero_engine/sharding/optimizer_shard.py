@@ -22,20 +22,25 @@ Where the master and the gradient live is decided once for the engine
 the optimizer steps the host masters, and `publish` copies them back. The step gradient's kind
 is an object (`StepGrad`), so nothing here branches on where it lives. Nothing outside this
 module touches them by offset.
+
+The optimizer's state of the targets is read and written here alone: `state_pieces` gives the
+shard as a checkpoint saves it (per parameter segment: master values and the state covering
+them), `load_state` restores it from saved pieces of any layout, `state_bytes` counts it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from .. import offload
-from ..devices import tensor_bytes
+from ..devices import saved_copy, tensor_bytes
 from .layout import UnitLayout
-from .placement import StepGrad
+from .placement import Master, StepGrad
 
 
 class OwningUnit(Protocol):
@@ -48,6 +53,15 @@ class OwningUnit(Protocol):
     compute_dtype: torch.dtype
     device: torch.device
     used_offset: int  # the unit's first parameter in the used-mask
+
+
+class SavedPieces(Protocol):
+    """Saved pieces of parameters by name and element range, each ``{"name", "start", "numel",
+    "master", "state"}`` (`zero_engine.state.payload.PieceIndex`)."""
+
+    def covering(self, name: str, start: int, numel: int) -> list[dict[str, Any]]: ...
+
+    def assemble(self, name: str, start: int, numel: int, key: str | None = None) -> torch.Tensor | None: ...
 
 
 @dataclass(frozen=True)
@@ -84,16 +98,16 @@ class OptimizerShard:
         self,
         unit: OwningUnit,
         owned_range: tuple[int, int],
-        master: torch.Tensor,
-        publish_to: torch.Tensor | None,
+        master: Master,
         grad: StepGrad,
         *,
         shaped_pieces: bool,
     ) -> None:
         self.unit = unit
         self.owned_range = owned_range
-        self.master = master
-        self.publish_to = publish_to  # the compute copy of the range; None when the master is it
+        self.master_kind = master  # where the master lives (`zero_engine.sharding.placement`)
+        self.master = master.tensor
+        self.publish_to = master.publish_to  # the compute copy of the range; None when the master is it
         self.grad = grad  # the step gradient (a view of the full buffer, a device tensor, or on the host)
         self.targets = [
             OptimizerTarget(self.master[p.owned_offset : p.owned_offset + p.numel].view(p.shape), p)
@@ -133,20 +147,21 @@ class OptimizerShard:
     @property
     def master_is_compute_copy(self) -> bool:
         """The master is the parameters' own storage (fp32 compute)."""
-        return self.publish_to is None
+        return self.master_kind.is_compute_copy
 
     @property
     def master_bytes(self) -> int:
         """A separate fp32 master (mixed precision, or offloaded); 0 when the master is the parameters."""
-        return 0 if self.master_is_compute_copy else tensor_bytes(self.master)
+        return self.master_kind.nbytes
 
     @property
     def host_bytes(self) -> int:
         """What of the master and the step gradient lives on the host (offload_optimizer)."""
-        if not self.grad.on_host:
-            return 0
-        master = 0 if self.master_is_compute_copy else offload.held_bytes(self.master)
-        return master + self.grad.nbytes
+        return self.master_kind.host_bytes + (self.grad.nbytes if self.grad.on_host else 0)
+
+    def resident(self) -> AbstractContextManager[torch.Tensor]:
+        """The master present while inside (`Master.resident`): the step updates it there."""
+        return self.master_kind.resident()
 
     def load_owned(self, index: int, values: torch.Tensor, values_start: int) -> None:
         """Set the owned part of parameter ``index`` from ``values`` (fp32, elements
@@ -160,6 +175,51 @@ class OptimizerShard:
         self.master[owned_offset : owned_offset + numel].copy_(piece)
         if self.publish_to is not None:
             offload.copy_across(self.publish_to[owned_offset : owned_offset + numel], piece)
+
+    # -- the optimizer's state of the targets ------------------------------------------------
+
+    def state_pieces(self, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
+        """This rank's shard as a checkpoint saves it: per parameter segment, host copies of its
+        fp32 master values and of the optimizer state that covers them (none without an optimizer)."""
+        unit, pieces = self.unit, []
+        for segment in unit.layout.segments(unit.rank):
+            name, start, numel = unit.names[segment.param_index], segment.param_offset, segment.numel
+            master = self.master_of_shard[segment.shard_offset : segment.shard_offset + numel]
+            saved = {}
+            for target in self.targets:  # the optimizer tensor holding element `start`
+                holds_start = target.param_offset <= start < target.param_offset + target.tensor.numel()
+                if optimizer is not None and target.name == name and holds_start:
+                    saved = _slice_state(optimizer.state.get(target.tensor, {}), target, start, numel)
+            pieces.append({"name": name, "start": start, "numel": numel, "master": saved_copy(master), "state": saved})
+        return pieces
+
+    def load_state(self, optimizer: torch.optim.Optimizer, saved: SavedPieces, fitting: set[str]) -> None:
+        """The optimizer state of every target whose parameter is in ``fitting``, assembled from
+        ``saved`` (pieces of any layout: another stage, world size, or DeepSpeed's)."""
+        group_of = {param: group for group in optimizer.param_groups for param in group["params"]}
+        for target in self.targets:
+            if target.name not in fitting:
+                continue
+            numel = target.tensor.numel()
+            pieces = saved.covering(target.name, target.param_offset, numel)
+            restored: dict[str, Any] = {}
+            for key in {key for piece in pieces for key in piece["state"]}:
+                sample = next(p["state"][key] for p in pieces if key in p["state"])
+                if _is_elementwise(pieces, key):
+                    values = saved.assemble(target.name, target.param_offset, numel, key)
+                    assert values is not None
+                    restored[key] = values.view(target.tensor.shape).to(target.tensor.device)
+                elif torch.is_tensor(sample):  # a scalar (step), or saved whole (stage 0 only)
+                    restored[key] = sample.clone().to(state_device(key, group_of[target.tensor], target.tensor))
+                else:
+                    restored[key] = sample
+            if restored:
+                optimizer.state[target.tensor] = restored
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """The optimizer state's tensors of the targets, as held."""
+        states = [optimizer.state.get(target.tensor, {}) for target in self.targets]
+        return sum(tensor_bytes(value) for state in states for value in state.values() if torch.is_tensor(value))
 
     # -- the step gradient (its kind: `zero_engine.sharding.placement`) -----------------------
 
@@ -220,10 +280,8 @@ class OptimizerShard:
         return views
 
     def publish(self) -> None:
-        """Cast the updated fp32 master into the compute copy (mixed precision), or copy it to
-        the device (offloaded): the cast happens where the compute copy lives."""
-        if self.publish_to is not None:
-            offload.copy_across(self.publish_to, self.master)
+        """The updated fp32 master into the compute copy (`Master.publish`)."""
+        self.master_kind.publish()
 
 
 def step_shards(
@@ -239,11 +297,42 @@ def step_shards(
     peak = 0
     for shard in shards:
         offset = shard.unit.used_offset
-        attached, copy_bytes = shard.attach_grads(used[offset : offset + len(shard.unit.names)], multiplier)
-        peak = max(peak, copy_bytes)
-        if attached:
-            optimizer.step()
-        for target in attached:
-            target.tensor.grad = None
-        shard.publish()
+        with shard.resident():
+            attached, copy_bytes = shard.attach_grads(used[offset : offset + len(shard.unit.names)], multiplier)
+            peak = max(peak, copy_bytes)
+            if attached:
+                optimizer.step()
+            for target in attached:
+                target.tensor.grad = None
+            shard.publish()
     return peak
+
+
+def _slice_state(state: dict[str, Any], target: OptimizerTarget, start: int, numel: int) -> dict[str, Any]:
+    """The part of one optimizer tensor's state that covers ``[start, start + numel)``."""
+    sliced = {}
+    offset = start - target.param_offset
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape == target.tensor.shape:
+            sliced[key] = saved_copy(value.reshape(-1)[offset : offset + numel])
+        elif torch.is_tensor(value) and value.dim() > 0:
+            if start == target.param_offset:  # not elementwise (stage 0 only): saved whole, once
+                sliced[key] = saved_copy(value)
+        else:
+            sliced[key] = saved_copy(value) if torch.is_tensor(value) else value
+    return sliced
+
+
+def state_device(key: str, group: dict[str, Any], param: torch.Tensor) -> torch.device:
+    """Where torch.optim keeps a non-elementwise state tensor, as its ``load_state_dict`` does:
+    ``step`` on the host unless the group is ``capturable`` or ``fused`` (a step on the GPU
+    would make every later update wait for the device), everything else beside the parameter."""
+    if key == "step" and not (group.get("capturable") or group.get("fused")):
+        return torch.device("cpu")
+    return param.device
+
+
+def _is_elementwise(pieces: list[dict[str, Any]], key: str) -> bool:
+    """Saved as slices of the pieces' ranges (rather than a scalar or a whole tensor)."""
+    values = [(p["state"][key], p["numel"]) for p in pieces if key in p["state"]]
+    return all(torch.is_tensor(v) and v.dim() == 1 and v.numel() == numel for v, numel in values)

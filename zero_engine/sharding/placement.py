@@ -16,11 +16,17 @@ The step gradient is one of three kinds, behind one interface (`StepGrad`):
 - `HostGrad` (``offload_optimizer``): fp32 in host memory, written by asynchronous copies
   (`zero_engine.sharding.host_gradient.HostGradient`), ready after the backward's one wait.
 
+The master is one of two kinds, behind one interface (`Master`): on the unit's device, or
+`HostMaster` (``offload_optimizer``). The optimizer step enters `Master.resident` around each
+shard's update: where a master on NVMe would be read in before and written back after.
+
 A new placement (NVMe, a quantized master) is a new class here, not a branch in every method.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +36,53 @@ from .. import offload
 from ..devices import tensor_bytes
 from ..offload import OffloadPlan
 from .host_gradient import HostGradient
+
+
+class Master:
+    """The fp32 master of a unit's owned range on the device, and the compute copy it is
+    published into after each update (``publish_to``; None: the master is the compute copy,
+    fp32 training, so nothing is published and nothing is held twice)."""
+
+    on_host = False
+
+    def __init__(self, tensor: torch.Tensor, publish_to: torch.Tensor | None) -> None:
+        self.tensor = tensor
+        self.publish_to = publish_to
+
+    @contextmanager
+    def resident(self) -> Iterator[torch.Tensor]:
+        """The master's values, present while inside (a step updates them here)."""
+        yield self.tensor
+
+    @property
+    def is_compute_copy(self) -> bool:
+        return self.publish_to is None
+
+    @property
+    def nbytes(self) -> int:
+        """A separate fp32 master's bytes; 0 when the master is the parameters themselves."""
+        return 0 if self.is_compute_copy else tensor_bytes(self.tensor)
+
+    @property
+    def host_bytes(self) -> int:
+        return 0
+
+    def publish(self) -> None:
+        """Cast the updated master into the compute copy (mixed precision), or copy it to the
+        device (offloaded): the cast happens where the compute copy lives."""
+        if self.publish_to is not None:
+            offload.copy_across(self.publish_to, self.tensor)
+
+
+class HostMaster(Master):
+    """``offload_optimizer``: the master in host memory (pinned where asked), stepped by the
+    host and copied to the device's compute copy after each update."""
+
+    on_host = True
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.is_compute_copy else offload.held_bytes(self.tensor)
 
 
 class StepGrad(Protocol):
@@ -185,20 +238,18 @@ class Placement:
     pin_memory: bool  # the masters' (what crosses every pass is pinned anyway: `offload.PIN_CROSSING`)
     staged_gradients: bool = False  # host gradients get their staging buffer when made (`HostGradient`)
 
-    def masters(
-        self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A whole-parameter unit's master of ``[start, end)`` and the compute copy to publish it
-        into (None: the master is the compute copy, fp32 on the device)."""
+    def masters(self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int) -> Master:
+        """A whole-parameter unit's master of ``[start, end)``, published into ``flat_param``'s
+        range unless it is that range (fp32 on the device)."""
         if self.offload_optimizer:
-            return offload.host_copy(full_fp32[start:end], self.pin_memory), flat_param[start:end]
+            return HostMaster(offload.host_copy(full_fp32[start:end], self.pin_memory), flat_param[start:end])
         if flat_param.dtype == torch.float32:
-            return flat_param[start:end], None
-        return full_fp32[start:end].clone(), flat_param[start:end]
+            return Master(flat_param[start:end], None)
+        return Master(full_fp32[start:end].clone(), flat_param[start:end])
 
     def sharded(
         self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, Master]:
         """A stage 3 unit's parameter shard (compute dtype, kept between uses), master, and the
         copy to publish the master into: in fp32 the shard is the master where both live in one
         place (no second copy)."""
@@ -206,11 +257,12 @@ class Placement:
             param_shard = offload.host_copy(flat_param[start:end], offload.PIN_CROSSING)  # cast on the device first; gathered every pass
         else:
             param_shard = flat_param[start:end].clone()
+        kind = HostMaster if self.offload_optimizer else Master
         if flat_param.dtype == torch.float32 and self.offload_params == self.offload_optimizer:
-            return param_shard, param_shard, None
+            return param_shard, kind(param_shard, None)
         if self.offload_optimizer:
-            return param_shard, offload.host_copy(full_fp32[start:end], self.pin_memory), param_shard
-        return param_shard, full_fp32[start:end].clone(), param_shard
+            return param_shard, kind(offload.host_copy(full_fp32[start:end], self.pin_memory), param_shard)
+        return param_shard, kind(full_fp32[start:end].clone(), param_shard)
 
     def step_grad(
         self, numel: int, dtype: torch.dtype, device: torch.device, full_grad: torch.Tensor | None, releases: bool

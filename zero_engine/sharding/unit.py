@@ -98,10 +98,10 @@ class FlatUnit:
         host) an fp32 copy of the owned range, published into ``flat_param`` after each update;
         the step gradient is the owned range of ``flat_grad`` when the unit keeps one."""
         start, end = owned_range
-        master, publish_to = self.placement.masters(self.flat_param, full_fp32, start, end)
+        master = self.placement.masters(self.flat_param, full_fp32, start, end)
         full_grad = self.flat_grad[start:end] if self.flat_grad is not None else None
         grad = self.placement.step_grad(end - start, self.compute_dtype, self.device, full_grad, releases_grad)
-        return OptimizerShard(self, owned_range, master, publish_to, grad, shaped_pieces=not self.shard_master)
+        return OptimizerShard(self, owned_range, master, grad, shaped_pieces=not self.shard_master)
 
     def gather(self, comm: Comm) -> Gathering:
         """Start the all-gather of the unit's compute values from every rank's shard of
@@ -297,9 +297,9 @@ class ShardedFlatUnit(GatheredStorage, FlatUnit):
         the master is published into it after each update. ``offload_param`` puts the shard on
         the host (cast on the device first), ``offload_optimizer`` the master."""
         start, end = owned_range
-        self.param_shard, master, publish_to = self.placement.sharded(self.flat_param, full_fp32, start, end)
+        self.param_shard, master = self.placement.sharded(self.flat_param, full_fp32, start, end)
         grad = self.placement.step_grad(end - start, self.compute_dtype, self.device, None, releases_grad)
-        return OptimizerShard(self, owned_range, master, publish_to, grad, shaped_pieces=False)
+        return OptimizerShard(self, owned_range, master, grad, shaped_pieces=False)
 
     @property
     def param_bytes(self) -> int:

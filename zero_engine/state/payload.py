@@ -19,7 +19,8 @@ import torch
 
 from ..config import ZeroEngineConfig
 from ..errors import CheckpointError
-from ..sharding.optimizer_shard import OptimizerTarget
+from ..devices import saved_copy
+from ..sharding.optimizer_shard import OptimizerShard
 from .state_dict import ModelState
 from . import storage
 from .storage import FORMAT, Checkpoint, rank_file
@@ -44,60 +45,26 @@ class Resumable:
     device: torch.device
     exclude_frozen: bool = False  # save the trainable state only (DeepSpeed's exclude_frozen_parameters)
 
-    def targets(self) -> list[OptimizerTarget]:
-        return [target for unit in self.model.units for target in unit.optimizer_shard.targets]
+    def shards(self) -> list[OptimizerShard]:
+        return [unit.optimizer_shard for unit in self.model.units]
 
 
 def rank_payload(state: Resumable) -> dict[str, Any]:
-    targets: dict[str, list[OptimizerTarget]] = defaultdict(list)
-    for target in state.targets():
-        targets[target.name].append(target)
-    pieces = []
     model = state.model
-    for unit in model.units if model.comm.replica_rank == 0 else ():  # replicas hold the same shards
-        for piece in unit.layout.segments(unit.rank):
-            name = unit.names[piece.param_index]
-            start, numel = piece.param_offset, piece.numel
-            master = unit.optimizer_shard.master_of_shard[piece.shard_offset : piece.shard_offset + numel]
-            saved = {}
-            for target in targets[name]:  # the optimizer tensor holding element `start`
-                holds_start = target.param_offset <= start < target.param_offset + target.tensor.numel()
-                if state.optimizer is not None and holds_start:
-                    saved = _slice_state(state.optimizer.state.get(target.tensor, {}), target, start, numel)
-            # a copy: torch.save of a view would write the whole flat buffer behind it
-            pieces.append({"name": name, "start": start, "numel": numel, "master": _to_host(master), "state": saved})
+    saves_shards = model.comm.replica_rank == 0  # replicas hold the same shards
+    pieces = [piece for shard in state.shards() if saves_shards for piece in shard.state_pieces(state.optimizer)]
     saves_frozen = model.comm.replica_rank == 0 and not state.exclude_frozen
     for unit in model.frozen_units if saves_frozen else ():  # values in their own dtype, no state
         for index, start, numel, values in unit.shard_pieces():
             pieces.append(
-                {"name": unit.names[index], "start": start, "numel": numel, "master": _to_host(values), "state": {}}
+                {"name": unit.names[index], "start": start, "numel": numel, "master": saved_copy(values), "state": {}}
             )
     return {"pieces": pieces, "rng": _rng_state(state.device)}
 
 
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy to save: on a GPU, no second copy of the state on the device."""
-    return tensor.detach().to("cpu", copy=True)
-
-
-def _slice_state(state: dict[str, Any], target: OptimizerTarget, start: int, numel: int) -> dict[str, Any]:
-    """The part of one optimizer tensor's state that covers ``[start, start + numel)``."""
-    sliced = {}
-    offset = start - target.param_offset
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.dim() > 0 and value.shape == target.tensor.shape:
-            sliced[key] = _to_host(value.reshape(-1)[offset : offset + numel])
-        elif torch.is_tensor(value) and value.dim() > 0:
-            if start == target.param_offset:  # not elementwise (stage 0 only): saved whole, once
-                sliced[key] = _to_host(value)
-        else:
-            sliced[key] = _to_host(value) if torch.is_tensor(value) else value
-    return sliced
-
-
 def extra_payload(state: Resumable, counters: Counters, client_state: Any) -> dict[str, Any]:
     return {
-        "module": {k: _to_host(v) for k, v in state.model.loose_state(with_frozen=not state.exclude_frozen).items()},
+        "module": {k: saved_copy(v) for k, v in state.model.loose_state(with_frozen=not state.exclude_frozen).items()},
         "global_step": counters.global_step,
         "skipped_steps": counters.skipped_steps,
         "param_groups": [
@@ -218,41 +185,8 @@ def restore_optimizer(state: Resumable, index: PieceIndex, extra: dict[str, Any]
     for group, options in zip(optimizer.param_groups, groups):  # how to compute is this run's choice (offload)
         group.update({key: value for key, value in options.items() if key not in IMPLEMENTATION_OPTIONS})
     optimizer.state.clear()
-    group_of = {param: group for group in optimizer.param_groups for param in group["params"]}
-    for target in state.targets():
-        if target.name not in fitting:
-            continue
-        numel = target.tensor.numel()
-        pieces = index.covering(target.name, target.param_offset, numel)
-        keys = {key for piece in pieces for key in piece["state"]}
-        restored: dict[str, Any] = {}
-        for key in keys:
-            sample = next(p["state"][key] for p in pieces if key in p["state"])
-            if _is_elementwise(pieces, key):
-                values = index.assemble(target.name, target.param_offset, numel, key)
-                assert values is not None
-                restored[key] = values.view(target.tensor.shape).to(target.tensor.device)
-            elif torch.is_tensor(sample):  # a scalar (step), or saved whole (stage 0 only)
-                restored[key] = sample.clone().to(state_device(key, group_of[target.tensor], target.tensor))
-            else:
-                restored[key] = sample
-        if restored:
-            optimizer.state[target.tensor] = restored
-
-
-def state_device(key: str, group: dict[str, Any], param: torch.Tensor) -> torch.device:
-    """Where torch.optim keeps a non-elementwise state tensor, as its ``load_state_dict`` does:
-    ``step`` on the host unless the group is ``capturable`` or ``fused`` (a step on the GPU
-    would make every later update wait for the device), everything else beside the parameter."""
-    if key == "step" and not (group.get("capturable") or group.get("fused")):
-        return torch.device("cpu")
-    return param.device
-
-
-def _is_elementwise(pieces: list[dict[str, Any]], key: str) -> bool:
-    """Saved as slices of the pieces' ranges (rather than a scalar or a whole tensor)."""
-    values = [(p["state"][key], p["numel"]) for p in pieces if key in p["state"]]
-    return all(torch.is_tensor(v) and v.dim() == 1 and v.numel() == numel for v, numel in values)
+    for shard in state.shards():
+        shard.load_state(optimizer, index, fitting)
 
 
 def restore_rng(state: dict[str, Any], device: torch.device) -> None:
