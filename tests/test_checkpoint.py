@@ -115,15 +115,17 @@ def save_then_die(rank: int, world_size: int, directory: str) -> None:
     engine.save_checkpoint(directory)
     _train(engine, rank, world_size, range(1, 2))
     if rank == 1:
-        from zero_engine.state import storage
+        from zero_engine.state.storage import FileWriter
 
-        def write_half_then_die(path: Path, payload: object) -> None:
-            with open(path, "wb") as handle:
-                handle.write(b"PK\x03\x04 half a file")
-                handle.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+        class WriteHalfThenDie(FileWriter):
+            def write_file(self, path: Path, payload: object) -> dict:
+                with open(path, "wb") as handle:
+                    handle.write(b"PK\x03\x04 half a file")
+                    handle.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+                return {}
 
-        storage.write_file = write_half_then_die
+        engine.checkpoint_writer = WriteHalfThenDie()
     engine.save_checkpoint(directory)
 
 
@@ -166,14 +168,19 @@ def save_and_die_publishing(rank: int, world_size: int, directory: str, victim: 
     engine.save_checkpoint(directory)
     _train(engine, rank, world_size, range(1, 2))
     if rank == victim:
-        from zero_engine.state import storage
+        from zero_engine.state.storage import FileWriter
 
         def die() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
+        class WriteThenDie(FileWriter):
+            def write_file(self, path: Path, payload: object) -> dict:
+                written = super().write_file(path, payload)
+                die()
+                return written
+
         if point == "written":
-            write = storage.write_file
-            storage.write_file = lambda path, payload: (write(path, payload), die())[0]
+            engine.checkpoint_writer = WriteThenDie()
         elif point == "publish":
             rename = os.rename
             os.rename = lambda src, dst: die() if ".tmp-" in str(src) else rename(src, dst)

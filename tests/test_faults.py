@@ -89,13 +89,14 @@ def checkpoint_faults(rank: int, world_size: int, directory: str) -> dict:
     # A full disk on rank 1 alone: every rank raises, the staging directory goes, and the
     # ranks' collectives are still in step (training and a later save work).
     _train(engine, rank, world_size, range(1, 2))
-    write = storage.write_file
-    if rank == 1:
-        def full_disk(path: Path, payload: Any) -> dict:
+    class FullDisk(storage.FileWriter):
+        def write_file(self, path: Path, payload: Any) -> dict:
             raise OSError(errno.ENOSPC, "No space left on device")
-        storage.write_file = full_disk
+
+    if rank == 1:
+        engine.checkpoint_writer = FullDisk()
     out["full_disk"] = _outcome(lambda: engine.save_checkpoint(root))
-    storage.write_file = write
+    engine.checkpoint_writer = storage.FILES
     out["after_full_disk"] = sorted(p.name for p in root.iterdir())
     _train(engine, rank, world_size, range(2, 3))
     out["saved_after"] = engine.save_checkpoint(root).name

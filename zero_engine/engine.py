@@ -26,10 +26,9 @@ from .config import BatchSizes, ZeroEngineConfig
 from .errors import ShardedParameterError
 from .memory import measure_memory
 from .monitor import StepLog, build_monitors
-from .offload import offload_plan
 from .param_groups import ParamGroup
 from .precision import Precision
-from .sharding.build import build_mechanism
+from .sharding.build import BuildSettings, build_mechanism
 from .sharding.deferred_init import DeferredInit
 from .sharding.lifecycle import Lifecycle
 from .sharding.module_plan import ModulePlan
@@ -38,6 +37,7 @@ from .stage import Stage
 from .sharding.unit_forwards import UnitForwards
 from .state import checkpoint, export
 from .state.state_dict import ModelState, cast_frozen
+from .state.storage import FILES, FileWriter
 from .step import NoOptimizerStep, OptimizerStep
 from .tree import iter_tensors, map_tensors
 
@@ -57,6 +57,7 @@ class Engine:
         groups: list[ParamGroup],
         precision: Precision,
         plan: ModulePlan,
+        settings: BuildSettings,
         *,
         device: torch.device | None = None,
         deferred: DeferredInit | None = None,
@@ -77,16 +78,16 @@ class Engine:
         zero = config.zero_optimization
         self._sync_from_rank0()
         self.device = device or _model_device(model)  # where parameters, gradients and state live
-        self.offload = offload_plan(zero, stage, batch.gradient_accumulation_steps)  # what lives in host memory instead
+        self.offload = settings.offload  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
         cast_frozen(model, precision.compute_dtype)  # before any unit takes their values: no fp32 copy, ever
         self.units, self.frozen_units, self.gatherer, self.reducer, self.calls, self.codecs = build_mechanism(
-            model, plan, groups, comm, stage, zero, precision.compute_dtype, precision.reduce_dtype, self.device,
-            self.lifecycle, self._begin_backward, deferred, self.offload,
+            model, plan, groups, comm, settings, self.device, self.lifecycle, self._begin_backward, deferred
         )
         cast_frozen(model, precision.compute_dtype)  # those materialized from the meta device while building
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype, self.frozen_units)
+        self.checkpoint_writer: FileWriter = FILES  # where save_checkpoint writes (another storage: its own writer)
         # requires_grad as built: a change (PEFT's set_adapter, unfreezing a layer) would train wrong
         self._trainable_as_built = [(name, param, param.requires_grad) for name, param in model.named_parameters()]
         # The leaf unit modules recomputed now (recompute_units), compiled later (compile()).
@@ -429,7 +430,9 @@ class Engine:
         self._agree_on_call(Call.SAVE_CHECKPOINT)
         counters = checkpoint.Counters(self.global_step, self.skipped_steps)
         tag = tag or f"global_step{self.global_step}"
-        return checkpoint.save(self._resumable(exclude_frozen_parameters), counters, directory, tag, client_state)
+        return checkpoint.save(
+            self._resumable(exclude_frozen_parameters), counters, directory, tag, client_state, self.checkpoint_writer
+        )
 
     def load_checkpoint(
         self,

@@ -32,7 +32,7 @@ from .offload import offload_plan
 from .optim import check_optimizer_for_stage
 from .param_groups import resolve_param_groups
 from .precision import Precision
-from .sharding.build import planned_host_buffers
+from .sharding.build import BuildSettings, planned_host_buffers
 from .sharding.module_plan import ModulePlan
 from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .stage import Stage, stage_for
@@ -101,13 +101,16 @@ def initialize(
         elif param_init_fn is not None and comm.rank == 0:
             logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
         batch = config.batch_sizes(comm.world_size)
-        _check_host_memory(model, plan, groups, config, stage, precision, comm, batch.gradient_accumulation_steps)
+        zero = config.zero_optimization
+        placement = offload_plan(zero, stage, batch.gradient_accumulation_steps)
+        settings = BuildSettings.derive(zero, stage, precision.compute_dtype, precision.reduce_dtype, placement)
+        _check_host_memory(model, plan, groups, config, settings, comm)
         if comm.rank == 0:
             _log_settings(config, stage)
             _log_if_nothing_trains(groups, config)
             _warn_if_one_hardware_queue(stage, comm)
         engine = Engine(
-            model, config, comm, stage, batch, groups, precision, plan, device=device, deferred=deferred,
+            model, config, comm, stage, batch, groups, precision, plan, settings, device=device, deferred=deferred,
             lr_scheduler=lr_scheduler,
         )
         if weights_file is not None:
@@ -182,19 +185,15 @@ def _check_scheduler_factory(factory: Any, config: ZeroEngineConfig) -> None:
 
 
 def _check_host_memory(
-    model: nn.Module, plan: ModulePlan, groups: list, config: ZeroEngineConfig, stage: Stage, precision: Precision,
-    comm: Comm, accumulation: int,
+    model: nn.Module, plan: ModulePlan, groups: list, config: ZeroEngineConfig, settings: BuildSettings, comm: Comm
 ) -> None:
     """With offload: the host state of every rank on this node must fit the node's available
     memory, checked before any of it is allocated: the formula's bytes, plus what the pinned
     allocator rounds each pinned buffer up by (up to twice its size)."""
-    placement = offload_plan(config.zero_optimization, stage, accumulation)
-    if not placement.any:
+    if not settings.offload.any:
         return
     num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
-    pinned = planned_host_buffers(
-        model, plan, groups, stage, config.zero_optimization, comm.num_shards, precision.compute_dtype, placement,
-    )
+    pinned = planned_host_buffers(model, plan, groups, settings, comm.num_shards)
     needed = host_bytes_needed(config, num_params, comm.world_size) + offload.pinning_overshoot(pinned)
     offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")
 

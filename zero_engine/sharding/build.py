@@ -13,11 +13,15 @@ first, as those stages keep it whole anyway.
 
 Units are listed in reverse registration order, as backward produces gradients, so the
 reducer launches them as they fill.
+
+The builders read `BuildSettings`, derived once from the config by `initialize`
+(`BuildSettings.derive`), never the config itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -27,9 +31,9 @@ from ..comm import Comm
 from ..config import ZeroOptimizationConfig
 from ..offload import NO_OFFLOAD, OffloadPlan
 from ..param_groups import ParamGroup
-from ..stage import Stage
+from ..stage import Stage, UnitSpec
 from .calls import CallGuard, PassCallGuard
-from .codec import EXACT_GRADS, IDENTITY, Codecs, GatherCodec, GradCodec, choose_codecs
+from .codec import Codecs, choose_codecs
 from .deferred_init import DeferredInit
 from .gatherer import NoGather, ParamGatherer
 from .layout import plan_units
@@ -40,6 +44,39 @@ from .placement import Placement, place
 from .bucket_reducer import ShardedGradReducer
 from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads
 from .unit import FlatUnit, ShardedFlatUnit
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """What building the units and the mechanism around them reads: the stage and what the
+    config says for it, derived once (`derive`)."""
+
+    stage: Stage
+    unit_spec: UnitSpec  # what a unit holds at this stage (`Stage.unit_spec`)
+    streams_gradients: bool  # gradients through buckets into the shard every micro-step
+    bucket_numel: int  # reduce_bucket_size: a whole-parameter unit's most elements
+    prefetch_numel: int  # stage3_prefetch_bucket_size
+    max_live_numel: int  # stage3_max_live_parameters
+    overlap_comm: bool
+    codecs: Codecs  # how gathers and reductions travel (ZeRO++'s quantized ones where asked)
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    offload: OffloadPlan = NO_OFFLOAD
+
+    @classmethod
+    def derive(
+        cls,
+        zero: ZeroOptimizationConfig,
+        stage: Stage,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        offload: OffloadPlan = NO_OFFLOAD,
+    ) -> BuildSettings:
+        return cls(
+            stage, stage.unit_spec(zero), stage.streams_gradients(zero), zero.reduce_bucket_size,
+            zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, zero.overlap_comm,
+            stage_codecs(stage, zero), compute_dtype, reduce_dtype, offload,
+        )
 
 
 class Mechanism(NamedTuple):
@@ -59,33 +96,26 @@ def build_mechanism(
     plan: ModulePlan,
     groups: list[ParamGroup],
     comm: Comm,
-    stage: Stage,
-    zero: ZeroOptimizationConfig,
-    compute_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
+    settings: BuildSettings,
     device: torch.device,
     lifecycle: Lifecycle,
     on_unarmed_grad: Callable[[], None],
     deferred: DeferredInit | None = None,
-    offload: OffloadPlan = NO_OFFLOAD,
 ) -> Mechanism:
     """The units (`build_units`), and the reducer and the call guard linked to the gatherer:
     the reducer tells the gatherer when a unit's gradients are complete and asks it whether it
     may wait for a reduction; the gatherer's rounds report the reducer's launches; the call
     guard reads its rows before the reducer's first launch (stages 0-2) or among the rounds
     (stage 3). ``on_unarmed_grad``: the engine's, for a gradient outside an armed backward."""
-    codecs = stage_codecs(stage, zero)
-    units, frozen_units, gatherer = build_units(
-        model, plan, groups, comm, stage, zero, compute_dtype, device, lifecycle, deferred, offload, codecs.gather
-    )
+    units, frozen_units, gatherer = build_units(model, plan, groups, comm, settings, device, lifecycle, deferred)
     calls = PassCallGuard(gatherer) if isinstance(gatherer, ParamGatherer) else CallGuard(comm)
     reducer = build_reducer(
-        stage, units, comm, zero, reduce_dtype, lifecycle=lifecycle, on_unit_complete=gatherer.unit_complete,
+        settings, units, comm, lifecycle=lifecycle, on_unit_complete=gatherer.unit_complete,
         on_unarmed_grad=on_unarmed_grad, may_wait_for=gatherer.may_wait_for_reduction,
-        before_launch=calls.before_reduction, codec=codecs.grads,
+        before_launch=calls.before_reduction,
     )
     gatherer.attach_reducer(reducer)
-    return Mechanism(units, frozen_units, gatherer, reducer, calls, codecs)
+    return Mechanism(units, frozen_units, gatherer, reducer, calls, settings.codecs)
 
 
 def stage_codecs(stage: Stage, zero: ZeroOptimizationConfig) -> Codecs:
@@ -104,19 +134,16 @@ def build_units(
     plan: ModulePlan,
     groups: list[ParamGroup],
     comm: Comm,
-    stage: Stage,
-    zero: ZeroOptimizationConfig,
-    compute_dtype: torch.dtype,
+    settings: BuildSettings,
     device: torch.device,
     lifecycle: Lifecycle,
     deferred: DeferredInit | None = None,
-    offload: OffloadPlan = NO_OFFLOAD,
-    gather_codec: GatherCodec = IDENTITY,
 ) -> tuple[list[FlatUnit], list[FrozenUnit], NoGather]:
     """All trainable units in reducer order, stage 3's frozen units, and what gathers them
-    (nothing below stage 3). ``offload`` puts sharded state on the host: optimizer state in
+    (nothing below stage 3). ``settings.offload`` puts sharded state on the host: optimizer state in
     every unit, parameter shards in the stage 3 units, frozen ones included (resident parameters
     stay whole on the device, as DeepSpeed's persistent ones)."""
+    stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
     placement = place(offload)  # where every unit's optimizer side lives, decided once
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
@@ -124,14 +151,14 @@ def build_units(
             deferred.materialize_all()
             _agree_on_drawn_values(model, [], comm)
         named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
-        units = _bucketed_units(named, position, comm, stage, zero, compute_dtype, placement)
+        units = _bucketed_units(named, position, comm, settings, placement)
         return _in_arrival_order(units, position), [], NoGather()
     plans, resident = plan.units, plan.resident
     sharded = [
         ShardedFlatUnit(
             plan.params, plan.names, plan.group_indices, comm.shard_rank, comm.num_shards, label=plan.label,
             compute_dtype=compute_dtype, device=device, materialize=_materializer(deferred, plan.params),
-            placement=placement, codec=gather_codec,
+            placement=placement, codec=settings.codecs.gather,
         )
         for plan in plans
         if plan.params
@@ -150,12 +177,12 @@ def build_units(
         if needs:
             hooked.append((plan.module, needs))
     gatherer = ParamGatherer(
-        model, gathered, hooked, comm, zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, lifecycle
+        model, gathered, hooked, comm, settings.prefetch_numel, settings.max_live_numel, lifecycle
     )
     per_group: list[list[tuple[str, nn.Parameter, int]]] = [[] for _ in groups]
     for item in resident:
         per_group[item.group_index].append((item.name, item.param, item.group_index))
-    resident_units = _bucketed_units(per_group, position, comm, stage, zero, compute_dtype, placement)
+    resident_units = _bucketed_units(per_group, position, comm, settings, placement)
     return _in_arrival_order([*sharded, *resident_units], position), frozen, gatherer
 
 
@@ -227,32 +254,30 @@ def _bucketed_units(
     named: Sequence[Sequence[tuple[str, nn.Parameter, int]]],
     position: dict[nn.Parameter, int],
     comm: Comm,
-    stage: Stage,
-    zero: ZeroOptimizationConfig,
-    compute_dtype: torch.dtype,
+    settings: BuildSettings,
     placement: Placement,
 ) -> list[FlatUnit]:
     """Whole-parameter units of at most ``reduce_bucket_size`` elements, per param group."""
     return [
         FlatUnit(
             [param for _, param, _ in bucket], [name for name, _, _ in bucket], [group for _, _, group in bucket],
-            comm.shard_rank, comm.num_shards, compute_dtype=compute_dtype, spec=stage.unit_spec(zero),
+            comm.shard_rank, comm.num_shards, compute_dtype=settings.compute_dtype, spec=settings.unit_spec,
             placement=placement,
         )
-        for bucket in _buckets(named, position, zero)
+        for bucket in _buckets(named, position, settings.bucket_numel)
     ]
 
 
 def _buckets(
     named: Sequence[Sequence[tuple[str, nn.Parameter, int]]],
     position: dict[nn.Parameter, int],
-    zero: ZeroOptimizationConfig,
+    bucket_numel: int,
 ) -> list[list[tuple[str, nn.Parameter, int]]]:
     """The (name, parameter, group) triples of each whole-parameter unit, per param group."""
     buckets = []
     for triples in named:
         ordered = sorted(triples, key=lambda triple: position[triple[1]], reverse=True)
-        for indices in plan_units([triple[1].numel() for triple in ordered], zero.reduce_bucket_size):
+        for indices in plan_units([triple[1].numel() for triple in ordered], bucket_numel):
             buckets.append([ordered[i] for i in indices])
     return buckets
 
@@ -261,16 +286,14 @@ def planned_host_buffers(
     model: nn.Module,
     plan: ModulePlan,
     groups: list[ParamGroup],
-    stage: Stage,
-    zero: ZeroOptimizationConfig,
+    settings: BuildSettings,
     num_shards: int,
-    compute_dtype: torch.dtype,
-    offload: OffloadPlan,
 ) -> list[int]:
     """The bytes of each pinned host buffer offload will allocate, unit by unit, before any is
     (`zero_engine.offload.pinning_overshoot`: the allocator rounds each one up): the host
     gradient (and its staging buffer when several micro-steps reduce into a window), the parameter
     shard of each stage 3 unit with ``offload_param``, and the master with ``pin_memory``."""
+    stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
     position = {param: index for index, param in enumerate(model.parameters())}
     if stage.shard_parameters:
         sharded = [sum(param.numel() for param in unit.params) for unit in plan.units if unit.params]
@@ -280,7 +303,7 @@ def planned_host_buffers(
     else:
         sharded = []
         per_group = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
-    whole = [sum(param.numel() for _, param, _ in bucket) for bucket in _buckets(per_group, position, zero)]
+    whole = [sum(param.numel() for _, param, _ in bucket) for bucket in _buckets(per_group, position, settings.bucket_numel)]
 
     def shard(numel: int) -> int:  # each rank's shard, padded
         return -(-numel // num_shards)
@@ -313,28 +336,26 @@ def _in_arrival_order(units: list[FlatUnit], position: dict[nn.Parameter, int]) 
 
 
 def build_reducer(
-    stage: Stage,
+    settings: BuildSettings,
     units: Sequence[FlatUnit],
     comm: Comm,
-    zero: ZeroOptimizationConfig,
-    reduce_dtype: torch.dtype,
     *,
     lifecycle: Lifecycle,
     on_unit_complete: Callable[[FlatUnit], None],
     on_unarmed_grad: Callable[[], None],
     may_wait_for: Callable[[int], bool | None],
     before_launch: Callable[[], None] | None,
-    codec: GradCodec = EXACT_GRADS,
 ) -> GradReducer:
     callbacks = {
         "lifecycle": lifecycle, "on_unit_complete": on_unit_complete, "on_unarmed_grad": on_unarmed_grad,
         "may_wait_for": may_wait_for, "before_launch": before_launch,
     }
-    if stage.streams_gradients(zero):
+    stage, codec = settings.stage, settings.codecs.grads
+    if settings.streams_gradients:
         return ShardedGradReducer(
-            units, comm, zero.overlap_comm, reduce_dtype,
+            units, comm, settings.overlap_comm, settings.reduce_dtype,
             max_live_buckets=stage.live_grad_buckets, release_after_step=stage.releases_gradients, codec=codec,
             **callbacks,
         )
     reduction = ReduceScatterGrads(codec) if stage.shard_optimizer_state else AllReduceGrads()
-    return FullGradReducer(units, comm, zero.overlap_comm, reduce_dtype, reduction, **callbacks)
+    return FullGradReducer(units, comm, settings.overlap_comm, settings.reduce_dtype, reduction, **callbacks)

@@ -81,8 +81,16 @@ def on_every_rank(
     return [item["result"] for item in outcomes]
 
 
-def save(state: Resumable, counters: Counters, directory: str | Path, tag: str, client_state: Any = None) -> Path:
-    """Write a checkpoint of ``state`` under ``directory``/``tag``; returns its path. Collective."""
+def save(
+    state: Resumable,
+    counters: Counters,
+    directory: str | Path,
+    tag: str,
+    client_state: Any = None,
+    writer: storage.FileWriter = storage.FILES,
+) -> Path:
+    """Write a checkpoint of ``state`` under ``directory``/``tag`` through ``writer``; returns
+    its path. Collective."""
     root = Path(directory)
     staging = root / f".tmp-{tag}"
     comm = state.model.comm
@@ -99,23 +107,23 @@ def save(state: Resumable, counters: Counters, directory: str | Path, tag: str, 
     def prepare() -> None:
         if comm.rank == 0:
             _check_client_state(client_state)
-            storage.finish_publish(root, tag)  # a re-save of this tag killed half-way
+            writer.finish_publish(root, tag)  # a re-save of this tag killed half-way
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
             staging.mkdir(parents=True)
 
     on_every_rank(comm, "save_checkpoint", prepare)
 
     def write() -> dict[str, dict[str, int | str]]:
-        written = {rank_file(comm.rank): storage.write_file(staging / rank_file(comm.rank), rank_payload(state))}
+        written = {rank_file(comm.rank): writer.write_file(staging / rank_file(comm.rank), rank_payload(state))}
         if comm.rank == 0:
-            written[EXTRA] = storage.write_file(staging / EXTRA, extra_payload(state, counters, client_state))
+            written[EXTRA] = writer.write_file(staging / EXTRA, extra_payload(state, counters, client_state))
         return written
 
     def publish_files() -> None:
         if comm.rank == 0:
             manifest = manifest_of(state, counters, tag, files)
-            storage.write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
-            storage.publish(root, staging, tag)
+            writer.write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
+            writer.publish(root, staging, tag)
 
     def remove_staging() -> None:  # nothing half-written stays behind
         if comm.rank == 0:

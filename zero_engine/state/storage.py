@@ -113,6 +113,28 @@ def finish_publish(root: Path, tag: str) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
+class FileWriter:
+    """Where a save writes its files: a local or shared file system, published atomically
+    (`write_file`, `write_text`, `publish`, `finish_publish` above). The engine saves through
+    its ``checkpoint_writer``; another storage, or a test that makes a write fail, passes an
+    object with these four methods instead."""
+
+    def write_file(self, path: Path, payload: Any) -> dict[str, int | str]:
+        return write_file(path, payload)
+
+    def write_text(self, path: Path, text: str) -> None:
+        write_text(path, text)
+
+    def publish(self, root: Path, staging: Path, tag: str) -> None:
+        publish(root, staging, tag)
+
+    def finish_publish(self, root: Path, tag: str) -> None:
+        finish_publish(root, tag)
+
+
+FILES = FileWriter()
+
+
 def tag_path(root: Path, tag: str) -> Path:
     """The directory holding ``tag``: its pending new copy while a re-save is being moved into
     place (it exists only once complete), else ``root/tag``."""
