@@ -38,7 +38,7 @@ from .sharding.unit_forwards import UnitForwards
 from .state import checkpoint, export
 from .state.state_dict import ModelState, cast_frozen
 from .state.storage import FILES, FileWriter
-from .step import NoOptimizerStep, OptimizerStep
+from .step import NoOptimizerStep, OptimizerStep, StepSettings
 from .tree import iter_tensors, map_tensors
 
 logger = logging.getLogger("zero_engine")
@@ -95,7 +95,8 @@ class Engine:
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
         if self.units:
             self.optimizer_step = OptimizerStep(
-                config, stage, self.units, groups, comm, self.reducer, self.device, self.offload, lr_scheduler
+                StepSettings.derive(config), stage, self.units, groups, comm, self.reducer, self.device, self.offload,
+                lr_scheduler,
             )
         self.step_log = StepLog(build_monitors(config) if comm.rank == 0 else [])  # DeepSpeed's monitor sections
 

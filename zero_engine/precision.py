@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ZeroEngineConfig
+from .config import FP16Config, ZeroEngineConfig
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -97,9 +97,8 @@ class LossScaler:
         self.last_overflow = int(state["last_overflow"])
 
 
-def build_loss_scaler(config: ZeroEngineConfig) -> LossScaler | None:
+def build_loss_scaler(fp16: FP16Config) -> LossScaler | None:
     """A scaler for fp16; None (a scale of 1, never skipping) otherwise."""
-    fp16 = config.fp16
     if not fp16.enabled:
         return None
     return LossScaler(

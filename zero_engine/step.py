@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from . import devices
 from .comm import Comm
-from .config import ZeroEngineConfig
+from .config import FP16Config, OptimizerConfig, SchedulerConfig, ZeroEngineConfig
 from .offload import OffloadPlan
 from .optim import build_optimizer
 from .param_groups import ParamGroup
@@ -39,6 +40,21 @@ from .sharding.unit import FlatUnit
 logger = logging.getLogger("zero_engine")
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """What the optimizer step reads of the config, derived once (`derive`): the optimizer, its
+    schedule, the clipping, and fp16's loss scaling."""
+
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig | None
+    gradient_clipping: float  # max global norm; 0: off
+    fp16: FP16Config  # loss scaling when enabled
+
+    @classmethod
+    def derive(cls, config: ZeroEngineConfig) -> StepSettings:
+        return cls(config.optimizer, config.scheduler or None, config.gradient_clipping, config.fp16)
+
+
 class StepResult(NamedTuple):
     applied: bool  # False: skipped for a non-finite gradient norm
     grad_norm: float  # the global norm of the averaged, unscaled gradient, before clipping
@@ -49,7 +65,7 @@ class OptimizerStep:
 
     def __init__(
         self,
-        config: ZeroEngineConfig,
+        settings: StepSettings,
         stage: Stage,
         units: list[FlatUnit],
         groups: list[ParamGroup],
@@ -59,21 +75,21 @@ class OptimizerStep:
         offload: OffloadPlan,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
-        self.config = config
+        self.settings = settings
         self.stage = stage
         self.units = units
         self.comm = comm
         self.reducer = reducer
         self.device = device
         self.optimizer = build_optimizer(
-            config.optimizer, stage, _optimizer_groups(groups, units), on_host=offload.optimizer
+            settings.optimizer, stage, _optimizer_groups(groups, units), on_host=offload.optimizer
         )
-        if config.scheduler:
-            dry_run(config.scheduler, self.optimizer)
-        self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
+        if settings.scheduler:
+            dry_run(settings.scheduler, self.optimizer)
+        self.lr_scheduler = build_scheduler(settings.scheduler, self.optimizer) if settings.scheduler else None
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer)
-        self.loss_scaler = build_loss_scaler(config)
+        self.loss_scaler = build_loss_scaler(settings.fp16)
         self.skipped_steps = 0
         self.grad_norm: float | None = None  # the last step's
         self.applied = False  # whether the last step updated the parameters
@@ -119,7 +135,7 @@ class OptimizerStep:
         """Unscale, then clip as ``torch.nn.utils.clip_grad_norm_`` does: by
         max_norm / (norm + 1e-6) when that is below 1."""
         multiplier = 1.0 / self.loss_scale
-        max_norm = self.config.gradient_clipping
+        max_norm = self.settings.gradient_clipping
         if max_norm > 0 and self.grad_norm is not None:
             multiplier *= min(1.0, max_norm / (self.grad_norm + 1e-6))
         return multiplier
