@@ -231,14 +231,17 @@ def _agree_on_drawn_values(
     comm.broadcast([tensor.detach() for tensor in whole], src=0)
     if sharded and comm.num_replicas > 1:
         trained = [unit for unit in sharded if unit.optimizer_shard is not None]
-        # offloaded masters cross on the device
-        staged = [unit.optimizer_shard.master.to(unit.device) for unit in trained]
+        staged = []
+        for unit in trained:
+            with unit.optimizer_shard.resident() as master:
+                staged.append(master.to(unit.device))  # offloaded masters cross on the device
         frozen = [unit for unit in sharded if unit.optimizer_shard is None]
         frozen_staged = [unit.param_shard.to(unit.device) for unit in frozen]
         comm.broadcast_across_groups(staged + frozen_staged)
         for unit, values in zip(trained, staged):
-            unit.optimizer_shard.master.copy_(values)
-            unit.optimizer_shard.publish()
+            with unit.optimizer_shard.resident() as master:
+                master.copy_(values)
+                unit.optimizer_shard.publish()
         for unit, values in zip(frozen, frozen_staged):
             unit.param_shard.copy_(values)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypedDict
 
 import torch
 
@@ -55,11 +55,27 @@ class OwningUnit(Protocol):
     used_offset: int  # the unit's first parameter in the used-mask
 
 
-class SavedPieces(Protocol):
-    """Saved pieces of parameters by name and element range, each ``{"name", "start", "numel",
-    "master", "state"}`` (`zero_engine.state.payload.PieceIndex`)."""
+class SavedPiece(TypedDict):
+    """One parameter's saved range, as every checkpoint file holds it (this engine's rank files,
+    what the DeepSpeed reader and ``zero-engine convert`` make of DeepSpeed's): elements
+    ``[start, start + numel)`` of the flattened parameter ``name``, their values (fp32 masters;
+    a frozen parameter's in its stored dtype) and the optimizer state covering them."""
 
-    def covering(self, name: str, start: int, numel: int) -> list[dict[str, Any]]: ...
+    name: str
+    start: int
+    numel: int
+    master: torch.Tensor
+    state: dict[str, Any]
+
+
+def saved_piece(name: str, start: int, numel: int, master: torch.Tensor, state: dict[str, Any]) -> SavedPiece:
+    return {"name": name, "start": start, "numel": numel, "master": master, "state": state}
+
+
+class SavedPieces(Protocol):
+    """Saved pieces of parameters by name and element range (`zero_engine.state.payload.PieceIndex`)."""
+
+    def covering(self, name: str, start: int, numel: int) -> list[SavedPiece]: ...
 
     def assemble(self, name: str, start: int, numel: int, key: str | None = None) -> torch.Tensor | None: ...
 
@@ -172,15 +188,20 @@ class OptimizerShard:
             return
         param_offset, owned_offset, numel = owned
         piece = values.reshape(-1)[param_offset - values_start : param_offset - values_start + numel]
-        self.master[owned_offset : owned_offset + numel].copy_(piece)
+        with self.resident() as master:
+            master[owned_offset : owned_offset + numel].copy_(piece)
         if self.publish_to is not None:
             offload.copy_across(self.publish_to[owned_offset : owned_offset + numel], piece)
 
     # -- the optimizer's state of the targets ------------------------------------------------
 
-    def state_pieces(self, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
+    def state_pieces(self, optimizer: torch.optim.Optimizer | None) -> list[SavedPiece]:
         """This rank's shard as a checkpoint saves it: per parameter segment, host copies of its
         fp32 master values and of the optimizer state that covers them (none without an optimizer)."""
+        with self.resident():  # the master present while its values are copied out
+            return self._state_pieces(optimizer)
+
+    def _state_pieces(self, optimizer: torch.optim.Optimizer | None) -> list[SavedPiece]:
         unit, pieces = self.unit, []
         for segment in unit.layout.segments(unit.rank):
             name, start, numel = unit.names[segment.param_index], segment.param_offset, segment.numel
@@ -190,7 +211,7 @@ class OptimizerShard:
                 holds_start = target.param_offset <= start < target.param_offset + target.tensor.numel()
                 if optimizer is not None and target.name == name and holds_start:
                     saved = _slice_state(optimizer.state.get(target.tensor, {}), target, start, numel)
-            pieces.append({"name": name, "start": start, "numel": numel, "master": saved_copy(master), "state": saved})
+            pieces.append(saved_piece(name, start, numel, saved_copy(master), saved))
         return pieces
 
     def load_state(self, optimizer: torch.optim.Optimizer, saved: SavedPieces, fitting: set[str]) -> None:
@@ -332,7 +353,7 @@ def state_device(key: str, group: dict[str, Any], param: torch.Tensor) -> torch.
     return param.device
 
 
-def _is_elementwise(pieces: list[dict[str, Any]], key: str) -> bool:
+def _is_elementwise(pieces: list[SavedPiece], key: str) -> bool:
     """Saved as slices of the pieces' ranges (rather than a scalar or a whole tensor)."""
     values = [(p["state"][key], p["numel"]) for p in pieces if key in p["state"]]
     return all(torch.is_tensor(v) and v.dim() == 1 and v.numel() == numel for v, numel in values)

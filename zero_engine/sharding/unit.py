@@ -114,12 +114,12 @@ class FlatUnit:
         from every rank's shard; onto rank ``onto`` alone, when given: the others send their
         shard from the master itself (a device copy when offloaded) and return None."""
         start, end = self.optimizer_shard.owned_range
-        master = self.optimizer_shard.master
-        if onto is not None and comm.rank != onto:
-            comm.gather(master.to(self.device), None, dst=onto).wait()
-            return None
-        full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
-        full[start:end] = master
+        with self.optimizer_shard.resident() as master:
+            if onto is not None and comm.rank != onto:
+                comm.gather(master.to(self.device), None, dst=onto).wait()
+                return None
+            full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+            full[start:end] = master
         (comm.all_gather(full) if onto is None else comm.gather(full[start:end], full, dst=onto)).wait()
         return full
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..sharding.optimizer_shard import SavedPiece, saved_piece
 from . import storage
 from .deepspeed_pickle import read_deepspeed_file
 from .payload import PieceIndex
@@ -67,7 +68,7 @@ class Translated:
     """A DeepSpeed checkpoint in this engine's terms (see `zero_engine.state.checkpoint`)."""
 
     checkpoint: Checkpoint  # its directory, and a manifest with the parameters' shapes and aliases
-    pieces_by_rank: list[list[dict[str, Any]]]  # DeepSpeed rank R's pieces
+    pieces_by_rank: list[list[SavedPiece]]  # DeepSpeed rank R's pieces
     extra: dict[str, Any]  # what extra.pt holds: loose entries, counters, options, schedule, scaler
     stage: int
     ignored: list[str] = field(default_factory=list)
@@ -178,8 +179,8 @@ def _aliases(shapes: dict[str, Any], shared: dict[str, str]) -> dict[str, list[s
     return aliases
 
 
-def _piece(name: str, start: int, numel: int, master: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, "start": start, "numel": numel, "master": master.float(), "state": state}
+def _piece(name: str, start: int, numel: int, master: torch.Tensor, state: dict[str, Any]) -> SavedPiece:
+    return saved_piece(name, start, numel, master.float(), state)
 
 
 def _step(value: Any) -> torch.Tensor:
@@ -287,7 +288,7 @@ def _partitioned_pieces(shapes: dict[str, Any], optims: list[dict[str, Any]], pa
     """Each rank's slices of each parameter, placed by ``param_slice_mappings``: a slice at
     ``start`` of rank R's partition of ``P`` elements is the group's flat elements from
     ``R * P + start``; a parameter's first slice starts at its element 0."""
-    by_rank: list[list[dict[str, Any]]] = []
+    by_rank: list[list[SavedPiece]] = []
     flat_start: dict[str, int] = {}
     for rank, optim in enumerate(optims):
         pieces = []
@@ -409,7 +410,7 @@ def _stage3_loose(model: dict[str, Any], path: Path, world: int) -> dict[str, to
 # -- shared ------------------------------------------------------------------------------------
 
 
-def _check_coverage(shapes: dict[str, Any], by_rank: list[list[dict[str, Any]]], path: Path) -> None:
+def _check_coverage(shapes: dict[str, Any], by_rank: list[list[SavedPiece]], path: Path) -> None:
     covered: dict[str, int] = defaultdict(int)
     for pieces in by_rank:
         for piece in pieces:

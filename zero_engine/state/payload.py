@@ -20,7 +20,7 @@ import torch
 from ..config import ZeroEngineConfig
 from ..errors import CheckpointError
 from ..devices import saved_copy
-from ..sharding.optimizer_shard import OptimizerShard
+from ..sharding.optimizer_shard import OptimizerShard, SavedPiece, saved_piece
 from .state_dict import ModelState
 from . import storage
 from .storage import FORMAT, Checkpoint, rank_file
@@ -57,7 +57,7 @@ def rank_payload(state: Resumable) -> dict[str, Any]:
     for unit in model.frozen_units if saves_frozen else ():  # values in their own dtype, no state
         for index, start, numel, values in unit.shard_pieces():
             pieces.append(
-                {"name": unit.names[index], "start": start, "numel": numel, "master": saved_copy(values), "state": {}}
+                saved_piece(unit.names[index], start, numel, saved_copy(values), {})
             )
     return {"pieces": pieces, "rng": _rng_state(state.device)}
 
@@ -131,8 +131,8 @@ def _restore_cuda_rng(state: dict[str, Any], device: torch.device) -> None:
 class PieceIndex:
     """Every saved piece of every parameter, to assemble any range from."""
 
-    def __init__(self, pieces: Iterable[dict[str, Any]], rng: Sequence[dict[str, Any]] = ()) -> None:
-        self.pieces: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    def __init__(self, pieces: Iterable[SavedPiece], rng: Sequence[dict[str, Any]] = ()) -> None:
+        self.pieces: dict[str, list[SavedPiece]] = defaultdict(list)
         self.rng = list(rng)  # each saving rank's generators (none from another engine's checkpoint)
         for piece in pieces:
             self.pieces[piece["name"]].append(piece)
@@ -144,7 +144,7 @@ class PieceIndex:
         rng = [payload["rng"] for payload in payloads]  # None: converted from another engine's checkpoint
         return cls((piece for payload in payloads for piece in payload["pieces"]), rng if None not in rng else [])
 
-    def covering(self, name: str, start: int, numel: int) -> list[dict[str, Any]]:
+    def covering(self, name: str, start: int, numel: int) -> list[SavedPiece]:
         return [p for p in self.pieces[name] if p["start"] < start + numel and start < p["start"] + p["numel"]]
 
     def assemble(self, name: str, start: int, numel: int, key: str | None = None) -> torch.Tensor | None:

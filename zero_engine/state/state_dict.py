@@ -91,7 +91,7 @@ class ModelState:
         if unit.optimizer_shard is None:
             return unit.gather_masters(self.comm, onto=0 if rank0_only else None)
         shard = unit.optimizer_shard
-        if not unit.shard_master:
+        if not unit.shard_master:  # stage 0: the master is the whole unit, never offloaded
             return shard.master
         if shard.master_is_compute_copy and not unit.sharded_params:
             return unit.flat_param  # stages 1-2 in fp32: the whole buffer is up to date
