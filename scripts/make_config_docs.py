@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from zero_engine.config import ZeroEngineConfig, DEEPSPEED_SECTIONS, NO_EFFECT, key_reference
-from zero_engine.deepspeed_compat import DEFAULTS_THAT_DIFFER
+from zero_engine.config.deepspeed_compat import DEFAULTS_THAT_DIFFER
 from zero_engine.features import PARTLY_BUILT, REFUSED_WHEN, REFUSED_WHEN_ON
 
 ROOT = Path(__file__).resolve().parent.parent

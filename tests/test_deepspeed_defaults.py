@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 import zero_engine
 from zero_engine.config import ZeroEngineConfig
-from zero_engine.deepspeed_compat import DEFAULTS_THAT_DIFFER, SAME_DEFAULT_OTHER_MEANING
+from zero_engine.config.deepspeed_compat import DEFAULTS_THAT_DIFFER, SAME_DEFAULT_OTHER_MEANING
 
 RECORDED = json.loads((Path(__file__).resolve().parent / "data" / "deepspeed_defaults.json").read_text())
 DEFAULTS: dict[str, Any] = RECORDED["defaults"]

@@ -16,7 +16,7 @@ import pytest
 import zero_engine
 from zero_engine import ConfigError
 from zero_engine.config import NO_EFFECT, ZeroEngineConfig, auto_keys, no_effect_settings
-from zero_engine.deepspeed_compat import (
+from zero_engine.config.deepspeed_compat import (
     DEPRECATED_OFFLOAD, DEPRECATED_ZERO_KEYS, FILLED_AT_INITIALIZE, STAGE3_SHORT_NAMES, _long_spelling,
 )
 from zero_engine.features import unbuilt_features

@@ -10,7 +10,7 @@ Without a Trainer, two groups can still be filled, with the integration's own ru
   of ``config.hidden_sizes`` where a model has several): ``reduce_bucket_size`` h*h,
   ``stage3_prefetch_bucket_size`` 0.9*h*h, ``stage3_param_persistence_threshold`` 10*h.
 
-Every other ``"auto"`` is refused when the config loads (`zero_engine.deepspeed_compat`); what
+Every other ``"auto"`` is refused when the config loads (`zero_engine.config.deepspeed_compat`); what
 cannot be filled here fails at `initialize`, every key named at once.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import ZeroEngineConfig, auto_keys
-from .deepspeed_compat import AUTO_BATCH_KEYS
+from .config.deepspeed_compat import AUTO_BATCH_KEYS
 from .errors import ConfigError
 
 _FROM_HIDDEN_SIZE = {

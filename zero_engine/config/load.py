@@ -1,5 +1,5 @@
 """Loading a config: a YAML, JSON (or hjson, as DeepSpeed reads it) file, a dict, or a config
-object; DeepSpeed's spellings translated first (`zero_engine.deepspeed_compat`); every problem
+object; DeepSpeed's spellings translated first (`zero_engine.config.deepspeed_compat`); every problem
 reported at once as one `ConfigError` whose lines each name a key path, the value and the fix."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import hjson
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from ..deepspeed_compat import translate
+from .deepspeed_compat import translate
 from ..errors import ConfigError, suggest
 from .schema import ZeroEngineConfig
 
