@@ -472,8 +472,7 @@ class Engine:
 
     def _resumable(self, exclude_frozen: bool = False) -> checkpoint.Resumable:
         return checkpoint.Resumable(
-            self.model_state, self.optimizer, self.lr_scheduler, self.loss_scaler, self.config, self.stage.level,
-            self.device, exclude_frozen,
+            self.model_state, self.optimizer_step, self.config, self.stage.level, self.device, exclude_frozen
         )
 
     def close(self) -> None:

@@ -32,7 +32,8 @@ from .optim import build_optimizer
 from .param_groups import ParamGroup
 from .precision import build_loss_scaler
 from .schedules import build_scheduler, dry_run
-from .sharding.optimizer_shard import step_shards
+from .errors import CheckpointError
+from .sharding.optimizer_shard import SavedPiece, SavedPieces, step_shards
 from .sharding.reducer import GradReducer
 from .stage import Stage
 from .sharding.unit import FlatUnit
@@ -178,6 +179,46 @@ class OptimizerStep:
             gathering.wait()
 
 
+    # -- saved and restored with a checkpoint (the pieces: each shard's own, `OptimizerShard`) --
+
+    def state_pieces(self) -> list[SavedPiece]:
+        """Every unit's shard with the optimizer state covering it, as a rank file holds them."""
+        return [piece for unit in self.units for piece in unit.optimizer_shard.state_pieces(self.optimizer)]
+
+    def extra_state(self) -> dict[str, Any]:
+        """What ``extra.pt`` holds of the step: the param groups' options, the schedule, the scaler."""
+        return {
+            "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups],
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
+
+    def load_state(self, saved: SavedPieces, extra: dict[str, Any], fitting: set[str]) -> None:
+        """Group options, the state of every piece whose parameter fits the checkpoint (``fitting``),
+        the schedule's position and the loss scaler."""
+        groups = extra["param_groups"]
+        if len(groups) != len(self.optimizer.param_groups):
+            raise CheckpointError(
+                f"the checkpoint has {len(groups)} optimizer param groups, the engine {len(self.optimizer.param_groups)}:"
+                " pass the same param_groups, or load with load_optimizer_states=False"
+            )
+        for group, options in zip(self.optimizer.param_groups, groups):  # how to compute is this run's choice
+            group.update({key: value for key, value in options.items() if key not in IMPLEMENTATION_OPTIONS})
+        self.optimizer.state.clear()
+        for unit in self.units:
+            unit.optimizer_shard.load_state(self.optimizer, saved, fitting)
+        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if self.loss_scaler is not None and extra["loss_scaler"] is not None:
+            # a field the checkpoint lacks (DeepSpeed's fp16 wrapper saves no hysteresis) stays this run's
+            self.loss_scaler.load_state_dict({**self.loss_scaler.state_dict(), **extra["loss_scaler"]})
+
+
+# Param-group options that choose torch's implementation, not the math: kept from the resuming
+# run (offload picks the fused CPU kernel; a run without offload keeps torch's default).
+IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
 def _optimizer_groups(groups: list[ParamGroup], units: list[FlatUnit]) -> list[dict[str, Any]]:
     """The torch param groups over the units' optimizer targets (views of the fp32 masters:
     whole parameters at stage 0, this rank's pieces when optimizer state is sharded)."""
@@ -221,3 +262,12 @@ class NoOptimizerStep:
 
     def run(self, step_number: int) -> StepResult:
         raise RuntimeError("an engine without trainable parameters has no optimizer step")
+
+    def state_pieces(self) -> list[SavedPiece]:
+        return []
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"param_groups": [], "lr_scheduler": None, "loss_scaler": None}
+
+    def load_state(self, saved: SavedPieces, extra: dict[str, Any], fitting: set[str]) -> None:
+        """Nothing to restore: no optimizer, schedule or scaler."""

@@ -42,7 +42,7 @@ from ..errors import CheckpointError
 from ..sharding.unit import FlatUnit
 from . import storage
 from .payload import (
-    Counters, PieceIndex, Resumable, extra_payload, manifest_of, rank_payload, restore_optimizer, restore_rng,
+    Counters, PieceIndex, Resumable, extra_payload, manifest_of, rank_payload, restore_rng,
 )
 from .sources import Source, open_source
 from .state_dict import ModelState
@@ -190,7 +190,7 @@ def load(
         if load_optimizer_states and state.optimizer is not None:
             _check_optimizer_type(source.checkpoint, state.optimizer)
             if source.writer == "deepspeed":
-                _check_schedule(state.lr_scheduler, source)
+                _check_schedule(state.step.lr_scheduler, source)
 
     # Every rank reads and checks first, then all restore or none does (a file missing on one
     # node's disk fails every rank, not that one alone).
@@ -215,12 +215,7 @@ def load(
         model.load_kept(saved_values)  # each rank assembles only the elements it keeps
         model.load_loose_state({**_loose_from_pieces(model, saved, index), **extra["module"]})
         if load_optimizer_states:
-            restore_optimizer(state, index, extra, fitting)
-            if state.lr_scheduler is not None and extra["lr_scheduler"] is not None:
-                state.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-            if state.loss_scaler is not None and extra["loss_scaler"] is not None:
-                # a field the checkpoint lacks (DeepSpeed's fp16 wrapper saves no hysteresis) stays this run's
-                state.loss_scaler.load_state_dict({**state.loss_scaler.state_dict(), **extra["loss_scaler"]})
+            state.step.load_state(index, extra, fitting)
         if model.comm.rank < len(index.rng):
             restore_rng(index.rng[model.comm.rank], state.device)
 

@@ -13,14 +13,14 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from ..config import ZeroEngineConfig
 from ..errors import CheckpointError
 from ..devices import saved_copy
-from ..sharding.optimizer_shard import OptimizerShard, SavedPiece, saved_piece
+from ..sharding.optimizer_shard import SavedPiece, saved_piece
 from .state_dict import ModelState
 from . import storage
 from .storage import FORMAT, Checkpoint, rank_file
@@ -37,22 +37,35 @@ class Resumable:
     """Everything a checkpoint saves and restores, handed over by the engine."""
 
     model: ModelState
-    optimizer: torch.optim.Optimizer | None  # None: an engine with nothing to train
-    lr_scheduler: Any  # with state_dict / load_state_dict, or None
-    loss_scaler: Any  # likewise
+    step: Stepping  # the optimizer, its schedule and scaler (`zero_engine.step.OptimizerStep`)
     config: ZeroEngineConfig
     stage: int
     device: torch.device
     exclude_frozen: bool = False  # save the trainable state only (DeepSpeed's exclude_frozen_parameters)
 
-    def shards(self) -> list[OptimizerShard]:
-        return [unit.optimizer_shard for unit in self.model.units]
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:  # None: an engine with nothing to train
+        return self.step.optimizer
+
+
+class Stepping(Protocol):
+    """What a checkpoint saves and restores of the step (`zero_engine.step.OptimizerStep` and
+    `NoOptimizerStep`): it reads and writes its own state."""
+
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: Any
+
+    def state_pieces(self) -> list[SavedPiece]: ...
+
+    def extra_state(self) -> dict[str, Any]: ...
+
+    def load_state(self, saved: PieceIndex, extra: dict[str, Any], fitting: set[str]) -> None: ...
 
 
 def rank_payload(state: Resumable) -> dict[str, Any]:
     model = state.model
     saves_shards = model.comm.replica_rank == 0  # replicas hold the same shards
-    pieces = [piece for shard in state.shards() if saves_shards for piece in shard.state_pieces(state.optimizer)]
+    pieces = state.step.state_pieces() if saves_shards else []
     saves_frozen = model.comm.replica_rank == 0 and not state.exclude_frozen
     for unit in model.frozen_units if saves_frozen else ():  # values in their own dtype, no state
         for index, start, numel, values in unit.shard_pieces():
@@ -67,12 +80,7 @@ def extra_payload(state: Resumable, counters: Counters, client_state: Any) -> di
         "module": {k: saved_copy(v) for k, v in state.model.loose_state(with_frozen=not state.exclude_frozen).items()},
         "global_step": counters.global_step,
         "skipped_steps": counters.skipped_steps,
-        "param_groups": [
-            {k: v for k, v in group.items() if k != "params"}
-            for group in (state.optimizer.param_groups if state.optimizer is not None else ())
-        ],
-        "lr_scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
-        "loss_scaler": state.loss_scaler.state_dict() if state.loss_scaler is not None else None,
+        **state.step.extra_state(),  # param_groups, lr_scheduler, loss_scaler
         "client_state": client_state,
     }
 
@@ -164,29 +172,6 @@ class PieceIndex:
         if out is not None and covered != numel:
             raise CheckpointError(f"parameter {name!r}: saved pieces cover {covered} of elements [{start}, {start + numel})")
         return out
-
-
-# Param-group options that choose torch's implementation, not the math: kept from the resuming
-# run (offload picks the fused CPU kernel; a run without offload keeps torch's default).
-IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
-
-
-def restore_optimizer(state: Resumable, index: PieceIndex, extra: dict[str, Any], fitting: set[str]) -> None:
-    """Group options, and the state of every piece whose parameter fits the checkpoint."""
-    optimizer = state.optimizer
-    if optimizer is None:  # nothing to train: nothing to restore
-        return
-    groups = extra["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"the checkpoint has {len(groups)} optimizer param groups, the engine {len(optimizer.param_groups)}:"
-            " pass the same param_groups, or load with load_optimizer_states=False"
-        )
-    for group, options in zip(optimizer.param_groups, groups):  # how to compute is this run's choice (offload)
-        group.update({key: value for key, value in options.items() if key not in IMPLEMENTATION_OPTIONS})
-    optimizer.state.clear()
-    for shard in state.shards():
-        shard.load_state(optimizer, index, fitting)
 
 
 def restore_rng(state: dict[str, Any], device: torch.device) -> None:
