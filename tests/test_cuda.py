@@ -5,7 +5,7 @@ torch sees no GPU (CPU runs are guarded by `tests/test_device_guard.py` instead)
 ``scripts/gpu_check.sh`` runs this file and the GPU benchmarks in one go on the first machine
 with a GPU.
 
-References are the CPU ones of `tests/test_precision.py` (same policy, same batches); CUDA
+References are the CPU ones of `tests/precision_cases.py` (same policy, same batches); CUDA
 kernels sum in other orders than CPU ones, which the tolerances there already cover (they
 are set from the spread across world sizes, which reorders sums the same way).
 """
@@ -25,8 +25,8 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch, train_engine
-from test_precision import MICRO, STEPS, _check
-from test_precision import _config as precision_config
+from precision_cases import MICRO, STEPS, precision_config
+from precision_cases import check_precision as _check
 from test_stage3_memory import BATCH, BLOCK_NUMEL, WIDTH, Tower
 from zero_engine.devices import local_cuda_device
 from zero_engine.memory import HELD_NOW

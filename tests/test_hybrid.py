@@ -29,8 +29,7 @@ from harness import run_on_ranks
 from models import TrapModel, decay_groups, init_trap_model, make_model, train_engine, train_reference
 from test_backward import check_backwards_add_up, two_backwards_per_micro_step
 from test_meta_init import _meta_trap_model, reference_init
-from test_precision import _check as check_precision
-from test_precision import check_skipped_everywhere, overflow_on_one_rank, precision_grid
+from precision_cases import check_precision, check_skipped_everywhere, overflow_on_one_rank, precision_grid
 from zero_engine.comm import DONE, Pending, TwoPhase, advance_in_order
 from zero_engine.memory import formula_bytes
 from zero_engine.stage import stage_for

@@ -22,7 +22,9 @@ from harness import run_on_ranks
 from models import TrapModel, decay_groups, make_model, micro_batch, train_engine, train_reference
 from test_checkpoint import FIRST, GLOBAL_BATCH, SECOND, _global_means, resume_jobs
 from test_checkpoint import LR as CKPT_LR
-from test_precision import EPS, LR, MICRO, STEPS, _check, _config, check_skipped_everywhere, overflow_on_one_rank
+from precision_cases import (
+    EPS, LR, MICRO, STEPS, check_precision, check_skipped_everywhere, overflow_on_one_rank, precision_config,
+)
 from zero_engine import offload
 from zero_engine.cli import main as cli_main
 from zero_engine.engine import Engine
@@ -59,7 +61,7 @@ def offload_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             results.append(overflow_on_one_rank(rank, world_size, case["stage"], zero=case["zero"]))
             continue
         model, weights = _model(case)
-        engine = zero_engine.initialize(model, _config(case), param_groups=decay_groups(model), weights=weights)
+        engine = zero_engine.initialize(model, precision_config(case), param_groups=decay_groups(model), weights=weights)
         windows, norms = train_engine(engine, rank, world_size, range(STEPS), MICRO, case["accum"])
         results.append({
             "losses": [sum(window) / len(window) for window in windows], "norms": norms,
@@ -76,7 +78,7 @@ def _check_grid(cases: list[dict], world_size: int, per_rank: list[list[dict]]) 
             for rank, result in enumerate(results):
                 check_skipped_everywhere(rank, result)
             continue
-        _check(case, world_size, results)  # fp32 within 2e-5 of one process; bf16 within its precision
+        check_precision(case, world_size, results)  # fp32 within 2e-5 of one process; bf16 within its precision
         for result in results:
             assert result["memory"]["host"] > 0, case
 
