@@ -220,11 +220,7 @@ def user_holds(rank: int) -> dict:
     with torch.no_grad():
         out["free_output"] = engine(_deep_batch(7, rank))
     _deep_steps(engine, rank, range(2, 4))
-    out["trained"] = engine.full_state_dict()
-    engine.close()
-    engine = _deep_engine()
-    _deep_steps(engine, rank, range(4))
-    out["trained_without_holds"] = engine.full_state_dict()
+    out["trained"] = engine.full_state_dict()  # checked against four plain steps (`without_failure`)
     engine.close()
     return out
 
@@ -398,10 +394,10 @@ def test_stage3_memory_traffic_export_and_failures(world_size: int) -> None:
             for name, value in out["checkpointing"][None].items():
                 assert (out["checkpointing"][mode][name] - value).abs().max().item() <= TOL, (mode, name)
         _check_rows_and_root(out["rows_and_root"])
-        _check_user_holds(out["user_holds"])
+        _check_user_holds(out["user_holds"], out["without_failure"])
 
 
-def _check_user_holds(out: dict) -> None:
+def _check_user_holds(out: dict, trained_without_holds: dict) -> None:
     units = len(out["held"])
     held = [index in (1, 2) for index in range(units)]
     assert out["held"] == held and out["values_equal"]
@@ -411,7 +407,7 @@ def _check_user_holds(out: dict) -> None:
     assert torch.equal(out["held_output"], out["free_output"])
     assert out["after_first_release"] == [index == 2 for index in range(units)]
     assert out["after_last_release"] == [False] * units
-    for name, value in out["trained_without_holds"].items():
+    for name, value in trained_without_holds.items():
         assert torch.equal(out["trained"][name], value), name
 
 
