@@ -1,9 +1,8 @@
 """Size and reach figures of the package's structure, for the notes of restructuring work.
 
-Prints the longest classes and modules (lines), the builders' argument counts, and the modules
-the config reaches: those that name the config's types (``ZeroEngineConfig`` or one of its
-section classes) or read a section off a config (``config.zero_optimization``, ``zero.``
-parameters typed as a section). Counted with ``ast`` over ``zero_engine/`` (integrations, the
+Prints the longest classes and modules (lines), the builders' argument counts, the modules that
+name the config's types (``ZeroEngineConfig`` or one of its section classes), and the functions
+that take one as an argument. Counted with ``ast`` over ``zero_engine/`` (integrations, the
 config package itself, the CLI and ``testing/`` left out: they are the config's readers by
 trade). Run from the repository root::
 
@@ -40,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=5)
     args = parser.parse_args()
-    classes, modules, builders, reached = [], [], [], []
+    classes, modules, builders, reached, takers = [], [], [], [], []
     config_types = _config_types()
     for path in _modules():
         text = path.read_text()
@@ -59,6 +58,13 @@ def main() -> None:
             names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
             if names & config_types:
                 reached.append(relative)
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    annotations = [arg.annotation for arg in [*node.args.args, *node.args.kwonlyargs] if arg.annotation]
+                    named = {n.id for a in annotations for n in ast.walk(a) if isinstance(n, ast.Name)}
+                    named |= {a.value for a in annotations if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+                    if named & config_types:
+                        takers.append(f"{relative}:{node.name}")
     print("longest classes (lines, methods):")
     for lines, name, methods in sorted(classes, reverse=True)[: args.top]:
         print(f"  {lines:5d} {methods:3d}  {name}")
@@ -68,8 +74,11 @@ def main() -> None:
     print("most arguments of a builder or constructor:")
     for count, name in sorted(builders, reverse=True)[: args.top]:
         print(f"  {count:5d}  {name}")
-    print(f"modules that take the config's types ({len(reached)}):")
+    print(f"modules that name the config's types ({len(reached)}):")
     for name in reached:
+        print(f"  {name}")
+    print(f"functions that take the config or a section of it ({len(takers)}):")
+    for name in takers:
         print(f"  {name}")
 
 
