@@ -123,7 +123,6 @@ class OptimizerShard:
         self.owned_range = owned_range
         self.master_kind = master  # where the master lives (`zero_engine.sharding.placement`)
         self.master = master.tensor
-        self.publish_to = master.publish_to  # the compute copy of the range; None when the master is it
         self.grad = grad  # the step gradient (a view of the full buffer, a device tensor, or on the host)
         self.targets = [
             OptimizerTarget(self.master[p.owned_offset : p.owned_offset + p.numel].view(p.shape), p)
@@ -190,8 +189,9 @@ class OptimizerShard:
         piece = values.reshape(-1)[param_offset - values_start : param_offset - values_start + numel]
         with self.resident() as master:
             master[owned_offset : owned_offset + numel].copy_(piece)
-        if self.publish_to is not None:
-            offload.copy_across(self.publish_to[owned_offset : owned_offset + numel], piece)
+        publish_to = self.master_kind.publish_to  # the compute copy of the range; None when the master is it
+        if publish_to is not None:
+            offload.copy_across(publish_to[owned_offset : owned_offset + numel], piece)
 
     # -- the optimizer's state of the targets ------------------------------------------------
 

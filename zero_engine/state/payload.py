@@ -66,12 +66,10 @@ def rank_payload(state: Resumable) -> dict[str, Any]:
     model = state.model
     saves_shards = model.comm.replica_rank == 0  # replicas hold the same shards
     pieces = state.step.state_pieces() if saves_shards else []
-    saves_frozen = model.comm.replica_rank == 0 and not state.exclude_frozen
+    saves_frozen = saves_shards and not state.exclude_frozen
     for unit in model.frozen_units if saves_frozen else ():  # values in their own dtype, no state
         for index, start, numel, values in unit.shard_pieces():
-            pieces.append(
-                saved_piece(unit.names[index], start, numel, saved_copy(values), {})
-            )
+            pieces.append(saved_piece(unit.names[index], start, numel, saved_copy(values), {}))
     return {"pieces": pieces, "rng": _rng_state(state.device)}
 
 
