@@ -34,11 +34,11 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_stage3_memory import (  # noqa: E402
     SYSTEMS,
-    Tower,
     measure,
     measure_low_precision_full_gradients,
     measure_start_up,
 )
+from tower import Tower  # noqa: E402
 
 MiB = 2**20
 

@@ -17,57 +17,11 @@ import zero_engine
 from configs import engine_config
 from harness import RankFailure, run_on_ranks
 from models import VOCAB, decay_groups, make_model, micro_batch, train_engine, train_reference
+from resume_cases import (
+    FIRST, GLOBAL_BATCH, LR, SECOND, checkpoint_config, global_means, resume_jobs, train_steps,
+)
 from zero_engine import CheckpointError
 from zero_engine.cli import main as cli_main
-
-LR, GLOBAL_BATCH, FIRST, SECOND = 0.05, 12, 3, 3
-# The global batch stays 12 at every world size: (micro-batch, accumulation) per world size.
-SETUPS = {1: (4, 3), 2: (3, 2), 3: (2, 2), 4: (3, 1)}
-
-
-def _config(stage: int, world_size: int, **zero) -> dict:
-    micro, accum = SETUPS[world_size]
-    # At stage 3 the size policy makes embed, fc1 and fc2 units of their own.
-    return engine_config(
-        stage, micro=micro, lr=LR, accum=accum, reduce_bucket_size=50, stage3_param_persistence_threshold=0, **zero
-    )
-
-
-def _train(engine, rank: int, world_size: int, steps: range) -> list[list[float]]:
-    micro, accum = SETUPS[world_size]
-    return train_engine(engine, rank, world_size, steps, micro, accum)[0]
-
-
-def resume_jobs(rank: int, world_size: int, jobs: list[tuple]) -> list[dict]:
-    """("save", stage, dir): train the first steps and save. ("load", stage, dir): resume.
-    A fourth item holds more zero_optimization keys (offload)."""
-    results = []
-    for kind, stage, directory, *zero in jobs:
-        model = make_model(seed=1 if kind == "load" else 0)  # a resumed model starts elsewhere
-        config = _config(stage, world_size, **(zero[0] if zero else {}))
-        engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
-        if kind == "save":
-            losses = _train(engine, rank, world_size, range(FIRST))
-            engine.save_checkpoint(directory, client_state={"note": "first", "step": FIRST})
-            results.append({"losses": losses})
-        else:
-            client = engine.load_checkpoint(directory)
-            assert client == {"note": "first", "step": FIRST}, client
-            assert engine.global_step == FIRST
-            losses = _train(engine, rank, world_size, range(FIRST, FIRST + SECOND))
-            results.append({"losses": losses, "state": engine.full_state_dict()})
-        engine.close()
-    return results
-
-
-def _global_means(per_rank: list[dict]) -> list[float]:
-    steps = len(per_rank[0]["losses"])
-    means = []
-    for step in range(steps):
-        window = [loss for result in per_rank for loss in result["losses"][step]]
-        means.append(sum(window) / len(window))
-    return means
-
 
 # (stage, world size) saved -> (stage, world size) resumed, each chain in three spawns: the
 # first's checkpoint is resumed by the second, which saves what the third resumes. The fast run
@@ -99,8 +53,8 @@ def test_resume_at_another_stage_and_world_size(tmp_path: Path, chain: str) -> N
 
     ref_losses, ref_state, _ = train_reference(FIRST + SECOND, GLOBAL_BATCH, lr=LR)
     for key, (saved, resumed) in pairs.items():
-        before = _global_means(outcome[("save", key)])
-        after = _global_means(outcome[("load", key)])
+        before = global_means(outcome[("save", key)])
+        after = global_means(outcome[("load", key)])
         assert before + after == pytest.approx(ref_losses, abs=2e-5), f"{saved} -> {resumed}"
         for rank, result in enumerate(outcome[("load", key)]):
             for name, ref in ref_state.items():
@@ -110,10 +64,10 @@ def test_resume_at_another_stage_and_world_size(tmp_path: Path, chain: str) -> N
 
 def save_then_die(rank: int, world_size: int, directory: str) -> None:
     model = make_model()
-    engine = zero_engine.initialize(model, _config(1, world_size))
-    _train(engine, rank, world_size, range(1))
+    engine = zero_engine.initialize(model, checkpoint_config(1, world_size))
+    train_steps(engine, rank, world_size, range(1))
     engine.save_checkpoint(directory)
-    _train(engine, rank, world_size, range(1, 2))
+    train_steps(engine, rank, world_size, range(1, 2))
     if rank == 1:
         from zero_engine.state.storage import FileWriter
 
@@ -131,11 +85,11 @@ def save_then_die(rank: int, world_size: int, directory: str) -> None:
 
 def resume_after_kill(rank: int, world_size: int, directory: str) -> dict:
     model = make_model(seed=5)
-    engine = zero_engine.initialize(model, _config(2, world_size))
+    engine = zero_engine.initialize(model, checkpoint_config(2, world_size))
     engine.load_checkpoint(directory)
     step = engine.global_step
     loaded = engine.full_state_dict()
-    _train(engine, rank, world_size, range(step, step + 1))
+    train_steps(engine, rank, world_size, range(step, step + 1))
     engine.save_checkpoint(directory)  # a later save works and clears the leftovers
     return {"step": step, "loaded": loaded}
 
@@ -163,10 +117,10 @@ def save_and_die_publishing(rank: int, world_size: int, directory: str, victim: 
     (its file complete, before the ranks exchange their lists), "publish" (every file of the
     tag written, the moment the tag's directory is renamed into place) or "latest" (the moment
     the ``latest`` pointer is replaced)."""
-    engine = zero_engine.initialize(make_model(), _config(1, world_size))
-    _train(engine, rank, world_size, range(1))
+    engine = zero_engine.initialize(make_model(), checkpoint_config(1, world_size))
+    train_steps(engine, rank, world_size, range(1))
     engine.save_checkpoint(directory)
-    _train(engine, rank, world_size, range(1, 2))
+    train_steps(engine, rank, world_size, range(1, 2))
     if rank == victim:
         from zero_engine.state.storage import FileWriter
 
@@ -263,8 +217,8 @@ def test_each_rank_resumes_its_own_random_numbers(tmp_path: Path) -> None:
 
 def _trained_engine(stage: int = 1, steps: int = 2, model: nn.Module | None = None):
     model = model or make_model()
-    engine = zero_engine.initialize(model, _config(stage, 1))
-    _train(engine, 0, 1, range(steps))
+    engine = zero_engine.initialize(model, checkpoint_config(stage, 1))
+    train_steps(engine, 0, 1, range(steps))
     return engine
 
 
@@ -307,7 +261,7 @@ class Renamed(nn.Module):
 def test_a_checkpoint_that_does_not_fit_lists_the_mismatches(tmp_path: Path) -> None:
     engine = _trained_engine()
     engine.save_checkpoint(tmp_path)
-    other = zero_engine.initialize(Renamed(), _config(1, 1))
+    other = zero_engine.initialize(Renamed(), checkpoint_config(1, 1))
     with pytest.raises(CheckpointError) as info:
         other.load_checkpoint(tmp_path)
     message = str(info.value)
@@ -323,11 +277,11 @@ def test_a_checkpoint_that_does_not_fit_lists_the_mismatches(tmp_path: Path) -> 
 def test_fine_tuning_can_skip_optimizer_state(tmp_path: Path) -> None:
     engine = _trained_engine()
     engine.save_checkpoint(tmp_path)
-    fresh = zero_engine.initialize(make_model(seed=3), _config(1, 1))
+    fresh = zero_engine.initialize(make_model(seed=3), checkpoint_config(1, 1))
     fresh.load_checkpoint(tmp_path, load_optimizer_states=False)
     assert len(fresh.optimizer.state) == 0
     assert torch.equal(fresh.module.fc1.weight, engine.module.fc1.weight)
-    resumed = zero_engine.initialize(make_model(seed=3), _config(1, 1))
+    resumed = zero_engine.initialize(make_model(seed=3), checkpoint_config(1, 1))
     resumed.load_checkpoint(tmp_path)
     assert len(resumed.optimizer.state) == len(engine.optimizer.state)
 
@@ -342,7 +296,7 @@ def test_rng_state_is_restored(tmp_path: Path) -> None:
 
 
 def test_saving_inside_an_accumulation_window_is_refused(tmp_path: Path) -> None:
-    engine = zero_engine.initialize(make_model(), _config(1, 1))  # accumulation 3
+    engine = zero_engine.initialize(make_model(), checkpoint_config(1, 1))  # accumulation 3
     engine.backward(engine(*micro_batch(0, 0, 0, 1, 4, 3)))
     engine.step()
     with pytest.raises(RuntimeError, match=r"micro-step 1 of 3"):
@@ -359,8 +313,8 @@ def test_a_save_asked_for_inside_a_window_holds_the_last_boundary_and_the_window
     state of the last optimizer step, as a DDP checkpoint holds no gradients, and this run's
     window keeps the gradients it has: its step equals an uninterrupted run's."""
     def engine_after_one_step() -> Any:
-        engine = zero_engine.initialize(make_model(), _config(stage, 1))  # accumulation 3
-        _train(engine, 0, 1, range(1))
+        engine = zero_engine.initialize(make_model(), checkpoint_config(stage, 1))  # accumulation 3
+        train_steps(engine, 0, 1, range(1))
         engine.backward(engine(*micro_batch(1, 0, 0, 1, 4, 3)))
         engine.step()
         return engine
@@ -519,14 +473,14 @@ def _malformed_copies(tmp_path: Path) -> dict[str, tuple[Path, str]]:
 
 
 def save_one(rank: int, world_size: int, directory: str) -> None:
-    engine = zero_engine.initialize(make_model(), _config(1, world_size))
-    _train(engine, rank, world_size, range(1))
+    engine = zero_engine.initialize(make_model(), checkpoint_config(1, world_size))
+    train_steps(engine, rank, world_size, range(1))
     engine.save_checkpoint(directory)
     engine.close()
 
 
 def load_each(rank: int, world_size: int, roots: list[str]) -> list[tuple[str, str]]:
-    engine = zero_engine.initialize(make_model(), _config(1, world_size))
+    engine = zero_engine.initialize(make_model(), checkpoint_config(1, world_size))
     outcomes = []
     for root in roots:
         try:

@@ -27,7 +27,7 @@ from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch, train_engine
 from precision_cases import MICRO, STEPS, precision_config
 from precision_cases import check_precision as _check
-from test_stage3_memory import BATCH, BLOCK_NUMEL, WIDTH, Tower
+from tower import BATCH, BLOCK_NUMEL, WIDTH, Tower
 from zero_engine.devices import local_cuda_device
 from zero_engine.memory import HELD_NOW
 from zero_engine.testing.process_memory import cuda_max_allocated_bytes, reset_cuda_peak

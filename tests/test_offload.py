@@ -20,8 +20,8 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import TrapModel, decay_groups, make_model, micro_batch, train_engine, train_reference
-from test_checkpoint import FIRST, GLOBAL_BATCH, SECOND, _global_means, resume_jobs
-from test_checkpoint import LR as CKPT_LR
+from resume_cases import FIRST, GLOBAL_BATCH, SECOND, global_means, resume_jobs
+from resume_cases import LR as CKPT_LR
 from precision_cases import (
     EPS, LR, MICRO, STEPS, check_precision, check_skipped_everywhere, overflow_on_one_rank, precision_config,
 )
@@ -286,8 +286,8 @@ def test_checkpoints_move_between_offloaded_and_plain_runs(tmp_path: Path) -> No
     resumed = run_on_ranks(3, resume_jobs, [("load", 1, a, {}), ("load", 3, b, BOTH)])
     ref_losses, ref_state, _ = train_reference(FIRST + SECOND, GLOBAL_BATCH, lr=CKPT_LR)
     for index, what in enumerate(["stage 2 offloaded -> stage 1 plain", "stage 3 plain -> stage 3 offloaded"]):
-        before = _global_means([r[index] for r in saved])
-        after = _global_means([r[index] for r in resumed])
+        before = global_means([r[index] for r in saved])
+        after = global_means([r[index] for r in resumed])
         assert before + after == pytest.approx(ref_losses, abs=2e-5), what
         for rank, result in enumerate(r[index] for r in resumed):
             for name, ref in ref_state.items():

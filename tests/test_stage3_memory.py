@@ -16,12 +16,12 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
+from tower import BATCH, BLOCK_NUMEL, DEPTH, WIDTH, Tower
 from zero_engine.testing.process_memory import (
     SavedTensorMeter,
     live_tensor_bytes,
@@ -31,35 +31,11 @@ from zero_engine.testing.process_memory import (
 )
 
 MiB = 2**20
-WIDTH, DEPTH, BATCH = 1024, 8, 2
 UNIT_BYTES = 2 * WIDTH * WIDTH * 4  # one Block's sharded weights in fp32 (biases stay resident)
 PARAM_BYTES = DEPTH * 2 * (WIDTH * WIDTH + WIDTH) * 4  # 64 MiB
 # Allocator and interpreter noise in one measured phase: page-rounding of the mappings,
 # Python objects of the autograd graph, activations (a few KiB each at batch 2).
 SLACK = 3 * MiB
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(WIDTH, WIDTH)
-        self.fc2 = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.relu(self.fc1(x)))
-
-
-class Tower(nn.Module):
-    """No parameters of its own: the root unit is empty, as in the issue's measurement."""
-
-    def __init__(self, depth: int = DEPTH) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.pow(2).mean()
 
 
 def _config(stage: int, **extra: object) -> dict:
@@ -337,9 +313,6 @@ def test_stage3_start_up_from_meta_holds_shards_and_one_unit(tmp_path, monkeypat
 
 
 # -- stages 0-1 in bf16: fp32 gradient copies ---------------------------------------------------
-
-BLOCK_NUMEL = 2 * (WIDTH * WIDTH + WIDTH)  # one Block's parameters: one unit below
-
 
 def measure_low_precision_full_gradients(rank: int, world_size: int) -> dict[int, dict]:
     """Stages 0 and 1 in bf16 with fp32 reduction, one Block per unit: the backward's and the
