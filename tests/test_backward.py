@@ -16,27 +16,13 @@ import pytest
 import torch
 
 import zero_engine
-from configs import engine_config
 from harness import run_on_ranks
-from models import decay_groups, make_model, micro_batch
+from backward_cases import MICRO, backward_config, check_backwards_add_up, sgd_engine, two_backwards_per_micro_step
+from models import make_model, micro_batch
 
-MICRO, STEPS = 2, 3
+STEPS = 3
 WAYS = ("engine.backward", "loss.backward", "torch.autograd.backward")
 CASES = [{"stage": stage, "bf16": bf16} for stage, bf16 in itertools.product((0, 1, 2, 3), (False, True))]
-
-
-def _config(
-    stage: int, bf16: bool = False, fp16: bool = False, accum: int = 1, shard_group_size: int | None = None
-) -> dict:
-    return engine_config(
-        stage, micro=MICRO, lr=0.5, accum=accum, optimizer="SGD", dtype="bf16" if bf16 else "fp16" if fp16 else "fp32",
-        reduce_bucket_size=40, stage3_param_persistence_threshold=0, shard_group_size=shard_group_size,
-    )
-
-
-def _engine(config: dict) -> zero_engine.Engine:
-    model = make_model()
-    return zero_engine.initialize(model, config, param_groups=decay_groups(model))
 
 
 def _backward(way: str, engine: zero_engine.Engine, loss: torch.Tensor) -> None:
@@ -53,7 +39,7 @@ def each_way(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         out = {}
         for way in WAYS:
-            engine = _engine(_config(case["stage"], case["bf16"]))
+            engine = sgd_engine(backward_config(case["stage"], case["bf16"]))
             norms = []
             for step in range(STEPS):
                 _backward(way, engine, engine(*micro_batch(step, 0, rank, world_size, MICRO, 1)))
@@ -91,19 +77,19 @@ def misuses(rank: int, world_size: int) -> dict[str, str]:
             return str(error)
         return "no error"
 
-    engine = _engine(_config(2))
+    engine = sgd_engine(backward_config(2))
     out["step_without_backward"] = error_of(engine.step)
     engine.backward(engine(*micro_batch(0, 0, rank, world_size, MICRO, 1)))
     engine.step()
     out["step_twice"] = error_of(engine.step)
     engine.close()
 
-    engine = _engine(_config(1, fp16=True))
+    engine = sgd_engine(backward_config(1, fp16=True))
     engine(*micro_batch(0, 0, rank, world_size, MICRO, 1)).backward()
     out["fp16_plain_backward"] = error_of(engine.step)
     engine.close()
 
-    engine = _engine(_config(0))
+    engine = sgd_engine(backward_config(0))
     tokens, targets = micro_batch(0, 0, rank, world_size, MICRO, 1)
     engine.backward(engine(tokens, targets))
     out["second_backward_at_boundary"] = error_of(lambda: engine.backward(engine(tokens, targets)))
@@ -122,41 +108,9 @@ def test_misuses_fail_with_what_to_do() -> None:
 SPLIT_CASES = [(0, 2), (1, 2), (2, 1), (3, 2)]  # (stage, accumulation steps)
 
 
-def two_backwards_per_micro_step(rank: int, world_size: int, cases: list[tuple[int, ...]]) -> list[list[dict]]:
-    """Each micro-batch's loss in one backward, or as two half-batch backwards: stages 2-3
-    reduce each backward into the shard, stages 0-1 accumulate off the boundary (where two
-    backwards are allowed there). A case is (stage, accumulation steps[, shard group size])."""
-    results = []
-    for stage, accum, *group in cases:
-        states = []
-        for split in (False, True):
-            engine = _engine(_config(stage, accum=accum, shard_group_size=group[0] if group else None))
-            for step in range(2):
-                for micro in range(accum):
-                    tokens, targets = micro_batch(step, micro, rank, world_size, MICRO, accum)
-                    halves = [engine(tokens[i : i + 1], targets[i : i + 1]) / 2 for i in range(2)]
-                    may_split = stage >= 2 or not engine.is_gradient_accumulation_boundary()
-                    if split and may_split:
-                        for half in halves:
-                            engine.backward(half)
-                    else:
-                        engine.backward(halves[0] + halves[1])
-                    engine.step()
-            states.append(engine.full_state_dict())
-            engine.close()
-        results.append(states)
-    return results
-
-
 def test_several_backwards_in_a_micro_step_add_up() -> None:
     for per_case in run_on_ranks(2, two_backwards_per_micro_step, SPLIT_CASES):
         check_backwards_add_up(SPLIT_CASES, per_case)
-
-
-def check_backwards_add_up(cases: list[tuple[int, ...]], per_case: list[list[dict]]) -> None:
-    for (stage, *_), (joined, split) in zip(cases, per_case):
-        for name, value in joined.items():
-            torch.testing.assert_close(split[name], value, rtol=0, atol=1e-6, msg=f"stage {stage}: {name}")
 
 
 class _FailOnce(torch.autograd.Function):
@@ -183,7 +137,7 @@ def backward_after_a_failed_one(rank: int, world_size: int) -> tuple[str, list[d
     states = []
     message = ""
     for fail in (False, True):
-        engine = _engine(_config(2))
+        engine = sgd_engine(backward_config(2))
         tokens, targets = micro_batch(0, 0, rank, world_size, MICRO, 1)
         if fail:  # fails after the backward reached (and armed) the engine, before any parameter's gradient
             _FailOnce.failed = False

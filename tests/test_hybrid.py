@@ -27,8 +27,8 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import TrapModel, decay_groups, init_trap_model, make_model, train_engine, train_reference
-from test_backward import check_backwards_add_up, two_backwards_per_micro_step
-from test_meta_init import _meta_trap_model, reference_init
+from backward_cases import check_backwards_add_up, two_backwards_per_micro_step
+from meta_cases import meta_trap_model, reference_init
 from precision_cases import check_precision, check_skipped_everywhere, overflow_on_one_rank, precision_grid
 from zero_engine.comm import DONE, Pending, TwoPhase, advance_in_order
 from zero_engine.memory import formula_bytes
@@ -113,10 +113,10 @@ def hybrid_grid(rank: int, world_size: int, groups: list[int], overflow_stages: 
         "stage": 3, "shard_group_size": groups[0], "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 40,
     }
     config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero}
-    engine = zero_engine.initialize(_meta_trap_model(), config, param_init_fn=init_trap_model)
+    engine = zero_engine.initialize(meta_trap_model(), config, param_init_fn=init_trap_model)
     out["meta_init"] = engine.full_state_dict()
     engine.close()
-    engine = zero_engine.initialize(_meta_trap_model(), config, weights=_distinct_weights())
+    engine = zero_engine.initialize(meta_trap_model(), config, weights=_distinct_weights())
     out["weights"] = engine.full_state_dict()
     out["weights_padding"] = [unit.layout.padding_numel for unit in engine.units]
     engine.close()

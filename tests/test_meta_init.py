@@ -1,7 +1,7 @@
 """Models built on the meta device, in real processes: deferred initialization identical at
 every stage and world size, and pretrained weights that each rank reads only its part of.
 
-The reference for initial values is written here independently of the engine: the whole model
+The reference for initial values (`tests/meta_cases.py`) is written independently of the engine: the whole model
 materialized in one process, each module that owns tensors (registers one first) seeded with
 ``module_seed(base, path)`` and initialized as a whole, in reverse ``named_modules()`` order so
 that a tied tensor ends with its owner's values (as ``b.weight = a.weight`` after construction
@@ -21,44 +21,18 @@ from torch import nn
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
+from meta_cases import meta_trap_model, reference_init
 from models import DeepModel, TrapModel, decay_groups, init_trap_model, train_engine, train_reference
 from zero_engine.state.checkpoint import CheckpointError
-from zero_engine.sharding.deferred_init import draw_base_seed, module_seed
 from zero_engine.state.weights import open_weights
 
-SEED, MICRO, STEPS, LR, TOL = 1234, 2, 2, 0.05, 2e-5
+MICRO, STEPS, LR, TOL = 2, 2, 0.05, 2e-5
 STAGE3_CUTS = [{"stage3_param_persistence_threshold": 0}, {"stage3_param_persistence_threshold": 30}]
 INIT_CASES = [{"stage": s, "reduce_bucket_size": 40} for s in (0, 1, 2)] + [{"stage": 3, **cut} for cut in STAGE3_CUTS]
 
 
 def _config(zero: dict) -> dict:
     return engine_config(micro=MICRO, lr=LR, **zero)
-
-
-def _meta_trap_model() -> TrapModel:
-    torch.manual_seed(SEED)  # the base seed comes from rank 0's generator state
-    with torch.device("meta"):
-        return TrapModel()
-
-
-def reference_init(model_fn, init_fn) -> dict[str, torch.Tensor]:
-    """One process: materialize everything, then each owning module seeded and initialized."""
-    torch.manual_seed(SEED)
-    base = draw_base_seed()
-    model = model_fn()
-    model.to_empty(device="cpu")
-    seen: set[int] = set()
-    owners = []
-    for path, module in model.named_modules():
-        own = [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
-        if any(id(t) not in seen for t in own):
-            owners.append((path, module))
-        seen.update(id(t) for t in own)
-    for path, module in reversed(owners):
-        torch.manual_seed(module_seed(base, path))
-        with torch.no_grad():
-            init_fn(module)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 class TiedWithBias(nn.Module):
@@ -83,7 +57,7 @@ def init_grid(rank: int, world_size: int) -> dict:
     """Every stage from the meta device: initial state, then training as the parity grid does."""
     out: dict = {"init": [], "trained": [], "losses": []}
     for zero in INIT_CASES:
-        model = _meta_trap_model()
+        model = meta_trap_model()
         engine = zero_engine.initialize(
             model, _config(zero), param_groups=decay_groups(model), param_init_fn=init_trap_model
         )
@@ -94,7 +68,7 @@ def init_grid(rank: int, world_size: int) -> dict:
         engine.close()
     out["bf16"] = []  # mixed precision: the fp32 masters take the initial values exactly
     for stage in (1, 3):
-        model = _meta_trap_model()
+        model = meta_trap_model()
         config = dict(_config({"stage": stage, "stage3_param_persistence_threshold": 0}), bf16={"enabled": True})
         engine = zero_engine.initialize(model, config, param_init_fn=init_trap_model)
         out["bf16"].append(engine.full_state_dict())
@@ -107,7 +81,7 @@ def init_grid(rank: int, world_size: int) -> dict:
     out["tied_loss"] = engine(torch.arange(8).view(1, 8)).item()
     engine.close()
     try:
-        zero_engine.initialize(_meta_trap_model(), _config({"stage": 3}))
+        zero_engine.initialize(meta_trap_model(), _config({"stage": 3}))
     except ValueError as err:
         out["error"] = str(err)
     return out
@@ -192,7 +166,7 @@ def weights_grid(rank: int, world_size: int, files: dict[str, str]) -> dict:
     for stage in range(4):
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
         for source in SOURCES:  # no param_init_fn: the file provides all the root's tensors
-            engine = zero_engine.initialize(_meta_trap_model(), _config(zero), weights=files[source])
+            engine = zero_engine.initialize(meta_trap_model(), _config(zero), weights=files[source])
             out["states"][stage, source] = engine.full_state_dict()
             engine.close()
         reader = open_weights(files["deep"])
@@ -208,7 +182,7 @@ def weights_grid(rank: int, world_size: int, files: dict[str, str]) -> dict:
     misfit = dict(values, bogus=torch.ones(2), **{"fc2.weight": torch.zeros(3, 3)})
     del misfit["fc1.bias"]
     try:
-        zero_engine.initialize(_meta_trap_model(), _config({"stage": 3}), weights=misfit)
+        zero_engine.initialize(meta_trap_model(), _config({"stage": 3}), weights=misfit)
     except CheckpointError as err:
         out["misfit"] = str(err)
     return out
@@ -247,7 +221,7 @@ def padded_weights_grid(rank: int, world_size: int, files: dict[str, str]) -> di
     19): every rank above 0 reads a range that starts after another rank's padding."""
     out: dict = {"states": {}}
     for source in ("safetensors", "index", "torch"):
-        engine = zero_engine.initialize(_meta_trap_model(), _config(PADDED_CUT), weights=files[source])
+        engine = zero_engine.initialize(meta_trap_model(), _config(PADDED_CUT), weights=files[source])
         out["padding"] = [unit.layout.padding_numel for unit in engine.units]
         out["states"][source] = engine.full_state_dict()
         engine.close()
