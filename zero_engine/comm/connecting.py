@@ -19,7 +19,7 @@ from ..config import ZeroEngineConfig, ZeroOptimizationConfig
 from ..devices import local_cuda_device
 from ..errors import ConfigError
 from ..stage import Stage
-from .groups import Comm, GroupComm, _own_group
+from .groups import Comm, GroupComm, own_group
 
 def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     """The engine's `Comm`: groups of its own beside the caller's default group (so its
@@ -32,7 +32,7 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
         backend = device_backend(device)
         if backend == "nccl":  # read by each NCCL group as it is made: ours come next
             avoid_nccl_record_streams()
-        data = _own_group(timeout, "data", None)
+        data = own_group(timeout, "data", None)
     elif "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         config.zero_optimization.shard_group_size_for(1)  # a group size that needs more ranks fails here too
         return Comm.alone(primitives)
@@ -46,7 +46,7 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
         data = None  # the default group
     rank, world_size = dist.get_rank(), dist.get_world_size()
     force = config.comm.force_collectives
-    world = GroupComm(rank, world_size, backend, data, _own_group(timeout, "control", "gloo"), primitives, force)
+    world = GroupComm(rank, world_size, backend, data, own_group(timeout, "control", "gloo"), primitives, force)
     size = _agreed_shard_group_size(config.zero_optimization, world)
     shard_group, replica_group = _hybrid_groups(timeout, world_size, rank, size, data)
     shards = GroupComm(rank % size, size, backend, shard_group, None, primitives, force)
@@ -91,9 +91,9 @@ def _hybrid_groups(timeout_s: float, world_size: int, rank: int, size: int, data
     if size == 1:
         return None, data
     shard_groups = [
-        _own_group(timeout_s, "data", None, range(g * size, (g + 1) * size)) for g in range(world_size // size)
+        own_group(timeout_s, "data", None, range(g * size, (g + 1) * size)) for g in range(world_size // size)
     ]
-    replica_groups = [_own_group(timeout_s, "data", None, range(s, world_size, size)) for s in range(size)]
+    replica_groups = [own_group(timeout_s, "data", None, range(s, world_size, size)) for s in range(size)]
     return shard_groups[rank // size], replica_groups[rank % size]
 
 
@@ -103,7 +103,7 @@ def _reduce_group(timeout_s: float, world_size: int, rank: int, size: int) -> An
     unit order as gradients complete; on one group the two orders would have to interleave
     alike on every rank, which depends on which parameters got gradients where."""
     groups = [
-        _own_group(timeout_s, "reduce", None, range(g * size, (g + 1) * size)) for g in range(world_size // size)
+        own_group(timeout_s, "reduce", None, range(g * size, (g + 1) * size)) for g in range(world_size // size)
     ]
     return groups[rank // size]
 

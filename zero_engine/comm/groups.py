@@ -382,7 +382,7 @@ _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_g
 _OWN_GROUPS: dict[tuple[int, float, str, tuple[int, ...] | None], Any] = {}
 
 
-def _own_group(timeout_s: float, role: str, backend: str | None, ranks: range | None = None) -> Any:
+def own_group(timeout_s: float, role: str, backend: str | None, ranks: range | None = None) -> Any:
     """One group per default group, timeout, role and ranks (all ranks when None; ``new_group``
     is collective, so engines created in the same order on every rank share it). ``backend``
     None: the default group's."""

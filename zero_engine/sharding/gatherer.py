@@ -166,8 +166,7 @@ class ParamGatherer(NoGather):
         self.check_usable()
         for index in units:
             self._holds.take(index, reason)
-            self._ensure_gathered(index)
-            self.gathered.note_peak()
+            self._ensure_gathered(index)  # a gather launched here notes the peak (`GatheredUnits.launched`)
 
     def release(self, units: Iterable[int], reason: HoldReason = USER) -> None:
         """Let one of ``reason``'s holds on each of ``units`` go; a unit nobody holds then is freed."""
