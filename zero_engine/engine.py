@@ -36,6 +36,7 @@ from .sharding.agreement import Call
 from .stage import Stage
 from .sharding.unit_forwards import UnitForwards
 from .state import checkpoint, export
+from .state.gathered import GatheredParameters
 from .state.state_dict import ModelState, cast_frozen
 from .state.storage import FILES, FileWriter
 from .step import NoOptimizerStep, OptimizerStep, StepSettings
@@ -75,6 +76,7 @@ class Engine:
         self._window_opened = False
         self._train_row_sent = False  # this micro-step's call row (`_agree_on_training`)
         self._scaling_backward = False  # inside engine.backward
+        self._open_gathered: list[GatheredParameters] = []  # engine.gathered() contexts open (no step inside one)
         zero = config.zero_optimization
         self._sync_from_rank0()
         self.device = device or _model_device(model)  # where parameters, gradients and state live
@@ -195,6 +197,8 @@ class Engine:
         self.calls.check_usable()
         self._check_trains("step")
         self._check_backwards()
+        if self.is_gradient_accumulation_boundary():
+            self._check_no_gathered("step() on an accumulation boundary")
         boundary = self.window.end_micro_step()
         self._train_row_sent = False
         if not boundary:
@@ -350,6 +354,32 @@ class Engine:
         self.unit_forwards.compile(options, self.module)
         return self
 
+    # -- the full parameters, outside the loop ---------------------------------------------------
+
+    def gathered(
+        self, params: nn.Parameter | str | Any = None, *, modifier_rank: int | None = None
+    ) -> GatheredParameters:
+        """A context inside which ``params`` (parameters or their names; all when None) are
+        whole on every rank, in the module, for any code to read (collective: enter and leave it
+        on every rank). With ``modifier_rank=r`` what rank ``r`` wrote into them is kept: written
+        at exit into every rank's copy, shard and fp32 master (the optimizer state is left as it
+        is), as DeepSpeed's ``GatheredParameters(params, modifier_rank=r)``; without it a write
+        raises at exit on every rank. Nested and overlapping contexts are safe (a unit is
+        released by the outermost exit). No optimizer step inside (it writes the shards).
+        ``as`` gives the parameters, each once (`zero_engine.state.gathered`)."""
+        self.calls.check_usable()
+        return GatheredParameters(
+            self.model_state, self.gatherer, self.comm, params, modifier_rank,
+            lambda: self._agree_on_call(Call.GATHERED), self._open_gathered,
+        )
+
+    def _check_no_gathered(self, call: str) -> None:
+        if self._open_gathered:
+            raise RuntimeError(
+                f"engine.{call} inside engine.gathered(): the step and checkpoint loads write the shards the context "
+                "holds gathered; leave the context first"
+            )
+
     # -- module state and reports ----------------------------------------------------------------
 
     def train(self, mode: bool = True) -> Engine:
@@ -445,6 +475,7 @@ class Engine:
     ) -> Any:
         """Resume from ``directory`` (tag: the latest); returns the saved ``client_state``."""
         self.calls.check_usable()
+        self._check_no_gathered("load_checkpoint()")
         self._agree_on_call(Call.LOAD_CHECKPOINT)
         if self.offload.any:  # the last publish may still be reading the host masters this load overwrites
             offload.wait_for_host_copies(self.device)

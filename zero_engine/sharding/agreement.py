@@ -76,6 +76,8 @@ class Call(IntEnum):
     LOAD_CHECKPOINT = 3
     FULL_STATE_DICT = 4
     SAVE_PRETRAINED = 5
+    GATHERED = 6  # engine.gathered()
+    FULL_PARAMETERS = 7  # engine.named_full_parameters()
 
     @property
     def label(self) -> str:

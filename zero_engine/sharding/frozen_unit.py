@@ -125,6 +125,15 @@ class FrozenUnit(GatheredStorage):
             raise RuntimeError(f"unit {self.label}: loading a shard while the unit is gathered (mid-step?)")
         self.param_shard[segment.shard_offset : segment.shard_offset + segment.numel].copy_(values.reshape(-1))
 
+    def write_kept(self, index: int, values: torch.Tensor) -> None:
+        """Set this rank's shard of parameter ``index`` from its full flattened ``values``,
+        whether or not the unit is gathered (`zero_engine.state.gathered` writes the gathered
+        values itself)."""
+        segment = self._segments.get(index)
+        if segment is not None:
+            piece = values[segment.param_offset : segment.param_offset + segment.numel]
+            offload.copy_across(self.param_shard[segment.shard_offset : segment.shard_offset + segment.numel], piece)
+
     def shard_pieces(self) -> list[tuple[int, int, int, torch.Tensor]]:
         """This rank's pieces: ``(param index, start in the parameter, numel, values)``."""
         return [

@@ -88,6 +88,10 @@ class NoGather:
 
     def release(self, units: Iterable[int], reason: HoldReason = USER) -> None: ...
 
+    def index_of(self, unit: object) -> int | None:
+        """Stages 0-2: no unit is gathered."""
+        return None
+
     def remove_hooks(self) -> None: ...
 
     def explain_failed_forward(self, error: BaseException) -> str | None:
@@ -172,6 +176,14 @@ class ParamGatherer(NoGather):
         """Let one of ``reason``'s holds on each of ``units`` go; a unit nobody holds then is freed."""
         for index in units:
             self.gathered.release(index, reason)
+
+    def index_of(self, unit: object) -> int | None:
+        """The index `hold` and `release` take for ``unit`` (None: not one of the gathered units)."""
+        return self._index.get(id(unit))
+
+    def user_holds(self) -> int:
+        """Holds taken by `hold` for the user and not released, over every unit."""
+        return sum(self._holds.count(index, USER) for index in range(len(self.units)))
 
     # -- a whole forward ---------------------------------------------------------------------
 

@@ -170,6 +170,12 @@ class FlatUnit:
         self.param_view(index).copy_(values.view(self.shapes[index]))
         self.optimizer_shard.load_owned(index, values, 0)
 
+    def write_kept(self, index: int, values: torch.Tensor) -> None:
+        """Set what this rank keeps of parameter ``index`` from its full flattened ``values``,
+        whether or not the unit is gathered (`zero_engine.state.gathered` writes the gathered
+        values itself): the owned master and its compute copy (the shard at stage 3)."""
+        self.optimizer_shard.load_owned(index, values.to(torch.float32), 0)
+
 
 # Stage 3's module units: the optimizer owns the shard, gradients stream through buckets, and the
 # gradient shard exists from a backward to its step (as stage 3's own `Stage.unit_spec`).

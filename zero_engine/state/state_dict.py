@@ -122,6 +122,10 @@ class ModelState:
         """Every name of ``module.state_dict()`` that holds a frozen parameter (aliases too)."""
         return [name for name, param in self.module.named_parameters(remove_duplicate=False) if not param.requires_grad]
 
+    def placement(self) -> dict[nn.Parameter, tuple[FlatUnit | FrozenUnit, int]]:
+        """Each parameter held in a unit: the unit and its place there."""
+        return {param: (unit, index) for unit in self.all_units for index, param in enumerate(unit.params)}
+
     def unit_param_shapes(self) -> dict[str, list[int]]:
         """Shape of every parameter held in units, by its name."""
         return {name: list(shape) for unit in self.all_units for name, shape in zip(unit.names, unit.shapes)}
