@@ -10,52 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zero_engine
 from configs import engine_config
+from adapted import VOCAB, TiedAdapted, make_model
 from harness import recorded_collectives, run_on_ranks
 
-VOCAB, DIM, SEQ, MICRO, STEPS, LR = 16, 8, 4, 2, 5, 0.02
+SEQ, MICRO, STEPS, LR = 4, 2, 5, 0.02
 TOL = 2e-5
-
-
-class Layer(nn.Module):
-    """A frozen base linear and a trainable one beside it (a unit module: one trainable and one
-    frozen unit at stage 3)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = nn.Linear(DIM, DIM)
-        self.base.requires_grad_(False)
-        self.adapt = nn.Linear(DIM, DIM)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.base(h) + self.adapt(h))
-
-
-class TiedAdapted(nn.Module):
-    """An embedding tied to the output head around two layers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Layer() for _ in range(2))
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for layer in self.layers:
-            h = layer(h)
-        logits = self.head(h)
-        return F.cross_entropy(logits.reshape(-1, VOCAB), ids.roll(1, dims=1).reshape(-1))
-
-
-def make_model() -> TiedAdapted:
-    torch.manual_seed(0)
-    return TiedAdapted()
 
 
 def batch(step: int, rank: int, world: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ from .sharding.agreement import Call
 from .stage import Stage
 from .sharding.unit_forwards import UnitForwards
 from .state import checkpoint, export
+from .state import streaming
+from .state.adapters import AdapterMerge
 from .state.gathered import GatheredParameters
 from .state.state_dict import ModelState, cast_frozen
 from .state.storage import FILES, FileWriter
@@ -371,6 +373,37 @@ class Engine:
         return GatheredParameters(
             self.model_state, self.gatherer, self.comm, params, modifier_rank,
             lambda: self._agree_on_call(Call.GATHERED), self._open_gathered,
+        )
+
+    def named_full_parameters(
+        self,
+        *,
+        bucket_bytes: int | str = "256MiB",
+        dtype: torch.dtype | str | None = None,
+        merge_adapters: bool = False,
+        rank0_only: bool = False,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every ``state_dict()`` entry as ``(name, full tensor)`` on the engine's device, in
+        its order, values as `full_state_dict` has them (fp32 masters, frozen weights as stored,
+        buffers) or cast to ``dtype``: for an inference server's weight sync, never the whole
+        model at once (each rank holds one gathered bucket of at most ``bucket_bytes`` and the
+        tensor it yields). ``merge_adapters=True``: a PEFT LoRA model's merged base under the base
+        model's names (what ``merge_and_unload()`` gives), merged layer by layer. Collective:
+        iterate it to its end on every rank; with ``rank0_only`` only rank 0 gets tensors
+        (`zero_engine.state.streaming`)."""
+        self.calls.check_usable()
+        size = export.parse_shard_size(bucket_bytes, "bucket_bytes")
+        cast = export.parse_dtype(dtype)  # bad arguments raise here, before any collective
+        merge = AdapterMerge(self.module) if merge_adapters else None
+        return self._stream(size, cast, merge, rank0_only)
+
+    def _stream(
+        self, size: int, dtype: torch.dtype | None, merge: AdapterMerge | None, rank0_only: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self._agree_on_call(Call.FULL_PARAMETERS)
+        yield from streaming.stream(
+            self.model_state, self.comm, self.device, bucket_bytes=size, dtype=dtype, rank0_only=rank0_only,
+            merge=merge, gathered=self.gathered,
         )
 
     def _check_no_gathered(self, call: str) -> None:

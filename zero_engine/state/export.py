@@ -49,13 +49,13 @@ _DTYPES = {
 }
 
 
-def parse_shard_size(value: int | str) -> int:
+def parse_shard_size(value: int | str, what: str = "max_shard_size") -> int:
     """Bytes from ``5000000``, ``"5GB"`` (10**9) or ``"5GiB"`` (2**30), as transformers reads them."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     match = _SIZE.match(value) if isinstance(value, str) else None
     if match is None:
-        raise ValueError(f"max_shard_size = {value!r}: give a positive number of bytes or a size such as '5GB'")
+        raise ValueError(f"{what} = {value!r}: give a positive number of bytes or a size such as '5GB'")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 

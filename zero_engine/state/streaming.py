@@ -1,0 +1,193 @@
+"""``engine.named_full_parameters()``: the whole model, one full tensor at a time, as an inference
+server's weight sync takes it (vLLM's ``load_weights`` in GRPO / PPO), never the model at once.
+
+Every entry of ``module.state_dict()`` is yielded in its order, as `ModelState.full_state_dict`
+has it (parameters as their fp32 masters, frozen weights as stored, buffers), but on the
+engine's device and one *bucket* at a time: consecutive sharded entries of one dtype up to
+``bucket_bytes``, each rank packing the elements it keeps of them into one buffer of the
+bucket's largest per-rank size, one all-gather (or a gather onto rank 0), then each entry
+unpacked into its own tensor as its turn comes. Entries every rank holds whole (stage 0's
+masters, loose parameters, buffers) need no collective. So a rank holds at most one gathered
+bucket and the tensor it is yielding (a tensor larger than the bucket is a bucket of its own).
+
+With ``merge_adapters`` a PEFT LoRA model leaves as its merged base (`zero_engine.state.adapters`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from .adapters import AdapterMerge
+
+if TYPE_CHECKING:
+    from ..sharding.frozen_unit import FrozenUnit
+    from ..sharding.unit import FlatUnit
+    from .state_dict import ModelState
+
+
+@dataclass
+class Entry:
+    """One state-dict entry: whole on every rank (``whole``), or a parameter sharded by its unit."""
+
+    name: str
+    whole: torch.Tensor | None = None
+    unit: FlatUnit | FrozenUnit | None = None
+    index: int = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        if self.whole is not None:
+            return self.whole.dtype
+        return torch.float32 if self.unit.optimizer_shard is not None else self.unit.dtype
+
+    @property
+    def numel(self) -> int:
+        return self.whole.numel() if self.whole is not None else self.unit.layout.param_numels[self.index]
+
+    def pieces(self, rank: int) -> tuple[int, int, int]:
+        """What rank ``rank`` keeps of this parameter: (offset in the parameter, offset in that
+        rank's shard, length; 0 when nothing)."""
+        layout = self.unit.layout
+        offset, numel = layout.param_offsets[self.index], layout.param_numels[self.index]
+        start, end = layout.shard_range(rank)
+        lo, hi = max(offset, start), min(offset + numel, end)
+        return (lo - offset, lo - start, hi - lo) if lo < hi else (0, 0, 0)
+
+
+def entries(model_state: ModelState) -> list[Entry]:
+    """Every ``state_dict()`` entry, in its order, with where its full values come from."""
+    placed = model_state.placement()
+    by_name = dict(model_state.module.named_parameters(remove_duplicate=False))
+    found = []
+    for name, tensor in model_state.module.state_dict(keep_vars=True).items():
+        param = by_name.get(name)
+        if param is None:
+            found.append(Entry(name, whole=tensor.detach()))
+        elif param in placed:
+            unit, index = placed[param]
+            whole = _whole_master(unit, index)
+            found.append(Entry(name, whole=whole) if whole is not None else Entry(name, unit=unit, index=index))
+        else:  # loose: a frozen parameter below stage 3, or one left out of every param group
+            found.append(Entry(name, whole=model_state.loose_masters.get(param, param).detach()))
+    return found
+
+
+def _whole_master(unit: FlatUnit | FrozenUnit, index: int) -> torch.Tensor | None:
+    """The parameter's exact values where every rank holds them whole (as `ModelState.full_master`
+    decides), else None."""
+    shard = unit.optimizer_shard
+    if shard is None:
+        return None  # a frozen unit: sharded
+    if not unit.shard_master:  # stage 0: the master is the whole unit
+        return unit.view_of(shard.master, index)
+    if shard.master_is_compute_copy and not unit.sharded_params:  # stages 1-2 in fp32
+        return unit.param_view(index)
+    return None
+
+
+def stream(
+    model_state: ModelState,
+    comm: Comm,
+    device: torch.device,
+    *,
+    bucket_bytes: int,
+    dtype: torch.dtype | None,
+    rank0_only: bool,
+    merge: AdapterMerge | None,
+    gathered: Callable[[list[nn.Parameter]], Any],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """See the module's docstring; ``gathered`` is `Engine.gathered` (for the adapters of a merge)."""
+    keep = not rank0_only or comm.rank == 0
+    bucket: list[Entry] = []
+
+    def emit(entry: Entry, values: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        if merge is None:
+            if keep:
+                yield entry.name, _cast(values, dtype)
+            return
+        name = merge.rename(entry.name)
+        if name is None:
+            return
+        layer = merge.layer_of(entry.name)
+        if layer is not None:
+            with gathered(merge.adapter_params(layer)):
+                if keep:
+                    values = merge.merged(layer, values)
+        if keep:
+            yield name, _cast(values, dtype)
+
+    def flush() -> Iterator[tuple[str, torch.Tensor]]:
+        if bucket:
+            for entry, values in _gather_bucket(bucket, comm, device, rank0_only):
+                yield from emit(entry, values)
+            bucket.clear()
+
+    for entry in entries(model_state):
+        if entry.whole is not None:
+            yield from flush()
+            yield from emit(entry, entry.whole.detach().to(device, copy=True) if keep else entry.whole)
+            continue
+        size = sum(e.numel for e in bucket) + entry.numel
+        itemsize = torch.empty(0, dtype=entry.dtype).element_size()
+        if bucket and (bucket[0].dtype != entry.dtype or size * itemsize > bucket_bytes):
+            yield from flush()
+        bucket.append(entry)
+    yield from flush()
+
+
+def _cast(values: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return values if dtype is None or not values.is_floating_point() else values.to(dtype)
+
+
+def _gather_bucket(
+    bucket: list[Entry], comm: Comm, device: torch.device, rank0_only: bool
+) -> Iterator[tuple[Entry, torch.Tensor | None]]:
+    """One collective for the bucket's sharded entries (every unit of one job shards over the
+    same group), then each entry unpacked as its turn comes (None on ranks other than 0 with
+    ``rank0_only``)."""
+    unit = bucket[0].unit
+    ranks = unit.layout.world_size  # the shard group's size
+    sizes = [sum(entry.pieces(rank)[2] for entry in bucket) for rank in range(ranks)]
+    width = max(sizes)
+    flat = torch.zeros(width * ranks, dtype=bucket[0].dtype, device=device)
+    own = flat[unit.rank * width : (unit.rank + 1) * width]
+    at = 0
+    for entry in bucket:
+        _, shard_offset, numel = entry.pieces(entry.unit.rank)
+        if numel:
+            with _kept_values(entry.unit) as kept:
+                own[at : at + numel].copy_(kept[shard_offset : shard_offset + numel])
+            at += numel
+    if rank0_only:
+        comm.gather(own, flat if comm.rank == 0 else None, dst=0).wait()
+    else:
+        comm.all_gather(flat).wait()
+    keep = not rank0_only or comm.rank == 0
+    offsets = [rank * width for rank in range(ranks)]  # where each rank's next piece starts in ``flat``
+    for entry in bucket:
+        values = torch.empty(entry.numel, dtype=entry.dtype, device=device) if keep else None
+        for rank in range(ranks):
+            param_offset, _, numel = entry.pieces(rank)
+            if numel and keep:
+                values[param_offset : param_offset + numel] = flat[offsets[rank] : offsets[rank] + numel]
+            offsets[rank] += numel
+        yield entry, values.view(entry.unit.shapes[entry.index]) if keep else None
+    del flat, own
+
+
+@contextmanager
+def _kept_values(unit: FlatUnit | FrozenUnit) -> Iterator[torch.Tensor]:
+    """What this rank keeps of a unit, over its shard range: a trainable unit's fp32 master (made
+    resident for the read), a frozen unit's shard."""
+    if unit.optimizer_shard is None:
+        yield unit.param_shard
+        return
+    with unit.optimizer_shard.resident() as master:
+        yield master
