@@ -47,7 +47,7 @@ anyway, so this saves a gather and costs no memory at any peak.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ from .reducer import GradReducer
 from .unit import FlatUnit, ShardedFlatUnit
 
 FORWARD, BACKWARD, CALL, USER = HoldReason.FORWARD, HoldReason.BACKWARD, HoldReason.CALL, HoldReason.USER
+ROOT_METHODS = ("generate",)  # Hugging Face's: run as a forward of the root (`ParamGatherer.run_as_forward`)
 
 
 class NoGather:
@@ -83,8 +84,10 @@ class NoGather:
         """Stages 0-2: always (see `ParamGatherer.may_wait_for_reduction`)."""
         return True
 
-    def hold(self, units: Iterable[int], reason: HoldReason = USER) -> None:
-        """Stages 0-2: every unit is whole already."""
+    def hold(self, units: Iterable[int], reason: HoldReason = USER, first: Callable[[], None] | None = None) -> None:
+        """Stages 0-2: every unit is whole already (``first`` runs all the same)."""
+        if first is not None:
+            first()
 
     def release(self, units: Iterable[int], reason: HoldReason = USER) -> None: ...
 
@@ -156,20 +159,61 @@ class ParamGatherer(NoGather):
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
+        self._methods: dict[str, Any] = {}  # the root's methods run as forwards (`run_as_forward`)
+        for name in ROOT_METHODS:
+            self.run_as_forward(name)
 
     @property
     def root_units(self) -> tuple[int, ...]:
         return self._needs[self._root]
 
+    def run_as_forward(self, name: str) -> None:
+        """Run the root's method ``name`` as one forward of the root, as FSDP2's
+        ``register_fsdp_forward_method``: a wrapper (PEFT's ``PeftModel``) whose ``generate``
+        calls the wrapped model's forward, never its own, would leave the root's units (an
+        embedding, a head) sharded; bracketed so, they are gathered once for the whole call and
+        the unit modules' hooks run inside as in any forward. Nothing when there is no such method."""
+        method = getattr(self._root, name, None)
+        if not callable(method) or name in self._methods:
+            return
+
+        @functools.wraps(method)
+        def as_forward(*args: Any, **kwargs: Any) -> Any:
+            root, output = self._root, None
+            self.lifecycle.enter_forward()
+            try:
+                self._enter_root(root, args)
+                self._pre_forward(root, args, kwargs)  # a generate runs without gradients: no signal to wrap in
+                output = method(*args, **kwargs)
+                return output
+            finally:
+                self._post_forward(root, args, output)
+                self._exit_root(root, args, output)
+                self.lifecycle.exit_forward()
+
+        self._methods[name] = method
+        setattr(self._root, name, as_forward)
+
     # -- holds taken outside the hooks -------------------------------------------------------
 
-    def hold(self, units: Iterable[int], reason: HoldReason = USER) -> None:
+    def hold(self, units: Iterable[int], reason: HoldReason = USER, first: Callable[[], None] | None = None) -> None:
         """Keep ``units`` gathered for ``reason`` until as many `release` calls, gathering those
         that are not (agreed like every gather: every rank holds the same units in the same
-        order). Holds of one reason nest; other reasons' releases do not free these units."""
+        order). Holds of one reason nest; other reasons' releases do not free these units.
+        ``first`` runs once the holds are taken and before any gather (a collective call's row,
+        whose settling then keeps a held unit that a prefetch has gathered already)."""
         self.check_usable()
+        units = list(units)
         for index in units:
             self._holds.take(index, reason)
+        if first is not None:
+            try:
+                first()
+            except BaseException:
+                for index in units:
+                    self._holds.drop(index, reason)
+                raise
+        for index in units:
             self._ensure_gathered(index)  # a gather launched here notes the peak (`GatheredUnits.launched`)
 
     def release(self, units: Iterable[int], reason: HoldReason = USER) -> None:
@@ -287,6 +331,9 @@ class ParamGatherer(NoGather):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for name in self._methods:
+            delattr(self._root, name)  # the instance attribute goes; the class's method shows again
+        self._methods.clear()
         self.reads.close()
 
     def peaks(self) -> tuple[int, int]:

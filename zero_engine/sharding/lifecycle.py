@@ -47,15 +47,18 @@ class Lifecycle:
             root.register_forward_hook(self._exit, prepend=True, always_call=True),
         ]
 
-    def _enter(self, module: nn.Module, args: Any) -> None:
+    def _enter(self, module: nn.Module | None = None, args: Any = None) -> None:
         self.forward_depth += 1
         if self.state is TrainingState.IDLE:
             self.state = TrainingState.FORWARD
 
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _exit(self, module: nn.Module | None = None, args: Any = None, output: Any = None) -> None:
         self.forward_depth = max(0, self.forward_depth - 1)
         if self.forward_depth == 0 and self.state is TrainingState.FORWARD:
             self.state = TrainingState.IDLE
+
+    enter_forward = _enter  # for a method run as a forward of the root (`ParamGatherer.run_as_forward`)
+    exit_forward = _exit
 
     def begin_backward(self, reducing: bool) -> None:
         self.state = TrainingState.REDUCING if reducing else TrainingState.ACCUMULATING

@@ -104,9 +104,8 @@ class GatheredParameters:
         return [target.param for target in self.targets]
 
     def __enter__(self) -> list[nn.Parameter]:
-        self._agree()
         self._held = _unit_indices(self.gatherer, self.targets)
-        self.gatherer.hold(self._held, HoldReason.USER)
+        self.gatherer.hold(self._held, HoldReason.USER, first=self._agree)  # a prefetched unit is kept, not gathered again
         self._prints = [fingerprint(target.param) for target in self.targets]
         self._open.append(self)
         return self.params

@@ -1,0 +1,89 @@
+"""Generation from a sharded Hugging Face model: ``engine.module.generate(...)`` at stage 3 gives
+the unsharded model's greedy tokens (a Llama, and a PEFT LoRA Llama: a policy during RL, whose
+``generate`` calls the wrapped model's forward, never its own), on 2 and 3 ranks. Without a
+context every decoded token gathers every layer's units again (the root's once: ``generate``
+runs as one forward of the root); inside ``engine.gathered()`` the whole call gathers each unit
+once, at the context's entry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_engine
+from configs import engine_config
+from harness import run_on_ranks
+
+pytest.importorskip("transformers", reason="the [test] extra installs transformers")
+
+NEW_TOKENS = 6
+
+
+def llama(lora: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = get_peft_model(model, lora_config)
+    return model.eval()
+
+
+def prompt(rank: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(10 + rank))
+
+
+def generate(model, ids: torch.Tensor) -> torch.Tensor:
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                          do_sample=False, pad_token_id=0)
+
+
+def run_generation(rank: int, world: int, lora: bool) -> dict:
+    from zero_engine.sharding.unit import GatheredStorage
+
+    torch.set_num_threads(1)
+    model = llama(lora)
+    config = engine_config(3, micro=2, lr=0.01, stage3_param_persistence_threshold=0)
+    engine = zero_engine.initialize(model, config)
+    gathers = []
+    unshard = GatheredStorage.unshard
+    GatheredStorage.unshard = lambda unit, comm: (gathers.append(unit.label), unshard(unit, comm))[1]
+    ids = prompt(rank)
+    with torch.no_grad():
+        hooked = generate(engine.module, ids)
+        per_token = len(gathers)
+        gathers.clear()
+        with engine.gathered():
+            at_entry = len(gathers)
+            inside = generate(engine.module, ids)
+        during = len(gathers) - at_entry
+    GatheredStorage.unshard = unshard
+    units = len(engine.gatherer.units)
+    return {
+        "hooked": hooked, "inside": inside, "per_token": per_token, "at_entry": at_entry, "during": during,
+        "units": units, "root_units": len(engine.gatherer.root_units), "distinct": len(set(gathers)),
+    }
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["llama", "lora"])
+def test_generate_at_stage3_equals_unsharded(lora: bool) -> None:
+    pytest.importorskip("peft", reason="the [test] extra installs peft")
+    world = 3 if lora else 2
+    results = run_on_ranks(world, run_generation, lora, allow_numpy=True)
+    reference = llama(lora)
+    for rank, result in enumerate(results):
+        with torch.no_grad():
+            expected = generate(reference, prompt(rank))
+        assert torch.equal(result["hooked"], expected), rank
+        assert torch.equal(result["inside"], expected), rank
+        assert result["at_entry"] == result["units"] == result["distinct"], result  # each unit once
+        assert result["during"] == 0, result
+        # the hooks gather every layer's units per token; the root's once (generate runs as one root forward)
+        assert result["per_token"] == result["root_units"] + NEW_TOKENS * (result["units"] - result["root_units"])
