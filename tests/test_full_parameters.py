@@ -17,7 +17,8 @@ from torch import nn
 import zero_engine
 from adapted import make_model
 from configs import engine_config
-from harness import run_on_ranks
+from harness import recorded_collectives, run_on_ranks
+from zero_engine.state.adapters import adapter_names
 from zero_engine.testing.process_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 
 MiB = 2**20
@@ -166,7 +167,15 @@ def run_merge(rank: int, world: int) -> dict:
     problems += [name for name in expected if name in merged and not torch.equal(merged[name], expected[name])]
     changed = not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], full[
         "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
-    return {"problems": problems, "changed": changed}
+    # the adapters alone (what a PEFT save keeps): only their elements cross
+    wanted = adapter_names(model)
+    calls: list = []
+    with recorded_collectives(calls):
+        adapters = dict(engine.named_full_parameters(names=wanted.__contains__))
+    crossed = sum(nbytes for method, _, _, nbytes in calls if method in ("all_gather", "_shard_by_shard"))
+    adapter_bytes = sum(full[name].numel() * 4 for name in wanted)
+    problems += [name for name in wanted if not torch.equal(adapters[name], full[name])]
+    return {"problems": problems, "changed": changed, "crossed": (crossed, adapter_bytes), "names": sorted(adapters)}
 
 
 def test_merge_adapters_equals_peft_merge() -> None:
@@ -174,3 +183,6 @@ def test_merge_adapters_equals_peft_merge() -> None:
     for result in run_on_ranks(2, run_merge, allow_numpy=True):
         assert not result["problems"], result["problems"]
         assert result["changed"]  # the merge added a non-zero delta
+        crossed, adapter_bytes = result["crossed"]
+        assert adapter_bytes <= crossed <= adapter_bytes + 4096, result["crossed"]  # a bucket's padding at most
+        assert result["names"] and all("lora_" in name for name in result["names"])

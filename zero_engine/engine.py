@@ -382,6 +382,7 @@ class Engine:
         dtype: torch.dtype | str | None = None,
         merge_adapters: bool = False,
         rank0_only: bool = False,
+        names: Callable[[str], bool] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every ``state_dict()`` entry as ``(name, full tensor)`` on the engine's device, in
         its order, values as `full_state_dict` has them (fp32 masters, frozen weights as stored,
@@ -389,21 +390,23 @@ class Engine:
         model at once (each rank holds one gathered bucket of at most ``bucket_bytes`` and the
         tensor it yields). ``merge_adapters=True``: a PEFT LoRA model's merged base under the base
         model's names (what ``merge_and_unload()`` gives), merged layer by layer. Collective:
-        iterate it to its end on every rank; with ``rank0_only`` only rank 0 gets tensors
-        (`zero_engine.state.streaming`)."""
+        iterate it to its end on every rank; with ``rank0_only`` only rank 0 gets tensors.
+        ``names``: which state-dict names to stream (say, a PEFT model's adapters); the others
+        are not gathered (`zero_engine.state.streaming`)."""
         self.calls.check_usable()
         size = export.parse_shard_size(bucket_bytes, "bucket_bytes")
         cast = export.parse_dtype(dtype)  # bad arguments raise here, before any collective
         merge = AdapterMerge(self.module) if merge_adapters else None
-        return self._stream(size, cast, merge, rank0_only)
+        return self._stream(size, cast, merge, rank0_only, names)
 
     def _stream(
-        self, size: int, dtype: torch.dtype | None, merge: AdapterMerge | None, rank0_only: bool
+        self, size: int, dtype: torch.dtype | None, merge: AdapterMerge | None, rank0_only: bool,
+        names: Callable[[str], bool] | None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         self._agree_on_call(Call.FULL_PARAMETERS)
         yield from streaming.stream(
             self.model_state, self.comm, self.device, bucket_bytes=size, dtype=dtype, rank0_only=rank0_only,
-            merge=merge, gathered=self.gathered,
+            merge=merge, gathered=self.gathered, wanted=names,
         )
 
     def _check_no_gathered(self, call: str) -> None:

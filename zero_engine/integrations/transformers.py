@@ -42,6 +42,7 @@ from transformers import Trainer
 
 from .. import Engine, initialize, load_config
 from ..config import optimizer_class, optimizer_options, read_config_mapping
+from ..state.adapters import adapter_names, is_peft_model
 from .config_filling import optimizer_section
 from .engine_model import EngineModel, SteppedByEngine
 from .training_arguments import fill_from_arguments, fill_schedule, provisional_schedule
@@ -217,12 +218,20 @@ class ZeroEngineTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A ``from_pretrained``-loadable model from every stage: the full state gathered onto
-        rank 0, one unit at a time (collective: every rank calls it, as the Trainer does)."""
+        rank 0, one unit at a time (collective: every rank calls it, as the Trainer does). A
+        PEFT model saves its adapters in PEFT's layout (``adapter_model.safetensors``,
+        ``adapter_config.json``), as the plain Trainer does: only they are gathered, streamed."""
         if self.zero_engine is None:
             super().save_model(output_dir, _internal_call)
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.zero_engine.full_state_dict(rank0_only=True)
+        engine = self.zero_engine
+        if is_peft_model(self.model):
+            wanted = adapter_names(self.model)
+            stream = engine.named_full_parameters(rank0_only=True, names=wanted.__contains__)
+            state_dict = {name: tensor.cpu() for name, tensor in stream}
+        else:
+            state_dict = engine.full_state_dict(rank0_only=True)
         self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

@@ -84,6 +84,22 @@ class AdapterMerge:
         return base
 
 
+def is_peft_model(module: nn.Module) -> bool:
+    """PEFT's ``PeftModel`` (by its protocol: a config per adapter, a wrapped base, its own save)."""
+    return all(hasattr(module, attr) for attr in ("peft_config", "get_base_model", "save_pretrained"))
+
+
+def adapter_names(module: nn.Module) -> set[str]:
+    """The state-dict names PEFT's ``save_pretrained`` keeps of a PEFT model: every adapter's
+    weights (``lora_`` in the name, trained or not), the modules to save, and whatever else
+    trains; the frozen base is left out."""
+    trainable = {name for name, param in module.named_parameters(remove_duplicate=False) if param.requires_grad}
+    return {
+        name for name in module.state_dict()
+        if name in trainable or "lora_" in name or ".modules_to_save." in name
+    }
+
+
 def _is_lora_layer(module: nn.Module) -> bool:
     return all(hasattr(module, attr) for attr in ("base_layer", "lora_A", "lora_B", "get_delta_weight"))
 

@@ -102,8 +102,10 @@ def stream(
     rank0_only: bool,
     merge: AdapterMerge | None,
     gathered: Callable[[list[nn.Parameter]], Any],
+    wanted: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """See the module's docstring; ``gathered`` is `Engine.gathered` (for the adapters of a merge)."""
+    """See the module's docstring; ``gathered`` is `Engine.gathered` (for the adapters of a merge);
+    ``wanted``: the state-dict names to stream (the others are neither gathered nor yielded)."""
     keep = not rank0_only or comm.rank == 0
     bucket: list[Entry] = []
 
@@ -130,6 +132,8 @@ def stream(
             bucket.clear()
 
     for entry in entries(model_state):
+        if wanted is not None and not wanted(entry.name):
+            continue
         if entry.whole is not None:
             yield from flush()
             yield from emit(entry, entry.whole.detach().to(device, copy=True) if keep else entry.whole)
