@@ -36,9 +36,10 @@ def rewrite(model: TiedAdapted) -> None:
         layer.adapt.weight.mul_(2.0)
 
 
-def config(stage: int, dtype: str | None = None) -> dict:
+def config(stage: int, dtype: str | None = None, **zero) -> dict:
     return engine_config(
-        stage, micro=MICRO, lr=LR, dtype=dtype, stage3_param_persistence_threshold=0, stage3_wrap_modules=["Layer"]
+        stage, micro=MICRO, lr=LR, dtype=dtype, stage3_param_persistence_threshold=0, stage3_wrap_modules=["Layer"],
+        **zero,
     )
 
 
@@ -73,11 +74,14 @@ def case_write(rank: int, world: int, stage: int) -> dict:
     return {"losses": losses, "state": engine.full_state_dict()}
 
 
-def case_masters(rank: int, world: int, stage: int) -> dict:
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+
+
+def case_masters(rank: int, world: int, stage: int, offload: bool = False) -> dict:
     """Under bf16 the fp32 masters are copies of their own: rank 0's write reaches them (what
-    `full_state_dict` reads and the next step starts from) on every rank."""
+    `full_state_dict` reads and the next step starts from) on every rank; with offload, on the host."""
     model = make_model()
-    engine = zero_engine.initialize(model, config(stage, "bf16"))
+    engine = zero_engine.initialize(model, config(stage, "bf16", **(OFFLOAD if offload else {})))
     with engine.gathered(["layers.1.adapt.weight", "layers.1.base.weight"], modifier_rank=0):
         if rank == 0:
             with torch.no_grad():
@@ -154,7 +158,14 @@ def case_nested(rank: int, world: int, stage: int) -> dict:
     return seen
 
 
-CASES = {"write": case_write, "masters": case_masters, "refused": case_refused, "nested": case_nested}
+def case_masters_offload(rank: int, world: int, stage: int) -> dict:
+    return case_masters(rank, world, stage, offload=True)
+
+
+CASES = {
+    "write": case_write, "masters": case_masters, "masters_offload": case_masters_offload, "refused": case_refused,
+    "nested": case_nested,
+}
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, int]]) -> dict:
@@ -188,7 +199,7 @@ def check(results: list[dict], world: int, cases: list[tuple[str, int]]) -> None
                 assert mean == pytest.approx(ref_losses, abs=TOL), where
                 for key, value in ref_state.items():
                     torch.testing.assert_close(got["state"][key], value, atol=TOL, rtol=0, msg=f"{where}: {key}")
-            elif name == "masters":
+            elif name.startswith("masters"):
                 assert bool((got["adapt"] == 0.25).all()) and bool((got["base"] == -0.5).all()), where
             elif name == "refused":
                 errors = got["errors"]
@@ -210,7 +221,7 @@ def check(results: list[dict], world: int, cases: list[tuple[str, int]]) -> None
                 torch.testing.assert_close(got["state"], results[0][(name, stage)]["state"], atol=0, rtol=0)
 
 
-FAST = [(name, stage) for name in CASES for stage in (0, 1, 2, 3)]
+FAST = [(name, stage) for name in CASES for stage in (0, 1, 2, 3) if name != "masters_offload" or stage > 0]
 
 
 def test_gathered_two_ranks() -> None:

@@ -148,6 +148,43 @@ class GroupComm:
             return DONE
         return Finishing(Pending(tuple(dist.batch_isend_irecv(ops))), finish)
 
+    def gather_pieces(self, pieces: Sequence[torch.Tensor | None], onto: int | None = None) -> Pending | Finishing:
+        """Fill ``pieces[k]`` with group rank ``k``'s values, pieces of any sizes (some empty):
+        on every rank, one broadcast per piece rooted at its owner; or on rank ``onto`` alone,
+        point to point (the other ranks pass only their own piece, None for the rest). For
+        streaming a model's parameters (`zero_engine.state.streaming`): a parameter lies in the
+        shards of the ranks it spans, in pieces that an all-gather would pad to the largest."""
+        if self.skips_collectives:
+            return DONE
+        own = pieces[self.rank]
+        sizes = [piece.numel() if piece is not None else 0 for piece in pieces]
+        if onto is None:
+            self._count(CollectiveKind.ALL_GATHER, sum(sizes) * own.element_size())
+            return Pending(tuple(
+                dist.broadcast(piece, src=self._global_rank(owner), group=self.group, async_op=True)
+                for owner, piece in enumerate(pieces) if piece is not None and piece.numel()
+            ))
+        self._count(CollectiveKind.GATHER, sum(sizes) * own.element_size())
+        staged = p2p_through_host(self.backend, own)
+        if self.rank == onto:
+            peers = [(rank, piece) for rank, piece in enumerate(pieces) if rank != onto and piece.numel()]
+            landing = [torch.empty_like(piece, device=HOST) if staged else piece for _, piece in peers]
+            ops = [dist.P2POp(dist.irecv, into, self._global_rank(rank), self.group)
+                   for (rank, _), into in zip(peers, landing)]
+
+            def place() -> None:
+                for (_, piece), into in zip(peers, landing):
+                    piece.copy_(into)
+
+            finish = place if staged else None
+        else:
+            ops = [dist.P2POp(dist.isend, own.to(HOST) if staged else own, self._global_rank(onto), self.group)]
+            ops = ops if own.numel() else []
+            finish = None
+        if not ops:
+            return DONE
+        return Finishing(Pending(tuple(dist.batch_isend_irecv(ops))), finish)
+
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values, synchronously."""
         if self.skips_collectives:
@@ -302,6 +339,15 @@ class Comm:
         if dst != 0:
             raise ValueError("gather collects onto rank 0 only")
         return self.shard_group.gather(own, flat, dst=0) if self.replica_rank == 0 else DONE
+
+    def gather_pieces(self, pieces: Sequence[torch.Tensor | None], onto: int | None = None) -> Pending | Finishing:
+        """`GroupComm.gather_pieces` inside the shard group (onto its rank 0 of the first
+        replica group alone, as `gather`, when ``onto`` is 0)."""
+        if onto not in (None, 0):
+            raise ValueError("gather_pieces collects onto rank 0 only")
+        if onto == 0 and self.replica_rank != 0:
+            return DONE
+        return self.shard_group.gather_pieces(pieces, onto)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         self.world.broadcast(tensors, src)

@@ -4,11 +4,13 @@ server's weight sync takes it (vLLM's ``load_weights`` in GRPO / PPO), never the
 Every entry of ``module.state_dict()`` is yielded in its order, as `ModelState.full_state_dict`
 has it (parameters as their fp32 masters, frozen weights as stored, buffers), but on the
 engine's device and one *bucket* at a time: consecutive sharded entries of one dtype up to
-``bucket_bytes``, each rank packing the elements it keeps of them into one buffer of the
-bucket's largest per-rank size, one all-gather (or a gather onto rank 0), then each entry
-unpacked into its own tensor as its turn comes. Entries every rank holds whole (stage 0's
-masters, loose parameters, buffers) need no collective. So a rank holds at most one gathered
-bucket and the tensor it is yielding (a tensor larger than the bucket is a bucket of its own).
+``bucket_bytes``, each rank packing the elements it keeps of them into its piece of one
+buffer (pieces of their own sizes: a broadcast from each owner, or point to point onto rank 0;
+an all-gather would pad every piece to the largest, and a parameter often lies in one rank's
+shard), then each entry unpacked into its own tensor as its turn comes. Entries every rank
+holds whole (stage 0's masters, loose parameters, buffers) need no collective. So a rank holds
+at most one gathered bucket and the tensor it is yielding; a tensor larger than the bucket is a
+bucket of its own, and the buffer it was gathered into is the tensor yielded.
 
 With ``merge_adapters`` a PEFT LoRA model leaves as its merged base (`zero_engine.state.adapters`).
 """
@@ -153,28 +155,36 @@ def _cast(values: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def _gather_bucket(
     bucket: list[Entry], comm: Comm, device: torch.device, rank0_only: bool
 ) -> Iterator[tuple[Entry, torch.Tensor | None]]:
-    """One collective for the bucket's sharded entries (every unit of one job shards over the
-    same group), then each entry unpacked as its turn comes (None on ranks other than 0 with
-    ``rank0_only``)."""
+    """One gather for the bucket's sharded entries (every unit of one job shards over the same
+    group): each rank packs the elements it keeps of them, in order, into its piece of one
+    buffer, pieces of their own sizes (no padding: a parameter often lies in one or two ranks'
+    shards), then each entry is unpacked as its turn comes (None on ranks other than 0 with
+    ``rank0_only``). A bucket of one entry needs no unpacking: its pieces in rank order are the
+    parameter's elements in order, so the buffer is the tensor yielded."""
     unit = bucket[0].unit
     ranks = unit.layout.world_size  # the shard group's size
     sizes = [sum(entry.pieces(rank)[2] for entry in bucket) for rank in range(ranks)]
-    width = max(sizes)
-    flat = torch.zeros(width * ranks, dtype=bucket[0].dtype, device=device)
-    own = flat[unit.rank * width : (unit.rank + 1) * width]
-    at = 0
+    starts = [sum(sizes[:rank]) for rank in range(ranks)]
+    keep = not rank0_only or comm.rank == 0
+    flat = torch.empty(sum(sizes) if keep else sizes[unit.rank], dtype=bucket[0].dtype, device=device)
+    pieces = [
+        flat[starts[rank] : starts[rank] + sizes[rank]] if keep else (flat if rank == unit.rank else None)
+        for rank in range(ranks)
+    ]
+    own, at = pieces[unit.rank], 0
     for entry in bucket:
         _, shard_offset, numel = entry.pieces(entry.unit.rank)
         if numel:
             with _kept_values(entry.unit) as kept:
                 own[at : at + numel].copy_(kept[shard_offset : shard_offset + numel])
             at += numel
-    if rank0_only:
-        comm.gather(own, flat if comm.rank == 0 else None, dst=0).wait()
-    else:
-        comm.all_gather(flat).wait()
-    keep = not rank0_only or comm.rank == 0
-    offsets = [rank * width for rank in range(ranks)]  # where each rank's next piece starts in ``flat``
+    comm.gather_pieces(pieces, onto=0 if rank0_only else None).wait()
+    del pieces, own
+    if len(bucket) == 1:
+        entry = bucket[0]
+        yield entry, flat.view(entry.unit.shapes[entry.index]) if keep else None
+        return
+    offsets = list(starts)  # where each rank's next piece starts in ``flat``
     for entry in bucket:
         values = torch.empty(entry.numel, dtype=entry.dtype, device=device) if keep else None
         for rank in range(ranks):
@@ -183,7 +193,7 @@ def _gather_bucket(
                 values[param_offset : param_offset + numel] = flat[offsets[rank] : offsets[rank] + numel]
             offsets[rank] += numel
         yield entry, values.view(entry.unit.shapes[entry.index]) if keep else None
-    del flat, own
+        values = None  # the consumer may have let it go: not held while the next is made
 
 
 @contextmanager
