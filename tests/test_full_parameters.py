@@ -62,6 +62,9 @@ def case_equal(rank: int, world: int, stage: int, dtype: str | None) -> dict:
         problems.append("rank0_only: values")
     if rank != 0 and only:
         problems.append("rank0_only: another rank got entries")
+    cast = dict(engine.named_full_parameters(dtype="bf16"))
+    if any(not torch.equal(cast[name], full[name].to(torch.bfloat16)) for name in full):
+        problems.append("dtype=bf16: values")
     bf16_base = dict(engine.named_full_parameters())["layers.0.base.weight"].dtype
     return {"problems": problems, "bf16_base": bf16_base == torch.bfloat16}
 
