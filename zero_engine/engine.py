@@ -12,19 +12,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import offload
 from .accumulation import AccumulationWindow
 from .comm import Comm
 from .config import BatchSizes, ZeroEngineConfig
 from .errors import ShardedParameterError
-from .memory import measure_memory
+from .model_access import ModelAccess
 from .monitor import StepLog, build_monitors
 from .param_groups import ParamGroup
 from .precision import Precision
@@ -35,20 +33,20 @@ from .sharding.module_plan import ModulePlan
 from .sharding.agreement import Call
 from .stage import Stage
 from .sharding.unit_forwards import UnitForwards
-from .state import checkpoint, export
-from .state import streaming
-from .state.adapters import AdapterMerge
 from .state.gathered import GatheredParameters
 from .state.state_dict import ModelState, cast_frozen
 from .state.storage import FILES, FileWriter
 from .step import NoOptimizerStep, OptimizerStep, StepSettings
+from .step_view import StepView
 from .tree import iter_tensors, map_tensors
 
 logger = logging.getLogger("zero_engine")
 
 
-class Engine:
-    """A model wrapped for data-parallel training with ZeRO sharding."""
+class Engine(ModelAccess, StepView):
+    """A model wrapped for data-parallel training with ZeRO sharding: the training loop here,
+    the model's state out and in (`zero_engine.model_access.ModelAccess`), the optimizer step's
+    readings (`zero_engine.step_view.StepView`)."""
 
     def __init__(
         self,
@@ -248,29 +246,7 @@ class Engine:
                 "then zero_engine.initialize again)"
             )
 
-    # -- the optimizer step's parts, as the engine's (`zero_engine.step.OptimizerStep`) ----------
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """The torch optimizer over this rank's shards; None for an engine with nothing to train."""
-        return self.optimizer_step.optimizer
-
-    @property
-    def lr_scheduler(self) -> Any:
-        return self.optimizer_step.lr_scheduler
-
-    @property
-    def loss_scaler(self) -> Any:
-        return self.optimizer_step.loss_scaler
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped for a non-finite gradient norm (fp16 overflows among them)."""
-        return self.optimizer_step.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.optimizer_step.skipped_steps = value
+    # -- collective calls agreed on, the window's checks -----------------------------------------
 
     def _agree_on_training(self) -> None:
         """A call row at the first backward of every micro-step, so that a collective call made
@@ -316,16 +292,6 @@ class Engine:
         """Micro-steps (``step()`` calls) so far."""
         return self.window.micro_steps
 
-    def was_step_applied(self) -> bool:
-        """Whether the last boundary's ``step()`` updated the parameters (False after a step
-        skipped for a non-finite gradient, e.g. an fp16 overflow, and before the first)."""
-        return self.optimizer_step.applied
-
-    @property
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale; 1.0 without fp16."""
-        return self.optimizer_step.loss_scale
-
     def _to_compute_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.precision.compute_dtype) if tensor.is_floating_point() else tensor
 
@@ -356,67 +322,7 @@ class Engine:
         self.unit_forwards.compile(options, self.module)
         return self
 
-    # -- the full parameters, outside the loop ---------------------------------------------------
-
-    def gathered(
-        self, params: nn.Parameter | str | Any = None, *, modifier_rank: int | None = None
-    ) -> GatheredParameters:
-        """A context inside which ``params`` (parameters or their names; all when None) are
-        whole on every rank, in the module, for any code to read (collective: enter and leave it
-        on every rank). With ``modifier_rank=r`` what rank ``r`` wrote into them is kept: written
-        at exit into every rank's copy, shard and fp32 master (the optimizer state is left as it
-        is), as DeepSpeed's ``GatheredParameters(params, modifier_rank=r)``; without it a write
-        raises at exit on every rank. Nested and overlapping contexts are safe (a unit is
-        released by the outermost exit). No optimizer step inside (it writes the shards).
-        ``as`` gives the parameters, each once (`zero_engine.state.gathered`)."""
-        self.calls.check_usable()
-        return GatheredParameters(
-            self.model_state, self.gatherer, self.comm, params, modifier_rank,
-            lambda: self._agree_on_call(Call.GATHERED), self._open_gathered,
-        )
-
-    def named_full_parameters(
-        self,
-        *,
-        bucket_bytes: int | str = "256MiB",
-        dtype: torch.dtype | str | None = None,
-        merge_adapters: bool = False,
-        rank0_only: bool = False,
-        names: Callable[[str], bool] | None = None,
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every ``state_dict()`` entry as ``(name, full tensor)`` on the engine's device, in
-        its order, values as `full_state_dict` has them (fp32 masters, frozen weights as stored,
-        buffers) or cast to ``dtype``: for an inference server's weight sync, never the whole
-        model at once (each rank holds one gathered bucket of at most ``bucket_bytes`` and the
-        tensor it yields). ``merge_adapters=True``: a PEFT LoRA model's merged base under the base
-        model's names (what ``merge_and_unload()`` gives), merged layer by layer. Collective:
-        iterate it to its end on every rank; with ``rank0_only`` only rank 0 gets tensors.
-        ``names``: which state-dict names to stream (say, a PEFT model's adapters); the others
-        are not gathered (`zero_engine.state.streaming`)."""
-        self.calls.check_usable()
-        size = export.parse_shard_size(bucket_bytes, "bucket_bytes")
-        cast = export.parse_dtype(dtype)  # bad arguments raise here, before any collective
-        merge = AdapterMerge(self.module) if merge_adapters else None
-        return self._stream(size, cast, merge, rank0_only, names)
-
-    def _stream(
-        self, size: int, dtype: torch.dtype | None, merge: AdapterMerge | None, rank0_only: bool,
-        names: Callable[[str], bool] | None,
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        self._agree_on_call(Call.FULL_PARAMETERS)
-        yield from streaming.stream(
-            self.model_state, self.comm, self.device, bucket_bytes=size, dtype=dtype, rank0_only=rank0_only,
-            merge=merge, gathered=self.gathered, wanted=names,
-        )
-
-    def _check_no_gathered(self, call: str) -> None:
-        if self._open_gathered:
-            raise RuntimeError(
-                f"engine.{call} inside engine.gathered(): the step and checkpoint loads write the shards the context "
-                "holds gathered; leave the context first"
-            )
-
-    # -- module state and reports ----------------------------------------------------------------
+    # -- the module's mode, and letting it go -----------------------------------------------------
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -424,123 +330,6 @@ class Engine:
 
     def eval(self) -> Engine:
         return self.train(False)
-
-    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The complete module state on CPU, same keys as ``state_dict()`` (tied parameters'
-        names share one tensor, as there), parameters as their fp32 masters. Collective when
-        masters are sharded: call it on every rank.
-
-        ``rank0_only=True`` gathers onto rank 0 alone, one unit at a time, so exporting never
-        needs the full model on any other rank; the other ranks get an empty dict.
-        """
-        self.calls.check_usable()
-        if any(unit.shard_master for unit in [*self.units, *self.frozen_units]):  # collective: every rank must be here
-            self._agree_on_call(Call.FULL_STATE_DICT)
-        return self.model_state.full_state_dict(rank0_only=rank0_only)
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of model state this rank holds (see `zero_engine.memory.MemoryReport`)."""
-        report = measure_memory(
-            self.model_state.loose_params,
-            self.units,
-            self.frozen_units,
-            self.optimizer,
-            self.reducer,
-            self.gatherer.peaks(),
-            self.optimizer_step.peak_grad_bytes,
-            optimizer_on_host=self.offload.optimizer,
-            peak_encoded_bytes=self.codecs.meter.peak,
-        )
-        return report._asdict()
-
-    def comm_report(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank sent and received per collective kind in the current optimizer step."""
-        return self.comm.report()
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
-
-    def get_global_grad_norm(self) -> float | None:
-        """The L2 norm of the whole averaged, unscaled gradient at the last optimizer step
-        (before clipping)."""
-        return self.optimizer_step.grad_norm
-
-    def save_checkpoint(
-        self,
-        directory: str | Path,
-        tag: str | None = None,
-        client_state: Any = None,
-        *,
-        within_window: bool = False,
-        exclude_frozen_parameters: bool = False,
-    ) -> Path:
-        """Save everything needed to resume, at any stage and world size (collective).
-
-        ``tag`` defaults to ``global_step{N}``; ``client_state`` is anything
-        ``torch.load(weights_only=True)`` can read back (tensors, numbers, strings, containers).
-        A save inside an accumulation window is refused unless ``within_window=True``, which
-        saves what the last boundary left (parameters, optimizer, schedule): the window's
-        gradients so far stay in this run and are not saved, as a DDP checkpoint holds none (for
-        loops that checkpoint between micro-batches, as Lightning's ModelCheckpoint can).
-
-        ``exclude_frozen_parameters=True`` (DeepSpeed's keyword) saves the trainable state only: a
-        LoRA run's checkpoint then holds its adapters, not the base. Resuming it takes the frozen
-        weights from the model as built, or from ``weights=`` at `initialize`.
-        """
-        self.calls.check_usable()
-        if self.window.in_window and not within_window:
-            raise RuntimeError(
-                f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "
-                f"{self.window.in_window} of {self.batch.gradient_accumulation_steps}): call it after "
-                "engine.step() on a boundary"
-            )
-        self._agree_on_call(Call.SAVE_CHECKPOINT)
-        counters = checkpoint.Counters(self.global_step, self.skipped_steps)
-        tag = tag or f"global_step{self.global_step}"
-        return checkpoint.save(
-            self._resumable(exclude_frozen_parameters), counters, directory, tag, client_state, self.checkpoint_writer
-        )
-
-    def load_checkpoint(
-        self,
-        directory: str | Path,
-        tag: str | None = None,
-        *,
-        strict: bool = True,
-        load_optimizer_states: bool = True,
-    ) -> Any:
-        """Resume from ``directory`` (tag: the latest); returns the saved ``client_state``."""
-        self.calls.check_usable()
-        self._check_no_gathered("load_checkpoint()")
-        self._agree_on_call(Call.LOAD_CHECKPOINT)
-        if self.offload.any:  # the last publish may still be reading the host masters this load overwrites
-            offload.wait_for_host_copies(self.device)
-        loaded = checkpoint.load(
-            self._resumable(), directory, tag, strict=strict, load_optimizer_states=load_optimizer_states
-        )
-        self.global_step, self.skipped_steps = loaded.counters
-        self.window.restart(self.global_step)
-        return loaded.client_state
-
-    def save_pretrained(
-        self, directory: str | Path, *, max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None
-    ) -> Path:
-        """The model in Hugging Face's layout (collective; rank 0 writes): ``model.safetensors``
-        or shards of at most ``max_shard_size`` with ``model.safetensors.index.json``, names as
-        ``module.state_dict()`` gives them (a tied tensor once), values the fp32 masters (frozen
-        weights as stored: a bf16 base stays bf16) or cast to ``dtype``; ``config.json`` too for
-        a transformers model. Streamed unit by unit: rank 0 holds one gathered unit and one shard
-        at a time, never the model (`state.export`).
-        Returns on every rank once the files are complete; training goes on unchanged."""
-        self.calls.check_usable()
-        export.parse_shard_size(max_shard_size), export.parse_dtype(dtype)  # bad arguments raise before any collective
-        self._agree_on_call(Call.SAVE_PRETRAINED)
-        return export.export_model(self.model_state, directory, max_shard_size, dtype)
-
-    def _resumable(self, exclude_frozen: bool = False) -> checkpoint.Resumable:
-        return checkpoint.Resumable(
-            self.model_state, self.optimizer_step, self.config, self.stage.level, self.device, exclude_frozen
-        )
 
     def close(self) -> None:
         """Remove the engine's hooks from the model's parameters and modules."""

@@ -117,43 +117,24 @@ class GroupComm:
         """Fill every shard of ``flat`` on rank ``dst`` with its owner's ``own`` shard (state
         export onto one rank). Only rank ``dst`` holds a full buffer: the others send their
         shard and pass ``flat`` None (GPU review P4: a whole unit allocated on every rank to
-        send 1/N of it). ``own`` on rank ``dst`` is its shard of ``flat`` already.
-
-        Point to point, each shard received straight into its place: ``dist.gather`` would
-        take a copy of the own shard and, on gloo, a staging buffer of the whole buffer, so
-        rank ``dst`` would hold the unit 2.5 times over instead of once. Where the backend's
-        point to point cannot read device memory (`p2p_through_host`), each shard crosses
-        through a host copy."""
-        if self.skips_collectives:
-            return DONE
-        self._count(CollectiveKind.GATHER, tensor_bytes(own) * self.world_size)
-        staged = p2p_through_host(self.backend, own)
-        if self.rank == dst:
-            if flat is None:
-                raise ValueError("the gathering rank needs the full buffer")
-            peers = [(rank, shard) for rank, shard in enumerate(self._shards(flat)) if rank != dst]
-            landing = [torch.empty_like(shard, device=HOST) if staged else shard for _, shard in peers]
-            ops = [dist.P2POp(dist.irecv, into, self._global_rank(rank), self.group)
-                   for (rank, _), into in zip(peers, landing)]
-
-            def place() -> None:
-                for (_, shard), into in zip(peers, landing):
-                    shard.copy_(into)
-
-            finish = place if staged else None
-        else:
-            ops = [dist.P2POp(dist.isend, own.to(HOST) if staged else own, self._global_rank(dst), self.group)]
-            finish = None
-        if not ops:  # a group of one (``force_collectives``): no peer, the unit is already whole
-            return DONE
-        return Finishing(Pending(tuple(dist.batch_isend_irecv(ops))), finish)
+        send 1/N of it). ``own`` on rank ``dst`` is its shard of ``flat`` already. Point to
+        point, each shard received straight into its place (`gather_pieces`): ``dist.gather``
+        would take a copy of the own shard and, on gloo, a staging buffer of the whole buffer,
+        so rank ``dst`` would hold the unit 2.5 times over instead of once."""
+        if self.rank == dst and flat is None:
+            raise ValueError("the gathering rank needs the full buffer")
+        pieces = self._shards(flat) if self.rank == dst else [own if rank == self.rank else None
+                                                               for rank in range(self.world_size)]
+        return self.gather_pieces(pieces, onto=dst)
 
     def gather_pieces(self, pieces: Sequence[torch.Tensor | None], onto: int | None = None) -> Pending | Finishing:
         """Fill ``pieces[k]`` with group rank ``k``'s values, pieces of any sizes (some empty):
         on every rank, one broadcast per piece rooted at its owner; or on rank ``onto`` alone,
-        point to point (the other ranks pass only their own piece, None for the rest). For
-        streaming a model's parameters (`zero_engine.state.streaming`): a parameter lies in the
-        shards of the ranks it spans, in pieces that an all-gather would pad to the largest."""
+        point to point (the other ranks pass only their own piece, None for the rest), each
+        received straight into its place (through a host copy where the backend's point to
+        point cannot read device memory: `p2p_through_host`). For streaming a model's
+        parameters (`zero_engine.state.streaming`): a parameter lies in the shards of the ranks
+        it spans, in pieces that an all-gather would pad to the largest."""
         if self.skips_collectives:
             return DONE
         own = pieces[self.rank]
@@ -164,7 +145,8 @@ class GroupComm:
                 dist.broadcast(piece, src=self._global_rank(owner), group=self.group, async_op=True)
                 for owner, piece in enumerate(pieces) if piece is not None and piece.numel()
             ))
-        self._count(CollectiveKind.GATHER, sum(sizes) * own.element_size())
+        self._count(CollectiveKind.GATHER, (sum(sizes) if self.rank == onto else own.numel() * self.world_size)
+                    * own.element_size())
         staged = p2p_through_host(self.backend, own)
         if self.rank == onto:
             peers = [(rank, piece) for rank, piece in enumerate(pieces) if rank != onto and piece.numel()]
@@ -179,9 +161,8 @@ class GroupComm:
             finish = place if staged else None
         else:
             ops = [dist.P2POp(dist.isend, own.to(HOST) if staged else own, self._global_rank(onto), self.group)]
-            ops = ops if own.numel() else []
-            finish = None
-        if not ops:
+            ops, finish = (ops if own.numel() else []), None
+        if not ops:  # a group of one (``force_collectives``), or nothing to send
             return DONE
         return Finishing(Pending(tuple(dist.batch_isend_irecv(ops))), finish)
 

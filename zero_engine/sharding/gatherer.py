@@ -63,10 +63,10 @@ from .lifecycle import Lifecycle, TrainingState
 from .param_access import ParamReads
 from .prefetch import Prefetcher
 from .reducer import GradReducer
+from .root_methods import RootMethods
 from .unit import FlatUnit, ShardedFlatUnit
 
 FORWARD, BACKWARD, CALL, USER = HoldReason.FORWARD, HoldReason.BACKWARD, HoldReason.CALL, HoldReason.USER
-ROOT_METHODS = ("generate",)  # Hugging Face's: run as a forward of the root (`ParamGatherer.run_as_forward`)
 
 
 class NoGather:
@@ -159,40 +159,28 @@ class ParamGatherer(NoGather):
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
-        self._methods: dict[str, Any] = {}  # the root's methods run as forwards (`run_as_forward`)
-        for name in ROOT_METHODS:
-            self.run_as_forward(name)
+        self._methods = RootMethods(root, self._enter_as_forward, self._exit_as_forward)  # its generate
 
     @property
     def root_units(self) -> tuple[int, ...]:
         return self._needs[self._root]
 
-    def run_as_forward(self, name: str) -> None:
-        """Run the root's method ``name`` as one forward of the root, as FSDP2's
-        ``register_fsdp_forward_method``: a wrapper (PEFT's ``PeftModel``) whose ``generate``
-        calls the wrapped model's forward, never its own, would leave the root's units (an
-        embedding, a head) sharded; bracketed so, they are gathered once for the whole call and
-        the unit modules' hooks run inside as in any forward. Nothing when there is no such method."""
-        method = getattr(self._root, name, None)
-        if not callable(method) or name in self._methods:
-            return
+    def _enter_as_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A root method run as a forward (`RootMethods`): the hooks the root's call would run."""
+        self.lifecycle.enter_forward()
+        try:
+            self._enter_root(self._root, args)
+            self._pre_forward(self._root, args, kwargs)  # a generate runs without gradients: no signal to wrap in
+        except BaseException:
+            self.lifecycle.exit_forward()
+            raise
 
-        @functools.wraps(method)
-        def as_forward(*args: Any, **kwargs: Any) -> Any:
-            root, output = self._root, None
-            self.lifecycle.enter_forward()
-            try:
-                self._enter_root(root, args)
-                self._pre_forward(root, args, kwargs)  # a generate runs without gradients: no signal to wrap in
-                output = method(*args, **kwargs)
-                return output
-            finally:
-                self._post_forward(root, args, output)
-                self._exit_root(root, args, output)
-                self.lifecycle.exit_forward()
-
-        self._methods[name] = method
-        setattr(self._root, name, as_forward)
+    def _exit_as_forward(self, args: tuple[Any, ...], output: Any) -> None:
+        try:
+            self._post_forward(self._root, args, output)
+            self._exit_root(self._root, args, output)
+        finally:
+            self.lifecycle.exit_forward()
 
     # -- holds taken outside the hooks -------------------------------------------------------
 
@@ -224,10 +212,6 @@ class ParamGatherer(NoGather):
     def index_of(self, unit: object) -> int | None:
         """The index `hold` and `release` take for ``unit`` (None: not one of the gathered units)."""
         return self._index.get(id(unit))
-
-    def user_holds(self) -> int:
-        """Holds taken by `hold` for the user and not released, over every unit."""
-        return sum(self._holds.count(index, USER) for index in range(len(self.units)))
 
     # -- a whole forward ---------------------------------------------------------------------
 
@@ -331,9 +315,7 @@ class ParamGatherer(NoGather):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for name in self._methods:
-            delattr(self._root, name)  # the instance attribute goes; the class's method shows again
-        self._methods.clear()
+        self._methods.restore()
         self.reads.close()
 
     def peaks(self) -> tuple[int, int]:
@@ -348,12 +330,8 @@ class ParamGatherer(NoGather):
         call = ModuleCall(tuple(index for index in needs if self.units[index].frozen))
         self._calls.append(call)
         self.gathered.free_served()
-        self._ran.update(needs)
         for index in needs:
-            self._holds.take(index, FORWARD)
-            self._ensure_gathered(index)
-            if index not in self._order:
-                self._order.append(index)
+            self._use_in_forward(index)
         self.prefetch.after(needs, self._recorded, window=WANTS_PER_ROW)
         if call.frozen and torch.is_grad_enabled():
             # a frozen unit gets no gradient to end its backward hold: the call's inputs signal it
@@ -432,6 +410,10 @@ class ParamGatherer(NoGather):
         self.check_usable()
         self._needs[holder] = (*self._needs[holder], index)
         self.reads.log_served(param, holder)
+        self._use_in_forward(index)
+
+    def _use_in_forward(self, index: int) -> None:
+        """Unit ``index`` is used in this forward: it ran, it is held, gathered, in the order."""
         self._ran.add(index)
         self._holds.take(index, FORWARD)
         self._ensure_gathered(index)
