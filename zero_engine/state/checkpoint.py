@@ -39,10 +39,9 @@ import torch
 
 from ..comm import Comm
 from ..errors import CheckpointError
-from ..sharding.unit import FlatUnit
 from . import storage
 from .payload import (
-    Counters, PieceIndex, Resumable, extra_payload, manifest_of, rank_payload, restore_rng,
+    Counters, Resumable, extra_payload, manifest_of, rank_payload, restore_rng,
 )
 from .sources import Source, open_source
 from .state_dict import ModelState
@@ -199,41 +198,16 @@ def load(
     if ignored and model.comm.rank == 0:
         warnings.warn(f"{checkpoint.path}: not restored (this engine has no such state): {', '.join(ignored)}", stacklevel=3)
     saved = checkpoint.manifest["params"]
-    shapes = model.unit_param_shapes()
-    fitting = {name for name, shape in shapes.items() if name in saved and saved[name]["shape"] == shape}
-
-    def saved_values(unit: FlatUnit, param_index: int, start: int, numel: int) -> torch.Tensor | None:
-        name = unit.names[param_index]
-        if name in fitting:
-            return index.assemble(name, start, numel)
-        whole = extra["module"].get(name)  # a frozen parameter saved whole (below stage 3, or replicated)
-        if whole is not None and list(whole.shape) == list(unit.shapes[param_index]):
-            return whole.reshape(-1)[start : start + numel]
-        return None
 
     def restore() -> None:
-        model.load_kept(saved_values)  # each rank assembles only the elements it keeps
-        model.load_loose_state({**_loose_from_pieces(model, saved, index), **extra["module"]})
+        model.load_state(index, saved, extra["module"])
         if load_optimizer_states:
-            state.step.load_state(index, extra, fitting)
+            state.step.load_state(index, extra, model.fitting(saved))
         if model.comm.rank < len(index.rng):
             restore_rng(index.rng[model.comm.rank], state.device)
 
     on_every_rank(model.comm, f"load_checkpoint from {checkpoint.path}", restore)
     return Loaded(Counters(extra["global_step"], extra["skipped_steps"]), extra["client_state"])
-
-
-def _loose_from_pieces(model: ModelState, saved: dict[str, Any], index: PieceIndex) -> dict[str, torch.Tensor]:
-    """This engine's loose parameters that the checkpoint saved as pieces (frozen parameters
-    sharded at stage 3, resumed where they are whole), assembled whole."""
-    found = {}
-    for name, tensor in model.loose_state().items():
-        entry = saved.get(name)
-        if entry is not None and entry["shape"] == list(tensor.shape):
-            values = index.assemble(name, 0, tensor.numel())
-            if values is not None:
-                found[name] = values.view(tensor.shape)
-    return found
 
 
 def _check_schedule(scheduler: Any, source: Source) -> None:

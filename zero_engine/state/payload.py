@@ -20,7 +20,7 @@ import torch
 from ..config import ZeroEngineConfig
 from ..errors import CheckpointError
 from ..devices import saved_copy
-from ..sharding.optimizer_shard import SavedPiece, saved_piece
+from ..sharding.optimizer_shard import SavedPiece
 from .state_dict import ModelState
 from . import storage
 from .storage import FORMAT, Checkpoint, rank_file
@@ -65,11 +65,7 @@ class Stepping(Protocol):
 def rank_payload(state: Resumable) -> dict[str, Any]:
     model = state.model
     saves_shards = model.comm.replica_rank == 0  # replicas hold the same shards
-    pieces = state.step.state_pieces() if saves_shards else []
-    saves_frozen = saves_shards and not state.exclude_frozen
-    for unit in model.frozen_units if saves_frozen else ():  # values in their own dtype, no state
-        for index, start, numel, values in unit.shard_pieces():
-            pieces.append(saved_piece(unit.names[index], start, numel, saved_copy(values), {}))
+    pieces = [*state.step.state_pieces(), *model.state_pieces(with_frozen=not state.exclude_frozen)] if saves_shards else []
     return {"pieces": pieces, "rng": _rng_state(state.device)}
 
 
@@ -85,15 +81,7 @@ def extra_payload(state: Resumable, counters: Counters, client_state: Any) -> di
 
 def manifest_of(state: Resumable, counters: Counters, tag: str, files: dict[str, Any]) -> dict[str, Any]:
     model = state.model
-    aliases: dict[int, list[str]] = defaultdict(list)
-    for name, param in model.module.named_parameters(remove_duplicate=False):
-        aliases[id(param)].append(name)
-    params = {
-        name: {"shape": list(shape), "aliases": aliases[id(param)], **({"frozen": True} if unit.frozen else {})}
-        for unit in model.units_in_model_order()
-        if not (unit.frozen and state.exclude_frozen)
-        for name, param, shape in zip(unit.names, unit.params, unit.shapes)
-    }
+    params = model.saved_params(with_frozen=not state.exclude_frozen)
     excluded = sorted(model.frozen_names()) if state.exclude_frozen else []
     return {
         "format": FORMAT,

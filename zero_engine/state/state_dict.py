@@ -17,17 +17,27 @@ compute in the compute dtype too, and their fp32 values are kept here for state 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..comm import Comm
+from ..devices import saved_copy
 from ..sharding.frozen_unit import FrozenUnit, frozen_dtype
+from ..sharding.optimizer_shard import SavedPiece, saved_piece
 from ..sharding.unit import FlatUnit
 
 # Values of elements [start, start + numel) of a unit's parameter ``index``, or None to leave it.
 ValuesFor = Callable[[FlatUnit, int, int, int], "torch.Tensor | None"]
+
+
+class SavedValues(Protocol):
+    """A checkpoint's pieces, indexed (`zero_engine.state.payload.PieceIndex`)."""
+
+    def assemble(self, name: str, start: int, numel: int, key: str | None = None) -> torch.Tensor | None: ...
 
 
 class ModelState:
@@ -125,6 +135,65 @@ class ModelState:
     def placement(self) -> dict[nn.Parameter, tuple[FlatUnit | FrozenUnit, int]]:
         """Each parameter held in a unit: the unit and its place there."""
         return {param: (unit, index) for unit in self.all_units for index, param in enumerate(unit.params)}
+
+    # -- a checkpoint's part -------------------------------------------------------------------
+
+    def state_pieces(self, *, with_frozen: bool) -> list[SavedPiece]:
+        """What this rank saves of the model beside the optimizer's pieces: its frozen units'
+        shards, in their own dtype, with no state (the trainable masters are the step's)."""
+        return [
+            saved_piece(unit.names[index], start, numel, saved_copy(values), {})
+            for unit in (self.frozen_units if with_frozen else ())
+            for index, start, numel, values in unit.shard_pieces()
+        ]
+
+    def saved_params(self, *, with_frozen: bool) -> dict[str, dict[str, Any]]:
+        """The manifest's record of every parameter held in units, in model order: its shape,
+        its aliases (tied names) and whether it is frozen."""
+        aliases: dict[int, list[str]] = defaultdict(list)
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            aliases[id(param)].append(name)
+        return {
+            name: {"shape": list(shape), "aliases": aliases[id(param)], **({"frozen": True} if unit.frozen else {})}
+            for unit in self.units_in_model_order()
+            if with_frozen or not unit.frozen
+            for name, param, shape in zip(unit.names, unit.params, unit.shapes)
+        }
+
+    def fitting(self, saved_params: dict[str, dict[str, Any]]) -> set[str]:
+        """The unit parameters a checkpoint saved with this engine's shapes."""
+        return {
+            name for name, shape in self.unit_param_shapes().items()
+            if name in saved_params and saved_params[name]["shape"] == shape
+        }
+
+    def load_state(
+        self, saved: SavedValues, saved_params: dict[str, dict[str, Any]], loose: dict[str, torch.Tensor]
+    ) -> None:
+        """Restore the model's values from a checkpoint: each rank assembles only the elements
+        it keeps, from the saved pieces or (a frozen parameter saved whole, below stage 3 or
+        replicated) from the loose entries; loose entries from those, or from pieces (frozen
+        parameters saved sharded, resumed where they are whole)."""
+        fitting = self.fitting(saved_params)
+
+        def values_for(unit: FlatUnit, param_index: int, start: int, numel: int) -> torch.Tensor | None:
+            name = unit.names[param_index]
+            if name in fitting:
+                return saved.assemble(name, start, numel)
+            whole = loose.get(name)
+            if whole is not None and list(whole.shape) == list(unit.shapes[param_index]):
+                return whole.reshape(-1)[start : start + numel]
+            return None
+
+        self.load_kept(values_for)
+        from_pieces = {}
+        for name, tensor in self.loose_state().items():
+            entry = saved_params.get(name)
+            if entry is not None and entry["shape"] == list(tensor.shape):
+                values = saved.assemble(name, 0, tensor.numel())
+                if values is not None:
+                    from_pieces[name] = values.view(tensor.shape)
+        self.load_loose_state({**from_pieces, **loose})
 
     def unit_param_shapes(self) -> dict[str, list[int]]:
         """Shape of every parameter held in units, by its name."""
