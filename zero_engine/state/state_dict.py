@@ -12,7 +12,9 @@ under ``bf16`` is left as it is. Loose *trainable* parameters (left out of ``par
 compute in the compute dtype too, and their fp32 values are kept here for state dicts.
 
 `ModelState` is what the engine, checkpoints and pretrained weights share: the full state dict
-(gathered unit by unit), the loose entries, and loading values into what each rank keeps.
+(gathered unit by unit), the loose entries, and loading values into what each rank keeps. It
+saves and loads its own part of a checkpoint (`state_pieces`, `saved_params`, `load_state`), as
+the optimizer step saves and loads its own (`zero_engine.step.OptimizerStep`).
 """
 
 from __future__ import annotations
