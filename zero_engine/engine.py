@@ -29,7 +29,7 @@ from .precision import Precision
 from .sharding.build import BuildSettings, build_mechanism
 from .sharding.deferred_init import DeferredInit
 from .sharding.lifecycle import Lifecycle
-from .sharding.module_plan import ModulePlan
+from .sharding.unit_plan import UnitPlan
 from .sharding.agreement import Call
 from .stage import Stage
 from .sharding.unit_forwards import UnitForwards
@@ -57,7 +57,7 @@ class Engine(ModelAccess, StepView):
         batch: BatchSizes,
         groups: list[ParamGroup],
         precision: Precision,
-        plan: ModulePlan,
+        plan: UnitPlan,
         settings: BuildSettings,
         *,
         device: torch.device | None = None,
@@ -85,7 +85,7 @@ class Engine(ModelAccess, StepView):
         self.lifecycle.track_forward(model)
         cast_frozen(model, precision.compute_dtype)  # before any unit takes their values: no fp32 copy, ever
         self.units, self.frozen_units, self.gatherer, self.reducer, self.calls, self.codecs = build_mechanism(
-            model, plan, groups, comm, settings, self.device, self.lifecycle, self._begin_backward, deferred
+            model, plan, comm, settings, self.device, self.lifecycle, self._begin_backward, deferred
         )
         cast_frozen(model, precision.compute_dtype)  # those materialized from the meta device while building
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype, self.frozen_units)
@@ -93,7 +93,7 @@ class Engine(ModelAccess, StepView):
         # requires_grad as built: a change (PEFT's set_adapter, unfreezing a layer) would train wrong
         self._trainable_as_built = [(name, param, param.requires_grad) for name, param in model.named_parameters()]
         # The leaf unit modules recomputed now (recompute_units), compiled later (compile()).
-        self.unit_forwards = UnitForwards(plan.leaf_modules, zero.recompute_units)
+        self.unit_forwards = UnitForwards(plan.modules.leaf_modules, zero.recompute_units)
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
         if self.units:
             self.optimizer_step = OptimizerStep(

@@ -34,6 +34,7 @@ from .param_groups import resolve_param_groups
 from .precision import Precision
 from .sharding.build import BuildSettings, planned_host_buffers
 from .sharding.module_plan import ModulePlan
+from .sharding.unit_plan import UnitPlan
 from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .stage import Stage, stage_for
 from .stage_choice import resolve_stage
@@ -104,13 +105,16 @@ def initialize(
         zero = config.zero_optimization
         placement = offload_plan(zero, stage, batch.gradient_accumulation_steps)
         settings = BuildSettings.derive(zero, stage, precision.compute_dtype, precision.reduce_dtype, placement)
-        _check_host_memory(model, plan, groups, config, settings, comm)
+        units = UnitPlan.derive(
+            model, plan, groups, stage.shard_parameters, precision.compute_dtype, settings.bucket_numel
+        )  # every unit, planned once: built by the engine, sized for the host check before
+        _check_host_memory(model, units, config, settings, comm)
         if comm.rank == 0:
             _log_settings(config, stage)
             _log_if_nothing_trains(groups, config)
             _warn_if_one_hardware_queue(stage, comm)
         engine = Engine(
-            model, config, comm, stage, batch, groups, precision, plan, settings, device=device, deferred=deferred,
+            model, config, comm, stage, batch, groups, precision, units, settings, device=device, deferred=deferred,
             lr_scheduler=lr_scheduler,
         )
         if weights_file is not None:
@@ -185,7 +189,7 @@ def _check_scheduler_factory(factory: Any, config: ZeroEngineConfig) -> None:
 
 
 def _check_host_memory(
-    model: nn.Module, plan: ModulePlan, groups: list, config: ZeroEngineConfig, settings: BuildSettings, comm: Comm
+    model: nn.Module, plan: UnitPlan, config: ZeroEngineConfig, settings: BuildSettings, comm: Comm
 ) -> None:
     """With offload: the host state of every rank on this node must fit the node's available
     memory, checked before any of it is allocated: the formula's bytes, plus what the pinned
@@ -193,7 +197,7 @@ def _check_host_memory(
     if not settings.offload.any:
         return
     num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
-    pinned = planned_host_buffers(model, plan, groups, settings, comm.num_shards)
+    pinned = planned_host_buffers(plan, settings, comm.num_shards)
     needed = host_bytes_needed(config, num_params, comm.world_size) + offload.pinning_overshoot(pinned)
     offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")
 

@@ -2,9 +2,10 @@
 mechanism around them, built and linked in one place (`build_mechanism`): the gatherer, the
 reducer and the call guard.
 
-Stages 0-2: buckets of ``reduce_bucket_size`` elements per param group (`plan_units`), whole
-parameters always present. Stage 3: one `ShardedFlatUnit` per unit module
-(`plan_module_units`), plus buckets of the small parameters that stay resident, and the
+What units, holding which parameters, is planned before (`zero_engine.sharding.unit_plan`):
+stages 0-2, buckets of ``reduce_bucket_size`` elements per param group, whole parameters
+always present; stage 3, one `ShardedFlatUnit` per unit module and a `FrozenUnit` per unit
+module and stored dtype, plus buckets of the small parameters that stay resident, and the
 `ParamGatherer` that gathers the sharded units around their modules.
 
 A model on the meta device is materialized here too (`DeferredInit`): at stage 3 each unit's
@@ -30,20 +31,18 @@ from torch import nn
 from ..comm import Comm
 from ..config import ZeroOptimizationConfig
 from ..offload import NO_OFFLOAD, OffloadPlan
-from ..param_groups import ParamGroup
 from ..stage import Stage, UnitSpec
 from .calls import CallGuard, PassCallGuard
 from .codec import Codecs, choose_codecs
 from .deferred_init import DeferredInit
 from .gatherer import NoGather, ParamGatherer
-from .layout import plan_units
 from .lifecycle import Lifecycle
-from .frozen_unit import FrozenUnit, frozen_dtype
-from .module_plan import ModulePlan, ModuleUnitPlan
+from .frozen_unit import FrozenUnit
 from .placement import Placement, place
 from .bucket_reducer import ShardedGradReducer
 from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads
 from .unit import FlatUnit, ShardedFlatUnit
+from .unit_plan import PlannedUnit, UnitPlan
 
 
 @dataclass(frozen=True)
@@ -93,8 +92,7 @@ class Mechanism(NamedTuple):
 
 def build_mechanism(
     model: nn.Module,
-    plan: ModulePlan,
-    groups: list[ParamGroup],
+    plan: UnitPlan,
     comm: Comm,
     settings: BuildSettings,
     device: torch.device,
@@ -107,7 +105,7 @@ def build_mechanism(
     may wait for a reduction; the gatherer's rounds report the reducer's launches; the call
     guard reads its rows before the reducer's first launch (stages 0-2) or among the rounds
     (stage 3). ``on_unarmed_grad``: the engine's, for a gradient outside an armed backward."""
-    units, frozen_units, gatherer = build_units(model, plan, groups, comm, settings, device, lifecycle, deferred)
+    units, frozen_units, gatherer = build_units(model, plan, comm, settings, device, lifecycle, deferred)
     calls = PassCallGuard(gatherer) if isinstance(gatherer, ParamGatherer) else CallGuard(comm)
     reducer = build_reducer(
         settings, units, comm, lifecycle=lifecycle, on_unit_complete=gatherer.unit_complete,
@@ -131,18 +129,17 @@ def stage_codecs(stage: Stage, zero: ZeroOptimizationConfig) -> Codecs:
 
 def build_units(
     model: nn.Module,
-    plan: ModulePlan,
-    groups: list[ParamGroup],
+    plan: UnitPlan,
     comm: Comm,
     settings: BuildSettings,
     device: torch.device,
     lifecycle: Lifecycle,
     deferred: DeferredInit | None = None,
 ) -> tuple[list[FlatUnit], list[FrozenUnit], NoGather]:
-    """All trainable units in reducer order, stage 3's frozen units, and what gathers them
-    (nothing below stage 3). ``settings.offload`` puts sharded state on the host: optimizer state in
-    every unit, parameter shards in the stage 3 units, frozen ones included (resident parameters
-    stay whole on the device, as DeepSpeed's persistent ones)."""
+    """The planned units: all trainable units in reducer order, stage 3's frozen units, and what
+    gathers them (nothing below stage 3). ``settings.offload`` puts sharded state on the host:
+    optimizer state in every unit, parameter shards in the stage 3 units, frozen ones included
+    (resident parameters stay whole on the device, as DeepSpeed's persistent ones)."""
     stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
     placement = place(offload)  # where every unit's optimizer side lives, decided once
     position = {param: index for index, param in enumerate(model.parameters())}
@@ -150,21 +147,22 @@ def build_units(
         if deferred is not None:
             deferred.materialize_all()
             _agree_on_drawn_values(model, [], comm)
-        named = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
-        units = _bucketed_units(named, position, comm, settings, placement)
+        units = [_whole_unit(planned, comm, settings, placement) for planned in plan.whole]
         return _in_arrival_order(units, position), [], NoGather()
-    plans, resident = plan.units, plan.resident
     sharded = [
         ShardedFlatUnit(
-            plan.params, plan.names, plan.group_indices, comm.shard_rank, comm.num_shards, label=plan.label,
-            compute_dtype=compute_dtype, device=device, materialize=_materializer(deferred, plan.params),
-            placement=placement, codec=settings.codecs.gather,
+            planned.tensors, planned.names, planned.group_indices, comm.shard_rank, comm.num_shards,
+            label=planned.label, compute_dtype=compute_dtype, device=device,
+            materialize=_materializer(deferred, planned.tensors), placement=placement, codec=settings.codecs.gather,
         )
-        for plan in plans
-        if plan.params
+        for planned in plan.sharded
     ]
     frozen = [
-        unit for plan in plans for unit in _frozen_units(plan, comm, device, compute_dtype, deferred, offload.params)
+        FrozenUnit(
+            planned.tensors, planned.names, comm.shard_rank, comm.num_shards, label=planned.label, device=device,
+            dtype=planned.dtype, materialize=_materializer(deferred, planned.tensors), on_host=offload.params,
+        )
+        for planned in plan.frozen
     ]
     if deferred is not None:  # what no sharded unit took: buffers, small parameters
         deferred.materialize_all()
@@ -172,51 +170,15 @@ def build_units(
     gathered: list[ShardedFlatUnit | FrozenUnit] = [*sharded, *frozen]
     index_of = {param: index for index, unit in enumerate(gathered) for param in unit.params}
     hooked = []
-    for plan in plans:
-        needs = tuple(sorted({index_of[param] for param in plan.uses if param in index_of}))
+    for module in plan.modules.units:
+        needs = tuple(sorted({index_of[param] for param in module.uses if param in index_of}))
         if needs:
-            hooked.append((plan.module, needs))
+            hooked.append((module.module, needs))
     gatherer = ParamGatherer(
         model, gathered, hooked, comm, settings.prefetch_numel, settings.max_live_numel, lifecycle
     )
-    per_group: list[list[tuple[str, nn.Parameter, int]]] = [[] for _ in groups]
-    for item in resident:
-        per_group[item.group_index].append((item.name, item.param, item.group_index))
-    resident_units = _bucketed_units(per_group, position, comm, settings, placement)
-    return _in_arrival_order([*sharded, *resident_units], position), frozen, gatherer
-
-
-def _frozen_units(
-    plan: ModuleUnitPlan,
-    comm: Comm,
-    device: torch.device,
-    compute_dtype: torch.dtype,
-    deferred: DeferredInit | None,
-    on_host: bool,
-) -> list[FrozenUnit]:
-    """The unit module's frozen parameters as `FrozenUnit` s, one per stored dtype (each gathers
-    in it: the compute dtype under mixed precision, see `cast_frozen`, else the parameter's
-    own), in registration order within each."""
-    by_dtype = _frozen_by_dtype(plan, compute_dtype)
-    units = []
-    for dtype, named in by_dtype.items():
-        params = [param for _, param in named]
-        label = plan.label if len(by_dtype) == 1 else f"{plan.label} ({dtype})"
-        units.append(FrozenUnit(
-            params, [name for name, _ in named], comm.shard_rank, comm.num_shards, label=f"{label} [frozen]",
-            device=device, dtype=dtype, materialize=_materializer(deferred, params), on_host=on_host,
-        ))
-    return units
-
-
-def _frozen_by_dtype(
-    plan: ModuleUnitPlan, compute_dtype: torch.dtype
-) -> dict[torch.dtype, list[tuple[str, nn.Parameter]]]:
-    """A unit module's frozen parameters by the dtype they are stored in: one frozen unit each."""
-    by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
-    for name, param in zip(plan.frozen_names, plan.frozen_params):
-        by_dtype.setdefault(frozen_dtype(param, compute_dtype), []).append((name, param))
-    return by_dtype
+    resident = [_whole_unit(planned, comm, settings, placement) for planned in plan.whole]
+    return _in_arrival_order([*sharded, *resident], position), frozen, gatherer
 
 
 def _agree_on_drawn_values(
@@ -253,70 +215,28 @@ def _materializer(deferred: DeferredInit | None, params: list[nn.Parameter]) -> 
     return lambda: deferred.materialize_owners(params)
 
 
-def _bucketed_units(
-    named: Sequence[Sequence[tuple[str, nn.Parameter, int]]],
-    position: dict[nn.Parameter, int],
-    comm: Comm,
-    settings: BuildSettings,
-    placement: Placement,
-) -> list[FlatUnit]:
-    """Whole-parameter units of at most ``reduce_bucket_size`` elements, per param group."""
-    return [
-        FlatUnit(
-            [param for _, param, _ in bucket], [name for name, _, _ in bucket], [group for _, _, group in bucket],
-            comm.shard_rank, comm.num_shards, compute_dtype=settings.compute_dtype, spec=settings.unit_spec,
-            placement=placement,
-        )
-        for bucket in _buckets(named, position, settings.bucket_numel)
-    ]
+def _whole_unit(planned: PlannedUnit, comm: Comm, settings: BuildSettings, placement: Placement) -> FlatUnit:
+    return FlatUnit(
+        planned.tensors, planned.names, planned.group_indices, comm.shard_rank, comm.num_shards,
+        compute_dtype=settings.compute_dtype, spec=settings.unit_spec, placement=placement,
+    )
 
 
-def _buckets(
-    named: Sequence[Sequence[tuple[str, nn.Parameter, int]]],
-    position: dict[nn.Parameter, int],
-    bucket_numel: int,
-) -> list[list[tuple[str, nn.Parameter, int]]]:
-    """The (name, parameter, group) triples of each whole-parameter unit, per param group."""
-    buckets = []
-    for triples in named:
-        ordered = sorted(triples, key=lambda triple: position[triple[1]], reverse=True)
-        for indices in plan_units([triple[1].numel() for triple in ordered], bucket_numel):
-            buckets.append([ordered[i] for i in indices])
-    return buckets
-
-
-def planned_host_buffers(
-    model: nn.Module,
-    plan: ModulePlan,
-    groups: list[ParamGroup],
-    settings: BuildSettings,
-    num_shards: int,
-) -> list[int]:
+def planned_host_buffers(plan: UnitPlan, settings: BuildSettings, num_shards: int) -> list[int]:
     """The bytes of each pinned host buffer offload will allocate, unit by unit, before any is
     (`zero_engine.offload.pinning_overshoot`: the allocator rounds each one up): the host
     gradient (and its staging buffer when several micro-steps reduce into a window), the parameter
     shard of each stage 3 unit with ``offload_param``, and the master with ``pin_memory``."""
     stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
-    position = {param: index for index, param in enumerate(model.parameters())}
-    if stage.shard_parameters:
-        sharded = [sum(param.numel() for param in unit.params) for unit in plan.units if unit.params]
-        per_group: list[list[tuple[str, nn.Parameter, int]]] = [[] for _ in groups]
-        for item in plan.resident:
-            per_group[item.group_index].append((item.name, item.param, item.group_index))
-    else:
-        sharded = []
-        per_group = [[(name, param, index) for name, param in zip(g.names, g.params)] for index, g in enumerate(groups)]
-    whole = [sum(param.numel() for _, param, _ in bucket) for bucket in _buckets(per_group, position, settings.bucket_numel)]
 
     def shard(numel: int) -> int:  # each rank's shard, padded
         return -(-numel // num_shards)
 
     buffers: list[int] = []
     if offload.params and stage.shard_parameters:  # each frozen unit's shard (per module and stored dtype)
-        for unit in plan.units:
-            for dtype, named in _frozen_by_dtype(unit, compute_dtype).items():
-                buffers.append(dtype.itemsize * shard(sum(param.numel() for _, param in named)))
-    for numel, is_sharded in [*((n, True) for n in sharded), *((n, False) for n in whole)]:
+        buffers += [planned.dtype.itemsize * shard(planned.numel) for planned in plan.frozen]
+    units = [*((planned.numel, True) for planned in plan.sharded), *((planned.numel, False) for planned in plan.whole)]
+    for numel, is_sharded in units:
         if offload.optimizer:
             buffers += [4 * shard(numel)] * (2 if offload.staged_gradients else 1)  # host gradient (and staging)
             shared_master = is_sharded and offload.params and compute_dtype == torch.float32

@@ -1,0 +1,146 @@
+"""Every unit a stage builds, planned once before any is built: which parameters each holds, in
+which order, of which param group, and what kind of unit holds them.
+
+Three kinds: at stage 3, a *sharded* unit per unit module (its trainable parameters) and a
+*frozen* unit per unit module and stored dtype (`zero_engine.sharding.frozen_unit`); everywhere
+else, *whole*-parameter units of at most ``reduce_bucket_size`` elements per param group (stages
+0-2, and stage 3's resident parameters, below ``stage3_param_persistence_threshold``). The plan is
+made from the module plan (`zero_engine.sharding.module_plan`, stage 3's unit modules) and the
+param groups, allocates nothing, and is what `build_units` builds and what
+`planned_host_buffers` sizes the host buffers of before anything is allocated: one reading of
+the model, not two that must agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import nn
+
+from ..param_groups import ParamGroup
+from .frozen_unit import frozen_dtype
+from .layout import plan_units
+from .module_plan import ModulePlan, ModuleUnitPlan
+
+
+class UnitKind(Enum):
+    WHOLE = "whole"  # whole parameters, optimizer state sharded or not (stages 0-2, stage 3's resident ones)
+    SHARDED = "sharded"  # stage 3: a unit module's trainable parameters, sharded between uses
+    FROZEN = "frozen"  # stage 3: a unit module's frozen parameters of one stored dtype
+
+
+@dataclass(frozen=True)
+class PlannedParam:
+    """One parameter's place in its unit, as FSDP2's ``FSDPParam`` declares it: its name, the
+    parameter, its optimizer param group (None: frozen)."""
+
+    name: str
+    param: nn.Parameter
+    group: int | None
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+
+@dataclass
+class PlannedUnit:
+    """One unit to build: its kind and parameters in order (its offsets follow from them), the
+    module path it stands for, a frozen unit's stored dtype, the unit module's plan (stage 3)."""
+
+    kind: UnitKind
+    params: list[PlannedParam]
+    label: str = ""
+    dtype: torch.dtype | None = None
+    module: ModuleUnitPlan | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [planned.name for planned in self.params]
+
+    @property
+    def tensors(self) -> list[nn.Parameter]:
+        return [planned.param for planned in self.params]
+
+    @property
+    def group_indices(self) -> list[int]:
+        return [planned.group if planned.group is not None else -1 for planned in self.params]
+
+    @property
+    def numel(self) -> int:
+        return sum(planned.numel for planned in self.params)
+
+
+@dataclass
+class UnitPlan:
+    """The units of one engine, by kind, in the order they are built."""
+
+    modules: ModulePlan  # stage 3's unit modules (hooks, recomputed and compiled forwards)
+    sharded: list[PlannedUnit] = field(default_factory=list)
+    frozen: list[PlannedUnit] = field(default_factory=list)
+    whole: list[PlannedUnit] = field(default_factory=list)
+
+    @classmethod
+    def derive(
+        cls,
+        model: nn.Module,
+        modules: ModulePlan,
+        groups: Sequence[ParamGroup],
+        shard_parameters: bool,
+        compute_dtype: torch.dtype,
+        bucket_numel: int,
+    ) -> UnitPlan:
+        """The plan of a stage that shards parameters (stage 3) or does not."""
+        position = {param: index for index, param in enumerate(model.parameters())}
+        if not shard_parameters:
+            per_group = [
+                [PlannedParam(name, param, index) for name, param in zip(group.names, group.params)]
+                for index, group in enumerate(groups)
+            ]
+            return cls(modules, whole=_whole_units(per_group, position, bucket_numel))
+        sharded = [
+            PlannedUnit(
+                UnitKind.SHARDED,
+                [PlannedParam(n, p, g) for n, p, g in zip(unit.names, unit.params, unit.group_indices)],
+                unit.label, module=unit,
+            )
+            for unit in modules.units
+            if unit.params
+        ]
+        frozen = [planned for unit in modules.units for planned in _frozen_units(unit, compute_dtype)]
+        per_group: list[list[PlannedParam]] = [[] for _ in groups]
+        for item in modules.resident:
+            per_group[item.group_index].append(PlannedParam(item.name, item.param, item.group_index))
+        return cls(modules, sharded, frozen, _whole_units(per_group, position, bucket_numel))
+
+
+def _frozen_units(unit: ModuleUnitPlan, compute_dtype: torch.dtype) -> list[PlannedUnit]:
+    """A unit module's frozen parameters, one unit per dtype they are stored in (each gathers in
+    it: the compute dtype under mixed precision, see `cast_frozen`, else the parameter's own), in
+    registration order within each."""
+    by_dtype: dict[torch.dtype, list[PlannedParam]] = {}
+    for name, param in zip(unit.frozen_names, unit.frozen_params):
+        by_dtype.setdefault(frozen_dtype(param, compute_dtype), []).append(PlannedParam(name, param, None))
+    return [
+        PlannedUnit(
+            UnitKind.FROZEN, params,
+            f"{unit.label if len(by_dtype) == 1 else f'{unit.label} ({dtype})'} [frozen]", dtype=dtype, module=unit,
+        )
+        for dtype, params in by_dtype.items()
+    ]
+
+
+def _whole_units(
+    per_group: Sequence[Sequence[PlannedParam]], position: dict[nn.Parameter, int], bucket_numel: int
+) -> list[PlannedUnit]:
+    """Whole-parameter units of at most ``bucket_numel`` elements, per param group, each group's
+    parameters in reverse model order (the order their gradients arrive in)."""
+    units = []
+    for planned in per_group:
+        ordered = sorted(planned, key=lambda item: position[item.param], reverse=True)
+        for indices in plan_units([item.numel for item in ordered], bucket_numel):
+            units.append(PlannedUnit(UnitKind.WHOLE, [ordered[i] for i in indices]))
+    return units
