@@ -59,6 +59,7 @@ class Engine(ModelAccess, StepView):
         precision: Precision,
         plan: UnitPlan,
         settings: BuildSettings,
+        step_settings: StepSettings,
         *,
         device: torch.device | None = None,
         deferred: DeferredInit | None = None,
@@ -97,7 +98,7 @@ class Engine(ModelAccess, StepView):
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
         if self.units:
             self.optimizer_step = OptimizerStep(
-                StepSettings.derive(config), stage, self.units, groups, comm, self.reducer, self.device, self.offload,
+                step_settings, stage, self.units, groups, comm, self.reducer, self.device, self.offload,
                 lr_scheduler,
             )
         self.step_log = StepLog(build_monitors(config) if comm.rank == 0 else [])  # DeepSpeed's monitor sections

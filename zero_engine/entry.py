@@ -39,6 +39,7 @@ from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tenso
 from .stage import Stage, stage_for
 from .stage_choice import resolve_stage
 from .state.weights import WeightsSource, load_weights, match_weights, open_weights
+from .step import StepSettings
 
 logger = logging.getLogger("zero_engine")
 
@@ -114,7 +115,8 @@ def initialize(
             _log_if_nothing_trains(groups, config)
             _warn_if_one_hardware_queue(stage, comm)
         engine = Engine(
-            model, config, comm, stage, batch, groups, precision, units, settings, device=device, deferred=deferred,
+            model, config, comm, stage, batch, groups, precision, units, settings, StepSettings.derive(config),
+            device=device, deferred=deferred,
             lr_scheduler=lr_scheduler,
         )
         if weights_file is not None:
