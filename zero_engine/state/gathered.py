@@ -51,15 +51,18 @@ def fingerprint(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype
     """Where ``tensor`` lives and what its bits sum to (plainly and weighted by position): any
     write changes it (a single changed element always changes the plain sum; two sums that a
     write keeps both are as unlikely as a hash collision). Exact and deterministic, unlike float
-    sums, and a write of NaN or of -0.0 over 0.0 counts."""
+    sums, and a write of NaN or of -0.0 over 0.0 counts. Summed where the tensor lives, read
+    back once per tensor (not once per chunk: each read would wait for a GPU)."""
     flat = tensor.detach().reshape(-1)
-    bits = flat.view(_INTEGER_VIEW[flat.element_size()]) if flat.numel() else flat
-    plain = weighted = 0
-    for start in range(0, flat.numel(), _CHUNK):
-        chunk = bits[start : start + _CHUNK].to(torch.int64)
-        plain += int(chunk.sum())
-        positions = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device) % 65521 + 1
-        weighted += int((chunk * positions).sum())
+    sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    if flat.numel():
+        bits = flat.view(_INTEGER_VIEW[flat.element_size()])
+        for start in range(0, flat.numel(), _CHUNK):
+            chunk = bits[start : start + _CHUNK].to(torch.int64)
+            positions = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device) % 65521 + 1
+            sums[0] += chunk.sum()
+            sums[1] += (chunk * positions).sum()
+    plain, weighted = sums.tolist()
     return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, plain, weighted
 
 
