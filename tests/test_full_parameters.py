@@ -4,7 +4,7 @@ buckets split across ranks; ``rank0_only``); on a PEFT LoRA Llama at stage 3 wit
 ``merge_adapters=True``, equal bit for bit to PEFT's ``merge_and_unload()`` of the same weights;
 each rank's resident high-water growth during a sweep of a model many buckets large stays
 within one bucket plus the largest tensor plus a small constant (the whole model gathered
-would be 8 times that)."""
+would be 8 times that). The slow run adds hybrid sharding (4 ranks, groups of 2)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from zero_engine.testing.process_memory import peak_resident_bytes, reset_peak_r
 MiB = 2**20
 
 
-def config(stage: int, dtype: str | None = None, wrap: str = "Layer") -> dict:
+def config(stage: int, dtype: str | None = None, wrap: str = "Layer", **zero) -> dict:
     return engine_config(
-        stage, micro=2, lr=0.01, dtype=dtype, stage3_param_persistence_threshold=0, stage3_wrap_modules=[wrap]
+        stage, micro=2, lr=0.01, dtype=dtype, stage3_param_persistence_threshold=0, stage3_wrap_modules=[wrap], **zero
     )
 
 
@@ -36,7 +36,7 @@ def train_step(engine, rank: int) -> None:
     engine.step()
 
 
-def case_equal(rank: int, world: int, stage: int, dtype: str | None) -> dict:
+def case_equal(rank: int, world: int, stage: int, dtype: str | None, **zero) -> dict:
     """After a step (masters and compute copies differ under bf16), every entry equals
     ``full_state_dict()``'s bit for bit, in its order, with buckets of 100 bytes and of 64 KiB."""
     model = make_model()
@@ -44,7 +44,7 @@ def case_equal(rank: int, world: int, stage: int, dtype: str | None) -> dict:
         for param in model.parameters():
             if not param.requires_grad:
                 param.data = param.data.to(torch.bfloat16)
-    engine = zero_engine.initialize(model, config(stage, dtype))
+    engine = zero_engine.initialize(model, config(stage, dtype, **zero))
     train_step(engine, rank)
     full = engine.full_state_dict()
     problems = []
@@ -101,7 +101,12 @@ def case_memory(rank: int, world: int, stage: int, dtype: str | None) -> dict:
     return {"growth": growth, "count": count, "problems": []}
 
 
-CASES = {"equal": case_equal, "memory": case_memory}
+def case_equal_hybrid(rank: int, world: int, stage: int, dtype: str | None) -> dict:
+    """Hybrid sharding: gathered inside each shard group (onto rank 0 from the first group)."""
+    return case_equal(rank, world, stage, dtype, shard_group_size=2)
+
+
+CASES = {"equal": case_equal, "memory": case_memory, "equal_hybrid": case_equal_hybrid}
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, int, str | None]]) -> dict:
@@ -114,7 +119,7 @@ def check(results: list[dict], cases: list) -> None:
         for rank, result in enumerate(results):
             got = result[case]
             assert not got["problems"], (case, rank, got["problems"])
-            if case[0] == "equal" and case[2] == "bf16":
+            if case[0].startswith("equal") and case[2] == "bf16":
                 assert got["bf16_base"], case
             if case[0] == "memory":
                 assert got["count"] == 16 * 512 * 512
@@ -135,6 +140,13 @@ def test_full_parameters_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_full_parameters_three_ranks() -> None:
     cases = [("equal", 3, None), ("equal", 3, "bf16"), ("equal", 1, "bf16")]
     results = run_on_ranks(3, run_cases, cases)
+    check(results, cases)
+
+
+@pytest.mark.slow
+def test_full_parameters_with_hybrid_sharding() -> None:
+    cases = [("equal_hybrid", 3, "bf16"), ("equal_hybrid", 1, None)]
+    results = run_on_ranks(4, run_cases, cases)
     check(results, cases)
 
 

@@ -4,7 +4,8 @@ process: a PiSSA-style rewrite of a frozen base weight and a write of a trainabl
 torch's AdamW in one process that made the same write; a write without a modifier raises on
 every rank and leaves the parameters as they were; an error inside the context on one rank
 raises on every rank; nested, tied and repeated parameters; the bytes gathered are the named
-units' bytes; no optimizer step inside a context."""
+units' bytes; no optimizer step inside a context. The slow run adds every case at every stage on
+3 ranks, and the write and the masters under hybrid sharding (4 ranks, groups of 2)."""
 
 from __future__ import annotations
 
@@ -57,10 +58,10 @@ def full_numels(model: nn.Module) -> dict[str, int]:
     return {name: param.numel() for name, param in model.named_parameters()}
 
 
-def case_write(rank: int, world: int, stage: int) -> dict:
+def case_write(rank: int, world: int, stage: int, **zero) -> dict:
     """Rank 0's rewrite is kept everywhere; another rank's garbage in the adapter is undone."""
     model = make_model()
-    engine = zero_engine.initialize(model, config(stage))
+    engine = zero_engine.initialize(model, config(stage, **zero))
     layer = model.layers[0]
     with engine.gathered([layer.adapt.bias, layer.base.weight, layer.adapt.weight], modifier_rank=0) as params:
         assert params == [layer.base.weight, layer.adapt.weight, layer.adapt.bias]  # in the module's order
@@ -77,11 +78,11 @@ def case_write(rank: int, world: int, stage: int) -> dict:
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
 
 
-def case_masters(rank: int, world: int, stage: int, offload: bool = False) -> dict:
+def case_masters(rank: int, world: int, stage: int, offload: bool = False, **zero) -> dict:
     """Under bf16 the fp32 masters are copies of their own: rank 0's write reaches them (what
     `full_state_dict` reads and the next step starts from) on every rank; with offload, on the host."""
     model = make_model()
-    engine = zero_engine.initialize(model, config(stage, "bf16", **(OFFLOAD if offload else {})))
+    engine = zero_engine.initialize(model, config(stage, "bf16", **(OFFLOAD if offload else {}), **zero))
     with engine.gathered(["layers.1.adapt.weight", "layers.1.base.weight"], modifier_rank=0):
         if rank == 0:
             with torch.no_grad():
@@ -162,9 +163,18 @@ def case_masters_offload(rank: int, world: int, stage: int) -> dict:
     return case_masters(rank, world, stage, offload=True)
 
 
+def case_write_hybrid(rank: int, world: int, stage: int) -> dict:
+    """Hybrid sharding: the write reaches every shard group's shards and masters."""
+    return case_write(rank, world, stage, shard_group_size=2)
+
+
+def case_masters_hybrid(rank: int, world: int, stage: int) -> dict:
+    return case_masters(rank, world, stage, shard_group_size=2)
+
+
 CASES = {
     "write": case_write, "masters": case_masters, "masters_offload": case_masters_offload, "refused": case_refused,
-    "nested": case_nested,
+    "nested": case_nested, "write_hybrid": case_write_hybrid, "masters_hybrid": case_masters_hybrid,
 }
 
 
@@ -194,7 +204,7 @@ def check(results: list[dict], world: int, cases: list[tuple[str, int]]) -> None
         for rank, result in enumerate(results):
             got = result[(name, stage)]
             where = f"{name} stage {stage} rank {rank} of {world}"
-            if name == "write":  # each rank's loss is its micro-batch's: their mean is the global batch's
+            if name.startswith("write"):  # each rank's loss is its micro-batch's: their mean is the global batch's
                 mean = [sum(r[(name, stage)]["losses"][step] for r in results) / world for step in range(STEPS)]
                 assert mean == pytest.approx(ref_losses, abs=TOL), where
                 for key, value in ref_state.items():
@@ -224,7 +234,8 @@ def check(results: list[dict], world: int, cases: list[tuple[str, int]]) -> None
 # the fast run on 2 ranks: every case at the stages where its paths differ (the slow run: every stage, 3 ranks)
 FAST = [(name, stage) for name in ("write", "masters") for stage in (0, 1, 2, 3)]
 FAST += [("masters_offload", 3), ("refused", 0), ("refused", 3), ("nested", 0), ("nested", 3)]
-EVERY = [(name, stage) for name in CASES for stage in (0, 1, 2, 3) if name != "masters_offload" or stage > 0]
+EVERY = [(name, stage) for name in ("write", "masters", "refused", "nested") for stage in (0, 1, 2, 3)]
+EVERY += [("masters_offload", stage) for stage in (1, 2, 3)]
 
 
 def test_gathered_two_ranks() -> None:
@@ -238,7 +249,14 @@ def test_gathered_three_ranks() -> None:
     check(results, 3, EVERY)
 
 
+@pytest.mark.slow
+def test_gathered_with_hybrid_sharding() -> None:
+    cases = [("write_hybrid", 3), ("masters_hybrid", 3)]
+    results = run_on_ranks(4, run_cases, cases)
+    check(results, 4, cases)
+
+
 def test_gathered_three_ranks_stage3() -> None:
-    cases = [(name, 3) for name in CASES]
+    cases = [(name, 3) for name in ("write", "masters", "masters_offload", "refused", "nested")]
     results = run_on_ranks(3, run_cases, cases)
     check(results, 3, cases)
