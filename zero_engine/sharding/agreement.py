@@ -214,6 +214,21 @@ class CollectiveSchedule:
         of ``unit`` is agreed and not launched here yet."""
         return any(unit in round_.wants for round_ in self._rounds) or self._queued(unit)
 
+    @property
+    def diverged(self) -> bool:
+        return bool(self.divergence)
+
+    def check_usable(self) -> None:
+        """After a divergence the ranks have launched different numbers of gathers, so no later
+        collective of this engine can pair up: every call raises at once, on every rank,
+        instead of issuing one (on NCCL an unmatched kernel would spin until the watchdog)."""
+        if self.divergence:
+            raise DivergedRanksError(f"{self.divergence} (raised earlier; this engine cannot go on)")
+
+    def may_wait_for(self, reduction: int) -> bool | None:
+        """`launched_everywhere`, and never after a divergence (the others may never launch it)."""
+        return False if self.divergence else self.launched_everywhere(reduction)
+
     def launched_everywhere(self, reduction: int) -> bool | None:
         """Whether the rows say every rank has launched ``reduction`` (in the reducer's order),
         reading the rounds that have arrived. None while rounds this rank issued are still in

@@ -54,7 +54,6 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..errors import DivergedRanksError
 from ..tree import iter_tensors
 from .agreement import WANTS_PER_ROW, CollectiveSchedule, PassKind
 from .frozen_unit import FrozenUnit
@@ -130,7 +129,7 @@ class ParamGatherer(NoGather):
         self.lifecycle = lifecycle  # tracks the root's forward (its hooks run before these)
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
         self.gathered = GatheredUnits(
-            self.units, lambda: self._diverged, lambda: lifecycle.state is TrainingState.FORWARD
+            self.units, lambda: self.schedule.diverged, lambda: lifecycle.state is TrainingState.FORWARD
         )
         self._holds = self.gathered.holds
         self.schedule = CollectiveSchedule(
@@ -159,28 +158,13 @@ class ParamGatherer(NoGather):
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
-        self._methods = RootMethods(root, self._enter_as_forward, self._exit_as_forward)  # its generate
+        self._methods = RootMethods(  # its generate, run as one forward of it
+            root, lifecycle, (self._enter_root, self._pre_forward), (self._post_forward, self._exit_root)
+        )
 
     @property
     def root_units(self) -> tuple[int, ...]:
         return self._needs[self._root]
-
-    def _enter_as_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A root method run as a forward (`RootMethods`): the hooks the root's call would run."""
-        self.lifecycle.enter_forward()
-        try:
-            self._enter_root(self._root, args)
-            self._pre_forward(self._root, args, kwargs)  # a generate runs without gradients: no signal to wrap in
-        except BaseException:
-            self.lifecycle.exit_forward()
-            raise
-
-    def _exit_as_forward(self, args: tuple[Any, ...], output: Any) -> None:
-        try:
-            self._post_forward(self._root, args, output)
-            self._exit_root(self._root, args, output)
-        finally:
-            self.lifecycle.exit_forward()
 
     # -- holds taken outside the hooks -------------------------------------------------------
 
@@ -224,22 +208,12 @@ class ParamGatherer(NoGather):
     def may_wait_for_reduction(self, index: int) -> bool | None:
         """Whether every rank has launched the reduction of the reducer's unit ``index`` (said
         so in its rows), so that waiting for it cannot wait for a rank that is waiting for
-        this one; None while rounds that may say so are in flight (see
-        `CollectiveSchedule.launched_everywhere`)."""
-        if self._diverged:
-            return False
-        return self.schedule.launched_everywhere(index)
-
-    @property
-    def _diverged(self) -> bool:
-        return bool(self.schedule.divergence)
+        this one; None while rounds that may say so are in flight (`CollectiveSchedule.may_wait_for`)."""
+        return self.schedule.may_wait_for(index)
 
     def check_usable(self) -> None:
-        """After a divergence the ranks have launched different numbers of gathers, so no later
-        collective of this engine can pair up: every call raises at once, on every rank,
-        instead of issuing one (on NCCL an unmatched kernel would spin until the watchdog)."""
-        if self._diverged:
-            raise DivergedRanksError(f"{self.schedule.divergence} (raised earlier; this engine cannot go on)")
+        """Every call raises after a divergence (`CollectiveSchedule.check_usable`)."""
+        self.schedule.check_usable()
 
     def settle_for_call(self) -> None:
         """After a collective call's row (`zero_engine.sharding.calls.PassCallGuard`): every unit
@@ -283,7 +257,7 @@ class ParamGatherer(NoGather):
 
     def _release_pass_holds(self) -> None:
         self._holds.clear()
-        if not self._diverged:
+        if not self.schedule.diverged:
             self.schedule.launch_all()
         self.gathered.free_unheld()
 
@@ -439,6 +413,6 @@ class ParamGatherer(NoGather):
     def _end_pass(self) -> None:
         """Every rank has issued the same rounds and launched every agreed gather; free what
         nobody here holds."""
-        if not self._diverged:
+        if not self.schedule.diverged:
             self.schedule.end_pass()
         self.gathered.free_unheld()

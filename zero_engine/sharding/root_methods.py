@@ -16,27 +16,36 @@ from typing import Any
 
 from torch import nn
 
+from .lifecycle import Lifecycle
+
 ROOT_METHODS = ("generate",)  # Hugging Face's
 
 
+PreHooks = tuple[Callable[[nn.Module, Any], None], Callable[[nn.Module, Any, dict[str, Any]], Any]]
+PostHooks = tuple[Callable[[nn.Module, Any, Any], None], Callable[[nn.Module, Any, Any], None]]
+
+
 class RootMethods:
-    """``names`` of ``root`` (those it has) run between ``enter(args, kwargs)`` and
-    ``exit(args, output)``, until `restore`."""
+    """``names`` of ``root`` (those it has) run between the root's forward hooks, as a call of
+    the root would run them: the lifecycle's forward entered, then ``pre`` (the outermost
+    call's bookkeeping, the root unit module's pre-hook); after, ``post`` (its post-hook, the
+    outermost call's end) and the lifecycle's exit, even when the method raises. Until `restore`."""
 
     def __init__(
         self,
         root: nn.Module,
-        enter: Callable[[tuple[Any, ...], dict[str, Any]], None],
-        exit: Callable[[tuple[Any, ...], Any], None],
+        lifecycle: Lifecycle,
+        pre: PreHooks,
+        post: PostHooks,
         names: tuple[str, ...] = ROOT_METHODS,
     ) -> None:
-        self.root = root
+        self.root, self.lifecycle, self.pre, self.post = root, lifecycle, pre, post
         self._originals: dict[str, Callable[..., Any]] = {}
         for name in names:
             method = getattr(root, name, None)
             if callable(method):
                 self._originals[name] = method
-                setattr(root, name, _bracketed(method, enter, exit))
+                setattr(root, name, self._bracketed(method))
 
     def restore(self) -> None:
         """The instance attributes go; the class's methods show again."""
@@ -44,20 +53,23 @@ class RootMethods:
             delattr(self.root, name)
         self._originals.clear()
 
+    def _bracketed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        root, (enter_root, pre_forward), (post_forward, exit_root) = self.root, self.pre, self.post
 
-def _bracketed(
-    method: Callable[..., Any],
-    enter: Callable[[tuple[Any, ...], dict[str, Any]], None],
-    exit: Callable[[tuple[Any, ...], Any], None],
-) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def as_forward(*args: Any, **kwargs: Any) -> Any:
-        output = None
-        enter(args, kwargs)
-        try:
-            output = method(*args, **kwargs)
-            return output
-        finally:
-            exit(args, output)  # as the root's forward hooks run, ``always_call``
+        @functools.wraps(method)
+        def as_forward(*args: Any, **kwargs: Any) -> Any:
+            output = None
+            self.lifecycle.enter_forward()
+            try:
+                enter_root(root, args)
+                pre_forward(root, args, kwargs)  # a generate runs without gradients: no signal to wrap in
+                try:
+                    output = method(*args, **kwargs)
+                    return output
+                finally:
+                    post_forward(root, args, output)
+                    exit_root(root, args, output)
+            finally:
+                self.lifecycle.exit_forward()
 
-    return as_forward
+        return as_forward
