@@ -124,6 +124,12 @@ def case_refused(rank: int, world: int, stage: int) -> dict:
     except RuntimeError as error:
         errors.append(str(error))
     engine.step()
+    try:  # a parameter given another shape cannot be written back: refused on every rank, last (it stays so)
+        with engine.gathered("layers.0.adapt.weight", modifier_rank=0):
+            if rank == 0:
+                model.layers[0].adapt.weight.data = torch.zeros(2, 2)
+    except ValueError as error:
+        errors.append(str(error))
     return {"errors": errors, "unchanged": unchanged}
 
 
@@ -213,7 +219,7 @@ def check(results: list[dict], world: int, cases: list[tuple[str, int]]) -> None
                 assert bool((got["adapt"] == 0.25).all()) and bool((got["base"] == -0.5).all()), where
             elif name == "refused":
                 errors = got["errors"]
-                assert len(errors) == 3, (where, errors)
+                assert len(errors) == 4, (where, errors)
                 assert "without modifier_rank" in errors[0] and "'layers.1.adapt.weight' on rank(s) [1]" in errors[0], where
                 assert "as they were" in errors[0], where
                 if rank == world - 1:
@@ -221,6 +227,7 @@ def check(results: list[dict], world: int, cases: list[tuple[str, int]]) -> None
                 else:
                     assert f"rank(s) [{world - 1}] raised inside the context" in errors[1], where
                 assert "inside engine.gathered()" in errors[2], where
+                assert "shape changed inside the context" in errors[3], where
                 assert all(got["unchanged"].values()), (where, got["unchanged"])
             else:
                 assert got["tied_once"] and got["outer_still_whole"] and got["after_outer"] == (stage < 3), where

@@ -131,10 +131,13 @@ class GatheredParameters:
     # -- exit -------------------------------------------------------------------------------
 
     def _settle(self, failed: bool) -> None:
+        """One exchange says, for every rank, whether it raised, whether a parameter's shape
+        changed, and which parameters it wrote; every rank then decides the same."""
         written = [fingerprint(target.param) != before for target, before in zip(self.targets, self._prints)]
-        rows = self.comm.each_rank([int(failed), *map(int, written)]).values()
+        reshaped = [t.name for t in self.targets if list(t.param.shape) != list(_shape(t))]
+        rows = self.comm.each_rank([int(failed), int(bool(reshaped)), *map(int, written)]).values()
         failed_ranks = [rank for rank, row in enumerate(rows) if row[0]]
-        writers = [[rank for rank, row in enumerate(rows) if row[1 + i]] for i in range(len(self.targets))]
+        writers = [[rank for rank, row in enumerate(rows) if row[2 + i]] for i in range(len(self.targets))]
         if failed_ranks:  # the rank that raised re-raises its own error
             if not failed:
                 raise RuntimeError(
@@ -142,6 +145,11 @@ class GatheredParameters:
                     "nothing was written back"
                 )
             return
+        if any(row[1] for row in rows):  # the values could not be broadcast into the engine's storage
+            raise ValueError(
+                f"engine.gathered(): a parameter's shape changed inside the context ({reshaped or 'on another rank'}): "
+                "write new values into it, keeping its shape; nothing was written back"
+            )
         if self.modifier_rank is None:
             self._refuse_writes(writers)
             return
@@ -150,14 +158,6 @@ class GatheredParameters:
     def _write_back(self, writers: list[list[int]], source: int) -> None:
         """The parameters ``source`` wrote, broadcast and written everywhere they are kept; those
         only other ranks wrote, put back from ``source``."""
-        shapes = [list(target.param.shape) == list(_shape(target)) for target in self.targets]
-        bad = self.comm.each_rank([int(not all(shapes))]).values()
-        if any(row[0] for row in bad):
-            names = [t.name for t, ok in zip(self.targets, shapes) if not ok]
-            raise ValueError(
-                f"engine.gathered(modifier_rank={source}): a parameter's shape changed inside the context "
-                f"({names or 'on another rank'}): write new values into it, keeping its shape; nothing was written back"
-            )
         for target, ranks in zip(self.targets, writers):
             if not ranks:
                 continue

@@ -100,14 +100,21 @@ class ModelState:
         """The unit's fp32 master values over the whole flat buffer (a frozen unit's values, in
         its dtype), on rank 0 alone with ``rank0_only`` when they must be gathered (the other
         ranks get None)."""
-        if unit.optimizer_shard is None:
-            return unit.gather_masters(self.comm, onto=0 if rank0_only else None)
+        whole = self.whole_master(unit)
+        return whole if whole is not None else unit.gather_masters(self.comm, onto=0 if rank0_only else None)
+
+    @staticmethod
+    def whole_master(unit: FlatUnit | FrozenUnit) -> torch.Tensor | None:
+        """The unit's exact values over its whole flat buffer where every rank holds them whole,
+        with no collective (None where they are sharded: a frozen unit, or sharded masters)."""
         shard = unit.optimizer_shard
+        if shard is None:
+            return None
         if not unit.shard_master:  # stage 0: the master is the whole unit, never offloaded
             return shard.master
         if shard.master_is_compute_copy and not unit.sharded_params:
             return unit.flat_param  # stages 1-2 in fp32: the whole buffer is up to date
-        return unit.gather_masters(self.comm, onto=0 if rank0_only else None)
+        return None
 
     def units_in_model_order(self) -> list[FlatUnit | FrozenUnit]:
         """The units by their first parameter's place in ``module.parameters()`` (an empty unit

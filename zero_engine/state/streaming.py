@@ -74,24 +74,14 @@ def entries(model_state: ModelState) -> list[Entry]:
             found.append(Entry(name, whole=tensor.detach()))
         elif param in placed:
             unit, index = placed[param]
-            whole = _whole_master(unit, index)
-            found.append(Entry(name, whole=whole) if whole is not None else Entry(name, unit=unit, index=index))
+            whole = model_state.whole_master(unit)  # stage 0's masters, stages 1-2's in fp32: no collective
+            if whole is not None:
+                found.append(Entry(name, whole=unit.view_of(whole, index)))
+            else:
+                found.append(Entry(name, unit=unit, index=index))
         else:  # loose: a frozen parameter below stage 3, or one left out of every param group
             found.append(Entry(name, whole=model_state.loose_masters.get(param, param).detach()))
     return found
-
-
-def _whole_master(unit: FlatUnit | FrozenUnit, index: int) -> torch.Tensor | None:
-    """The parameter's exact values where every rank holds them whole (as `ModelState.full_master`
-    decides), else None."""
-    shard = unit.optimizer_shard
-    if shard is None:
-        return None  # a frozen unit: sharded
-    if not unit.shard_master:  # stage 0: the master is the whole unit
-        return unit.view_of(shard.master, index)
-    if shard.master_is_compute_copy and not unit.sharded_params:  # stages 1-2 in fp32
-        return unit.param_view(index)
-    return None
 
 
 def stream(
