@@ -107,7 +107,8 @@ def initialize(
         placement = offload_plan(zero, stage, batch.gradient_accumulation_steps)
         settings = BuildSettings.derive(zero, stage, precision.compute_dtype, precision.reduce_dtype, placement)
         units = UnitPlan.derive(
-            model, plan, groups, stage.shard_parameters, precision.compute_dtype, settings.bucket_numel
+            model, plan, groups, stage.shard_parameters, precision.compute_dtype, settings.bucket_numel,
+            settings.frozen_quantization,
         )  # every unit, planned once: built by the engine, sized for the host check before
         _check_host_memory(model, units, config, settings, comm)
         if comm.rank == 0:

@@ -23,6 +23,7 @@ from .devices import tensor_bytes
 from .config import ZeroEngineConfig
 from .stage import Stage, stage_for
 from .offload import OffloadPlan, offload_plan
+from .quantize import BLOCK
 from .sharding.reducer import GradReducer
 from .sharding.frozen_unit import FrozenUnit
 from .sharding.unit import FlatUnit
@@ -109,7 +110,8 @@ def estimate_from_config(
     sharded over the shard group (``shard_group_size``, else the config's for ``world_size``),
     not over every rank: with hybrid sharding ``G`` takes the place of ``N``. ``num_params``
     trainable parameters; ``frozen_params`` frozen ones add their storage alone (2 bytes under
-    fp16/bf16, else 4), sharded at stage 3 unless ``frozen_weights`` is ``replicate``."""
+    fp16/bf16, else 4; about 1 in int8 under ``zero_quantized_nontrainable_weights``), sharded
+    at stage 3 unless ``frozen_weights`` is ``replicate``."""
     mixed = config.fp16.enabled or config.bf16.enabled
     if shard_group_size is None:
         shard_group_size = config.zero_optimization.shard_group_size_for(world_size)
@@ -128,9 +130,18 @@ def estimate_from_config(
     plan = offload_plan(config.zero_optimization, stage)
     report = with_offload(report, plan, num_params, shard_group_size, mixed=mixed, stage=stage)
     sharded = stage.shard_parameters and config.zero_optimization.frozen_weights == "shard"
-    frozen = frozen_params * (2 if mixed else 4) // (shard_group_size if sharded else 1)
+    frozen = int(frozen_params * frozen_element_bytes(config, sharded)) // (shard_group_size if sharded else 1)
     host = report.host + (frozen if plan.params and sharded else 0)  # offload_param moves frozen shards too
     return report._replace(parameters=report.parameters + frozen, frozen_parameters=frozen, host=host)
+
+
+def frozen_element_bytes(config: ZeroEngineConfig, sharded: bool) -> float:
+    """Bytes a frozen element is stored in: the compute dtype's (2 under fp16/bf16, else 4), or
+    int8 and its block's share of an fp32 scale where stage 3 shards them under
+    ``zero_quantized_nontrainable_weights`` (vectors stay exact: too few to count here)."""
+    if sharded and config.zero_optimization.zero_quantized_nontrainable_weights:
+        return 1 + 4 / BLOCK
+    return 2 if config.fp16.enabled or config.bf16.enabled else 4
 
 
 def with_offload(

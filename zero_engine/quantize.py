@@ -92,6 +92,15 @@ class BlockQuantizer:
         return values.view(rows, blocks, self.block).mul_(scales[..., None]).view(rows, -1)[:, :numel]
 
 
+    def decode_rows_into(self, encoded: torch.Tensor, numel: int, out: torch.Tensor, chunks: int = 4) -> None:
+        """`decode_rows` into ``out`` (rows of ``numel``, any floating dtype), at most
+        ``chunks`` rows' decodes at a time: the fp32 values in flight stay a fraction of the
+        rows (a frozen unit's gather decodes its whole buffer), in a fixed number of calls."""
+        for rows in torch.arange(encoded.shape[0]).tensor_split(min(chunks, encoded.shape[0])):
+            first, last = int(rows[0]), int(rows[-1]) + 1
+            out[first:last].copy_(self.decode_rows(encoded[first:last], numel))
+
+
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """Rows of int8 values in [-7, 7] as unsigned nibbles (offset 8), two to a byte, low one first."""
     shifted = (q.to(torch.int16) + 8).to(torch.uint8)

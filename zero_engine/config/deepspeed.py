@@ -97,6 +97,15 @@ def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
             f"zero_optimization.zero_quantized_weights = True has no effect at stage {zero.stage}: parameters are "
             "whole on every rank below stage 3, nothing is gathered for compute (DeepSpeed ignores it there too)"
         )
+    if zero.zero_quantized_nontrainable_weights and (
+        (zero.stage != "auto" and zero.stage < 3) or zero.frozen_weights == "replicate"
+    ):
+        where = f"at stage {zero.stage}" if zero.frozen_weights == "shard" else "with frozen_weights = 'replicate'"
+        messages.append(
+            f"zero_optimization.zero_quantized_nontrainable_weights = True has no effect {where}: frozen weights are "
+            "kept whole and exact there; int8 frozen weights are stage 3's shards (DeepSpeed applies it only where "
+            "ZeRO-3 partitions parameters)"
+        )
     if zero.stage == 0 and zero.zero_quantized_gradients:
         messages.append(
             "zero_optimization.zero_quantized_gradients = True has no effect at stage 0: gradients are all-reduced "
@@ -122,7 +131,7 @@ def key_reference(model: type[BaseModel] = ZeroEngineConfig, prefix: str = "") -
             rows.append((prefix + name, "section", field.description or ""))
             rows.extend(key_reference(sections[0], prefix + name + "."))
         else:
-            default = "{}" if field.default_factory is not None else repr(field.default)
+            default = repr(field.default_factory() if field.default_factory is not None else field.default)
             text = field.description or ""
             if prefix + name in NO_EFFECT:
                 text = f"DeepSpeed option, no effect here: {NO_EFFECT[prefix + name]}. Logged at `initialize` when set."

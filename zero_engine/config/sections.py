@@ -293,7 +293,24 @@ class ZeroOptimizationConfig(_Section):
         8, description="Ours, not DeepSpeed's: the integer width of zero_quantized_gradients. 8 by default (within "
         "1.5% of unquantized training's loss here); 4 is DeepSpeed's width, a further half of the bytes.",
     )
-    zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++ int8 frozen weights.")
+    zero_quantized_nontrainable_weights: bool = Field(
+        False, description="ZeRO++ int8 frozen weights: at stage 3 (frozen_weights 'shard'), each frozen weight "
+        "matrix is quantized once at initialize (int8, one fp32 scale per block of 2048) and kept and all-gathered "
+        "so: about half a bf16 base's bytes held and moved. Every rank decodes the same values into the compute "
+        "dtype around each use; exports and checkpoints hold the decoded values (the exact base is not kept). "
+        "Trainable parameters, vectors (norms, biases) and the parameters of "
+        "zero_quantized_nontrainable_exact stay exact. No effect below stage 3 or with frozen_weights 'replicate' "
+        "(DeepSpeed applies it only where ZeRO-3 partitions parameters).",
+    )
+    zero_quantized_nontrainable_min_numel: Count = Field(
+        2048, description="Ours, not DeepSpeed's: frozen weights with fewer elements than this stay exact under "
+        "zero_quantized_nontrainable_weights (one block's scale would cost more than it saves)."
+    )
+    zero_quantized_nontrainable_exact: list[str] = Field(
+        default_factory=list, description="Ours, not DeepSpeed's: frozen parameters kept exact under "
+        "zero_quantized_nontrainable_weights, as fnmatch patterns of their names (e.g. ['*embed_tokens*', "
+        "'*lm_head*']); a pattern matching no frozen parameter is refused at initialize."
+    )
     memory_efficient_linear: bool = Field(True, description="DeepSpeed stage 3 option; accepted, no effect.")
     stage3_module_granularity_threshold: Count = Field(0, description="DeepSpeed stage 3 option; accepted, no effect.")
     stage3_use_all_reduce_for_fetch_params: bool = _deepspeed_option(False)
@@ -321,9 +338,6 @@ class ZeroOptimizationConfig(_Section):
     # when set, and in the key table (`zero_engine.config.deepspeed`).
     NO_EFFECT: ClassVar[dict[str, str]] = {
         "contiguous_gradients": "gradients always live in one flat buffer per unit",
-        "zero_quantized_nontrainable_weights": (
-            "frozen parameters are gathered exactly, in their stored dtype (int8 not built)"
-        ),
         "reduce_scatter": "stages 1-3 always reduce-scatter (comm.primitives picks how)",
         "allgather_partitions": "updated shards are always all-gathered, one unit per call",
         "allgather_bucket_size": (

@@ -31,6 +31,7 @@ from torch import nn
 from ..comm import Comm
 from ..config import ZeroOptimizationConfig
 from ..offload import NO_OFFLOAD, OffloadPlan
+from ..quantize import BlockQuantizer
 from ..stage import Stage, UnitSpec
 from .calls import CallGuard, PassCallGuard
 from .codec import Codecs, choose_codecs
@@ -38,6 +39,7 @@ from .deferred_init import DeferredInit
 from .gatherer import NoGather, ParamGatherer
 from .lifecycle import Lifecycle
 from .frozen_unit import FrozenUnit
+from .quantized_frozen import NO_QUANTIZATION, FrozenQuantization, QuantizedFrozenUnit
 from .placement import Placement, place
 from .bucket_reducer import ShardedGradReducer
 from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads
@@ -61,6 +63,7 @@ class BuildSettings:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     offload: OffloadPlan = NO_OFFLOAD
+    frozen_quantization: FrozenQuantization = NO_QUANTIZATION  # which frozen weights stage 3 keeps in int8
 
     @classmethod
     def derive(
@@ -74,7 +77,7 @@ class BuildSettings:
         return cls(
             stage, stage.unit_spec(zero), stage.streams_gradients(zero), zero.reduce_bucket_size,
             zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, zero.overlap_comm,
-            stage_codecs(stage, zero), compute_dtype, reduce_dtype, offload,
+            stage_codecs(stage, zero), compute_dtype, reduce_dtype, offload, frozen_quantization(stage, zero),
         )
 
 
@@ -127,6 +130,15 @@ def stage_codecs(stage: Stage, zero: ZeroOptimizationConfig) -> Codecs:
     )
 
 
+def frozen_quantization(stage: Stage, zero: ZeroOptimizationConfig) -> FrozenQuantization:
+    """``zero_quantized_nontrainable_weights`` where frozen weights are sharded (stage 3, not
+    ``frozen_weights: replicate``); elsewhere they stay whole and exact (said at initialize)."""
+    enabled = zero.zero_quantized_nontrainable_weights and stage.shard_parameters and zero.frozen_weights == "shard"
+    return FrozenQuantization(
+        enabled, zero.zero_quantized_nontrainable_min_numel, tuple(zero.zero_quantized_nontrainable_exact)
+    )
+
+
 def build_units(
     model: nn.Module,
     plan: UnitPlan,
@@ -157,13 +169,7 @@ def build_units(
         )
         for planned in plan.sharded
     ]
-    frozen = [
-        FrozenUnit(
-            planned.tensors, planned.names, comm.shard_rank, comm.num_shards, label=planned.label, device=device,
-            dtype=planned.dtype, materialize=_materializer(deferred, planned.tensors), on_host=offload.params,
-        )
-        for planned in plan.frozen
-    ]
+    frozen = [_frozen_unit(planned, comm, settings, device, deferred) for planned in plan.frozen]
     if deferred is not None:  # what no sharded unit took: buffers, small parameters
         deferred.materialize_all()
         _agree_on_drawn_values(model, [*sharded, *frozen], comm)
@@ -208,6 +214,20 @@ def _agree_on_drawn_values(
             unit.param_shard.copy_(values)
 
 
+def _frozen_unit(
+    planned: PlannedUnit, comm: Comm, settings: BuildSettings, device: torch.device, deferred: DeferredInit | None
+) -> FrozenUnit:
+    """A stage 3 frozen unit: exact, or kept and gathered in int8 (`QuantizedFrozenUnit`)."""
+    args = (planned.tensors, planned.names, comm.shard_rank, comm.num_shards)
+    kwargs: dict = dict(
+        label=planned.label, device=device, dtype=planned.dtype, materialize=_materializer(deferred, planned.tensors),
+        on_host=settings.offload.params,
+    )
+    if planned.quantized:
+        return QuantizedFrozenUnit(*args, quantizer=BlockQuantizer(8), meter=settings.codecs.meter, **kwargs)
+    return FrozenUnit(*args, **kwargs)
+
+
 def _materializer(deferred: DeferredInit | None, params: list[nn.Parameter]) -> Callable[[], None] | None:
     """What initializes a stage 3 unit's meta parameters once they alias its buffer."""
     if deferred is None:
@@ -233,8 +253,12 @@ def planned_host_buffers(plan: UnitPlan, settings: BuildSettings, num_shards: in
         return -(-numel // num_shards)
 
     buffers: list[int] = []
-    if offload.params and stage.shard_parameters:  # each frozen unit's shard (per module and stored dtype)
-        buffers += [planned.dtype.itemsize * shard(planned.numel) for planned in plan.frozen]
+    if offload.params and stage.shard_parameters:  # each frozen unit's shard (per module, stored dtype, encoding)
+        buffers += [
+            BlockQuantizer(8).encoded_bytes(shard(planned.numel)) if planned.quantized
+            else planned.dtype.itemsize * shard(planned.numel)
+            for planned in plan.frozen
+        ]
     units = [*((planned.numel, True) for planned in plan.sharded), *((planned.numel, False) for planned in plan.whole)]
     for numel, is_sharded in units:
         if offload.optimizer:

@@ -39,6 +39,7 @@ class FrozenUnit(GatheredStorage):
     """Frozen parameters of one dtype, of one unit module, flattened and sharded."""
 
     frozen = True
+    quantized = False  # kept and gathered exactly (`QuantizedFrozenUnit`: in int8)
     shard_master = True  # what this rank keeps is its shard, as a trainable stage 3 unit
     optimizer_shard = None  # nothing to optimize
 
@@ -83,11 +84,23 @@ class FrozenUnit(GatheredStorage):
         start, end = self.layout.shard_range(rank)
         self._segments = {segment.param_index: segment for segment in self.layout.segments(rank)}  # what it keeps
         self.on_host = on_host  # offload_param: the shard lives in host memory, crosses before each gather
-        shard = self.flat_param[start:end]
-        self.param_shard = offload.host_copy(shard, offload.PIN_CROSSING) if on_host else shard.clone()
+        self._keep(self.flat_param[start:end])
         for index, param in enumerate(self.params):
             param.data = self.param_view(index)  # then emptied, with the buffer's storage freed
         self._start_sharded(label)
+
+    def _keep(self, shard: torch.Tensor) -> None:
+        """Keep this rank's shard (a view of the full buffer, about to be freed): a copy, on the
+        host with ``offload_param``. `QuantizedFrozenUnit` keeps it encoded."""
+        self.param_shard = offload.host_copy(shard, offload.PIN_CROSSING) if self.on_host else shard.clone()
+
+    def _shard_values(self) -> torch.Tensor:
+        """This rank's shard's values, in the unit's dtype, to read (exports, checkpoints)."""
+        return self.param_shard
+
+    def _writable_shard(self) -> torch.Tensor:
+        """This rank's shard's values, to write in place (loads, ``gathered()``'s write-back)."""
+        return self.param_shard
 
     def gather(self, comm: Comm) -> Gathering:
         """The all-gather of the unit's values, in their own dtype, counted apart in the
@@ -123,7 +136,7 @@ class FrozenUnit(GatheredStorage):
             return
         if self.has_full_storage:
             raise RuntimeError(f"unit {self.label}: loading a shard while the unit is gathered (mid-step?)")
-        self.param_shard[segment.shard_offset : segment.shard_offset + segment.numel].copy_(values.reshape(-1))
+        self._writable_shard()[segment.shard_offset : segment.shard_offset + segment.numel].copy_(values.reshape(-1))
 
     def write_kept(self, index: int, values: torch.Tensor) -> None:
         """Set this rank's shard of parameter ``index`` from its full flattened ``values``,
@@ -132,13 +145,14 @@ class FrozenUnit(GatheredStorage):
         segment = self._segments.get(index)
         if segment is not None:
             piece = values[segment.param_offset : segment.param_offset + segment.numel]
-            offload.copy_across(self.param_shard[segment.shard_offset : segment.shard_offset + segment.numel], piece)
+            shard = self._writable_shard()
+            offload.copy_across(shard[segment.shard_offset : segment.shard_offset + segment.numel], piece)
 
     def shard_pieces(self) -> list[tuple[int, int, int, torch.Tensor]]:
         """This rank's pieces: ``(param index, start in the parameter, numel, values)``."""
+        shard = self._shard_values()
         return [
-            (piece.param_index, piece.param_offset, piece.numel,
-             self.param_shard[piece.shard_offset : piece.shard_offset + piece.numel])
+            (piece.param_index, piece.param_offset, piece.numel, shard[piece.shard_offset : piece.shard_offset + piece.numel])
             for piece in self._segments.values()
         ]
 
@@ -146,11 +160,12 @@ class FrozenUnit(GatheredStorage):
         """The unit's values over the whole flat buffer, in its own dtype, gathered from every
         rank's shard (for exports: the same call as a trainable unit's fp32 masters); onto rank
         ``onto`` alone when given (the others return None)."""
+        shard = self._shard_values()
         if onto is not None and comm.rank != onto:
-            comm.gather(self.param_shard.to(self.device), None, dst=onto).wait()
+            comm.gather(shard.to(self.device), None, dst=onto).wait()
             return None
         start, end = self.layout.shard_range(self.rank)
         full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        full[start:end] = self.param_shard
+        full[start:end] = shard
         (comm.all_gather(full) if onto is None else comm.gather(full[start:end], full, dst=onto)).wait()
         return full

@@ -237,10 +237,14 @@ class GatheredStorage:
             _allocate_storage(self.flat_param, self.unsharded_bytes)
             for index, param in enumerate(self.params):
                 param.data = self.param_view(index)
-        start, end = self.layout.shard_range(self.rank)
-        offload.copy_across(self.flat_param[start:end], self.param_shard)  # from the host with offload_param
+        self._fill_own_shard()
         self._gatherings.append(self.gather(comm))
         self.state = ShardedState.GATHERING
+
+    def _fill_own_shard(self) -> None:
+        """Put this rank's shard into the full buffer before the gather fills the others'."""
+        start, end = self.layout.shard_range(self.rank)
+        offload.copy_across(self.flat_param[start:end], self.param_shard)  # from the host with offload_param
 
     def wait_for_unshard(self, wait: bool = True) -> None:
         """Wait for the gather in flight, if any (``wait=False`` after ranks diverged, when the

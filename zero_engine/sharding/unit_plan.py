@@ -2,7 +2,8 @@
 which order, of which param group, and what kind of unit holds them.
 
 Three kinds: at stage 3, a *sharded* unit per unit module (its trainable parameters) and a
-*frozen* unit per unit module and stored dtype (`zero_engine.sharding.frozen_unit`); everywhere
+*frozen* unit per unit module, stored dtype and encoding (exact, or int8 under
+``zero_quantized_nontrainable_weights``: `zero_engine.sharding.quantized_frozen`); everywhere
 else, *whole*-parameter units of at most ``reduce_bucket_size`` elements per param group (stages
 0-2, and stage 3's resident parameters, below ``stage3_param_persistence_threshold``). The plan is
 made from the module plan (`zero_engine.sharding.module_plan`, stage 3's unit modules) and the
@@ -22,6 +23,7 @@ from torch import nn
 
 from ..param_groups import ParamGroup
 from .frozen_unit import frozen_dtype
+from .quantized_frozen import NO_QUANTIZATION, FrozenQuantization
 from .layout import plan_units
 from .module_plan import ModulePlan, ModuleUnitPlan
 
@@ -49,13 +51,15 @@ class PlannedParam:
 @dataclass
 class PlannedUnit:
     """One unit to build: its kind and parameters in order (its offsets follow from them), the
-    module path it stands for, a frozen unit's stored dtype, the unit module's plan (stage 3)."""
+    module path it stands for, a frozen unit's stored dtype and whether it is kept in int8, the
+    unit module's plan (stage 3)."""
 
     kind: UnitKind
     params: list[PlannedParam]
     label: str = ""
     dtype: torch.dtype | None = None
     module: ModuleUnitPlan | None = None
+    quantized: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -92,8 +96,10 @@ class UnitPlan:
         shard_parameters: bool,
         compute_dtype: torch.dtype,
         bucket_numel: int,
+        quantization: FrozenQuantization = NO_QUANTIZATION,
     ) -> UnitPlan:
-        """The plan of a stage that shards parameters (stage 3) or does not."""
+        """The plan of a stage that shards parameters (stage 3) or does not; ``quantization``
+        says which frozen parameters stage 3 keeps in int8."""
         position = {param: index for index, param in enumerate(model.parameters())}
         if not shard_parameters:
             per_group = [
@@ -110,26 +116,35 @@ class UnitPlan:
             for unit in modules.units
             if unit.params
         ]
-        frozen = [planned for unit in modules.units for planned in _frozen_units(unit, compute_dtype)]
+        quantization.check_patterns([name for unit in modules.units for name in unit.frozen_names])
+        frozen = [
+            planned for unit in modules.units for planned in _frozen_units(unit, compute_dtype, quantization)
+        ]
         per_group: list[list[PlannedParam]] = [[] for _ in groups]
         for item in modules.resident:
             per_group[item.group_index].append(PlannedParam(item.name, item.param, item.group_index))
         return cls(modules, sharded, frozen, _whole_units(per_group, position, bucket_numel))
 
 
-def _frozen_units(unit: ModuleUnitPlan, compute_dtype: torch.dtype) -> list[PlannedUnit]:
+def _frozen_units(
+    unit: ModuleUnitPlan, compute_dtype: torch.dtype, quantization: FrozenQuantization
+) -> list[PlannedUnit]:
     """A unit module's frozen parameters, one unit per dtype they are stored in (each gathers in
-    it: the compute dtype under mixed precision, see `cast_frozen`, else the parameter's own), in
+    it: the compute dtype under mixed precision, see `cast_frozen`, else the parameter's own) and
+    per encoding (int8 or exact: norms and biases stay exact beside int8 matrices), in
     registration order within each."""
-    by_dtype: dict[torch.dtype, list[PlannedParam]] = {}
+    by_kind: dict[tuple[torch.dtype, bool], list[PlannedParam]] = {}
     for name, param in zip(unit.frozen_names, unit.frozen_params):
-        by_dtype.setdefault(frozen_dtype(param, compute_dtype), []).append(PlannedParam(name, param, None))
+        kind = (frozen_dtype(param, compute_dtype), quantization.applies(name, param))
+        by_kind.setdefault(kind, []).append(PlannedParam(name, param, None))
+    dtypes = {dtype for dtype, _ in by_kind}
     return [
         PlannedUnit(
             UnitKind.FROZEN, params,
-            f"{unit.label if len(by_dtype) == 1 else f'{unit.label} ({dtype})'} [frozen]", dtype=dtype, module=unit,
+            f"{unit.label if len(dtypes) == 1 else f'{unit.label} ({dtype})'} [frozen{' int8' if quantized else ''}]",
+            dtype=dtype, module=unit, quantized=quantized,
         )
-        for dtype, params in by_dtype.items()
+        for (dtype, quantized), params in by_kind.items()
     ]
 
 

@@ -1,0 +1,130 @@
+"""Frozen weights kept and gathered in int8 (DeepSpeed's ``zero_quantized_nontrainable_weights``).
+
+A frozen weight never changes, so it is quantized once, at ``initialize``, and never again: each
+rank encodes its shard of a frozen unit with the block codec (`zero_engine.quantize`: int8, one
+fp32 scale per block of 2048 elements; blocks start at the shard's first element, so a block
+never spans two ranks) and keeps only that, about half a bf16 shard's bytes. A gather moves the
+encoded shards (half the bytes again) and every rank decodes every shard, its own included, into
+the full buffer in the unit's dtype: all ranks compute with the same values, which is what the
+shards say, not the exact weights (the exact base is not kept anywhere, as in DeepSpeed).
+
+What is quantized is decided per parameter (`FrozenQuantization`): frozen floating-point
+matrices of at least ``zero_quantized_nontrainable_min_numel`` elements that the user did not
+name in ``zero_quantized_nontrainable_exact``. Vectors (norms, biases) stay exact: a scale per
+block of a norm's gains costs its precision for a negligible saving. The plan puts the quantized
+parameters of a unit module in a unit of their own (`zero_engine.sharding.unit_plan`).
+
+Writes (loading a checkpoint or ``weights=``, ``gathered()``'s write-back) go to a decoded copy
+of the shard, encoded again at the next read: a load of every parameter of a unit encodes the
+shard once, so a block that two parameters share is quantized from its final values only.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import offload
+from ..comm import Comm
+from ..comm.handles import DONE, CollectiveKind
+from ..errors import ConfigError
+from ..quantize import BlockQuantizer, BufferMeter
+from .codec import Gathering
+from .frozen_unit import FrozenUnit
+
+EXACT_KEY = "zero_optimization.zero_quantized_nontrainable_exact"
+
+
+@dataclass(frozen=True)
+class FrozenQuantization:
+    """Which frozen parameters are kept in int8 (none when not ``enabled``)."""
+
+    enabled: bool = False
+    min_numel: int = 2048
+    exact: Sequence[str] = field(default_factory=tuple)  # fnmatch patterns of names kept exact
+
+    def applies(self, name: str, param: nn.Parameter) -> bool:
+        return (
+            self.enabled
+            and not param.requires_grad
+            and param.is_floating_point()
+            and param.dim() >= 2
+            and param.numel() >= self.min_numel
+            and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exact)
+        )
+
+    def check_patterns(self, frozen_names: Sequence[str]) -> None:
+        """Refuse a pattern of ``zero_quantized_nontrainable_exact`` that names no frozen
+        parameter (a misspelt name would otherwise quantize what the user meant to keep)."""
+        if not self.enabled:
+            return
+        for index, pattern in enumerate(self.exact):
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in frozen_names):
+                raise ConfigError(
+                    f"{EXACT_KEY}[{index}] = {pattern!r} matches no frozen parameter (names look like "
+                    f"{list(frozen_names)[:3]!r})"
+                )
+
+
+NO_QUANTIZATION = FrozenQuantization()
+
+
+class QuantizedFrozenUnit(FrozenUnit):
+    """A `FrozenUnit` whose shard is kept encoded (``param_shard``: uint8) and gathered so."""
+
+    quantized = True
+
+    def __init__(self, *args: Any, quantizer: BlockQuantizer, meter: BufferMeter, **kwargs: Any) -> None:
+        self.quantizer = quantizer
+        self.meter = meter  # the encoded gather buffers, for memory_report's quantized peak
+        self._staged: torch.Tensor | None = None  # decoded shard being written, encoded at the next read
+        super().__init__(*args, **kwargs)
+
+    def _keep(self, shard: torch.Tensor) -> None:
+        encoded = torch.empty(self.quantizer.encoded_bytes(shard.numel()), dtype=torch.uint8, device=shard.device)
+        self.quantizer.encode(shard, encoded)
+        self._encoded = offload.host_copy(encoded, offload.PIN_CROSSING) if self.on_host else encoded
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        """What this rank keeps: its shard, encoded (any staged write encoded first)."""
+        if self._staged is not None:
+            encoded = torch.empty(self._encoded.numel(), dtype=torch.uint8, device=self.device)
+            self.quantizer.encode(self._staged, encoded)
+            offload.copy_across(self._encoded, encoded)
+            self._staged = None
+        return self._encoded
+
+    def _shard_values(self) -> torch.Tensor:
+        if self._staged is not None:
+            return self._staged
+        encoded = self._encoded.to(self.device)
+        return self.quantizer.decode(encoded, self.layout.shard_numel).to(self.dtype)
+
+    def _writable_shard(self) -> torch.Tensor:
+        if self._staged is None:
+            self._staged = self._shard_values()
+        return self._staged
+
+    def _fill_own_shard(self) -> None:
+        """Nothing: the gather decodes the own shard too, so every rank holds the same values."""
+
+    def gather(self, comm: Comm) -> Gathering:
+        """All-gather the encoded shards (counted as ``all_gather_frozen``) and decode every one
+        into the full buffer once they are in."""
+        num_shards, own, numel = comm.num_shards, comm.shard_rank, self.layout.shard_numel
+        kept = self.param_shard
+        encoded = self.meter.hold(torch.empty(num_shards * kept.numel(), dtype=torch.uint8, device=self.device))
+        segments = encoded.view(num_shards, -1)
+        offload.copy_across(segments[own], kept)
+        pending = comm.all_gather(encoded, kind=CollectiveKind.ALL_GATHER_FROZEN) if num_shards > 1 else DONE
+
+        def decode_every_shard() -> None:
+            self.quantizer.decode_rows_into(segments, numel, self.flat_param.view(num_shards, numel))
+
+        return Gathering(pending, decode_every_shard)
