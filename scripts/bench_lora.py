@@ -3,7 +3,7 @@
 A Hugging Face ``LlamaForCausalLM`` (118M parameters by default: hidden 768, 12 layers, vocab
 32000) under PEFT's LoRA (r=8 on q_proj and v_proj), 2 CPU ranks.
 
-    python scripts/bench_lora.py memory [--nproc 2] [--layers 12]
+    python scripts/bench_lora.py memory [--nproc 2] [--layers 12] [--only "bf16"]
 
 Each case in a fresh ``torchrun`` (so one case's allocator state cannot hide another's): each
 rank's resident set after ``initialize`` and after two steps, above the level before the model
@@ -12,7 +12,7 @@ base), with the engine's ``memory_report()`` beside it. Cases: stages 0 and 3, `
 shard and replicate, an fp32 base and a bf16 base under ``bf16.enabled``, and a reference engine
 (every weight frozen, no optimizer section's effect) at stages 0 and 3.
 
-    torchrun --standalone --nproc_per_node=2 scripts/bench_lora.py speed [--steps 12] [--layers 12]
+    torchrun --standalone --nproc_per_node=2 scripts/bench_lora.py speed [--steps 12] [--layers 12] [--dtype bf16 --int8]
 
 Beside DeepSpeed 0.19.8 ZeRO-3 on the same jobs (its own venv, never a dependency here; see
 scripts/record_deepspeed_traces.py for the install): ``--deepspeed`` adds its cases and system,
@@ -53,9 +53,11 @@ MEMORY_CASES = {  # name: (stage, base dtype, frozen_weights, trainable adapters
     "stage 0, bf16 base": (0, "bf16", "shard", True),
     "stage 3, bf16 base": (3, "bf16", "shard", True),
     "stage 3 replicate, bf16 base": (3, "bf16", "replicate", True),
+    "stage 3 int8 frozen, bf16 base": (3, "bf16", "int8", True),
     "reference, stage 0, fp32": (0, "fp32", "shard", False),
     "reference, stage 3, fp32": (3, "fp32", "shard", False),
     "reference, stage 3, bf16": (3, "bf16", "shard", False),
+    "reference, stage 3, bf16 int8": (3, "bf16", "int8", False),
 }
 DEEPSPEED_CASES = {  # DeepSpeed ZeRO-3 on the same jobs (stage "ds")
     "DeepSpeed ZeRO-3, fp32 base": ("ds", "fp32", "shard", True),
@@ -83,12 +85,18 @@ def lora_model(layers: int, dtype: str, trainable: bool) -> Any:
 
 
 def engine_config(stage: int, dtype: str, frozen_weights: str) -> dict:
+    """``frozen_weights``: "shard", "replicate", or "int8" (sharded, kept and gathered in int8:
+    ``zero_quantized_nontrainable_weights``)."""
+    int8 = frozen_weights == "int8"
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "bf16": {"enabled": dtype == "bf16"},
-        "zero_optimization": {"stage": stage, "frozen_weights": frozen_weights},
+        "zero_optimization": {
+            "stage": stage, "frozen_weights": "shard" if int8 else frozen_weights,
+            "zero_quantized_nontrainable_weights": int8,
+        },
     }
 
 
@@ -187,7 +195,8 @@ def memory(args: argparse.Namespace) -> None:
     print("| case | model | rank: after initialize | rank: after 2 steps | report: parameters (frozen) | "
           "optimizer + masters + gradients |")
     print("|---|---|---|---|---|---|")
-    for case in [*MEMORY_CASES, *(DEEPSPEED_CASES if args.deepspeed else ())]:
+    cases = [*MEMORY_CASES, *(DEEPSPEED_CASES if args.deepspeed else ())]
+    for case in [case for case in cases if not args.only or any(part in case for part in args.only)]:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
             "memory-worker", "--case", case, "--layers", str(args.layers),
@@ -243,13 +252,16 @@ def speed(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
+    dtype = args.dtype
     systems = {
-        "stage 3": EngineRun(lora_model(args.layers, "fp32", True), engine_config(3, "fp32", "shard")),
-        "stage 3 replicate": EngineRun(lora_model(args.layers, "fp32", True), engine_config(3, "fp32", "replicate")),
-        "DDP": DDPRun(lora_model(args.layers, "fp32", True)),
+        "stage 3": EngineRun(lora_model(args.layers, dtype, True), engine_config(3, dtype, "shard")),
+        "stage 3 replicate": EngineRun(lora_model(args.layers, dtype, True), engine_config(3, dtype, "replicate")),
+        "DDP": DDPRun(lora_model(args.layers, dtype, True)),
     }
+    if args.int8:
+        systems["stage 3 int8 frozen"] = EngineRun(lora_model(args.layers, dtype, True), engine_config(3, dtype, "int8"))
     if args.deepspeed:
-        systems["DeepSpeed ZeRO-3"] = DeepSpeedRun(lora_model(args.layers, "fp32", True))
+        systems["DeepSpeed ZeRO-3"] = DeepSpeedRun(lora_model(args.layers, dtype, True), dtype)
     times: dict[str, list[float]] = {name: [] for name in systems}
     losses: dict[str, list[float]] = {name: [] for name in systems}
     for step in range(args.steps):
@@ -282,6 +294,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--only", nargs="*", help="memory: the cases whose names contain one of these")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="speed: the base's dtype")
+    parser.add_argument("--int8", action="store_true", help="speed: add stage 3 with int8 frozen weights")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.what == "memory":

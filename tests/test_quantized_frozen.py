@@ -6,8 +6,11 @@ exact value, the scale being that of its block in its rank's shard; every rank c
 same values, its own shard decoded too; vectors (biases) and trainable weights stay exact; what a
 rank keeps is the encoded shard; training equals torch in one process on the decoded base (so
 nothing trainable is quantized, in storage or in transit); no frozen weight is encoded again
-after ``initialize``; a checkpoint reloads the same decoded values; a pattern of
-``zero_quantized_nontrainable_exact`` that names nothing is refused on every rank.
+after ``initialize``; exports hold the decoded values and a checkpoint reloads them bit for bit;
+a write by ``gathered(modifier_rank=0)`` is encoded alike on every rank; a model built on the
+meta device encodes the values loaded by ``weights=``; a pattern of
+``zero_quantized_nontrainable_exact`` that names nothing is refused on every rank. With
+``offload_param`` (3 ranks) and under hybrid sharding (4 ranks, groups of 2; slow run) too.
 
 On a pretrained (briefly, here) Hugging Face Llama with PEFT's LoRA, bf16 base, 2 ranks: the
 frozen bytes a rank holds and the bytes its gathers move are at most 0.51x the exact bf16
@@ -63,6 +66,7 @@ def batch(step: int, rank: int, world: int) -> torch.Tensor:
 
 
 def pair_config(**zero) -> dict:
+    zero = {key: value for key, value in zero.items() if value is not None}
     return engine_config(
         3, micro=BATCH, lr=LR, stage3_param_persistence_threshold=0, zero_quantized_nontrainable_weights=True, **zero
     )
@@ -92,10 +96,10 @@ class EncodeCounter:
         BlockQuantizer.encode_rows = self._original
 
 
-def run_pair(rank: int, world: int, folder: str) -> dict:
+def run_pair(rank: int, world: int, folder: str, extra: dict) -> dict:
     torch.set_num_threads(1)
     original = dict(pair_model().named_parameters())
-    engine = zero_engine.initialize(pair_model(), pair_config())
+    engine = zero_engine.initialize(pair_model(), pair_config(**extra))
     (unit,) = [unit for unit in engine.frozen_units if unit.quantized]  # the biases are vectors, kept exact
     kept = unit.param_shard
     decoded = gathered_values(engine)
@@ -107,10 +111,21 @@ def run_pair(rank: int, world: int, folder: str) -> dict:
             engine.step()
             losses.append(loss.item())
         after = gathered_values(engine)
+    exported = engine.full_state_dict()
+    streamed = dict(engine.named_full_parameters())
     engine.save_checkpoint(folder, tag="t")
-    reloaded = zero_engine.initialize(pair_model(), pair_config())
+    reloaded = zero_engine.initialize(pair_model(), pair_config(**extra))
     reloaded.load_checkpoint(folder, tag="t")
     after_load = gathered_values(reloaded)
+    # A write by rank 0 inside gathered() (the others write garbage) is encoded into every shard.
+    with reloaded.gathered([reloaded.module.a.weight], modifier_rank=0):
+        written = reloaded.module.a.weight.detach() * 0.5
+        reloaded.module.a.weight.data.copy_(written if rank == 0 else torch.full_like(written, 7.0))
+    after_write = gathered_values(reloaded)["a.weight"]
+    # Built on the meta device and loaded from weights=: the loaded values are what is encoded.
+    with torch.device("meta"):
+        meta_model = FrozenPair()
+    from_meta = gathered_values(zero_engine.initialize(meta_model, pair_config(**extra), weights=pair_model().state_dict()))
     try:
         zero_engine.initialize(pair_model(), pair_config(zero_quantized_nontrainable_exact=["a.weight", "*head*"]))
         refused = None
@@ -121,7 +136,8 @@ def run_pair(rank: int, world: int, folder: str) -> dict:
         "names": unit.names, "numels": list(unit.layout.param_numels), "shard_numel": unit.layout.shard_numel,
         "kept": (kept.dtype, kept.numel(), kept.untyped_storage().nbytes()),
         "decoded": decoded, "after": after, "after_load": after_load, "losses": losses,
-        "encodes": encodes.calls, "refused": refused,
+        "encodes": encodes.calls, "refused": refused, "exported": exported, "streamed": streamed,
+        "written": written if rank == 0 else None, "after_write": after_write, "from_meta": from_meta,
     }
 
 
@@ -141,20 +157,31 @@ def one_process_on_decoded(decoded: dict[str, torch.Tensor], world: int) -> tupl
     return losses, {name: param.detach() for name, param in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_int8_frozen_weights_round_trip_per_block_and_train_as_torch_on_the_decoded_base(world: int, tmp_path) -> None:
-    results = run_on_ranks(world, run_pair, str(tmp_path))
+PAIR_CASES = {  # world size, more zero_optimization keys
+    "2 ranks": (2, {}),
+    "3 ranks, offload_param": (3, {"offload_param": {"device": "cpu"}}),
+    "4 ranks, hybrid (groups of 2)": (4, {"shard_group_size": 2}),
+}
+
+
+@pytest.mark.parametrize(
+    "case", [name if "hybrid" not in name else pytest.param(name, marks=pytest.mark.slow) for name in PAIR_CASES]
+)
+def test_int8_frozen_weights_round_trip_per_block_and_train_as_torch_on_the_decoded_base(case: str, tmp_path) -> None:
+    world, extra = PAIR_CASES[case]
+    results = run_on_ranks(world, run_pair, str(tmp_path), extra)
+    shards = extra.get("shard_group_size", world)  # ranks a unit is sharded over
     first = results[0]
     names, numels, shard_numel = first["names"], first["numels"], first["shard_numel"]
     assert names == ["a.weight", "b.weight"]
     flat_original = torch.cat([first["original"][name].reshape(-1) for name in names])
     flat_decoded = torch.cat([first["decoded"][name].reshape(-1) for name in names])
-    padded = torch.zeros(shard_numel * world)
+    padded = torch.zeros(shard_numel * shards)
     padded[: flat_original.numel()] = flat_original
     error = torch.zeros_like(padded)
     error[: flat_original.numel()] = (flat_decoded - flat_original).abs()
     # Blocks start at each rank's shard: the bound is half the scale of the element's own block.
-    for rank in range(world):
+    for rank in range(shards):
         shard = padded[rank * shard_numel : (rank + 1) * shard_numel]
         shard_error = error[rank * shard_numel : (rank + 1) * shard_numel]
         for start in range(0, shard_numel, BLOCK):
@@ -178,6 +205,14 @@ def test_int8_frozen_weights_round_trip_per_block_and_train_as_torch_on_the_deco
         for name, value in result["after_load"].items():
             assert torch.equal(value, first["after"][name]), f"rank {rank}: {name} after loading the checkpoint"
         assert "zero_optimization.zero_quantized_nontrainable_exact[1] = '*head*' matches no frozen" in result["refused"]
+        for name, value in result["after"].items():  # exports hold the decoded values
+            assert torch.equal(result["exported"][name], value) and torch.equal(result["streamed"][name], value), name
+        assert torch.equal(result["after_write"], first["after_write"]), f"rank {rank} after the write"
+        for name in names:
+            assert torch.equal(result["from_meta"][name], first["decoded"][name]), f"rank {rank}: {name} from meta"
+    written = first["written"]  # a block a.weight shares with b.weight takes b's scale: the unit's largest bounds
+    largest = max(written.abs().max(), first["after"]["b.weight"].abs().max())
+    assert 0 < (first["after_write"] - written).abs().max() <= largest / 254 * (1 + 1e-5)  # halves of odd steps: ties
     losses, trained = one_process_on_decoded(first["decoded"], world)
     mean_losses = [sum(values) / world for values in zip(*(result["losses"] for result in results))]
     assert all(math.isclose(a, b, rel_tol=0, abs_tol=TOL) for a, b in zip(mean_losses, losses)), (mean_losses, losses)
@@ -322,3 +357,29 @@ def test_lora_on_an_int8_bf16_base_halves_what_frozen_weights_hold_and_move_and_
         spread = result["exact_logits"].std()
         assert torch.equal(exact["logits"], result["exact_logits"]), where
         assert (int8["logits"] - result["exact_logits"]).abs().max() <= 0.1 * spread, where
+
+
+def test_estimate_counts_int8_frozen_weights_where_they_apply_and_initialize_names_where_they_do_not() -> None:
+    from zero_engine.config import no_effect_settings
+    from zero_engine.memory import estimate_from_config
+
+    def config(stage: int, frozen_weights: str = "shard", quantized: bool = True):
+        return zero_engine.load_config({
+            "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+            "zero_optimization": {
+                "stage": stage, "frozen_weights": frozen_weights, "zero_quantized_nontrainable_weights": quantized,
+            },
+        })
+
+    def frozen(c) -> int:
+        return estimate_from_config(c, 10**6, 4, frozen_params=7 * 10**9).frozen_parameters
+
+    assert frozen(config(3)) == int(7 * 10**9 * (1 + 4 / BLOCK)) // 4  # a byte and its share of a block's scale
+    assert frozen(config(3, quantized=False)) == 7 * 10**9 * 2 // 4
+    assert frozen(config(3, "replicate")) == frozen(config(3, "replicate", False)) == 7 * 10**9 * 2
+    assert frozen(config(2)) == 7 * 10**9 * 2
+    said = [message for c in (config(2), config(3, "replicate"), config(3)) for message in no_effect_settings(c)]
+    assert [m.split(":")[0] for m in said if "nontrainable" in m] == [
+        "zero_optimization.zero_quantized_nontrainable_weights = True has no effect at stage 2",
+        "zero_optimization.zero_quantized_nontrainable_weights = True has no effect with frozen_weights = 'replicate'",
+    ]

@@ -94,7 +94,7 @@ class FrozenUnit(GatheredStorage):
         host with ``offload_param``. `QuantizedFrozenUnit` keeps it encoded."""
         self.param_shard = offload.host_copy(shard, offload.PIN_CROSSING) if self.on_host else shard.clone()
 
-    def _shard_values(self) -> torch.Tensor:
+    def shard_values(self) -> torch.Tensor:
         """This rank's shard's values, in the unit's dtype, to read (exports, checkpoints)."""
         return self.param_shard
 
@@ -150,7 +150,7 @@ class FrozenUnit(GatheredStorage):
 
     def shard_pieces(self) -> list[tuple[int, int, int, torch.Tensor]]:
         """This rank's pieces: ``(param index, start in the parameter, numel, values)``."""
-        shard = self._shard_values()
+        shard = self.shard_values()
         return [
             (piece.param_index, piece.param_offset, piece.numel, shard[piece.shard_offset : piece.shard_offset + piece.numel])
             for piece in self._segments.values()
@@ -160,7 +160,7 @@ class FrozenUnit(GatheredStorage):
         """The unit's values over the whole flat buffer, in its own dtype, gathered from every
         rank's shard (for exports: the same call as a trainable unit's fp32 masters); onto rank
         ``onto`` alone when given (the others return None)."""
-        shard = self._shard_values()
+        shard = self.shard_values()
         if onto is not None and comm.rank != onto:
             comm.gather(shard.to(self.device), None, dst=onto).wait()
             return None

@@ -100,7 +100,7 @@ class QuantizedFrozenUnit(FrozenUnit):
             self._staged = None
         return self._encoded
 
-    def _shard_values(self) -> torch.Tensor:
+    def shard_values(self) -> torch.Tensor:
         if self._staged is not None:
             return self._staged
         encoded = self._encoded.to(self.device)
@@ -108,7 +108,7 @@ class QuantizedFrozenUnit(FrozenUnit):
 
     def _writable_shard(self) -> torch.Tensor:
         if self._staged is None:
-            self._staged = self._shard_values()
+            self._staged = self.shard_values()
         return self._staged
 
     def _fill_own_shard(self) -> None:

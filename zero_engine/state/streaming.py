@@ -191,7 +191,7 @@ def _kept_values(unit: FlatUnit | FrozenUnit) -> Iterator[torch.Tensor]:
     """What this rank keeps of a unit, over its shard range: a trainable unit's fp32 master (made
     resident for the read), a frozen unit's shard."""
     if unit.optimizer_shard is None:
-        yield unit.param_shard
+        yield unit.shard_values()  # decoded when kept in int8
         return
     with unit.optimizer_shard.resident() as master:
         yield master
