@@ -244,6 +244,7 @@ class EngineRun:
     def step(self, ids: torch.Tensor) -> float:
         loss = self.engine(input_ids=ids, labels=ids).loss
         self.engine.backward(loss)
+        self.frozen_received = self.engine.comm_report().get("all_gather_frozen", {}).get("received", 0)
         self.engine.step()
         return loss.item()
 
@@ -279,10 +280,12 @@ def speed(args: argparse.Namespace) -> None:
         medians = {name: statistics.median(values) for name, values in warm.items()}
         print(f"{args.steps} steps, the first 2 left out; losses at the last step: "
               + ", ".join(f"{name} {values[-1]:.5f}" for name, values in losses.items()))
-        print("| system | median step (ms) | against DDP |")
-        print("|---|---|---|")
+        print("| system | median step (ms) | against DDP | frozen weights gathered per step and rank (MiB) |")
+        print("|---|---|---|---|")
         for name, median in medians.items():
-            print(f"| {name} | {1000 * median:.0f} | {median / medians['DDP']:.3f}x |")
+            received = getattr(systems[name], "frozen_received", None)
+            gathered = "—" if received is None else f"{received / MiB:.1f}"
+            print(f"| {name} | {1000 * median:.0f} | {median / medians['DDP']:.3f}x | {gathered} |")
     dist.destroy_process_group()
 
 

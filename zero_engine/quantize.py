@@ -21,6 +21,7 @@ import weakref
 import torch
 
 BLOCK = 2048  # elements per scale: DeepSpeed's ZeRO++ default group size for qwZ
+DECODE_CHUNK = 1 << 20  # elements `BlockQuantizer.decode_rows_into` widens to fp32 at a time (4 MiB)
 
 
 class BlockQuantizer:
@@ -92,13 +93,13 @@ class BlockQuantizer:
         return values.view(rows, blocks, self.block).mul_(scales[..., None]).view(rows, -1)[:, :numel]
 
 
-    def decode_rows_into(self, encoded: torch.Tensor, numel: int, out: torch.Tensor, chunk_numel: int = 1 << 22) -> None:
+    def decode_rows_into(self, encoded: torch.Tensor, numel: int, out: torch.Tensor) -> None:
         """`decode_rows` into ``out`` (rows of ``numel``, any floating dtype), the same values,
-        a few rows at a time (about ``chunk_numel`` elements: one call per chunk, and the fp32
-        values in flight at most a chunk, where a frozen unit's gather decodes its whole buffer
-        every step, and the chunks share one fp32 buffer). In int8 the integers are widened in
-        place of the zero-filled padded copy `decode_rows` makes: half its time on a CPU, the
-        same products."""
+        without an fp32 copy of the rows: in int8 the integers are widened into a small reused
+        fp32 buffer (`DECODE_CHUNK` elements: several short rows, or blocks of a long one, at a
+        time), scaled there and written into ``out``. A frozen unit's gather decodes its whole
+        buffer every step: this takes a third of `decode_rows`' time on a CPU, and a fixed
+        number of calls per ``DECODE_CHUNK`` elements whatever the number of rows."""
         if self.bits != 8:
             out.copy_(self.decode_rows(encoded, numel))
             return
@@ -106,19 +107,40 @@ class BlockQuantizer:
         blocks, _, padded = self._sizes(numel)
         scales = encoded[:, padded : padded + 4 * blocks].view(torch.float32)
         q = encoded[:, :numel].view(torch.int8)
-        whole = numel // self.block  # blocks of ``block`` elements; a shorter last one apart
-        span = whole * self.block
-        step = max(1, chunk_numel // max(numel, 1))
-        scratch = torch.empty(min(rows, step) * numel, dtype=torch.float32, device=encoded.device)  # one per call
-        for first in range(0, rows, step):
-            last = min(rows, first + step)
-            values = scratch[: (last - first) * numel].view(last - first, numel)
-            values.copy_(q[first:last])
-            if whole:
-                values[:, :span].view(last - first, whole, self.block).mul_(scales[first:last, :whole, None])
-            if whole < blocks:
-                values[:, span:].mul_(scales[first:last, whole:])
-            out[first:last].copy_(values)
+        scratch = self._scratch(encoded.device)
+        if numel <= DECODE_CHUNK:  # whole rows, several at a time
+            step = DECODE_CHUNK // max(numel, 1)
+            for first in range(0, rows, step):
+                last = min(rows, first + step)
+                self._decode_span(q[first:last], scales[first:last], out[first:last], scratch)
+            return
+        span = DECODE_CHUNK // self.block * self.block  # blocks of one row at a time
+        for row in range(rows):
+            for start in range(0, numel, span):
+                end = min(numel, start + span)
+                first_block = start // self.block
+                self._decode_span(
+                    q[row : row + 1, start:end], scales[row : row + 1, first_block:], out[row : row + 1, start:end], scratch
+                )
+
+    def _decode_span(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Rows of integers starting at a block boundary, their blocks' scales from the first."""
+        rows, numel = q.shape
+        values = scratch[: rows * numel].view(rows, numel)
+        values.copy_(q)
+        whole = numel // self.block
+        if whole:
+            values[:, : whole * self.block].view(rows, whole, self.block).mul_(scales[:, :whole, None])
+        if whole * self.block < numel:
+            values[:, whole * self.block :].mul_(scales[:, whole : whole + 1])
+        out.copy_(values)
+
+    def _scratch(self, device: torch.device) -> torch.Tensor:
+        """The fp32 buffer decodes on ``device`` widen into, made once (its pages stay mapped)."""
+        buffers = self.__dict__.setdefault("_scratch_buffers", {})
+        if device not in buffers:
+            buffers[device] = torch.empty(DECODE_CHUNK, dtype=torch.float32, device=device)
+        return buffers[device]
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
