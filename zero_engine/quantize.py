@@ -136,7 +136,9 @@ class BlockQuantizer:
         out.copy_(values)
 
     def _scratch(self, device: torch.device) -> torch.Tensor:
-        """The fp32 buffer decodes on ``device`` widen into, made once (its pages stay mapped)."""
+        """The fp32 buffer decodes on ``device`` widen into, made once per quantizer (its pages
+        stay mapped; units that share a quantizer share it). Decodes run in order on the compute
+        stream, where a gather's wait completes it, so one buffer serves them all."""
         buffers = self.__dict__.setdefault("_scratch_buffers", {})
         if device not in buffers:
             buffers[device] = torch.empty(DECODE_CHUNK, dtype=torch.float32, device=device)

@@ -169,7 +169,8 @@ def build_units(
         )
         for planned in plan.sharded
     ]
-    frozen = [_frozen_unit(planned, comm, settings, device, deferred) for planned in plan.frozen]
+    quantizer = BlockQuantizer(8)  # one for every int8 frozen unit: its decode buffer is shared
+    frozen = [_frozen_unit(planned, comm, settings, device, deferred, quantizer) for planned in plan.frozen]
     if deferred is not None:  # what no sharded unit took: buffers, small parameters
         deferred.materialize_all()
         _agree_on_drawn_values(model, [*sharded, *frozen], comm)
@@ -215,7 +216,12 @@ def _agree_on_drawn_values(
 
 
 def _frozen_unit(
-    planned: PlannedUnit, comm: Comm, settings: BuildSettings, device: torch.device, deferred: DeferredInit | None
+    planned: PlannedUnit,
+    comm: Comm,
+    settings: BuildSettings,
+    device: torch.device,
+    deferred: DeferredInit | None,
+    quantizer: BlockQuantizer,
 ) -> FrozenUnit:
     """A stage 3 frozen unit: exact, or kept and gathered in int8 (`QuantizedFrozenUnit`)."""
     args = (planned.tensors, planned.names, comm.shard_rank, comm.num_shards)
@@ -224,7 +230,7 @@ def _frozen_unit(
         on_host=settings.offload.params,
     )
     if planned.quantized:
-        return QuantizedFrozenUnit(*args, quantizer=BlockQuantizer(8), meter=settings.codecs.meter, **kwargs)
+        return QuantizedFrozenUnit(*args, quantizer=quantizer, meter=settings.codecs.meter, **kwargs)
     return FrozenUnit(*args, **kwargs)
 
 
