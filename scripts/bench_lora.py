@@ -54,6 +54,7 @@ MEMORY_CASES = {  # name: (stage, base dtype, frozen_weights, trainable adapters
     "stage 3, bf16 base": (3, "bf16", "shard", True),
     "stage 3 replicate, bf16 base": (3, "bf16", "replicate", True),
     "stage 3 int8 frozen, bf16 base": (3, "bf16", "int8", True),
+    "stage 3 replicate int8 frozen, bf16 base": (3, "bf16", "replicate int8", True),
     "reference, stage 0, fp32": (0, "fp32", "shard", False),
     "reference, stage 3, fp32": (3, "fp32", "shard", False),
     "reference, stage 3, bf16": (3, "bf16", "shard", False),
@@ -85,16 +86,16 @@ def lora_model(layers: int, dtype: str, trainable: bool) -> Any:
 
 
 def engine_config(stage: int, dtype: str, frozen_weights: str) -> dict:
-    """``frozen_weights``: "shard", "replicate", or "int8" (sharded, kept and gathered in int8:
-    ``zero_quantized_nontrainable_weights``)."""
-    int8 = frozen_weights == "int8"
+    """``frozen_weights``: "shard", "replicate", or either in int8 ("int8": sharded, kept and
+    gathered in int8; "replicate int8": whole in int8: ``zero_quantized_nontrainable_weights``)."""
+    int8 = frozen_weights in ("int8", "replicate int8")
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "bf16": {"enabled": dtype == "bf16"},
         "zero_optimization": {
-            "stage": stage, "frozen_weights": "shard" if int8 else frozen_weights,
+            "stage": stage, "frozen_weights": "replicate" if "replicate" in frozen_weights else "shard",
             "zero_quantized_nontrainable_weights": int8,
         },
     }
@@ -261,6 +262,9 @@ def speed(args: argparse.Namespace) -> None:
     }
     if args.int8:
         systems["stage 3 int8 frozen"] = EngineRun(lora_model(args.layers, dtype, True), engine_config(3, dtype, "int8"))
+        systems["stage 3 replicate, int8 frozen"] = EngineRun(
+            lora_model(args.layers, dtype, True), engine_config(3, dtype, "replicate int8")
+        )
     if args.deepspeed:
         systems["DeepSpeed ZeRO-3"] = DeepSpeedRun(lora_model(args.layers, dtype, True), dtype)
     times: dict[str, list[float]] = {name: [] for name in systems}

@@ -38,13 +38,15 @@ TOL = 2e-5
 class FrozenPair(nn.Module):
     """Two frozen linears (2257 and 4995 weights: one frozen int8 unit of 7252 elements, whose
     shards cut blocks at 2 and 3 ranks) around a trainable one; rows of very different
-    magnitudes, so blocks get different scales."""
+    magnitudes, so blocks get different scales. A frozen vector of two blocks' length (a norm's
+    gains) is sharded beside them and stays exact."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(IN, MID)
         self.adapt = nn.Linear(IN, MID)
         self.b = nn.Linear(MID, OUT)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 2 * BLOCK), requires_grad=False)
         with torch.no_grad():
             self.a.weight.mul_(torch.logspace(-2, 1, MID)[:, None])
             self.b.weight.mul_(torch.logspace(1, -3, OUT)[:, None])
@@ -52,7 +54,7 @@ class FrozenPair(nn.Module):
         self.b.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x) + self.adapt(x))).pow(2).mean()
+        return (self.b(torch.tanh(self.a(x) + self.adapt(x))) * self.gain[:OUT]).pow(2).mean()
 
 
 def pair_model() -> FrozenPair:
@@ -68,7 +70,7 @@ def batch(step: int, rank: int, world: int) -> torch.Tensor:
 def pair_config(**zero) -> dict:
     zero = {key: value for key, value in zero.items() if value is not None}
     return engine_config(
-        3, micro=BATCH, lr=LR, stage3_param_persistence_threshold=0, zero_quantized_nontrainable_weights=True, **zero
+        3, micro=BATCH, lr=LR, stage3_param_persistence_threshold=200, zero_quantized_nontrainable_weights=True, **zero
     )
 
 
@@ -100,7 +102,11 @@ def run_pair(rank: int, world: int, folder: str, extra: dict) -> dict:
     torch.set_num_threads(1)
     original = dict(pair_model().named_parameters())
     engine = zero_engine.initialize(pair_model(), pair_config(**extra))
-    (unit,) = [unit for unit in engine.frozen_units if unit.quantized]  # the biases are vectors, kept exact
+    # a.weight and b.weight in int8, the gain exact beside them (the biases stay whole: under the persistence
+    # threshold); replicated, the gain is whole as every exact frozen parameter
+    exact_units = [] if extra.get("frozen_weights") == "replicate" else [["gain"]]
+    assert [unit.names for unit in engine.frozen_units if not unit.quantized] == exact_units
+    (unit,) = [unit for unit in engine.frozen_units if unit.quantized]
     kept = unit.param_shard
     decoded = gathered_values(engine)
     with EncodeCounter() as encodes:
@@ -108,6 +114,7 @@ def run_pair(rank: int, world: int, folder: str, extra: dict) -> dict:
         for step in range(STEPS):
             loss = engine(batch(step, rank, world))
             engine.backward(loss)
+            frozen_received = engine.comm_report().get("all_gather_frozen", {}).get("received", 0)
             engine.step()
             losses.append(loss.item())
         after = gathered_values(engine)
@@ -136,7 +143,7 @@ def run_pair(rank: int, world: int, folder: str, extra: dict) -> dict:
         "names": unit.names, "numels": list(unit.layout.param_numels), "shard_numel": unit.layout.shard_numel,
         "kept": (kept.dtype, kept.numel(), kept.untyped_storage().nbytes()),
         "decoded": decoded, "after": after, "after_load": after_load, "losses": losses,
-        "encodes": encodes.calls, "refused": refused, "exported": exported, "streamed": streamed,
+        "encodes": encodes.calls, "refused": refused, "frozen_received": frozen_received, "exported": exported, "streamed": streamed,
         "written": written if rank == 0 else None, "after_write": after_write, "from_meta": from_meta,
     }
 
@@ -159,6 +166,7 @@ def one_process_on_decoded(decoded: dict[str, torch.Tensor], world: int) -> tupl
 
 PAIR_CASES = {  # world size, more zero_optimization keys
     "2 ranks": (2, {}),
+    "2 ranks, replicate": (2, {"frozen_weights": "replicate"}),
     "3 ranks, offload_param": (3, {"offload_param": {"device": "cpu"}}),
     "4 ranks, hybrid (groups of 2)": (4, {"shard_group_size": 2}),
 }
@@ -170,7 +178,7 @@ PAIR_CASES = {  # world size, more zero_optimization keys
 def test_int8_frozen_weights_round_trip_per_block_and_train_as_torch_on_the_decoded_base(case: str, tmp_path) -> None:
     world, extra = PAIR_CASES[case]
     results = run_on_ranks(world, run_pair, str(tmp_path), extra)
-    shards = extra.get("shard_group_size", world)  # ranks a unit is sharded over
+    shards = 1 if "frozen_weights" in extra else extra.get("shard_group_size", world)  # ranks a unit is sharded over
     first = results[0]
     names, numels, shard_numel = first["names"], first["numels"], first["shard_numel"]
     assert names == ["a.weight", "b.weight"]
@@ -190,8 +198,11 @@ def test_int8_frozen_weights_round_trip_per_block_and_train_as_torch_on_the_deco
             assert worst <= scale / 2 * (1 + 1e-5), f"rank {rank}'s block at {start}: error {worst} > half of {scale}"
     assert error.max() > 0, "the frozen weights were not quantized"
     assert shard_numel % BLOCK and numels == [MID * IN, OUT * MID]
-    # What each rank keeps: its shard encoded, a quarter of its fp32 bytes and the scales.
-    for result in results:
+    # What each rank keeps: its shard encoded (the whole, replicated), a quarter of its fp32
+    # bytes and the scales; gathered in int8, or never (replicated).
+    gain_shard = -(-2 * BLOCK // shards) * 4  # the exact gain's unit, sharded beside (fp32)
+    for result in results:  # the root's units: gathered once a step, kept from forward into backward
+        assert result["frozen_received"] == (BlockQuantizer(8).encoded_bytes(shard_numel) + gain_shard) * (shards - 1)
         assert result["kept"] == (torch.uint8, BlockQuantizer(8).encoded_bytes(shard_numel),
                                   BlockQuantizer(8).encoded_bytes(shard_numel))
     for rank, result in enumerate(results):
@@ -359,7 +370,7 @@ def test_lora_on_an_int8_bf16_base_halves_what_frozen_weights_hold_and_move_and_
         assert (int8["logits"] - result["exact_logits"]).abs().max() <= 0.1 * spread, where
 
 
-def test_estimate_counts_int8_frozen_weights_where_they_apply_and_initialize_names_where_they_do_not() -> None:
+def test_estimate_counts_int8_frozen_weights_at_stage3_and_initialize_names_the_stages_without_them() -> None:
     from zero_engine.config import no_effect_settings
     from zero_engine.memory import estimate_from_config
 
@@ -376,10 +387,9 @@ def test_estimate_counts_int8_frozen_weights_where_they_apply_and_initialize_nam
 
     assert frozen(config(3)) == int(7 * 10**9 * (1 + 4 / BLOCK)) // 4  # a byte and its share of a block's scale
     assert frozen(config(3, quantized=False)) == 7 * 10**9 * 2 // 4
-    assert frozen(config(3, "replicate")) == frozen(config(3, "replicate", False)) == 7 * 10**9 * 2
-    assert frozen(config(2)) == 7 * 10**9 * 2
+    assert frozen(config(3, "replicate")) == int(7 * 10**9 * (1 + 4 / BLOCK))  # whole, in int8
+    assert frozen(config(3, "replicate", False)) == frozen(config(2)) == 7 * 10**9 * 2
     said = [message for c in (config(2), config(3, "replicate"), config(3)) for message in no_effect_settings(c)]
     assert [m.split(":")[0] for m in said if "nontrainable" in m] == [
         "zero_optimization.zero_quantized_nontrainable_weights = True has no effect at stage 2",
-        "zero_optimization.zero_quantized_nontrainable_weights = True has no effect with frozen_weights = 'replicate'",
     ]

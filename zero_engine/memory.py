@@ -110,8 +110,8 @@ def estimate_from_config(
     sharded over the shard group (``shard_group_size``, else the config's for ``world_size``),
     not over every rank: with hybrid sharding ``G`` takes the place of ``N``. ``num_params``
     trainable parameters; ``frozen_params`` frozen ones add their storage alone (2 bytes under
-    fp16/bf16, else 4; about 1 in int8 under ``zero_quantized_nontrainable_weights``), sharded
-    at stage 3 unless ``frozen_weights`` is ``replicate``."""
+    fp16/bf16, else 4; about 1 in int8 at stage 3 under ``zero_quantized_nontrainable_weights``),
+    sharded at stage 3 unless ``frozen_weights`` is ``replicate``."""
     mixed = config.fp16.enabled or config.bf16.enabled
     if shard_group_size is None:
         shard_group_size = config.zero_optimization.shard_group_size_for(world_size)
@@ -130,16 +130,16 @@ def estimate_from_config(
     plan = offload_plan(config.zero_optimization, stage)
     report = with_offload(report, plan, num_params, shard_group_size, mixed=mixed, stage=stage)
     sharded = stage.shard_parameters and config.zero_optimization.frozen_weights == "shard"
-    frozen = int(frozen_params * frozen_element_bytes(config, sharded)) // (shard_group_size if sharded else 1)
+    frozen = int(frozen_params * frozen_element_bytes(config, stage)) // (shard_group_size if sharded else 1)
     host = report.host + (frozen if plan.params and sharded else 0)  # offload_param moves frozen shards too
     return report._replace(parameters=report.parameters + frozen, frozen_parameters=frozen, host=host)
 
 
-def frozen_element_bytes(config: ZeroEngineConfig, sharded: bool) -> float:
+def frozen_element_bytes(config: ZeroEngineConfig, stage: Stage) -> float:
     """Bytes a frozen element is stored in: the compute dtype's (2 under fp16/bf16, else 4), or
-    int8 and its block's share of an fp32 scale where stage 3 shards them under
+    int8 and its block's share of an fp32 scale at stage 3 under
     ``zero_quantized_nontrainable_weights`` (vectors stay exact: too few to count here)."""
-    if sharded and config.zero_optimization.zero_quantized_nontrainable_weights:
+    if stage.shard_parameters and config.zero_optimization.zero_quantized_nontrainable_weights:
         return 1 + 4 / BLOCK
     return 2 if config.fp16.enabled or config.bf16.enabled else 4
 

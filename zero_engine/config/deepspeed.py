@@ -97,14 +97,11 @@ def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
             f"zero_optimization.zero_quantized_weights = True has no effect at stage {zero.stage}: parameters are "
             "whole on every rank below stage 3, nothing is gathered for compute (DeepSpeed ignores it there too)"
         )
-    if zero.zero_quantized_nontrainable_weights and (
-        (zero.stage != "auto" and zero.stage < 3) or zero.frozen_weights == "replicate"
-    ):
-        where = f"at stage {zero.stage}" if zero.frozen_weights == "shard" else "with frozen_weights = 'replicate'"
+    if zero.zero_quantized_nontrainable_weights and zero.stage != "auto" and zero.stage < 3:
         messages.append(
-            f"zero_optimization.zero_quantized_nontrainable_weights = True has no effect {where}: frozen weights are "
-            "kept whole and exact there; int8 frozen weights are stage 3's shards (DeepSpeed applies it only where "
-            "ZeRO-3 partitions parameters)"
+            f"zero_optimization.zero_quantized_nontrainable_weights = True has no effect at stage {zero.stage}: "
+            "frozen weights are whole and exact below stage 3, where nothing decodes them around their use "
+            "(DeepSpeed applies it only where ZeRO-3 partitions parameters)"
         )
     if zero.stage == 0 and zero.zero_quantized_gradients:
         messages.append(

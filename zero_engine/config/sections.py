@@ -234,7 +234,8 @@ class ZeroOptimizationConfig(_Section):
         "shard",
         description="Ours, not DeepSpeed's: at stage 3, 'shard' (default) shards frozen parameters (requires_grad "
         "False: a LoRA base, a reference model) 1/N as trainable ones, gathered around their use and never reduced; "
-        "'replicate' keeps them whole on every rank and never gathers them (spare memory, scarce bandwidth). Below "
+        "'replicate' keeps them whole on every rank and never gathers them (spare memory, scarce bandwidth; in int8 "
+        "with zero_quantized_nontrainable_weights). Below "
         "stage 3 frozen parameters are whole either way. Frozen weights are never copied to fp32: under fp16/bf16 "
         "they are stored in the compute dtype.",
     )
@@ -294,12 +295,12 @@ class ZeroOptimizationConfig(_Section):
         "1.5% of unquantized training's loss here); 4 is DeepSpeed's width, a further half of the bytes.",
     )
     zero_quantized_nontrainable_weights: bool = Field(
-        False, description="ZeRO++ int8 frozen weights: at stage 3 (frozen_weights 'shard'), each frozen weight "
-        "matrix is quantized once at initialize (int8, one fp32 scale per block of 2048) and kept and all-gathered "
-        "so: about half a bf16 base's bytes held and moved. Every rank decodes the same values into the compute "
-        "dtype around each use; exports and checkpoints hold the decoded values (the exact base is not kept). "
-        "Trainable parameters, vectors (norms, biases) and the parameters of "
-        "zero_quantized_nontrainable_exact stay exact. No effect below stage 3 or with frozen_weights 'replicate' "
+        False, description="ZeRO++ int8 frozen weights, at stage 3: each frozen weight matrix is quantized once at "
+        "initialize (int8, one fp32 scale per block of 2048) and kept so, each rank's shard (frozen_weights 'shard': "
+        "gathered in int8 too) or the whole on every rank ('replicate': decoded around each use, never gathered): "
+        "about half a bf16 base's bytes. Every rank decodes the same values into the compute dtype; exports and "
+        "checkpoints hold the decoded values (the exact base is not kept). Trainable parameters, vectors (norms, "
+        "biases) and the parameters of zero_quantized_nontrainable_exact stay exact. No effect below stage 3 "
         "(DeepSpeed applies it only where ZeRO-3 partitions parameters).",
     )
     zero_quantized_nontrainable_min_numel: Count = Field(

@@ -77,7 +77,8 @@ class BuildSettings:
         return cls(
             stage, stage.unit_spec(zero), stage.streams_gradients(zero), zero.reduce_bucket_size,
             zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, zero.overlap_comm,
-            stage_codecs(stage, zero), compute_dtype, reduce_dtype, offload, frozen_quantization(stage, zero),
+            stage_codecs(stage, zero), compute_dtype, reduce_dtype, offload,
+            FrozenQuantization.from_config(zero, stage.shard_parameters),
         )
 
 
@@ -127,15 +128,6 @@ def stage_codecs(stage: Stage, zero: ZeroOptimizationConfig) -> Codecs:
         quantize_weights=zero.zero_quantized_weights and stage.shard_parameters,
         quantize_grads=zero.zero_quantized_gradients and stage.shard_optimizer_state,
         grad_bits=zero.zero_quantized_gradients_bits,
-    )
-
-
-def frozen_quantization(stage: Stage, zero: ZeroOptimizationConfig) -> FrozenQuantization:
-    """``zero_quantized_nontrainable_weights`` where frozen weights are sharded (stage 3, not
-    ``frozen_weights: replicate``); elsewhere they stay whole and exact (said at initialize)."""
-    enabled = zero.zero_quantized_nontrainable_weights and stage.shard_parameters and zero.frozen_weights == "shard"
-    return FrozenQuantization(
-        enabled, zero.zero_quantized_nontrainable_min_numel, tuple(zero.zero_quantized_nontrainable_exact)
     )
 
 
@@ -196,8 +188,10 @@ def _agree_on_drawn_values(
     keeps whole takes rank 0's, as for an eager model; each shard takes its copy's in the first
     shard group (hybrid replicas; nothing to do without them)."""
     in_units = {param for unit in sharded for param in unit.params}
-    whole = [tensor for tensor in (*model.parameters(), *model.buffers()) if tensor not in in_units]
-    comm.broadcast([tensor.detach() for tensor in whole], src=0)
+    whole = [tensor.detach() for tensor in (*model.parameters(), *model.buffers()) if tensor not in in_units]
+    whole += [unit.param_shard for unit in sharded if unit.replicated]  # int8 frozen units kept whole
+    sharded = [unit for unit in sharded if not unit.replicated]
+    comm.broadcast(whole, src=0)
     if sharded and comm.num_replicas > 1:
         trained = [unit for unit in sharded if unit.optimizer_shard is not None]
         staged = []
@@ -223,14 +217,18 @@ def _frozen_unit(
     deferred: DeferredInit | None,
     quantizer: BlockQuantizer,
 ) -> FrozenUnit:
-    """A stage 3 frozen unit: exact, or kept and gathered in int8 (`QuantizedFrozenUnit`)."""
-    args = (planned.tensors, planned.names, comm.shard_rank, comm.num_shards)
+    """A stage 3 frozen unit: exact, or kept and gathered in int8 (`QuantizedFrozenUnit`),
+    sharded or, with ``frozen_weights: replicate``, whole on every rank."""
+    rank, shards = (0, 1) if planned.replicated else (comm.shard_rank, comm.num_shards)  # whole: a shard of one
+    args = (planned.tensors, planned.names, rank, shards)
     kwargs: dict = dict(
         label=planned.label, device=device, dtype=planned.dtype, materialize=_materializer(deferred, planned.tensors),
-        on_host=settings.offload.params,
+        on_host=settings.offload.params and not planned.replicated,
     )
     if planned.quantized:
-        return QuantizedFrozenUnit(*args, quantizer=quantizer, meter=settings.codecs.meter, **kwargs)
+        return QuantizedFrozenUnit(
+            *args, quantizer=quantizer, meter=settings.codecs.meter, replicated=planned.replicated, **kwargs
+        )
     return FrozenUnit(*args, **kwargs)
 
 
@@ -264,6 +262,7 @@ def planned_host_buffers(plan: UnitPlan, settings: BuildSettings, num_shards: in
             BlockQuantizer(8).encoded_bytes(shard(planned.numel)) if planned.quantized
             else planned.dtype.itemsize * shard(planned.numel)
             for planned in plan.frozen
+            if not planned.replicated  # int8 frozen units kept whole stay on the device
         ]
     units = [*((planned.numel, True) for planned in plan.sharded), *((planned.numel, False) for planned in plan.whole)]
     for numel, is_sharded in units:

@@ -21,13 +21,14 @@ Pure module-tree logic: no tensors are allocated and nothing is communicated.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from ..param_groups import ParamGroup
+from .quantized_frozen import FrozenQuantization
 
 
 @dataclass
@@ -68,15 +69,21 @@ def plan_module_units(
     min_unit_numel: int,
     persistence_threshold: int,
     shard_frozen: bool = True,
+    kept_int8: Callable[[str, nn.Parameter], bool] | None = None,
 ) -> tuple[list[ModuleUnitPlan], list[ResidentParam]]:
     """Unit plans in module order (root first) and the parameters that stay resident.
     ``shard_frozen``: frozen floating-point parameters of at least ``persistence_threshold``
-    elements are sharded too, each with the unit module that registers it first."""
+    elements are sharded too, each with the unit module that registers it first. Otherwise
+    (``frozen_weights: replicate``) the frozen ones ``kept_int8`` names are in units too, each
+    rank keeping them whole in int8 (`zero_engine.sharding.quantized_frozen`)."""
     in_group = {
         param: (index, name) for index, group in enumerate(groups) for name, param in zip(group.names, group.params)
     }
-    frozen = frozen_params(model) if shard_frozen else {}
-    sharded = {param for param in [*in_group, *frozen] if param.numel() >= persistence_threshold}
+    frozen = frozen_params(model) if shard_frozen or kept_int8 else {}
+    if not shard_frozen and kept_int8 is not None:
+        frozen = {param: name for param, name in frozen.items() if kept_int8(name, param)}
+    sharded = {param for param in in_group if param.numel() >= persistence_threshold}
+    sharded |= {param for param in frozen if param.numel() >= persistence_threshold or not shard_frozen}
     if wrap_classes:
         unit_modules = _modules_of_classes(model, wrap_classes)
     elif declared := declared_unit_classes(model):
@@ -203,9 +210,10 @@ class ModulePlan:
 
     def __init__(self, model: nn.Module, groups: Sequence[ParamGroup], zero: Any) -> None:
         self.model = model
+        int8 = FrozenQuantization.from_config(zero, shards_parameters=True)  # where units are built: stage 3
         self._args = (
             groups, zero.stage3_wrap_modules, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold,
-            zero.frozen_weights == "shard",
+            zero.frozen_weights == "shard", int8.applies if int8.enabled and int8.replicated else None,
         )
         self._planned: tuple[list[ModuleUnitPlan], list[ResidentParam]] | None = None
 

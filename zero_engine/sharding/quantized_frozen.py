@@ -14,6 +14,10 @@ name in ``zero_quantized_nontrainable_exact``. Vectors (norms, biases) stay exac
 block of a norm's gains costs its precision for a negligible saving. The plan puts the quantized
 parameters of a unit module in a unit of their own (`zero_engine.sharding.unit_plan`).
 
+With ``frozen_weights: replicate`` each rank keeps the whole unit encoded (a unit of one shard)
+and its gather is a decode, with no collective: half a bf16 base's memory and no traffic, the
+gatherer decoding around each use and freeing after it, as it frees a gathered shard.
+
 Writes (loading a checkpoint or ``weights=``, ``gathered()``'s write-back) go to a decoded copy
 of the shard, encoded again at the next read: a load of every parameter of a unit encodes the
 shard once, so a block that two parameters share is quantized from its final values only.
@@ -42,11 +46,22 @@ EXACT_KEY = "zero_optimization.zero_quantized_nontrainable_exact"
 
 @dataclass(frozen=True)
 class FrozenQuantization:
-    """Which frozen parameters are kept in int8 (none when not ``enabled``)."""
+    """Which frozen parameters are kept in int8 (none when not ``enabled``), and whether each
+    rank keeps them whole (``replicated``: ``frozen_weights: replicate``) or its shard."""
 
     enabled: bool = False
     min_numel: int = 2048
     exact: Sequence[str] = field(default_factory=tuple)  # fnmatch patterns of names kept exact
+    replicated: bool = False
+
+    @classmethod
+    def from_config(cls, zero: Any, shards_parameters: bool) -> FrozenQuantization:
+        """``zero_quantized_nontrainable_weights`` where stage 3 holds frozen weights in units
+        (``shards_parameters``); below stage 3 they stay whole and exact (said at initialize)."""
+        return cls(
+            zero.zero_quantized_nontrainable_weights and shards_parameters, zero.zero_quantized_nontrainable_min_numel,
+            tuple(zero.zero_quantized_nontrainable_exact), zero.frozen_weights == "replicate",
+        )
 
     def applies(self, name: str, param: nn.Parameter) -> bool:
         return (
@@ -75,13 +90,18 @@ NO_QUANTIZATION = FrozenQuantization()
 
 
 class QuantizedFrozenUnit(FrozenUnit):
-    """A `FrozenUnit` whose shard is kept encoded (``param_shard``: uint8) and gathered so."""
+    """A `FrozenUnit` whose shard is kept encoded (``param_shard``: uint8) and gathered so.
+    ``replicated``: every rank keeps the whole unit (a shard of one), and "gathering" it is
+    decoding it, with no collective (``frozen_weights: replicate``)."""
 
     quantized = True
 
-    def __init__(self, *args: Any, quantizer: BlockQuantizer, meter: BufferMeter, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, quantizer: BlockQuantizer, meter: BufferMeter, replicated: bool = False, **kwargs: Any
+    ) -> None:
         self.quantizer = quantizer
         self.meter = meter  # the encoded gather buffers, for memory_report's quantized peak
+        self.replicated = replicated
         self._staged: torch.Tensor | None = None  # decoded shard being written, encoded at the next read
         super().__init__(*args, **kwargs)
 
@@ -117,8 +137,10 @@ class QuantizedFrozenUnit(FrozenUnit):
     def gather(self, comm: Comm) -> Gathering:
         """All-gather the encoded shards (counted as ``all_gather_frozen``) and decode every one
         into the full buffer once they are in."""
-        num_shards, own, numel = comm.num_shards, comm.shard_rank, self.layout.shard_numel
-        kept = self.param_shard
+        numel, kept = self.layout.shard_numel, self.param_shard
+        if self.replicated:
+            return Gathering(DONE, lambda: self.quantizer.decode_rows_into(kept.view(1, -1), numel, self.flat_param.view(1, -1)))
+        num_shards, own = comm.num_shards, comm.shard_rank
         encoded = self.meter.hold(torch.empty(num_shards * kept.numel(), dtype=torch.uint8, device=self.device))
         segments = encoded.view(num_shards, -1)
         offload.copy_across(segments[own], kept)

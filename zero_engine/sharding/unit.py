@@ -207,6 +207,7 @@ class GatheredStorage:
     """
 
     sharded_params = True
+    replicated = False  # each rank keeps a shard (an int8 frozen unit may be kept whole: `QuantizedFrozenUnit`)
     params: list[nn.Parameter]
     flat_param: torch.Tensor
     param_shard: torch.Tensor

@@ -25,7 +25,7 @@ from ..param_groups import ParamGroup
 from .frozen_unit import frozen_dtype
 from .quantized_frozen import NO_QUANTIZATION, FrozenQuantization
 from .layout import plan_units
-from .module_plan import ModulePlan, ModuleUnitPlan
+from .module_plan import ModulePlan, ModuleUnitPlan, frozen_params
 
 
 class UnitKind(Enum):
@@ -60,6 +60,7 @@ class PlannedUnit:
     dtype: torch.dtype | None = None
     module: ModuleUnitPlan | None = None
     quantized: bool = False
+    replicated: bool = False  # an int8 frozen unit kept whole on every rank (frozen_weights: replicate)
 
     @property
     def names(self) -> list[str]:
@@ -116,7 +117,7 @@ class UnitPlan:
             for unit in modules.units
             if unit.params
         ]
-        quantization.check_patterns([name for unit in modules.units for name in unit.frozen_names])
+        quantization.check_patterns(list(frozen_params(model).values()))
         frozen = [
             planned for unit in modules.units for planned in _frozen_units(unit, compute_dtype, quantization)
         ]
@@ -142,7 +143,7 @@ def _frozen_units(
         PlannedUnit(
             UnitKind.FROZEN, params,
             f"{unit.label if len(dtypes) == 1 else f'{unit.label} ({dtype})'} [frozen{' int8' if quantized else ''}]",
-            dtype=dtype, module=unit, quantized=quantized,
+            dtype=dtype, module=unit, quantized=quantized, replicated=quantized and quantization.replicated,
         )
         for (dtype, quantized), params in by_kind.items()
     ]

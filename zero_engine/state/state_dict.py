@@ -106,10 +106,11 @@ class ModelState:
     @staticmethod
     def whole_master(unit: FlatUnit | FrozenUnit) -> torch.Tensor | None:
         """The unit's exact values over its whole flat buffer where every rank holds them whole,
-        with no collective (None where they are sharded: a frozen unit, or sharded masters)."""
+        with no collective (None where they are sharded: a frozen unit, or sharded masters); an
+        int8 frozen unit kept whole gives its decoded values."""
         shard = unit.optimizer_shard
         if shard is None:
-            return None
+            return unit.shard_values() if unit.replicated else None
         if not unit.shard_master:  # stage 0: the master is the whole unit, never offloaded
             return shard.master
         if shard.master_is_compute_copy and not unit.sharded_params:
@@ -149,10 +150,12 @@ class ModelState:
 
     def state_pieces(self, *, with_frozen: bool) -> list[SavedPiece]:
         """What this rank saves of the model beside the optimizer's pieces: its frozen units'
-        shards, in their own dtype, with no state (the trainable masters are the step's)."""
+        shards, in their own dtype, with no state (the trainable masters are the step's); a unit
+        every rank keeps whole (int8, replicated), from rank 0 alone."""
         return [
             saved_piece(unit.names[index], start, numel, saved_copy(values), {})
             for unit in (self.frozen_units if with_frozen else ())
+            if not unit.replicated or self.comm.rank == 0
             for index, start, numel, values in unit.shard_pieces()
         ]
 
