@@ -10,9 +10,11 @@ rank's resident set after ``initialize`` and after two steps, above the level be
 was built, as a multiple of the model's bytes (its parameters as loaded: fp32, or bf16 for a bf16
 base), with the engine's ``memory_report()`` beside it. Cases: stages 0 and 3, ``frozen_weights``
 shard and replicate, an fp32 base and a bf16 base under ``bf16.enabled``, and a reference engine
-(every weight frozen, no optimizer section's effect) at stages 0 and 3.
+(every weight frozen, no optimizer section's effect) at stages 0 and 3; with a bf16 base, int8
+frozen weights too (``zero_quantized_nontrainable_weights``, sharded and replicated).
 
-    torchrun --standalone --nproc_per_node=2 scripts/bench_lora.py speed [--steps 12] [--layers 12] [--dtype bf16 --int8]
+    torchrun --standalone --nproc_per_node=2 scripts/bench_lora.py speed [--steps 12] [--layers 12]
+    torchrun --standalone --nproc_per_node=2 scripts/bench_lora.py speed --dtype bf16 --int8
 
 Beside DeepSpeed 0.19.8 ZeRO-3 on the same jobs (its own venv, never a dependency here; see
 scripts/record_deepspeed_traces.py for the install): ``--deepspeed`` adds its cases and system,
@@ -261,7 +263,9 @@ def speed(args: argparse.Namespace) -> None:
         "DDP": DDPRun(lora_model(args.layers, dtype, True)),
     }
     if args.int8:
-        systems["stage 3 int8 frozen"] = EngineRun(lora_model(args.layers, dtype, True), engine_config(3, dtype, "int8"))
+        systems["stage 3 int8 frozen"] = EngineRun(
+            lora_model(args.layers, dtype, True), engine_config(3, dtype, "int8")
+        )
         systems["stage 3 replicate, int8 frozen"] = EngineRun(
             lora_model(args.layers, dtype, True), engine_config(3, dtype, "replicate int8")
         )

@@ -2,8 +2,8 @@
 
 A Hugging Face Llama (hidden 256, 4 layers, vocabulary 512, untied head) is pretrained in one
 process on a Markov chain (each token followed by one of 4 tokens, drawn once: the best loss is
-about ln 4 = 1.386, an untrained model's ln 512 = 6.24) until its held-out loss nears that floor, then cast to bf16, the base a
-user would fine-tune. Each variant replaces the matrices it quantizes by their decoded values,
+about ln 4 = 1.386, an untrained model's ln 512 = 6.24) until its held-out loss nears that
+floor, then cast to bf16, the base a user would fine-tune. Each variant replaces the matrices it quantizes by their decoded values,
 encoded as the engine encodes a shard (`zero_engine.quantize.BlockQuantizer`; blocks here
 start at each parameter's first element, in the engine at each shard's: the same statistics),
 and is scored on held-out sequences: its loss against the exact bf16 model's, and its logits'
@@ -121,7 +121,8 @@ def main() -> None:
         found, _ = score(copied, held_out, exact_logits)
         rows[name] = {**found, "bytes": fraction}
     print(f"\n{args.steps} pretraining steps, {time.perf_counter() - start:.0f} s; held-out loss floor ln 4 = 1.386\n")
-    print("| weights | bytes vs bf16 | held-out loss | vs exact | largest logit deviation / std | mean | argmax agrees |")
+    print("| weights | bytes vs bf16 | held-out loss | vs exact | largest logit deviation / std | mean "
+          "| argmax agrees |")
     print("|---|---|---|---|---|---|---|")
     base = rows["exact bf16"]["loss"]
     for name, row in rows.items():

@@ -132,7 +132,8 @@ def run_pair(rank: int, world: int, folder: str, extra: dict) -> dict:
     # Built on the meta device and loaded from weights=: the loaded values are what is encoded.
     with torch.device("meta"):
         meta_model = FrozenPair()
-    from_meta = gathered_values(zero_engine.initialize(meta_model, pair_config(**extra), weights=pair_model().state_dict()))
+    meta_engine = zero_engine.initialize(meta_model, pair_config(**extra), weights=pair_model().state_dict())
+    from_meta = gathered_values(meta_engine)
     try:
         zero_engine.initialize(pair_model(), pair_config(zero_quantized_nontrainable_exact=["a.weight", "*head*"]))
         refused = None
@@ -143,7 +144,8 @@ def run_pair(rank: int, world: int, folder: str, extra: dict) -> dict:
         "names": unit.names, "numels": list(unit.layout.param_numels), "shard_numel": unit.layout.shard_numel,
         "kept": (kept.dtype, kept.numel(), kept.untyped_storage().nbytes()),
         "decoded": decoded, "after": after, "after_load": after_load, "losses": losses,
-        "encodes": encodes.calls, "refused": refused, "frozen_received": frozen_received, "exported": exported, "streamed": streamed,
+        "encodes": encodes.calls, "refused": refused, "frozen_received": frozen_received,
+        "exported": exported, "streamed": streamed,
         "written": written if rank == 0 else None, "after_write": after_write, "from_meta": from_meta,
     }
 
@@ -152,7 +154,8 @@ def one_process_on_decoded(decoded: dict[str, torch.Tensor], world: int) -> tupl
     """Torch alone, AdamW over the trainable parameters, the base set to the decoded values."""
     model = pair_model()
     model.load_state_dict(decoded)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)  # the engine's default
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=LR, weight_decay=0.0)  # the engine's default
     losses = []
     for step in range(STEPS):
         rows = torch.cat([batch(step, rank, world) for rank in range(world)])
@@ -215,7 +218,8 @@ def test_int8_frozen_weights_round_trip_per_block_and_train_as_torch_on_the_deco
             assert torch.equal(result["after"][name], first["decoded"][name]), name
         for name, value in result["after_load"].items():
             assert torch.equal(value, first["after"][name]), f"rank {rank}: {name} after loading the checkpoint"
-        assert "zero_optimization.zero_quantized_nontrainable_exact[1] = '*head*' matches no frozen" in result["refused"]
+        refusal = "zero_optimization.zero_quantized_nontrainable_exact[1] = '*head*' matches no frozen"
+        assert refusal in result["refused"]
         for name, value in result["after"].items():  # exports hold the decoded values
             assert torch.equal(result["exported"][name], value) and torch.equal(result["streamed"][name], value), name
         assert torch.equal(result["after_write"], first["after_write"]), f"rank {rank} after the write"

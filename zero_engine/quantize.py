@@ -120,7 +120,8 @@ class BlockQuantizer:
                 end = min(numel, start + span)
                 first_block = start // self.block
                 self._decode_span(
-                    q[row : row + 1, start:end], scales[row : row + 1, first_block:], out[row : row + 1, start:end], scratch
+                    q[row : row + 1, start:end], scales[row : row + 1, first_block:], out[row : row + 1, start:end],
+                    scratch,
                 )
 
     def _decode_span(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:

@@ -152,7 +152,8 @@ class FrozenUnit(GatheredStorage):
         """This rank's pieces: ``(param index, start in the parameter, numel, values)``."""
         shard = self.shard_values()
         return [
-            (piece.param_index, piece.param_offset, piece.numel, shard[piece.shard_offset : piece.shard_offset + piece.numel])
+            (piece.param_index, piece.param_offset, piece.numel,
+             shard[piece.shard_offset : piece.shard_offset + piece.numel])
             for piece in self._segments.values()
         ]
 

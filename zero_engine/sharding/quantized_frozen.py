@@ -138,8 +138,10 @@ class QuantizedFrozenUnit(FrozenUnit):
         """All-gather the encoded shards (counted as ``all_gather_frozen``) and decode every one
         into the full buffer once they are in."""
         numel, kept = self.layout.shard_numel, self.param_shard
-        if self.replicated:
-            return Gathering(DONE, lambda: self.quantizer.decode_rows_into(kept.view(1, -1), numel, self.flat_param.view(1, -1)))
+        if self.replicated:  # the whole unit is here: decoding is the gather
+            return Gathering(
+                DONE, lambda: self.quantizer.decode_rows_into(kept.view(1, -1), numel, self.flat_param[None])
+            )
         num_shards, own = comm.num_shards, comm.shard_rank
         encoded = self.meter.hold(torch.empty(num_shards * kept.numel(), dtype=torch.uint8, device=self.device))
         segments = encoded.view(num_shards, -1)
