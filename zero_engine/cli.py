@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--params", required=True, type=_positive_count, help="trainable parameters, e.g. 7e9")
     estimate.add_argument(
         "--frozen-params", type=_non_negative_count, default=0,
-        help="frozen parameters (a LoRA base, a reference model), e.g. 7e9: their storage alone, sharded at stage 3",
+        help="frozen parameters (a LoRA base, a reference model), e.g. 7e9: their storage alone, sharded at stage 3 "
+        "(in int8 there with zero_quantized_nontrainable_weights)",
     )
     estimate.add_argument("--world-size", type=_positive_count, default=1, help="data-parallel ranks")
     estimate.add_argument(
