@@ -83,10 +83,10 @@ class QuantizedGatherCodec:
         self.quantizer.encode(shards[own], segments[own])
         pending = comm.all_gather(encoded)
 
-        def decode_others() -> None:  # every shard in one decode, the own one left exact
-            decoded = self.quantizer.decode_rows(segments, numel)
-            shards[:own].copy_(decoded[:own])
-            shards[own + 1 :].copy_(decoded[own + 1 :])
+        def decode_others() -> None:  # every shard in one decode, then the own one put back exact
+            exact = shards[own].clone()
+            self.quantizer.decode_rows_into(segments, numel, shards)
+            shards[own].copy_(exact)
 
         return Gathering(pending, decode_others)
 
