@@ -21,7 +21,11 @@ import weakref
 import torch
 
 BLOCK = 2048  # elements per scale: DeepSpeed's ZeRO++ default group size for qwZ
-DECODE_CHUNK = 1 << 20  # elements `BlockQuantizer.decode_rows_into` widens to fp32 at a time (4 MiB)
+# Elements `BlockQuantizer.decode_rows_into` widens to fp32 at a time: 4 MiB on a CPU, where it
+# runs on one thread and a small buffer stays in cache; 64 MiB elsewhere, where each call is a
+# kernel launch and a 7B model's unit (25M elements a shard at 8 ranks) should take a few.
+DECODE_CHUNK = {"cpu": 1 << 20}
+DECODE_CHUNK_ACCELERATOR = 1 << 24
 
 
 class BlockQuantizer:
@@ -96,10 +100,10 @@ class BlockQuantizer:
     def decode_rows_into(self, encoded: torch.Tensor, numel: int, out: torch.Tensor) -> None:
         """`decode_rows` into ``out`` (rows of ``numel``, any floating dtype), the same values,
         without an fp32 copy of the rows: in int8 the integers are widened into a small reused
-        fp32 buffer (`DECODE_CHUNK` elements: several short rows, or blocks of a long one, at a
+        fp32 buffer (`decode_chunk` elements: several short rows, or blocks of a long one, at a
         time), scaled there and written into ``out``. Gathers decode this way (an int8 frozen
         unit's whole buffer at every use, qwZ's shards of the others): a quarter of
-        `decode_rows`' time on a CPU, and a fixed number of calls per ``DECODE_CHUNK`` elements
+        `decode_rows`' time on a CPU, and a fixed number of calls per `decode_chunk` elements
         whatever the number of rows."""
         if self.bits != 8:
             out.copy_(self.decode_rows(encoded, numel))
@@ -109,13 +113,14 @@ class BlockQuantizer:
         scales = encoded[:, padded : padded + 4 * blocks].view(torch.float32)
         q = encoded[:, :numel].view(torch.int8)
         scratch = self._scratch(encoded.device)
-        if numel <= DECODE_CHUNK:  # whole rows, several at a time
-            step = DECODE_CHUNK // max(numel, 1)
+        chunk = scratch.numel()
+        if numel <= chunk:  # whole rows, several at a time
+            step = chunk // max(numel, 1)
             for first in range(0, rows, step):
                 last = min(rows, first + step)
                 self._decode_span(q[first:last], scales[first:last], out[first:last], scratch)
             return
-        span = DECODE_CHUNK // self.block * self.block  # blocks of one row at a time
+        span = chunk // self.block * self.block  # blocks of one row at a time
         for row in range(rows):
             for start in range(0, numel, span):
                 end = min(numel, start + span)
@@ -143,8 +148,13 @@ class BlockQuantizer:
         stream, where a gather's wait completes it, so one buffer serves them all."""
         buffers = self.__dict__.setdefault("_scratch_buffers", {})
         if device not in buffers:
-            buffers[device] = torch.empty(DECODE_CHUNK, dtype=torch.float32, device=device)
+            buffers[device] = torch.empty(decode_chunk(device), dtype=torch.float32, device=device)
         return buffers[device]
+
+
+def decode_chunk(device: torch.device) -> int:
+    """How many elements a decode widens to fp32 at a time on ``device``."""
+    return DECODE_CHUNK.get(device.type, DECODE_CHUNK_ACCELERATOR)
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
