@@ -24,7 +24,7 @@ BLOCK = 2048  # elements per scale: DeepSpeed's ZeRO++ default group size for qw
 # Elements `BlockQuantizer.decode_rows_into` widens to fp32 at a time: 4 MiB on a CPU, where it
 # runs on one thread and a small buffer stays in cache; 64 MiB elsewhere, where each call is a
 # kernel launch and a 7B model's unit (25M elements a shard at 8 ranks) should take a few.
-DECODE_CHUNK = {"cpu": 1 << 20}
+DECODE_CHUNK_CPU = 1 << 20
 DECODE_CHUNK_ACCELERATOR = 1 << 24
 
 
@@ -38,6 +38,7 @@ class BlockQuantizer:
             raise ValueError(f"block of {block} elements: must be even and at least 2")
         self.bits, self.block = bits, block
         self.qmax = 2 ** (bits - 1) - 1
+        self._scratch_buffers: dict[torch.device, torch.Tensor] = {}  # `decode_rows_into`'s, per device
 
     def _sizes(self, numel: int) -> tuple[int, int, int]:
         """(blocks, payload bytes, payload bytes padded to a multiple of 4) for ``numel`` values."""
@@ -146,15 +147,14 @@ class BlockQuantizer:
         """The fp32 buffer decodes on ``device`` widen into, made once per quantizer (its pages
         stay mapped; units that share a quantizer share it). Decodes run in order on the compute
         stream, where a gather's wait completes it, so one buffer serves them all."""
-        buffers = self.__dict__.setdefault("_scratch_buffers", {})
-        if device not in buffers:
-            buffers[device] = torch.empty(decode_chunk(device), dtype=torch.float32, device=device)
-        return buffers[device]
+        if device not in self._scratch_buffers:
+            self._scratch_buffers[device] = torch.empty(decode_chunk(device), dtype=torch.float32, device=device)
+        return self._scratch_buffers[device]
 
 
 def decode_chunk(device: torch.device) -> int:
     """How many elements a decode widens to fp32 at a time on ``device``."""
-    return DECODE_CHUNK.get(device.type, DECODE_CHUNK_ACCELERATOR)
+    return DECODE_CHUNK_CPU if device.type == "cpu" else DECODE_CHUNK_ACCELERATOR
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
