@@ -44,13 +44,9 @@ class ScriptedComm:
 class Reductions:
     def __init__(self, ready: int = 0) -> None:
         self.ready = ready
-        self.second_phases: list[int] = []
 
     def ready_units(self) -> int:
         return self.ready
-
-    def launch_second_phases(self, stop: int) -> None:
-        self.second_phases.append(stop)
 
 
 def _schedule(

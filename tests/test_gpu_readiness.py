@@ -18,6 +18,7 @@ from models import TrapModel, make_model, micro_batch
 from zero_engine import devices
 from zero_engine.comm import connecting as comm_connect, groups as comm_groups, handles as comm_handles
 from zero_engine.comm import Comm, GroupComm, Pending, TwoPhase
+from zero_engine.comm.handles import SecondPhaseThread
 from zero_engine.testing.device_guard import DeviceGuard
 
 
@@ -76,17 +77,16 @@ def test_on_nccl_the_second_phase_starts_at_once_on_the_side_stream(monkeypatch:
     monkeypatch.setattr(comm_handles, "second_phase_stream", side)
     waits: list[str] = []
     started: list[str] = []
-    polled = TwoPhase(Pending((_NotDone(waits, stream),)), lambda: started.append(stream[-1]) or Pending())
-    assert not polled.advance() and started == [] and waits == []  # gloo: waits for the first phase to be done
-    second = _NotDone(waits, stream)
-    at_once = TwoPhase(Pending((_NotDone(waits, stream),)), lambda: started.append(stream[-1]) or Pending((second,)),
-                       start_now=True)
-    assert started == ["side"] and waits == ["side"]  # NCCL: launched now, the first phase waited on the side
-    at_once.wait()
-    assert waits == ["side", "compute"]  # the compute stream waits for the second phase's collective only
     nccl = Comm(*(GroupComm(0, 1, "nccl") for _ in range(3)))
     gloo = Comm(*(GroupComm(0, 1, "gloo") for _ in range(3)))
     assert nccl.orders_on_device and not gloo.orders_on_device
+    assert isinstance(gloo.second_phases, SecondPhaseThread)  # gloo: tests/test_hybrid.py
+    second = _NotDone(waits, stream)
+    at_once = TwoPhase(Pending((_NotDone(waits, stream),)), lambda: started.append(stream[-1]) or Pending((second,)),
+                       nccl.second_phases)
+    assert started == ["side"] and waits == ["side"]  # NCCL: launched now, the first phase waited on the side
+    at_once.wait()
+    assert waits == ["side", "compute"]  # the compute stream waits for the second phase's collective only
 
 
 def test_agreements_stay_on_the_host_under_a_default_device() -> None:

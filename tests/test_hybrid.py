@@ -17,6 +17,9 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,7 +33,8 @@ from models import TrapModel, decay_groups, init_trap_model, make_model, train_e
 from backward_cases import check_backwards_add_up, two_backwards_per_micro_step
 from meta_cases import meta_trap_model, reference_init
 from precision_cases import check_precision, check_skipped_everywhere, overflow_on_one_rank, precision_grid
-from zero_engine.comm import DONE, Pending, TwoPhase, advance_in_order
+from zero_engine.comm import DONE, Pending, TwoPhase, connect
+from zero_engine.comm.handles import SecondPhaseThread
 from zero_engine.memory import formula_bytes
 from zero_engine.stage import stage_for
 
@@ -222,30 +226,79 @@ def test_hybrid_3x2_and_2x3_match_single_process() -> None:
 
 
 class _Work:
-    def __init__(self, done: bool) -> None:
-        self.done, self.waited = done, False
+    """A torch work object whose completion a test sets (from any thread)."""
+
+    def __init__(self) -> None:
+        self.completed = threading.Event()
 
     def is_completed(self) -> bool:
-        return self.done
+        return self.completed.is_set()
 
     def wait(self) -> None:
-        self.waited = True
+        self.completed.wait()
 
 
-def test_second_phases_start_in_launch_order() -> None:
-    """Crossing groups starts as soon as the group's reduction is done, but never ahead of an
-    earlier reduction: every rank must launch the across-group all-reduces in the same order."""
+def _eventually(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+def test_on_gloo_second_phases_start_without_the_host_in_launch_order() -> None:
+    """On gloo a thread launches each second phase once its first phase completes, the host
+    doing nothing meanwhile, and never ahead of an earlier reduction's: every rank launches the
+    across-group all-reduces in the same order."""
+    starter = SecondPhaseThread()
     started: list[int] = []
-    works = [_Work(True), _Work(False), _Work(True)]
-    reductions = [TwoPhase(Pending((work,)), lambda i=i: started.append(i) or DONE) for i, work in enumerate(works)]
-    advance_in_order(reductions)
-    assert started == [0] and works[0].waited, "the third is ready but must wait for the second"
-    works[1].done = True
-    advance_in_order(reductions)
-    assert started == [0, 1, 2]
-    late = TwoPhase(Pending((_Work(False),)), lambda: started.append(3) or DONE)
-    late.wait()  # waiting launches the second phase itself
-    assert started == [0, 1, 2, 3]
+    works = [_Work() for _ in range(3)]
+    reductions = [
+        TwoPhase(Pending((work,)), lambda i=i: started.append(i) or DONE, starter) for i, work in enumerate(works)
+    ]
+    works[1].completed.set()
+    time.sleep(0.2)
+    assert started == [], "the second is ready but must wait for the first"
+    works[0].completed.set()
+    assert _eventually(lambda: started == [0, 1])
+    works[2].completed.set()
+    assert _eventually(lambda: started == [0, 1, 2])
+    for reduction in reductions:
+        reduction.wait()
+        assert reduction.done()
+
+
+def _hosts_blocked_elsewhere(rank: int, world_size: int) -> dict:
+    """Four ranks in two shard groups, each with a hybrid reduction every rank launched. Ranks
+    1 and 2 wait for it (so for the second phase of their replica 3 or 0) before they launch a
+    gather inside their group; ranks 0 and 3 block on that gather first. The cycle the MoE test
+    hit at stage 3 under load (1 in 22 runs: a gloo timeout): it closes unless second phases
+    are launched by something other than the blocked hosts."""
+    config = zero_engine.load_config({
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "shard_group_size": 2},
+        "comm": {"timeout_s": 20},
+    })
+    comm = connect(config, torch.device("cpu"))
+    flat = torch.full((4,), float(rank + 1))
+    reduction = comm.reduce_scatter_sum(flat)
+    gathered = torch.zeros(4)
+    comm.shard_group.own_shard(gathered).fill_(10.0 * (comm.shard_rank + 1))
+
+    def gather() -> None:
+        comm.all_gather(gathered).wait()
+
+    if rank in (1, 2):
+        reduction.wait()
+        gather()
+    else:
+        gather()
+        reduction.wait()
+    return {"reduced": comm.shard_group.own_shard(flat).tolist(), "gathered": gathered.tolist()}
+
+
+def test_a_reduction_every_rank_launched_completes_while_hosts_block_on_gathers() -> None:
+    results = run_on_ranks(4, _hosts_blocked_elsewhere, timeout=120)
+    total = float(sum(range(1, 5)))
+    assert all(result == {"reduced": [total, total], "gathered": [10.0, 10.0, 20.0, 20.0]} for result in results)
 
 
 # -- resume: 2 groups of 2 -> 3 plain ranks -> 2 groups of 2 -------------------------------------

@@ -16,6 +16,7 @@ here communicates; the codecs in `zero_engine.sharding.codec` do.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -174,21 +175,27 @@ def _unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 class BufferMeter:
     """Bytes of encoded buffers alive now and at most since `reset` (for ``memory_report``).
-    A buffer counts until its tensor is freed, however the collective that used it ended."""
+    A buffer counts until its tensor is freed, however the collective that used it ended.
+    Counted under a lock: hybrid second phases encode on a thread of their own on gloo
+    (`zero_engine.comm.handles.SecondPhaseThread`)."""
 
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self._lock = threading.Lock()
 
     def hold(self, buffer: torch.Tensor) -> torch.Tensor:
         nbytes = buffer.untyped_storage().nbytes()
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
         weakref.finalize(buffer, self._release, nbytes)
         return buffer
 
     def _release(self, nbytes: int) -> None:
-        self.live -= nbytes
+        with self._lock:
+            self.live -= nbytes
 
     def reset(self) -> None:
-        self.peak = self.live
+        with self._lock:
+            self.peak = self.live

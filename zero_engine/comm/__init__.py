@@ -9,10 +9,10 @@
 
 from .connecting import choose_backend, connect, device_backend, with_stage_groups
 from .groups import ABORTED, NOT_ABORTED, Comm, GroupComm, p2p_through_host
-from .handles import DONE, CollectiveKind, EachRank, Finishing, Pending, TwoPhase, advance_in_order
+from .handles import DONE, CollectiveKind, EachRank, Finishing, Pending, TwoPhase
 
 __all__ = [
     "ABORTED", "DONE", "NOT_ABORTED", "CollectiveKind", "Comm", "EachRank", "Finishing", "GroupComm", "Pending",
-    "TwoPhase", "advance_in_order", "choose_backend", "connect", "device_backend", "p2p_through_host",
+    "TwoPhase", "choose_backend", "connect", "device_backend", "p2p_through_host",
     "with_stage_groups",
 ]

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices import HOST, tensor_bytes
-from .handles import DONE, CollectiveKind, EachRank, Finishing, Pending, TwoPhase
+from .handles import DONE, ON_SIDE_STREAM, CollectiveKind, EachRank, Finishing, Pending, SecondPhaseStarter, SecondPhaseThread, TwoPhase
 
 # Control tensors (agreements, JSON exchanges) live here, named explicitly: a factory without
 # ``device=`` follows ``torch.set_default_device``, which would put every agreement through
@@ -265,6 +265,8 @@ class Comm:
         self.group, self.control_group = world.group, world.control_group
         self.shard_rank, self.num_shards = self.shard_group.rank, self.shard_group.world_size
         self.replica_rank, self.num_replicas = self.replica_group.rank, self.replica_group.world_size
+        # Who launches a hybrid reduction's second phase (`TwoPhase`): never this rank's host.
+        self.second_phases: SecondPhaseStarter = ON_SIDE_STREAM if self.orders_on_device else SecondPhaseThread()
 
     @classmethod
     def alone(cls, primitives: str = "auto") -> Comm:
@@ -300,7 +302,7 @@ class Comm:
         if self.num_replicas == 1:
             return inside
         shard = self.shard_group.own_shard(flat)
-        return TwoPhase(inside, lambda: self.all_reduce_across_groups(shard), start_now=self.orders_on_device)
+        return TwoPhase(inside, lambda: self.all_reduce_across_groups(shard), self.second_phases)
 
     def reduce_scatter_in_group(self, flat: torch.Tensor) -> Pending:
         """Sum ``flat`` over this rank's shard group only, into this rank's shard."""

@@ -3,17 +3,19 @@
 A collective returns a `Pending` (torch's work objects, waited for together), a `Finishing`
 (a pending collective and what to do once it is done: decode, copy out) or a `TwoPhase` (a
 hybrid reduction: within the shard group, then across replicas, the second launched once the
-first is done, on a side stream on CUDA). `advance_in_order` starts second phases in launch
-order, the same on every rank. Nothing here calls ``torch.distributed``: codecs and reducers
-import this module alone, and the groups (`zero_engine.comm.groups`) make the handles.
+first is done, by a starter that no host wait holds up: a side stream on NCCL, a thread on
+gloo). Nothing here calls ``torch.distributed``: codecs and reducers import this module alone,
+and the groups (`zero_engine.comm.groups`) make the handles.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -35,13 +37,6 @@ class Pending(NamedTuple):
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-
-    def advance(self) -> bool:
-        """Everything is launched already (see `TwoPhase`)."""
-        return True
-
-    def launch_rest(self) -> None:
-        """Everything is launched already (see `TwoPhase`)."""
 
     def done(self) -> bool:
         """Completed, without waiting."""
@@ -67,12 +62,6 @@ class Finishing:
         if finish is not None:
             finish()
 
-    def advance(self) -> bool:
-        return True
-
-    def launch_rest(self) -> None:
-        """Everything is launched already."""
-
     def done(self) -> bool:
         """The collectives completed (the finishing work runs at `wait`), without waiting."""
         return self.pending.done()
@@ -80,52 +69,104 @@ class Finishing:
 
 class TwoPhase:
     """A collective whose second phase needs the first one's result (hybrid sharding: the
-    shard across groups once the group has reduced it). `advance` launches the second phase
-    if the first has completed, without waiting; `wait` waits for both. Callers advance their
-    reductions in launch order, stopping at the first not ready, so every rank launches the
-    second phases in the same order.
-
-    On NCCL (``start_now``) the second phase is launched at once, on a side stream
-    (`second_phase_stream`): there ``is_completed()`` reflects GPU completion, which the host
-    is ahead of, so polling would almost never succeed and every cross-group reduction would
-    start after backward. ``wait()`` on an NCCL work makes the *current* stream wait, so the
-    side stream waits for the first phase and the compute stream goes on: backward kernels
-    are never queued behind a reduce-scatter (which serialized backward and, at stage 3,
-    closed a cycle with the gathers queued behind it: a GPU hang). `wait` makes the compute
-    stream wait for the second phase's collective itself, never for the side stream, whose
-    queue by then holds the waits for later reductions too."""
+    shard across groups once the group has reduced it). ``starter`` launches the second phase
+    as soon as it can, never behind a wait of this rank's host, so a replica waiting for it
+    never waits for whatever this rank blocks on (`OnSideStream` on NCCL, `SecondPhaseThread`
+    on gloo); `wait` waits for both phases."""
 
     def __init__(
-        self, first: Pending | Finishing, second: Callable[[], Pending | Finishing], *, start_now: bool = False
+        self, first: Pending | Finishing, second: Callable[[], Pending | Finishing], starter: SecondPhaseStarter
     ) -> None:
-        self.first, self._second = first, second
+        self.first = first
+        self._second: Callable[[], Pending | Finishing] | None = second
         self.second: Pending | Finishing | None = None
-        if start_now:  # NCCL (`Comm.orders_on_device`): the device orders the phases
-            with second_phase_stream():
-                self._start_second()
-
-    def advance(self) -> bool:
-        if self.second is None and all(work.is_completed() for work in self.first.works):
-            self._start_second()
-        return self.second is not None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        starter.start(self)
 
     def done(self) -> bool:
-        """Both phases completed, without waiting (starts the second if the first has)."""
-        return self.advance() and self.second is not None and self.second.done()
-
-    def launch_rest(self) -> None:
-        """Launch the second phase now, waiting for the first if it has not completed."""
-        if self.second is None:
-            self._start_second()
+        """Both phases completed, without waiting."""
+        return self._started.is_set() and self.second is not None and self.second.done()
 
     def wait(self) -> None:
-        self.launch_rest()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
         assert self.second is not None
         self.second.wait()
 
-    def _start_second(self) -> None:
-        self.first.wait()  # done already when advanced; on NCCL this orders the side stream
-        self.second = self._second()
+    def start_second(self) -> None:
+        """The starter's call: wait for the first phase (on NCCL this orders the side stream,
+        on gloo it blocks the starter's thread), then launch the second. An error is raised
+        to whoever waits for the reduction."""
+        launch, self._second = self._second, None  # what it holds (buckets, units) is not kept
+        try:
+            self.first.wait()
+            self.second = launch()
+        except BaseException as error:  # noqa: BLE001 - raised again by `wait`
+            self._error = error
+        finally:
+            self._started.set()
+
+
+class SecondPhaseStarter(Protocol):
+    def start(self, reduction: TwoPhase) -> None: ...
+
+
+class OnSideStream:
+    """NCCL: the second phase is launched at once, on a side stream (`second_phase_stream`).
+    There ``is_completed()`` reflects GPU completion, which the host is ahead of, and ``wait()``
+    on an NCCL work makes the *current* stream wait: the side stream waits for the first phase
+    and the compute stream goes on, so backward kernels are never queued behind a
+    reduce-scatter (which serialized backward and, at stage 3, closed a cycle with the gathers
+    queued behind it: a GPU hang). `TwoPhase.wait` makes the compute stream wait for the second
+    phase's collective itself, never for the side stream, whose queue by then holds the waits
+    for later reductions too."""
+
+    def start(self, reduction: TwoPhase) -> None:
+        with second_phase_stream():
+            reduction.start_second()
+
+
+ON_SIDE_STREAM = OnSideStream()
+
+
+class SecondPhaseThread:
+    """gloo: a thread of the rank's own launches the second phases, each once its first phase
+    has completed, in launch order (the same order on every rank). The host cannot do it: a
+    rank blocked on a gather would leave its replicas waiting for the second phase, while the
+    gather waits for a shard-group peer that is itself waiting for a second phase (four ranks
+    in two groups closed that cycle: a gloo timeout). On the thread, a reduction every rank has
+    launched completes whatever the hosts wait for, as on NCCL's side stream. The thread lives
+    while there is work and `LINGER_S` after, then ends (a later reduction starts another)."""
+
+    LINGER_S = 1.0
+
+    def __init__(self) -> None:
+        self._queue: deque[TwoPhase] = deque()
+        self._ready = threading.Condition()
+        self._running = False
+
+    def start(self, reduction: TwoPhase) -> None:
+        with self._ready:
+            self._queue.append(reduction)
+            if self._running:
+                self._ready.notify()
+                return
+            self._running = True
+        threading.Thread(target=self._run, name="zero_engine second phases", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                if not self._queue:
+                    self._ready.wait(timeout=self.LINGER_S)
+                if not self._queue:
+                    self._running = False
+                    return
+                reduction = self._queue.popleft()
+            reduction.start_second()
+            del reduction  # a lingering thread keeps no reduction (and its buffers) alive
 
 
 DONE = Pending()
@@ -174,15 +215,6 @@ def _cuda_side_stream() -> Iterator[None]:
 
 def _cuda_record_stream(tensor: torch.Tensor) -> None:
     tensor.record_stream(torch.cuda.current_stream(tensor.device))
-
-
-def advance_in_order(reductions: Iterable[Pending | Finishing | TwoPhase]) -> None:
-    """Start the second phase of reductions whose first is done, in launch order, stopping at
-    the first not ready: the same order on every rank, and crossing groups overlaps whatever
-    the caller does next."""
-    for reduction in reductions:
-        if not reduction.advance():
-            break
 
 
 class EachRank(NamedTuple):

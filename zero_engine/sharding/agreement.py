@@ -133,14 +133,10 @@ class Reductions(Protocol):
 
     def ready_units(self) -> int: ...
 
-    def launch_second_phases(self, stop: int) -> None: ...
-
 
 class _NoReductions:
     def ready_units(self) -> int:
         return 0
-
-    def launch_second_phases(self, stop: int) -> None: ...
 
 
 class _Round(NamedTuple):
@@ -234,8 +230,9 @@ class CollectiveSchedule:
         reading the rounds that have arrived. None while rounds this rank issued are still in
         flight and may say so; the caller may keep asking, which is waiting for a round, so
         only while no agreed gather is queued (waiting would first launch it: a prefetch
-        earlier than planned) and with the cross-group phases launched, as before any wait
-        for a round. False when this rank cannot learn more now."""
+        earlier than planned). False when this rank cannot learn more now. (A hybrid
+        reduction's cross-group phase is launched by no host, `zero_engine.comm.handles.TwoPhase`:
+        one every rank launched completes whatever the hosts wait for.)"""
         self._read_arrived()
         if self.agreed_ready > reduction:
             if self.comm.orders_on_device:
@@ -247,7 +244,6 @@ class CollectiveSchedule:
             return True
         if not self._rounds or self._events:
             return False
-        self.reductions.launch_second_phases(self.agreed_ready)
         return None
 
     def need(self, unit: int) -> None:
@@ -271,12 +267,10 @@ class CollectiveSchedule:
         raise AssertionError(f"unit {unit} was asked for but not agreed on")  # our own row wants it
 
     def launch_all(self) -> None:
-        """Launch every agreed gather, and the cross-group phase of reductions in flight:
-        before this rank blocks, nobody may be left waiting for it."""
+        """Launch every agreed gather: before this rank blocks, nobody may be left waiting for it."""
         while self._events:
             event = self._events.popleft()
             self.launch_gather(event.index, event.wanted)
-        self.reductions.launch_second_phases(self.agreed_ready)
 
     def queued(self, unit: int) -> bool:
         """Whether the gather of ``unit`` is agreed and not launched here yet (reading the

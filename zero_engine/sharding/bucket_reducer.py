@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..comm import Comm
-from ..comm.handles import TwoPhase, advance_in_order
+from ..comm.handles import TwoPhase
 from ..devices import tensor_bytes
 from .codec import EXACT_GRADS, GradCodec, Reduction
 from .reducer import GradReducer
@@ -128,7 +128,6 @@ class ShardedGradReducer(GradReducer):
             self._in_flight.append((unit, bucket, self.codec.reduce_scatter(self.comm, bucket.flat), False))
         else:
             self._in_flight.append((unit, bucket, *self._reduce_hybrid(unit, bucket.flat)))
-        advance_in_order(pending for _, _, pending, _ in self._in_flight)
 
     def _reduce_hybrid(self, unit: FlatUnit, flat: torch.Tensor) -> tuple[Reduction, bool]:
         """Hybrid sharding: off boundaries, a micro-step reduces inside the shard group only
@@ -149,7 +148,7 @@ class ShardedGradReducer(GradReducer):
                 unit.optimizer_shard.move_grad_into(shard)
             return self.codec.all_reduce_across_groups(self.comm, shard)
 
-        return TwoPhase(inside, across_groups, start_now=self.comm.orders_on_device), True
+        return TwoPhase(inside, across_groups, self.comm.second_phases), True
 
     def _may_wait_for_oldest(self) -> bool:
         """Whether waiting for the oldest reduction in flight is safe: it completed already, or
@@ -166,11 +165,6 @@ class ShardedGradReducer(GradReducer):
             if verdict is not None:
                 return verdict
             time.sleep(20e-6)
-
-    def launch_second_phases(self, stop: int) -> None:
-        for unit, _, pending, _ in self._in_flight:
-            if self._index[id(unit)] < stop:
-                pending.launch_rest()
 
     def _complete_oldest(self) -> None:
         unit, bucket, pending, averaged = self._in_flight.popleft()

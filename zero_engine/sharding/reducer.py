@@ -35,7 +35,7 @@ import torch
 
 from .. import offload
 from ..comm import Comm
-from ..comm.handles import Pending, advance_in_order
+from ..comm.handles import Pending
 from ..devices import HOST, tensor_bytes
 from .codec import EXACT_GRADS, GradCodec, Reduction
 from .lifecycle import Lifecycle, TrainingState
@@ -228,11 +228,6 @@ class GradReducer:
     def _launch(self, unit_index: int) -> None:
         raise NotImplementedError
 
-    def launch_second_phases(self, stop: int) -> None:
-        """Hybrid sharding: launch the cross-group phase of the reductions in flight of the
-        units before ``stop`` (waiting for their group phase, which every rank has launched),
-        so no replica waits for this rank while it blocks elsewhere."""
-
     def _finish(self) -> None:
         raise NotImplementedError
 
@@ -287,7 +282,6 @@ class FullGradReducer(GradReducer):
             self._copy_bytes += tensor_bytes(flat)
             self.peak_grad_bytes = max(self.peak_grad_bytes, self.held_grad_bytes() + self._copy_bytes)
         self._pending.append((unit, flat, self.reduction.launch(flat, self.comm)))
-        advance_in_order(pending for _, _, pending in self._pending)
 
     def _complete_oldest(self) -> None:
         unit, flat, pending = self._pending.popleft()
