@@ -267,6 +267,19 @@ def test_on_gloo_second_phases_start_without_the_host_in_launch_order() -> None:
         assert reduction.done()
 
 
+class _FailedWork(_Work):
+    def wait(self) -> None:
+        raise RuntimeError("Timed out waiting 60000ms for recv operation to complete")
+
+
+def test_a_first_phase_that_fails_on_the_thread_raises_where_the_reduction_is_waited_for() -> None:
+    second: list[int] = []
+    failed = TwoPhase(Pending((_FailedWork(),)), lambda: second.append(1) or DONE, SecondPhaseThread())
+    with pytest.raises(RuntimeError, match="Timed out"):
+        failed.wait()
+    assert second == [] and not failed.done()
+
+
 def _hosts_blocked_elsewhere(rank: int, world_size: int) -> dict:
     """Four ranks in two shard groups, each with a hybrid reduction every rank launched. Ranks
     1 and 2 wait for it (so for the second phase of their replica 3 or 0) before they launch a

@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 
 from ..devices import HOST, tensor_bytes
-from .handles import DONE, ON_SIDE_STREAM, CollectiveKind, EachRank, Finishing, Pending, SecondPhaseStarter, SecondPhaseThread, TwoPhase
+from .handles import (
+    DONE, ON_SIDE_STREAM, CollectiveKind, EachRank, Finishing, Pending, SecondPhaseStarter, SecondPhaseThread, TwoPhase,
+)
 
 # Control tensors (agreements, JSON exchanges) live here, named explicitly: a factory without
 # ``device=`` follows ``torch.set_default_device``, which would put every agreement through

@@ -141,7 +141,7 @@ class ShardedGradReducer(GradReducer):
         start, end = unit.layout.shard_range(unit.rank)
         shard = flat[start:end]
 
-        def across_groups() -> Reduction:
+        def across_groups() -> Reduction:  # on the starter's thread (gloo): touches this unit only
             shard.mul_(1.0 / self.comm.world_size)
             if id(unit) not in self._crossed:  # carry the group's part of the window, once
                 self._crossed.add(id(unit))
