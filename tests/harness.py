@@ -7,16 +7,19 @@ cases to one call, and ranks are forked from a server that imported torch once
 cannot import numpy, which the engine must not need (unless a test of a library that needs it,
 such as transformers, says ``allow_numpy=True``). A rank that raises is reported with its
 traceback and the others are killed at once; ranks that do not finish within the timeout fail
-the test instead of hanging it.
+the test instead of hanging it. Either way the failure shows where every other rank was
+(`_stacks_of`): what a hang waits for is in the ranks that did not raise.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
 import tempfile
@@ -62,7 +65,7 @@ def run_on_ranks(
         rendezvous = os.path.join(tmp, "rendezvous") if backend else f"127.0.0.1:{_free_port()}"
         procs = [
             context.Process(
-                target=_worker, args=(rank, world_size, backend, rendezvous, fn, args, outbox), daemon=True
+                target=_worker, args=(rank, world_size, backend, rendezvous, fn, args, outbox, tmp), daemon=True
             )
             for rank in range(world_size)
         ]
@@ -73,6 +76,7 @@ def run_on_ranks(
         finally:
             del os.environ[_RANK_PROCESS]
         deadline = time.monotonic() + timeout
+        failed = -1
         try:
             while len(results) < world_size:
                 try:
@@ -81,8 +85,11 @@ def run_on_ranks(
                     _check_alive(procs, results, deadline, timeout)
                     continue
                 if not ok:
+                    failed = rank  # its own traceback says where it was
                     raise RankFailure(f"rank {rank} of {world_size} raised:\n{payload}")
                 results[rank] = pickle.loads(payload)
+        except RankFailure as failure:
+            raise RankFailure(f"{failure}{_stacks_of(procs, {*results, failed}, tmp)}") from None
         finally:
             for proc in procs:
                 proc.join(timeout=10 if len(results) == world_size else 0)
@@ -130,6 +137,23 @@ def _check_alive(procs: list[Any], results: dict[int, Any], deadline: float, tim
         raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)")
 
 
+def _stacks_of(procs: list[Any], reported: set[int], tmp: str) -> str:
+    """Where every rank that has not reported is now: each dumps its threads' Python stacks
+    (`faulthandler`, registered by `_worker` on SIGUSR1) into a file of its own, read here."""
+    waiting = [rank for rank, proc in enumerate(procs) if rank not in reported and proc.is_alive()]
+    if not waiting or not hasattr(signal, "SIGUSR1"):
+        return ""
+    for rank in waiting:
+        os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(1.0)  # the dumps are written from the ranks' signal handlers
+    stacks = []
+    for rank in waiting:
+        path = os.path.join(tmp, f"stacks{rank}.txt")
+        text = open(path).read().strip() if os.path.exists(path) else ""
+        stacks.append(f"rank {rank}:\n{text or '(no stack written)'}")
+    return "\n\nwhere the other ranks were:\n" + "\n".join(stacks)
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -137,9 +161,12 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, backend: str | None, rendezvous: str, fn: Callable[..., Any], args: tuple, outbox: Any
+    rank: int, world_size: int, backend: str | None, rendezvous: str, fn: Callable[..., Any], args: tuple, outbox: Any,
+    tmp: str,
 ) -> None:
     torch.set_num_threads(1)
+    if hasattr(signal, "SIGUSR1"):  # `_stacks_of`: the file stays open for the process's life
+        faulthandler.register(signal.SIGUSR1, file=open(os.path.join(tmp, f"stacks{rank}.txt"), "w"), all_threads=True)
     try:
         if backend is None:
             address, port = rendezvous.split(":")

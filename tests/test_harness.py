@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -37,8 +38,22 @@ def test_a_failing_rank_is_named_with_its_traceback() -> None:
 
 
 def test_a_hanging_rank_times_out() -> None:
-    with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 8s"):
+    with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 8s") as failure:
         run_on_ranks(2, hangs_on_rank_zero, timeout=8)
+    # where the hanging rank was: its stack, not only that it hung
+    assert re.search(r"where the other ranks were:\nrank 0:\n(.|\n)*in hangs_on_rank_zero", str(failure.value))
+
+
+def test_a_failure_shows_where_the_other_ranks_wait() -> None:
+    """A hang ends in one rank's timeout; what it waited for is in the others' stacks (the
+    hybrid hang of the MoE test needed every rank's to be understood)."""
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(3, fails_on_rank_one, timeout=60)
+    message = str(failure.value)
+    assert "deliberate failure on rank one" in message
+    for rank in (0, 2):
+        assert re.search(rf"\nrank {rank}:\n(.|\n)*barrier(.|\n)*in fails_on_rank_one", message), message
+    assert "\nrank 1:\n" not in message  # its own traceback is there already
 
 
 def numpy_available(rank: int, world_size: int) -> bool:
