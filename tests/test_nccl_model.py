@@ -5,11 +5,15 @@ The grid: stages 1-3 with the mixture of experts of ``tests/moe.py`` (experts sk
 guarded per rank, one expert that no rank ever uses), hybrid sharding as 2 groups of 2,
 offload with pageable memory (DeepSpeed's default) and of the parameters alone, quantized
 communication with and without groups (qgZ's all-to-all), recomputed units, a checkpoint and
-an export between steps, accumulation, a rank that lags, and random delays in every module
-hook on every rank over several seeds. The planted cases put back what the GPU reviews found:
-hybrid second phases on the compute stream (N1), the NCCL paths chosen from the group's
-backend string (P1), and no gather launched before a stream wait on a reduction (N6); the
-model must find the first two. Hand-made traces check the checker's rules one by one.
+an export between steps, accumulation, a rank that lags, random delays in every module hook
+on every rank over several seeds, a unit whose module runs and gets no gradient (a value head
+left out of the loss, a host lagging where backward ends), and a second engine sharing the
+groups (a frozen reference beside the policy). Every case must pair the same operation and
+size at each number of each communicator (`find_mismatches`) and close no cycle. The planted
+cases put back what the GPU reviews found: hybrid second phases on the compute stream (N1),
+the NCCL paths chosen from the group's backend string (P1), no gather launched before a stream
+wait on a reduction (N6), and the next pass proposed before the reducer's end (Q1); the model
+must find all but N6. Hand-made traces check the checker's rules one by one.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from moe import EXPERTS, make_moe, moe_batch
-from zero_engine.testing.nccl_model import Event, NcclModel, find_hang, opposite_orders
+from zero_engine.testing.nccl_model import Event, NcclModel, find_hang, find_mismatches, opposite_orders
 
 STEPS, MICRO = 2, 2
 
@@ -34,7 +38,8 @@ STEPS, MICRO = 2, 2
 def _config(case: dict[str, Any]) -> dict[str, Any]:
     zero: dict[str, Any] = {"shard_group_size": case.get("group"), "reduce_bucket_size": 200}
     if case["stage"] == 3:
-        zero.update(stage3_wrap_modules=["Expert", "MoEBlock"], stage3_param_persistence_threshold=0)
+        wrapped = ["Expert", "MoEBlock", *(["ValueHead"] if case.get("value_head") else [])]
+        zero.update(stage3_wrap_modules=wrapped, stage3_param_persistence_threshold=0)
     if case.get("offload"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}  # what crosses every pass is pinned anyway
         if case["stage"] == 3:
@@ -99,6 +104,67 @@ def _planted_n6() -> None:
     CollectiveSchedule.launch_all = lambda self: None if getattr(self, "planted_n6", False) else launch_all(self)
 
 
+class ValueHead(torch.nn.Linear):
+    """A stage 3 unit whose module runs in every forward and never gets a gradient."""
+
+
+class WithValueHead(torch.nn.Module):
+    """The MoE model with a value head computed and left out of the loss (a PPO policy's head in
+    a step that trains the language model alone): its unit runs and gets no gradient, so the
+    reducer launches its reduction after the backward, the GPU review's Q1 trigger."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.value = ValueHead(8, 1)  # first: its reduction is the reducer's last, behind the others in flight
+        self.lm = make_moe(form)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.value(self.lm.embed(tokens))
+        return self.lm(tokens, targets)
+
+
+def _reference(form: str) -> torch.nn.Module:
+    """A frozen copy of the model, for an engine beside the trained one (DPO's reference)."""
+    model = make_moe(form)
+    model.requires_grad_(False)
+    return model
+
+
+def _lag_at_backward_end(engine: Any, seconds: float) -> None:
+    """This rank's host falls behind where a backward ends: before the reducer's end, and
+    before every proposal of a next pass (whichever order they run in), so that, were the
+    proposal made before the reducer's end, the other ranks' rows would have arrived when this
+    rank's reducer waits for room, and this rank's would not have when theirs do (Q1's timing,
+    made certain)."""
+    prefetch = engine.gatherer.prefetch
+    post_backward, propose = engine.reducer.post_backward, prefetch.propose_next_pass
+
+    def late_post_backward() -> None:
+        time.sleep(seconds)
+        post_backward()
+
+    def late_propose(*args: Any, **kwargs: Any) -> None:
+        time.sleep(seconds)
+        propose(*args, **kwargs)
+
+    engine.reducer.post_backward, prefetch.propose_next_pass = late_post_backward, late_propose
+
+
+def _planted_q1() -> None:
+    """The next pass proposed at the end of the drain, before the reducer's end, as before Q1's fix."""
+    from zero_engine.sharding.gatherer import ParamGatherer
+
+    end_backward, propose = ParamGatherer.end_backward, ParamGatherer.propose_next_pass
+
+    def end_backward_and_propose(self: Any) -> None:
+        end_backward(self)
+        propose(self)
+
+    ParamGatherer.end_backward = end_backward_and_propose
+    ParamGatherer.propose_next_pass = lambda self: None
+    ParamGatherer.check_resharded = lambda self, call: None  # the step's check would raise first
+
+
 def traced_cases(rank: int, world_size: int, cases: list[dict[str, Any]], directory: str) -> list[list[Event]]:
     """Every case trained under the NCCL model; each rank's trace per case. Planted cases come
     last in the grid: what they patch stays patched in this process."""
@@ -108,26 +174,44 @@ def traced_cases(rank: int, world_size: int, cases: list[dict[str, Any]], direct
             _planted_p1()
         if case.get("plant_n6"):
             _planted_n6()
-        model = make_moe(case["form"])
+        if case.get("plant_q1"):
+            _planted_q1()
+        model = WithValueHead(case["form"]) if case.get("value_head") else make_moe(case["form"])
         if case.get("lag") == rank:  # this rank's host falls behind the others in forward
             for module in model.modules():
                 module.register_forward_pre_hook(lambda *_: time.sleep(0.01))
         if "jitter" in case:
             _jitter(model, case["jitter"] * 100 + rank)
-        with NcclModel(second_phase_on_compute_stream=case.get("plant_n1", False)) as nccl:
+        # a planted Q1 pairs an all-gather with an all-reduce: recorded, not run (gloo would wait 60 s)
+        with NcclModel(
+            second_phase_on_compute_stream=case.get("plant_n1", False), run_data_collectives=not case.get("plant_q1")
+        ) as nccl:
             engine = zero_engine.initialize(model, _config(case))
-            for step in range(STEPS):
+            reference = None
+            if case.get("reference"):  # frozen, no value head
+                reference = zero_engine.initialize(_reference(case["form"]), _config({**case, "value_head": False}))
+            if case.get("lag_backward_end") == rank:
+                _lag_at_backward_end(engine, 0.05)
+            for step in range(case.get("steps", STEPS)):
                 for micro in range(case.get("accum", 1)):
+                    batch = _batch(step, micro, rank, case.get("untouched", False))
+                    if reference is not None:  # the reference's forward, then the policy's: DPO's order
+                        nccl.mark("reference")
+                        with torch.no_grad():
+                            reference(*batch)
                     nccl.mark("forward")
-                    engine.backward(engine(*_batch(step, micro, rank, case.get("untouched", False))))
+                    engine.backward(engine(*batch))
                     nccl.mark("step")
                     engine.step()
                 if case.get("save_between") and step == 0:  # collectives of their own between steps
                     nccl.mark("save")
                     engine.save_checkpoint(Path(directory) / str(index))
                     engine.full_state_dict(rank0_only=True)
+            torch.distributed.barrier()  # no rank leaves while another still reads a round (one step's last)
         traces.append(nccl.events)
         engine.close()
+        if reference is not None:
+            reference.close()
     return traces
 
 
@@ -153,12 +237,21 @@ GRID = [
     # random delays in every hook, a different interleaving per seed (M4)
     *({"stage": 3, "form": "skip", "group": 2, "accum": 2, "jitter": seed} for seed in SEEDS),
     *({"stage": 3, "form": "skip", "untouched": True, "jitter": seed} for seed in SEEDS),
-    # planted, last (they stay patched in the rank processes)
+    # M8: a unit whose module runs without a gradient (a host lagging where backward ends, as
+    # Q1 needs), with and without groups; a second engine sharing the groups (a reference)
+    {"stage": 3, "form": "skip", "value_head": True, "lag_backward_end": 1},
+    {"stage": 3, "form": "guard", "value_head": True, "lag_backward_end": 2, "group": 2, "accum": 2},
+    {"stage": 3, "form": "skip", "reference": True, "value_head": True},
+    {"stage": 2, "form": "guard", "reference": True, "group": 2},
+    # planted, last (they stay patched in the rank processes); Q1 first: N6's plant keeps the
+    # reducer's wait from launching agreed gathers, the path by which Q1 launched them early
+    # one step: the next forward would find the ranks' rounds apart (the early gathers are freed there)
+    {"stage": 3, "form": "skip", "value_head": True, "lag_backward_end": 1, "plant_q1": True, "steps": 1},
     {"stage": 3, "form": "skip", "group": 2, "plant_n1": True},
     *({"stage": 3, "form": "skip", "group": 2, "accum": 2, "jitter": seed, "plant_n6": True} for seed in SEEDS),
     {"stage": 3, "form": "skip", "group": 2, "plant_p1": True},
 ]
-PLANTED = ("plant_n1", "plant_n6", "plant_p1")
+PLANTED = ("plant_n1", "plant_n6", "plant_p1", "plant_q1")
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +267,23 @@ def grid_traces(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[list
 def test_no_nccl_hang(grid_traces: dict[int, list[list[Event]]], index: int) -> None:
     traces = grid_traces[index]
     assert all(any(event.kind == "launch" for event in trace) for trace in traces)  # it recorded collectives
+    assert find_mismatches(traces) == []
     hang = find_hang(traces)
     assert hang is None, str(hang)
+
+
+def test_the_model_finds_gathers_launched_before_the_step_where_a_unit_got_no_gradient(
+    grid_traces: dict[int, list[list[Event]]],
+) -> None:
+    """The GPU review's Q1, planted: the next forward's window proposed before the reducer's end.
+    The lagging rank's reducer, waiting for room for the value head's reduction, finds the
+    proposal agreed and launches its gathers before the step's norm all-reduce on the same
+    communicator; the other ranks launch them after it. NCCL would pair an all-gather with an
+    all-reduce (M7: the model pairs by number and now checks what is paired)."""
+    planted = next(index for index, case in enumerate(GRID) if case.get("plant_q1"))
+    mismatches = find_mismatches(grid_traces[planted])
+    assert mismatches, "the planted Q1 must pair different collectives"
+    assert any("all_gather" in line and "all_reduce" in line for line in mismatches), mismatches
 
 
 def test_the_model_finds_hybrid_second_phases_waited_on_the_compute_stream(
@@ -251,9 +359,9 @@ def test_the_export_gather_is_matched_point_to_point(grid_traces: dict[int, list
 
 
 # Pairs of (reduction, gather) launches two ranks made in opposite orders, per stage 3 case in
-# grid order: the most seen in three runs (2026-11-26; they vary by up to 40% between runs with
-# the hosts' timing), times 1.6, plus 10.
-CROSSINGS_CEILING = [165, 126, 410, 10, 915, 126, 408, 421, 405, 168, 256, 261, 278, 302, 238, 315]
+# grid order: the most seen in three runs (2026-11-26, the last three 2026-11-27; they vary by up
+# to 40% between runs with the hosts' timing), times 1.6, plus 10.
+CROSSINGS_CEILING = [165, 126, 410, 10, 915, 126, 408, 421, 405, 168, 256, 261, 278, 302, 238, 315, 432, 164, 477]
 
 
 def test_the_two_stage_3_communicators_cross_no_more_than_measured(grid_traces: dict[int, list[list[Event]]]) -> None:

@@ -483,3 +483,18 @@ def test_units_follow_no_split_modules_unless_the_config_names_classes() -> None
     assert labels(model, ["LayerNorm"]) == ["<root>", "norm"]
     model._no_split_modules = ["NotInThisModel"]
     assert labels(model, None) == ["<root>"]
+
+
+def test_a_step_refuses_a_unit_gathered_after_the_backward_with_nothing_holding_it() -> None:
+    """GPU review Q1's guard: the backward's end frees every unit, so a unit gathered at the
+    step with no hold on it was gathered between the backward and the step (the early launch
+    of the next forward's gathers), and would carry the shards from before the step into the
+    next forward: the step raises instead of training on them."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    engine = zero_engine.initialize(model, engine_config(3, micro=2, lr=0.1, stage3_param_persistence_threshold=0))
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()  # nothing gathered: steps
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.gatherer.units[0].unshard(engine.comm)  # what the early launch did
+    with pytest.raises(RuntimeError, match="gathered with nothing holding it"):
+        engine.step()

@@ -191,6 +191,7 @@ class Engine(ModelAccess, StepView):
     def _end_backward(self) -> None:
         self.gatherer.end_backward()  # first: other ranks may need its drain rows to end their backward
         self.reducer.post_backward()
+        self.gatherer.propose_next_pass()  # last: no next-pass gather may launch before the step (Q1)
         self.window.backward_done(scaled=self._scaling_backward)  # still inside engine.backward if scaled
 
     def step(self) -> None:
@@ -200,6 +201,7 @@ class Engine(ModelAccess, StepView):
         self._check_backwards()
         if self.is_gradient_accumulation_boundary():
             self._check_no_gathered("step() on an accumulation boundary")
+            self.gatherer.check_resharded("step() on an accumulation boundary")
         boundary = self.window.end_micro_step()
         self._train_row_sent = False
         if not boundary:

@@ -75,6 +75,10 @@ class NoGather:
 
     def end_backward(self) -> None: ...
 
+    def propose_next_pass(self) -> None: ...
+
+    def check_resharded(self, call: str) -> None: ...
+
     def unit_complete(self, unit: FlatUnit) -> None: ...
 
     def attach_reducer(self, reducer: GradReducer) -> None: ...
@@ -277,7 +281,33 @@ class ParamGatherer(NoGather):
         self._holds.clear((BACKWARD, CALL))
         self._backward_ended = True
         self._end_pass()
+
+    def propose_next_pass(self) -> None:
+        """After the reducer's end (`zero_engine.engine.Engine._end_backward`): the next
+        forward's first window is proposed only once this backward's reductions are all
+        launched. Proposed before, its round could arrive while the reducer waits for room for
+        a unit that got no gradient (a head left out of the loss); on NCCL that wait launches
+        every agreed gather first, so a rank whose round had arrived gathered the next
+        forward's units before its step, ahead of the step's norm all-reduce on the same
+        communicator, while the others launched them after: a hang without hybrid sharding,
+        pre-step shards in a peer's forward with it (GPU review Q1)."""
         self.prefetch.propose_next_pass(self._recorded, self.root_units, backward_follows=False)
+
+    def check_resharded(self, call: str) -> None:
+        """Before ``call`` writes the shards (the optimizer step): no unit is gathered that
+        nothing holds, which would be a gather launched between the backward and the step,
+        carrying the shards from before it into the next forward."""
+        stray = [
+            self.gathered.describe(index)
+            for index, full in enumerate(self.gathered.full())
+            if full and not self._holds.held(index)
+        ]
+        if stray:
+            raise RuntimeError(
+                f"engine.{call}: {', '.join(stray)} gathered with nothing holding it, after the backward's end "
+                "freed every unit: a gather was launched between the backward and the step, and would carry "
+                "the parameters from before the step into the next forward (an engine defect: please report it)"
+            )
 
     def unit_complete(self, unit: FlatUnit) -> None:
         """Every parameter of ``unit`` has its gradient: its values are needed no more."""

@@ -36,7 +36,9 @@ host behave as on NCCL and records, in host order, what the rank did:
   (``data backend nccl``); and freeing a stage 3 unit's storage does nothing (gloo may still be
   writing into it).
 
-`find_hang` then builds NCCL's dependency graph from every rank's trace and returns a cycle
+`find_mismatches` lists the collectives NCCL would pair that differ (another operation or
+size as some member's collective of the same number on one communicator). `find_hang` then
+builds NCCL's dependency graph from every rank's trace and returns a cycle
 (or a collective some member never launched) as a `Hang`, or None:
 
 - a launch depends on the host reaching it, on every collective its stream waited for before
@@ -74,6 +76,7 @@ class Event(NamedTuple):
     group: str = ""
     seq: int = -1
     what: str = ""  # the collective, or the cause of a sync
+    size: int = -1  # a launch: bytes of its largest tensor (the same on every member, as NCCL pairs them)
 
 
 class Hang(NamedTuple):
@@ -98,9 +101,13 @@ class NcclModel:
     on the compute stream, as before the side stream (the N1 hang of the GPU review, for
     tests that plant it)."""
 
-    def __init__(self, *, second_phase_on_compute_stream: bool = False) -> None:
+    def __init__(self, *, second_phase_on_compute_stream: bool = False, run_data_collectives: bool = True) -> None:
         self.events: list[Event] = []
         self.second_phase_on_compute_stream = second_phase_on_compute_stream
+        # False: data collectives are recorded, not run (their outputs keep what they held), for
+        # runs whose ranks pair different collectives (gloo would wait for its timeout); the
+        # control rounds, and so the schedule, run as ever
+        self.run_data_collectives = run_data_collectives
         self._started = False  # the caller's first mark: pinned allocations are device syncs from here
         self._seq: dict[str, int] = defaultdict(int)
         self._deferred: list[Any] = []  # real works whose wait a sync will do
@@ -149,8 +156,8 @@ class NcclModel:
 
     # -- recording -----------------------------------------------------------------------------
 
-    def _record(self, kind: str, group: str = "", seq: int = -1, what: str = "") -> None:
-        self.events.append(Event(kind, group, seq, what))
+    def _record(self, kind: str, group: str = "", seq: int = -1, what: str = "", size: int = -1) -> None:
+        self.events.append(Event(kind, group, seq, what, size))
 
     def _next_seq(self, group: str) -> int:
         seq = self._seq[group]
@@ -168,8 +175,9 @@ class NcclModel:
                     self._record("read", name, seq, what)
                     return work
                 return _ControlWork(self, work, name, seq, what)
-            self._record("launch", name, seq, what)
-            work = _DataWork(self, real(*args, group=group, async_op=True, **kwargs), name, seq)
+            self._record("launch", name, seq, what, _largest_bytes(args, kwargs))
+            launched = real(*args, group=group, async_op=True, **kwargs) if self.run_data_collectives else None
+            work = _DataWork(self, launched, name, seq)
             if not async_op:
                 work.wait()
                 return None
@@ -203,7 +211,8 @@ class NcclModel:
     def _batch_isend_irecv(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def batch_isend_irecv(ops: list[Any]) -> list[Any]:
             names = [self._p2p_launch(op.op.__name__, op.peer) for op in ops]
-            return [_DataWork(self, work, *name) for work, name in zip(real(ops), names)]
+            works = real(ops) if self.run_data_collectives else [None] * len(ops)
+            return [_DataWork(self, work, *name) for work, name in zip(works, names)]
 
         return batch_isend_irecv
 
@@ -219,7 +228,8 @@ class NcclModel:
     def _run_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for work in deferred:
-            work.wait()
+            if work is not None:  # None: not run (``run_data_collectives``)
+                work.wait()
 
     @contextlib.contextmanager
     def _second_phase_stream(self) -> Iterator[None]:
@@ -274,6 +284,17 @@ class NcclModel:
             real(destination, values)
 
         return copy_across
+
+
+def _largest_bytes(args: tuple, kwargs: dict[str, Any]) -> int:
+    """Bytes of the largest tensor among a collective's arguments (lists of tensors included):
+    the whole buffer of a flat collective, the largest piece of an all-gather into pieces."""
+    found = [0]
+    for value in [*args, *kwargs.values()]:
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, torch.Tensor):
+                found.append(item.numel() * item.element_size())
+    return max(found)
 
 
 class _DataWork:
@@ -372,6 +393,25 @@ def find_hang(traces: Sequence[Sequence[Event]]) -> Hang | None:
             elif event.kind == "side_end":
                 in_side = False
     return _stuck(deps, labels, len(traces))
+
+
+def find_mismatches(traces: Sequence[Sequence[Event]]) -> list[str]:
+    """Collectives that NCCL would pair although they differ: the k-th launch of a
+    communicator must be the same operation on tensors of the same size on every member
+    (`find_hang` pairs by number alone; an all-gather paired with an all-reduce of another
+    size is undefined behaviour on NCCL, a hang or garbage). Point-to-point pairs (a send and
+    its receive) are exempt."""
+    seen: dict[tuple[str, int], dict[int, tuple[str, int]]] = defaultdict(dict)
+    for rank, trace in enumerate(traces):
+        for event in trace:
+            if event.kind == "launch" and not event.group.startswith("p2p"):
+                seen[(event.group, event.seq)][rank] = (event.what, event.size)
+    found = []
+    for (group, seq), by_rank in sorted(seen.items()):
+        if len(set(by_rank.values())) > 1:
+            launched = ", ".join(f"rank {rank} {what} of {size} bytes" for rank, (what, size) in sorted(by_rank.items()))
+            found.append(f"{group}#{seq}: {launched}")
+    return found
 
 
 def _done(stream: dict[str, int]) -> set[tuple]:
