@@ -582,3 +582,39 @@ def test_a_tag_being_resaved_stays_readable_while_its_new_copy_moves_into_place(
     assert moved and moved[0].parent == storage.pending_path(tmp_path, "last")
     assert checkpoint.path == tmp_path / "last" and checkpoint.manifest["global_step"] == 1
     engine.close()
+
+
+def test_a_refused_load_leaves_the_engine_as_it_was(tmp_path: Path) -> None:
+    """Reliability review D1: a load refused for its optimizer state (another number of param
+    groups, or a checkpoint of an engine without an optimizer) refuses before it restores
+    anything: the weights, the counters and the optimizer state stay the engine's own."""
+    saved = _trained_engine()  # one param group
+    saved.save_checkpoint(tmp_path, tag="one_group")
+    model = make_model(seed=3)
+    engine = zero_engine.initialize(model, checkpoint_config(1, 1), param_groups=decay_groups(model))
+    train_steps(engine, 0, 1, range(1))
+    before = engine.full_state_dict()
+    moments = {key: value.clone() for key, value in next(iter(engine.optimizer.state.values())).items()}
+    with pytest.raises(CheckpointError, match="the checkpoint has 1 optimizer param groups, the engine 2"):
+        engine.load_checkpoint(tmp_path, tag="one_group")
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    assert engine.global_step == 1
+    assert all(torch.equal(value, moments[key]) for key, value in next(iter(engine.optimizer.state.values())).items())
+
+    def sequential(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    frozen = sequential(4).requires_grad_(False)
+    reference = zero_engine.initialize(frozen, engine_config(1, micro=2, lr=0.1))
+    reference.save_checkpoint(tmp_path, tag="no_optimizer")
+    trained = zero_engine.initialize(sequential(5), engine_config(1, micro=2, lr=0.1))
+    trained.backward(trained(torch.randn(2, 4)).sum())
+    trained.step()
+    before = trained.full_state_dict()
+    with pytest.raises(CheckpointError, match="saved by an engine without an optimizer.*load_optimizer_states=False"):
+        trained.load_checkpoint(tmp_path, tag="no_optimizer")
+    assert all(torch.equal(trained.full_state_dict()[name], value) for name, value in before.items())
+    trained.load_checkpoint(tmp_path, tag="no_optimizer", load_optimizer_states=False)
+    assert torch.equal(trained.full_state_dict()["0.weight"], reference.full_state_dict()["0.weight"])

@@ -193,15 +193,25 @@ class OptimizerStep:
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
 
-    def load_state(self, saved: SavedPieces, extra: dict[str, Any], fitting: set[str]) -> None:
-        """Group options, the state of every piece whose parameter fits the checkpoint (``fitting``),
-        the schedule's position and the loss scaler."""
+    def check_loadable(self, extra: dict[str, Any]) -> None:
+        """Raise `CheckpointError` if `load_state` could not restore ``extra``'s optimizer state
+        (checked with every other check of a load, before anything is restored)."""
         groups = extra["param_groups"]
+        if not groups:
+            raise CheckpointError(
+                "the checkpoint was saved by an engine without an optimizer (a model with nothing to train: no "
+                "optimizer state): load it with load_optimizer_states=False"
+            )
         if len(groups) != len(self.optimizer.param_groups):
             raise CheckpointError(
                 f"the checkpoint has {len(groups)} optimizer param groups, the engine {len(self.optimizer.param_groups)}:"
                 " pass the same param_groups, or load with load_optimizer_states=False"
             )
+
+    def load_state(self, saved: SavedPieces, extra: dict[str, Any], fitting: set[str]) -> None:
+        """Group options, the state of every piece whose parameter fits the checkpoint (``fitting``),
+        the schedule's position and the loss scaler (`check_loadable` said they fit)."""
+        groups = extra["param_groups"]
         for group, options in zip(self.optimizer.param_groups, groups):  # how to compute is this run's choice
             group.update({key: value for key, value in options.items() if key not in IMPLEMENTATION_OPTIONS})
         self.optimizer.state.clear()
@@ -268,6 +278,9 @@ class NoOptimizerStep:
 
     def extra_state(self) -> dict[str, Any]:
         return {"param_groups": [], "lr_scheduler": None, "loss_scaler": None}
+
+    def check_loadable(self, extra: dict[str, Any]) -> None:
+        """Any checkpoint's optimizer state is left (nothing here to restore it into)."""
 
     def load_state(self, saved: SavedPieces, extra: dict[str, Any], fitting: set[str]) -> None:
         """Nothing to restore: no optimizer, schedule or scaler."""

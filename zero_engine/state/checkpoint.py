@@ -188,11 +188,13 @@ def load(
         _check_fit(model, source.checkpoint, source.extra, strict)
         if load_optimizer_states and state.optimizer is not None:
             _check_optimizer_type(source.checkpoint, state.optimizer)
+            state.step.check_loadable(source.extra)
             if source.writer == "deepspeed":
                 _check_schedule(state.step.lr_scheduler, source)
 
     # Every rank reads and checks first, then all restore or none does (a file missing on one
-    # node's disk fails every rank, not that one alone).
+    # node's disk fails every rank, not that one alone): whatever can refuse is checked here,
+    # so a refused load leaves the engine as it was.
     on_every_rank(model.comm, f"load_checkpoint from {directory}", open_and_check)
     checkpoint, index, extra, ignored, _ = read[0]
     if ignored and model.comm.rank == 0:
