@@ -571,11 +571,11 @@ def test_a_tag_being_resaved_stays_readable_while_its_new_copy_moves_into_place(
 
     real_sha, moved = storage.sha256_of, []
 
-    def sha_while_the_writer_moves_it(file: Path) -> str:
+    def sha_while_the_writer_moves_it(file: Path, *descriptor: int) -> str:
         if not moved:  # the writer's renames land while the reader checks its first file
             moved.append(file)
             real_finish(tmp_path, "last")
-        return real_sha(file)
+        return real_sha(file, *descriptor)
 
     monkeypatch.setattr(storage, "sha256_of", sha_while_the_writer_moves_it)
     checkpoint = storage.open_checkpoint(tmp_path, "last")
@@ -618,3 +618,33 @@ def test_a_refused_load_leaves_the_engine_as_it_was(tmp_path: Path) -> None:
     assert all(torch.equal(trained.full_state_dict()[name], value) for name, value in before.items())
     trained.load_checkpoint(tmp_path, tag="no_optimizer", load_optimizer_states=False)
     assert torch.equal(trained.full_state_dict()["0.weight"], reference.full_state_dict()["0.weight"])
+
+
+def test_a_reader_reads_the_bytes_it_verified_while_the_tag_is_resaved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reliability review D2: the tag is re-saved (trained on, frozen weights left out: another
+    layout of extra.pt) and moved into place after a reader verified the old copy and before it
+    read the files. Reopened by name, the reader paired the old manifest with the new copy's
+    files (garbage, or a missing file read as "no checkpoint yet"); read through the descriptors
+    verification opened, it gets the old copy whole."""
+    from zero_engine.state import storage
+
+    engine = _trained_engine()
+    engine.save_checkpoint(tmp_path, tag="rolling")
+    first = zero_engine.load_consolidated(tmp_path, "rolling")
+    train_steps(engine, 0, 1, range(2, 3))
+    real_read, resaved = storage.Checkpoint.read, []
+
+    def read_after_a_resave(self: storage.Checkpoint, name: str) -> Any:
+        if not resaved:  # the writer's whole re-save lands between verification and the first read
+            resaved.append(engine.save_checkpoint(tmp_path, tag="rolling", exclude_frozen_parameters=True))
+        return real_read(self, name)
+
+    monkeypatch.setattr(storage.Checkpoint, "read", read_after_a_resave)
+    read = zero_engine.load_consolidated(tmp_path, "rolling")
+    assert resaved and set(read) == set(first)
+    assert all(torch.equal(read[name], value) for name, value in first.items())
+    monkeypatch.setattr(storage.Checkpoint, "read", real_read)
+    second = zero_engine.load_consolidated(tmp_path, "rolling")  # the new copy, now in place
+    assert not torch.equal(second["fc1.weight"], first["fc1.weight"]) and "frozen.weight" not in second

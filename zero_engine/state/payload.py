@@ -136,7 +136,7 @@ class PieceIndex:
     @classmethod
     def read(cls, checkpoint: Checkpoint) -> PieceIndex:
         """Every rank file's pieces (memory-mapped)."""
-        payloads = [storage.read_file(checkpoint.path / rank_file(rank)) for rank in range(checkpoint.manifest["world_size"])]
+        payloads = [checkpoint.read(rank_file(rank)) for rank in range(checkpoint.manifest["world_size"])]
         rng = [payload["rng"] for payload in payloads]  # None: converted from another engine's checkpoint
         return cls((piece for payload in payloads for piece in payload["pieces"]), rng if None not in rng else [])
 

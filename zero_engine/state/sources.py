@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from .deepspeed_checkpoint import find_deepspeed_tag, read_deepspeed
 from .payload import PieceIndex
-from .storage import EXTRA, Checkpoint, open_checkpoint, read_file
+from .storage import EXTRA, Checkpoint, open_checkpoint
 
 
 class Source(NamedTuple):
@@ -26,4 +26,7 @@ def open_source(directory: str | Path, tag: str | None = None) -> Source:
         translated = read_deepspeed(directory, tag)
         return Source(translated.checkpoint, translated.piece_index(), translated.extra, translated.ignored, "deepspeed")
     checkpoint = open_checkpoint(directory, tag)
-    return Source(checkpoint, PieceIndex.read(checkpoint), read_file(checkpoint.path / EXTRA), [], "zero_engine")
+    try:
+        return Source(checkpoint, PieceIndex.read(checkpoint), checkpoint.read(EXTRA), [], "zero_engine")
+    finally:
+        checkpoint.close()  # what was read stays mapped

@@ -12,7 +12,9 @@ files reach the disk and come back, whatever they hold:
   which the tag resolves to while it exists (`tag_path`); then the old copy is renamed away and
   the new one into place (`finish_publish`): a kill at any instant leaves the tag loadable;
 - verification: the manifest is checked whole (its keys, their types, the files it must list)
-  and every file against its size and SHA-256 before any is read (`open_checkpoint`);
+  and every file against its size and SHA-256 before any is read, and read through the
+  descriptor verification opened, so the bytes read are the bytes verified (`open_checkpoint`,
+  `Checkpoint.read`);
 - safe reading: ``torch.load(weights_only=True)`` (`read_file`): loading never runs code from a
   checkpoint.
 """
@@ -150,59 +152,168 @@ def _fsync_dir(path: Path) -> None:
         os.close(descriptor)
 
 
-def sha256_of(path: Path) -> str:
+def sha256_of(path: Path, descriptor: int | None = None) -> str:
+    """The SHA-256 of the file at ``path``, or of the open file ``descriptor`` (``path`` then
+    only names it)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
+    if descriptor is None:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
+    offset = 0
+    while block := os.pread(descriptor, 1 << 20, offset):
+        digest.update(block)
+        offset += len(block)
     return digest.hexdigest()
+
+
+class VerifiedFiles:
+    """The files of one checkpoint directory, open since they were verified: a reader reads
+    these very files (their inodes), whatever renames or deletions happen to their names
+    meanwhile (a re-save of the tag moving its new copy into place, `finish_publish`)."""
+
+    def __init__(self, directory: int) -> None:
+        self.directory = directory  # the tag directory, open
+        self.opened: dict[str, int] = {}  # file name -> its descriptor
+
+    def open(self, name: str) -> int:
+        descriptor = os.open(name, os.O_RDONLY, dir_fd=self.directory)
+        self.opened[name] = descriptor
+        return descriptor
+
+    def close(self) -> None:
+        for descriptor in [*self.opened.values(), self.directory]:
+            try:
+                os.close(descriptor)
+            except OSError:
+                pass
+        self.opened.clear()
+        self.directory = -1
+
+    def __del__(self) -> None:
+        if self.directory >= 0:
+            self.close()
 
 
 class Checkpoint(NamedTuple):
     path: Path
     manifest: dict[str, Any]
+    files: VerifiedFiles | None = None  # open since verified (None: a translated DeepSpeed checkpoint)
+
+    def read(self, name: str) -> Any:
+        """A file of the checkpoint, read as verified (`read_file`): through the descriptor
+        verification opened, never by its name again."""
+        if self.files is None or name not in self.files.opened:
+            return read_file(self.path / name)
+        return read_file(_descriptor_path(self.files.opened[name]), shown=self.path / name)
+
+    def close(self) -> None:
+        """Let the verified files go (what was read from them stays mapped)."""
+        if self.files is not None:
+            self.files.close()
+
+
+def _descriptor_path(descriptor: int) -> Path:
+    """A path that opens the same file as ``descriptor`` (Linux's /proc/self/fd; /dev/fd elsewhere)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(folder):
+            return Path(folder) / str(descriptor)
+    raise OSError("no /proc/self/fd or /dev/fd here: cannot read a file by its descriptor")
 
 
 def open_checkpoint(directory: str | Path, tag: str | None = None) -> Checkpoint:
-    """Resolve ``tag`` (default: ``latest``), check the manifest and verify every file against it.
+    """Resolve ``tag`` (default: ``latest``), check the manifest and verify every file against
+    it, keeping each open: `Checkpoint.read` reads exactly the bytes verified (reliability review
+    D2: reopened by name, a file could be another copy's).
 
     A re-save of the tag may move the copy being read (its pending new copy into place, the old
-    one aside: `finish_publish`) between resolving and reading: a read whose directory moved
-    resolves again, so a reader polling a tag that is re-saved always finds a complete copy."""
+    one aside and deleted: `finish_publish`) while it is verified: the directory is opened first
+    and every file through it, so a verification reads one copy or fails on a file deleted
+    under it; a failure while the tag's directory is no longer the one opened resolves again,
+    so a reader polling a tag that is re-saved always finds a complete copy."""
     root = Path(directory)
-    for _ in range(_READ_ATTEMPTS - 1):
+    for attempt in range(_READ_ATTEMPTS):
         path = tag_path(root, resolve_tag(root, tag))
+        opened: list[tuple[int, int]] = []  # the directory's identity, once open
         try:
-            return _verified(path)
+            checkpoint = _verified(path, opened)
         except (FileNotFoundError, CheckpointError):
-            if path.is_dir() and tag_path(root, resolve_tag(root, tag)) == path:
+            if attempt == _READ_ATTEMPTS - 1 or not _moved(root, tag, path, opened):
                 raise  # not a move: the copy itself is incomplete or corrupted
-    return _verified(tag_path(root, resolve_tag(root, tag)))
+            continue
+        if _moved(root, tag, path, opened):  # moved into place while verified: named where it is now
+            now = tag_path(root, resolve_tag(root, tag))
+            if opened[0] == _identity(now):
+                checkpoint = checkpoint._replace(path=now)
+        return checkpoint
+    raise AssertionError("unreachable")
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 _READ_ATTEMPTS = 5  # a move takes two renames; each retry follows one
 
 
-def _verified(path: Path) -> Checkpoint:
-    """The checkpoint in ``path``: its manifest checked, every file against it."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{manifest_path}: missing; {path} is not a complete checkpoint")
+def _moved(root: Path, tag: str | None, path: Path, opened: list[tuple[int, int]]) -> bool:
+    """Whether the tag's directory is not (or no longer) the one a failed verification read."""
     try:
-        manifest = json.loads(manifest_path.read_text())
+        if tag_path(root, resolve_tag(root, tag)) != path:
+            return True
+    except (FileNotFoundError, CheckpointError):
+        return True
+    return not opened or opened[0] != _identity(path)
+
+
+def _verified(path: Path, opened: list[tuple[int, int]]) -> Checkpoint:
+    """The checkpoint in ``path``: its manifest checked, every file against it, read through
+    the directory opened once (its identity appended to ``opened``)."""
+    manifest_path = path / MANIFEST
+    try:
+        directory = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(f"{manifest_path}: missing; {path} is not a complete checkpoint") from None
+    files = VerifiedFiles(directory)
+    try:
+        stat = os.fstat(directory)
+        opened.append((stat.st_dev, stat.st_ino))
+        manifest = _read_manifest(files, manifest_path, path)
+        for name, expected in manifest["files"].items():
+            file = path / name
+            try:
+                descriptor = files.open(name)
+            except FileNotFoundError:
+                raise CheckpointError(f"{file}: listed in the manifest but missing") from None
+            size = os.fstat(descriptor).st_size
+            if size != expected["bytes"]:
+                raise CheckpointError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated?)")
+            if sha256_of(file, descriptor) != expected["sha256"]:
+                raise CheckpointError(f"{file}: checksum does not match the manifest (corrupted)")
+    except BaseException:
+        files.close()
+        raise
+    return Checkpoint(path, manifest, files)
+
+
+def _read_manifest(files: VerifiedFiles, manifest_path: Path, path: Path) -> dict[str, Any]:
+    try:
+        descriptor = os.open(MANIFEST, os.O_RDONLY, dir_fd=files.directory)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{manifest_path}: missing; {path} is not a complete checkpoint") from None
+    with os.fdopen(descriptor, "r") as handle:
+        text = handle.read()
+    try:
+        manifest = json.loads(text)
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{manifest_path}: corrupted ({err})") from None
     _check_manifest(manifest, manifest_path)
-    for name, expected in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{file}: listed in the manifest but missing")
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated?)")
-        if sha256_of(file) != expected["sha256"]:
-            raise CheckpointError(f"{file}: checksum does not match the manifest (corrupted)")
-    return Checkpoint(path, manifest)
+    return manifest
 
 
 def resolve_tag(root: Path, tag: str | None) -> str:
@@ -281,14 +392,15 @@ def _manifest_entry_problems(manifest: dict[str, Any]) -> list[str]:
     return problems
 
 
-def read_file(path: Path) -> Any:
-    """A checkpoint file, read without running code from it; a refusal names the file."""
+def read_file(path: Path, shown: Path | None = None) -> Any:
+    """A checkpoint file, read without running code from it; a refusal names the file
+    (``shown``, where ``path`` opens it by its descriptor)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
         detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), "")
         raise CheckpointError(
-            f"{path}: refused by torch.load(weights_only=True), which never runs code from a file "
+            f"{shown or path}: refused by torch.load(weights_only=True), which never runs code from a file "
             f"({detail.strip() or str(err).splitlines()[0]}); only load it with weights_only=False if you trust "
             "whoever wrote it"
         ) from None
