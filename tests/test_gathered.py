@@ -63,16 +63,19 @@ def case_write(rank: int, world: int, stage: int, **zero) -> dict:
     model = make_model()
     engine = zero_engine.initialize(model, config(stage, **zero))
     layer = model.layers[0]
-    with engine.gathered([layer.adapt.bias, layer.base.weight, layer.adapt.weight], modifier_rank=0) as params:
-        assert params == [layer.base.weight, layer.adapt.weight, layer.adapt.bias]  # in the module's order
-        if rank == 0:
-            rewrite(model)
-        else:  # undone from rank 0: the adapter's bias only these ranks wrote too
-            with torch.no_grad():
-                layer.adapt.weight.fill_(7.0)
-                layer.adapt.bias.fill_(7.0)
+    calls: list = []
+    with recorded_collectives(calls):
+        with engine.gathered([layer.adapt.bias, layer.base.weight, layer.adapt.weight], modifier_rank=0) as params:
+            assert params == [layer.base.weight, layer.adapt.weight, layer.adapt.bias]  # in the module's order
+            if rank == 0:
+                rewrite(model)
+            else:  # undone from rank 0: the adapter's bias only these ranks wrote too
+                with torch.no_grad():
+                    layer.adapt.weight.fill_(7.0)
+                    layer.adapt.bias.fill_(7.0)
+    broadcasts = sum(method == "broadcast" for method, *_ in calls)  # the three written back as one
     losses = train(engine, rank, world)
-    return {"losses": losses, "state": engine.full_state_dict()}
+    return {"losses": losses, "state": engine.full_state_dict(), "broadcasts": broadcasts}
 
 
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
@@ -93,22 +96,32 @@ def case_masters(rank: int, world: int, stage: int, offload: bool = False, **zer
 
 
 def case_refused(rank: int, world: int, stage: int) -> dict:
-    """A write without a modifier raises on every rank (rank 1 wrote; a frozen weight on every
-    rank), and every value is as it was; an error inside the context on one rank raises on every
-    rank; a step inside a context is refused; training goes on."""
+    """A write without a modifier raises on every rank (rank 1 wrote; rank 0 alone wrote another
+    parameter, which must come back from rank 1, not be broadcast from rank 0; a frozen weight
+    on every rank), and every value is as it was; an error inside the context on one rank
+    raises on every rank, and what another rank wrote meanwhile is put back; a step inside a
+    context is refused; a parameter given a tensor of another shape is refused and points at
+    the engine's storage again; every rank writing its own value without a modifier leaves
+    rank 0's everywhere (the ranks agree); bad arguments are refused before the context;
+    training goes on."""
     model = make_model()
     engine = zero_engine.initialize(model, config(stage))
     before = engine.full_state_dict()
     errors = []
     try:
-        with engine.gathered([model.layers[1].adapt.weight, "embed.weight"]):
-            if rank == 1:
-                with torch.no_grad():
+        with engine.gathered([model.layers[1].adapt.weight, "embed.weight", "layers.1.adapt.bias"]):
+            with torch.no_grad():
+                if rank == 1:
                     model.layers[1].adapt.weight[0, 0] += 1.0
+                if rank == 0:
+                    model.layers[1].adapt.bias[0] += 1.0
     except RuntimeError as error:
         errors.append(str(error))
     try:
-        with engine.gathered("layers.0.base.weight"):
+        with engine.gathered(["layers.0.base.weight", "layers.0.adapt.weight"], modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    model.layers[0].adapt.weight.add_(1.0)
             if rank == world - 1:
                 raise ValueError("a user's bug")
     except ValueError as error:
@@ -124,13 +137,36 @@ def case_refused(rank: int, world: int, stage: int) -> dict:
     except RuntimeError as error:
         errors.append(str(error))
     engine.step()
-    try:  # a parameter given another shape cannot be written back: refused on every rank, last (it stays so)
+    shape = model.layers[0].adapt.weight.shape
+    try:  # a parameter given another shape cannot be written back: refused on every rank, and undone
         with engine.gathered("layers.0.adapt.weight", modifier_rank=0):
             if rank == 0:
                 model.layers[0].adapt.weight.data = torch.zeros(2, 2)
     except ValueError as error:
         errors.append(str(error))
-    return {"errors": errors, "unchanged": unchanged}
+    reshaped_back = model.layers[0].adapt.weight.shape == shape
+    try:  # every rank its own value, no modifier: nothing can undo it below stage 3, rank 0's is kept
+        with engine.gathered("layers.1.base.weight"):
+            with torch.no_grad():
+                model.layers[1].base.weight.fill_(float(rank + 1))
+    except RuntimeError as error:
+        errors.append(str(error))
+    everywhere = engine.full_state_dict()["layers.1.base.weight"]
+    refused = []
+    for arguments, modifier in (
+        ((), world), ((), -1), ((), "0"), ((), 1.0), ((), True),  # modifier_rank: a rank of this job, an int
+        ((model.layers[0],), None), ((7,), None), ((model.layers[0].adapt.weight.detach(),), None),
+        (([model.layers[0].adapt.weight.data],), None),
+    ):
+        try:
+            engine.gathered(*arguments, modifier_rank=modifier)
+        except (TypeError, ValueError) as error:
+            refused.append(type(error).__name__)
+    loss = engine(batch(1, rank, world))  # training goes on
+    engine.backward(loss)
+    engine.step()
+    return {"errors": errors, "unchanged": unchanged, "reshaped_back": reshaped_back,
+            "everywhere": everywhere, "refused": refused, "loss": loss.item()}
 
 
 def case_nested(rank: int, world: int, stage: int) -> dict:
@@ -211,6 +247,7 @@ def check(results: list[dict], world: int, cases: list[tuple[str, int]]) -> None
             got = result[(name, stage)]
             where = f"{name} stage {stage} rank {rank} of {world}"
             if name.startswith("write"):  # each rank's loss is its micro-batch's: their mean is the global batch's
+                assert got["broadcasts"] == 1, (where, got["broadcasts"])  # one dtype: one broadcast (GPU review Q4)
                 mean = [sum(r[(name, stage)]["losses"][step] for r in results) / world for step in range(STEPS)]
                 assert mean == pytest.approx(ref_losses, abs=TOL), where
                 for key, value in ref_state.items():
@@ -219,16 +256,23 @@ def check(results: list[dict], world: int, cases: list[tuple[str, int]]) -> None
                 assert bool((got["adapt"] == 0.25).all()) and bool((got["base"] == -0.5).all()), where
             elif name == "refused":
                 errors = got["errors"]
-                assert len(errors) == 4, (where, errors)
+                assert len(errors) == 5, (where, errors)
                 assert "without modifier_rank" in errors[0] and "'layers.1.adapt.weight' on rank(s) [1]" in errors[0], where
-                assert "as they were" in errors[0], where
+                assert "'layers.1.adapt.bias' on rank(s) [0]" in errors[0] and "as they were" in errors[0], where
                 if rank == world - 1:
                     assert errors[1] == "own: a user's bug", where
                 else:
                     assert f"rank(s) [{world - 1}] raised inside the context" in errors[1], where
+                    assert "as they were" in errors[1], where
                 assert "inside engine.gathered()" in errors[2], where
                 assert "shape changed inside the context" in errors[3], where
+                assert got["reshaped_back"], where
+                assert "Every rank wrote ['layers.1.base.weight']" in errors[4] or stage == 3, (where, errors[4])
                 assert all(got["unchanged"].values()), (where, got["unchanged"])
+                assert got["refused"] == ["ValueError"] * 2 + ["TypeError"] * 7, (where, got["refused"])
+                assert torch.equal(got["everywhere"], results[0][(name, stage)]["everywhere"]), where
+                if stage < 3:  # rank 0's value, on every rank
+                    assert bool((got["everywhere"] == 1.0).all()), where
             else:
                 assert got["tied_once"] and got["outer_still_whole"] and got["after_outer"] == (stage < 3), where
                 assert got["adapt_whole"] == (stage < 3), where  # the inner exit released its own unit
@@ -267,3 +311,84 @@ def test_gathered_three_ranks_stage3() -> None:
     cases = [(name, 3) for name in ("write", "masters", "masters_offload", "refused", "nested")]
     results = run_on_ranks(3, run_cases, cases)
     check(results, 3, cases)
+
+
+# -- one process -------------------------------------------------------------------------------
+
+
+def test_a_fingerprint_changes_with_any_write() -> None:
+    """Reliability review N08: the fingerprint's weighted sums see elements moved (rows swapped,
+    two elements of one row or of one column of its blocks swapped), the plain sum any change
+    (one element, NaN, -0.0 over 0.0), at every width and across the block boundary."""
+    from zero_engine.state.gathered import fingerprints
+
+    def swap(tensor: torch.Tensor, i: int, j: int) -> None:
+        flat = tensor.view(-1)
+        flat[i], flat[j] = flat[j].clone(), flat[i].clone()
+
+    def sums(tensor: torch.Tensor) -> tuple:
+        return fingerprints([tensor])[0][3:]
+
+    torch.manual_seed(0)
+    for shape in [(6, 4), (3, 5000), (9000,)]:
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            original = torch.randn(shape).to(dtype)
+            original.view(-1)[3] = 0.0
+            writes = {
+                "rows swapped": lambda t: t.copy_(t.roll(1, 0)),
+                "same row": lambda t: swap(t, 0, 1),
+                "same column": lambda t: swap(t, 0, 4096),
+                "one element": lambda t: t.view(-1)[-1].add_(1.0),
+                "nan": lambda t: t.view(-1)[2].fill_(float("nan")),
+                "negative zero": lambda t: t.view(-1)[3].fill_(-0.0),
+            }
+            before = sums(original)
+            for what, write in writes.items():
+                if what == "same column" and original.numel() <= 4096:
+                    continue
+                copy = original.clone()
+                write(copy)
+                assert not torch.equal(copy.view(torch.uint8), original.view(torch.uint8)), (shape, dtype, what)
+                assert sums(copy) != before, (shape, dtype, what)
+            assert sums(original.clone()) == before  # unwritten: the same
+
+
+def test_a_loose_parameters_fp32_copy_takes_a_kept_write_under_bf16() -> None:
+    """Reliability review N09: a parameter outside every param group keeps fp32 values under bf16;
+    a write kept by ``gathered(modifier_rank=0)`` reaches them (what full_state_dict reads)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    engine = zero_engine.initialize(
+        model, engine_config(0, micro=2, lr=0.1, dtype="bf16"), param_groups=[{"params": [model.weight]}]
+    )
+    with engine.gathered(["bias"], modifier_rank=0):
+        with torch.no_grad():
+            model.bias.fill_(0.25)
+    assert torch.equal(engine.full_state_dict()["bias"], torch.full((2,), 0.25))
+
+
+def test_gathered_reads_back_once_per_device_whatever_the_number_of_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPU review Q4: entering and leaving ``gathered()`` reads the fingerprints back to the host
+    once per device each (a read per parameter waits for a GPU once per parameter)."""
+    reads: list[int] = []
+    real = torch.Tensor.tolist
+
+    def counted(self: torch.Tensor) -> object:
+        reads.append(1)
+        return real(self)
+
+    def reads_for(num_layers: int) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(num_layers)])
+        engine = zero_engine.initialize(model, engine_config(3, micro=2, lr=0.1, stage3_param_persistence_threshold=0))
+        reads.clear()
+        monkeypatch.setattr(torch.Tensor, "tolist", counted)
+        with engine.gathered(modifier_rank=0):
+            with torch.no_grad():
+                model[0].weight.add_(1.0)
+        monkeypatch.setattr(torch.Tensor, "tolist", real)
+        return len(reads)
+
+    assert reads_for(10) == reads_for(1)  # a fingerprint each, the call row and the exit exchange: 5
