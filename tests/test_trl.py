@@ -113,16 +113,36 @@ def runs(rank: int, world: int, root: str) -> dict[str, Any]:
                 run.save_model(str(directory / "final"))
                 full = run.zero_engine.full_state_dict()
                 results[name]["adapters"] = {key: value for key, value in full.items() if "lora_" in key}
+                if name == "sft-zero-resumed":
+                    results[name]["rank0_save"] = save_on_rank0_alone(run, rank, directory)
                 run.zero_engine.close()
             torch.distributed.barrier()
     return results
+
+
+def save_on_rank0_alone(run: Any, rank: int, directory: Path) -> str:
+    """The misuse ``if trainer.is_world_process_zero(): trainer.save_model()`` (its stream of
+    the adapters is collective), the other rank going on with the engine: every rank raises
+    `DivergedRanksError` at once (reliability review D4), not after the 30-minute timeout."""
+    import time
+
+    from zero_engine import DivergedRanksError
+
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            run.save_model(str(directory / "rank0-alone"))
+        run.zero_engine.full_state_dict()
+    except DivergedRanksError:
+        return f"raised after {time.monotonic() - started:.0f} s"
+    return "no error"
 
 
 @pytest.fixture(scope="module")
 def trl_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("trl")
     results = run_on_ranks(2, runs, str(root), allow_numpy=True, backend=None, timeout=600)
-    return {"rank0": results[0], "root": root}
+    return {"rank0": results[0], "rank1": results[1], "root": root}
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
@@ -137,6 +157,11 @@ def test_trl_trainer_at_stage3_logs_what_ddp_logs_and_resumes(trl_runs: dict, ki
     for (step, loss), (_, expected) in zip(resumed, zero[SAVE_AT:]):
         assert loss == pytest.approx(expected, abs=TOLERANCE), (kind, "resumed", step)
     assert ddp[-1][1] != ddp[0][1]  # the adapters trained
+
+
+def test_a_save_model_on_one_rank_raises_on_every_rank_at_once(trl_runs: dict) -> None:
+    assert trl_runs["rank0"]["sft-zero-resumed"]["rank0_save"] in ("raised after 0 s", "raised after 1 s")
+    assert trl_runs["rank1"]["sft-zero-resumed"]["rank0_save"] in ("raised after 0 s", "raised after 1 s")
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])

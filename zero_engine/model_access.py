@@ -7,7 +7,7 @@ row (`Call`), so a call made on some ranks only raises on every rank instead of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +89,7 @@ class ModelAccess:
         dtype: torch.dtype | str | None = None,
         merge_adapters: bool = False,
         rank0_only: bool = False,
-        names: Callable[[str], bool] | None = None,
+        names: Callable[[str], bool] | Iterable[str] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every ``state_dict()`` entry as ``(name, full tensor)`` on the engine's device, in
         its order, values as `full_state_dict` has them (fp32 masters, frozen weights as stored,
@@ -98,13 +98,16 @@ class ModelAccess:
         tensor it yields). ``merge_adapters=True``: a PEFT LoRA model's merged base under the base
         model's names (what ``merge_and_unload()`` gives), merged layer by layer. Collective:
         iterate it to its end on every rank; with ``rank0_only`` only rank 0 gets tensors.
-        ``names``: which state-dict names to stream (say, a PEFT model's adapters); the others
-        are not gathered (`zero_engine.state.streaming`)."""
+        ``names``: which state-dict names to stream (a collection of names, or a predicate on
+        a name: say, a PEFT model's adapters); the others are not gathered
+        (`zero_engine.state.streaming`). A rank that stops iterating early, or streams alone,
+        makes every rank raise `DivergedRanksError` at its next collective row."""
         self.calls.check_usable()
         size = export.parse_shard_size(bucket_bytes, "bucket_bytes")
         cast = export.parse_dtype(dtype)  # bad arguments raise here, before any collective
+        wanted = _wanted_names(names, self.module)
         merge = AdapterMerge(self.module) if merge_adapters else None
-        return self._stream(size, cast, merge, rank0_only, names)
+        return self._stream(size, cast, merge, rank0_only, wanted)
 
     def _stream(
         self, size: int, dtype: torch.dtype | None, merge: AdapterMerge | None, rank0_only: bool,
@@ -113,7 +116,7 @@ class ModelAccess:
         self._agree_on_call(Call.FULL_PARAMETERS)
         yield from streaming.stream(
             self.model_state, self.comm, self.device, bucket_bytes=size, dtype=dtype, rank0_only=rank0_only,
-            merge=merge, gathered=self.gathered, wanted=names,
+            merge=merge, gathered=self.gathered, agree=self.calls.agree, wanted=names,
         )
 
     def _check_no_gathered(self, call: str) -> None:
@@ -231,3 +234,27 @@ class ModelAccess:
         return checkpoint.Resumable(
             self.model_state, self.optimizer_step, self.config, self.stage.level, self.device, exclude_frozen
         )
+
+
+def _wanted_names(names: Callable[[str], bool] | Iterable[str] | None, module: nn.Module) -> Callable[[str], bool] | None:
+    """``named_full_parameters(names=...)`` as a predicate: a callable as it is; a name or a
+    collection of names, each of which must be a ``state_dict()`` entry (a name that matches
+    nothing is a slip, refused before any collective: reliability review D9)."""
+    if names is None or callable(names):
+        return names
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, Iterable):
+        raise TypeError(
+            f"named_full_parameters(names={names!r}): a collection of state_dict names, or a predicate on a name, "
+            f"not {type(names).__name__}"
+        )
+    chosen = set(names)
+    unknown = sorted(chosen - set(module.state_dict()))
+    if unknown:
+        raise KeyError(
+            f"named_full_parameters(names=...): {unknown[:5]}{' ...' if len(unknown) > 5 else ''} "
+            f"{'is not a state_dict entry' if len(unknown) == 1 else 'are not state_dict entries'} of the model "
+            "(names as module.state_dict() gives them)"
+        )
+    return chosen.__contains__

@@ -136,14 +136,18 @@ class GroupComm:
         received straight into its place (through a host copy where the backend's point to
         point cannot read device memory: `p2p_through_host`). For streaming a model's
         parameters (`zero_engine.state.streaming`): a parameter lies in the shards of the ranks
-        it spans, in pieces that an all-gather would pad to the largest."""
+        it spans, in pieces that an all-gather would pad to the largest. On NCCL the
+        broadcasts are one call, ``all_gather`` of pieces of their own sizes, which
+        ProcessGroupNCCL runs as one coalesced group of broadcasts (one launch, not one per owner)."""
         if self.skips_collectives:
             return DONE
         own = pieces[self.rank]
         sizes = [piece.numel() if piece is not None else 0 for piece in pieces]
         if onto is None:
             self._count(CollectiveKind.ALL_GATHER, sum(sizes) * own.element_size())
-            return Pending(tuple(
+            if self.backend == "nccl":  # pieces of their own sizes: NCCL runs them as one group of broadcasts (Q5)
+                return Pending((dist.all_gather(list(pieces), own, group=self.group, async_op=True),))
+            return Pending(tuple(  # gloo's all-gather takes pieces of one size only
                 dist.broadcast(piece, src=self._global_rank(owner), group=self.group, async_op=True)
                 for owner, piece in enumerate(pieces) if piece is not None and piece.numel()
             ))

@@ -78,10 +78,18 @@ class Call(IntEnum):
     SAVE_PRETRAINED = 5
     GATHERED = 6  # engine.gathered()
     FULL_PARAMETERS = 7  # engine.named_full_parameters()
+    FULL_PARAMETERS_BUCKET = 8  # its next bucket's gather (the count: the bucket's number)
+    FULL_PARAMETERS_END = 9  # its end (the count: the buckets gathered)
 
     @property
     def label(self) -> str:
-        return "training" if self is Call.TRAIN else f"{self.name.lower()}()"
+        if self is Call.TRAIN:
+            return "training"
+        if self is Call.FULL_PARAMETERS_BUCKET:
+            return "named_full_parameters(), gathering a bucket"
+        if self is Call.FULL_PARAMETERS_END:
+            return "the end of named_full_parameters()"
+        return f"{self.name.lower()}()"
 
 
 def make_row(passes: int, kind: PassKind, wants: Sequence[int], ready: int) -> list[int]:
@@ -107,9 +115,10 @@ def call_divergence(rows: list[list[int]], describe_unit: Callable[[int], str] =
     if all(row[1] != PassKind.CALL for row in rows) or all(row == rows[0] for row in rows):
         return None
     return (
-        f"ranks are in different calls: {describe_rows(rows, describe_unit)}. save_checkpoint, load_checkpoint, save_pretrained and "
-        "(when state is sharded) full_state_dict are collective: call them on every rank, at the same step. The ranks' collectives are "
-        "now out of step: end the job"
+        f"ranks are in different calls: {describe_rows(rows, describe_unit)}. save_checkpoint, load_checkpoint, save_pretrained, "
+        "gathered(), named_full_parameters() (iterated to its end), generation at stage 3 and (when state is sharded) "
+        "full_state_dict are collective: call them on every rank, at the same step. The ranks' collectives are now out of "
+        "step: end the job"
     )
 
 

@@ -74,6 +74,10 @@ class AdapterMerge:
                     params.extend(table[adapter].parameters())
         return params
 
+    def adapter_params_of_all(self) -> list[nn.Parameter]:
+        """`adapter_params` of every LoRA layer, once each."""
+        return list(dict.fromkeys(param for layer in self.layers.values() for param in self.adapter_params(layer)))
+
     def merged(self, layer: nn.Module, base: torch.Tensor) -> torch.Tensor:
         """``base`` (the layer's full base weight, a fresh tensor) with each active adapter added,
         in place, as PEFT's ``merge`` adds it (its adapter weights whole now)."""

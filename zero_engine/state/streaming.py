@@ -12,7 +12,11 @@ holds whole (stage 0's masters, loose parameters, buffers) need no collective. S
 at most one gathered bucket and the tensor it is yielding; a tensor larger than the bucket is a
 bucket of its own, and the buffer it was gathered into is the tensor yielded.
 
-With ``merge_adapters`` a PEFT LoRA model leaves as its merged base (`zero_engine.state.adapters`).
+With ``merge_adapters`` a PEFT LoRA model leaves as its merged base (`zero_engine.state.adapters`),
+every adapter held whole once for the whole stream (they are a small part of the model).
+
+A call row goes before each bucket's gather and one at the end, however the stream ends
+(`_rows`): a rank that stops early or streams alone raises `DivergedRanksError` on every rank.
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .. import offload
 from ..comm import Comm
+from ..errors import DivergedRanksError
+from ..sharding.agreement import Call
 from .adapters import AdapterMerge
 
 if TYPE_CHECKING:
@@ -94,12 +101,56 @@ def stream(
     rank0_only: bool,
     merge: AdapterMerge | None,
     gathered: Callable[[list[nn.Parameter]], Any],
+    agree: Callable[[Call, int], None],
     wanted: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """See the module's docstring; ``gathered`` is `Engine.gathered` (for the adapters of a merge);
-    ``wanted``: the state-dict names to stream (the others are neither gathered nor yielded)."""
+    """See the module's docstring; ``gathered`` is `Engine.gathered` (for the adapters of a
+    merge, held once for the whole stream); ``agree`` sends a call row (`_rows`); ``wanted``:
+    the state-dict names to stream (the others are neither gathered nor yielded)."""
+    if merge is None:
+        yield from _rows(_entries_out(model_state, comm, device, bucket_bytes, dtype, rank0_only, None, wanted), agree)
+        return
+    with gathered(merge.adapter_params_of_all()):  # every adapter whole once, not once per LoRA layer (Q3)
+        yield from _rows(_entries_out(model_state, comm, device, bucket_bytes, dtype, rank0_only, merge, wanted), agree)
+
+
+def _rows(entries: Iterator[tuple[str, torch.Tensor] | int], agree: Callable[[Call, int], None]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The entries, with a call row before each bucket's gather (its number) and one at the end
+    (how many buckets were gathered), however the stream ends: a rank that stops iterating early
+    (a ``break``, an exception in the consumer: the generator is closed) or streams alone sends
+    rows that differ from the others', so every rank raises `DivergedRanksError` at once instead
+    of waiting in the next gather until the timeout (reliability review D4)."""
+    buckets, diverged = 0, False
+    try:
+        for item in entries:
+            if isinstance(item, int):  # a bucket's gather comes next
+                try:
+                    agree(Call.FULL_PARAMETERS_BUCKET, item)
+                except DivergedRanksError:
+                    diverged = True
+                    raise
+                buckets = item + 1
+                continue
+            yield item
+    finally:
+        if not diverged:
+            agree(Call.FULL_PARAMETERS_END, buckets)
+
+
+def _entries_out(
+    model_state: ModelState,
+    comm: Comm,
+    device: torch.device,
+    bucket_bytes: int,
+    dtype: torch.dtype | None,
+    rank0_only: bool,
+    merge: AdapterMerge | None,
+    wanted: Callable[[str], bool] | None,
+) -> Iterator[tuple[str, torch.Tensor] | int]:
+    """Every entry as it leaves, and before each bucket's gather the bucket's number."""
     keep = not rank0_only or comm.rank == 0
     bucket: list[Entry] = []
+    gathered_buckets = 0
 
     def emit(entry: Entry, values: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         if merge is None:
@@ -110,15 +161,16 @@ def stream(
         if name is None:
             return
         layer = merge.layer_of(entry.name)
-        if layer is not None:
-            with gathered(merge.adapter_params(layer)):
-                if keep:
-                    values = merge.merged(layer, values)
+        if layer is not None and keep:
+            values = merge.merged(layer, values)
         if keep:
             yield name, _cast(values, dtype)
 
-    def flush() -> Iterator[tuple[str, torch.Tensor]]:
+    def flush() -> Iterator[tuple[str, torch.Tensor] | int]:
+        nonlocal gathered_buckets
         if bucket:
+            yield gathered_buckets
+            gathered_buckets += 1
             for entry, values in _gather_bucket(bucket, comm, device, rank0_only):
                 yield from emit(entry, values)
             bucket.clear()
@@ -165,8 +217,8 @@ def _gather_bucket(
     for entry in bucket:
         _, shard_offset, numel = entry.pieces(entry.unit.rank)
         if numel:
-            with _kept_values(entry.unit) as kept:
-                own[at : at + numel].copy_(kept[shard_offset : shard_offset + numel])
+            with _kept_values(entry.unit) as kept:  # from pinned host memory, no host sync (GPU review Q2)
+                offload.copy_across(own[at : at + numel], kept[shard_offset : shard_offset + numel])
             at += numel
     comm.gather_pieces(pieces, onto=0 if rank0_only else None).wait()
     del pieces, own
