@@ -67,6 +67,9 @@ class Engine(ModelAccess, StepView):
     ) -> None:
         self.module = model
         _WRAPPED[model] = None
+        _LEFT_SHARDED.pop(model, None)
+        # each parameter's dtype as given (the engine may keep it in the compute dtype): close(unshard=True) gives it back so
+        self._dtypes_as_given = {name: param.dtype for name, param in model.named_parameters(remove_duplicate=False)}
         self.config = config
         self.comm = comm
         self.stage = stage
@@ -245,8 +248,8 @@ class Engine(ModelAccess, StepView):
                 f"requires_grad changed after zero_engine.initialize for {len(changed)} parameter(s): "
                 f"{', '.join(changed[:8])}{', ...' if len(changed) > 8 else ''}. The engine decided which parameters "
                 "train when it was built (their units, optimizer state and reductions): set requires_grad before "
-                "initialize (PEFT: call set_adapter or freeze layers first), or build a new engine (engine.close(), "
-                "then zero_engine.initialize again)"
+                "initialize (PEFT: call set_adapter or freeze layers first), or build a new engine "
+                "(engine.close(unshard=True), then zero_engine.initialize again)"
             )
 
     # -- collective calls agreed on, the window's checks -----------------------------------------
@@ -334,14 +337,28 @@ class Engine(ModelAccess, StepView):
     def eval(self) -> Engine:
         return self.train(False)
 
-    def close(self) -> None:
-        """Remove the engine's hooks from the model's parameters and modules."""
+    def close(self, *, unshard: bool = False) -> None:
+        """Remove the engine's hooks from the model's parameters and modules.
+
+        At stage 3 each rank keeps only its shard of every sharded parameter, so the model is
+        not whole after ``close()``, and `zero_engine.initialize` refuses it; ``unshard=True``
+        (collective: call it on every rank) first gathers the whole model and puts each
+        parameter's values back into it, as given to `initialize` (fp32 masters in their
+        dtype): every rank then holds the whole model, as FSDP's unshard leaves it. Below
+        stage 3 the parameters are whole already and ``unshard`` changes nothing."""
+        whole = self.full_state_dict() if unshard and self.stage.shard_parameters else None
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
         self.unit_forwards.remove()
         self.lifecycle.remove_hooks()
         self.step_log.close()
         _WRAPPED.pop(self.module, None)
+        if whole is not None:
+            with torch.no_grad():
+                for name, param in self.module.named_parameters(remove_duplicate=False):
+                    param.data = whole[name].to(device=self.device, dtype=self._dtypes_as_given[name])
+        elif self.stage.shard_parameters and (self.units or self.frozen_units):
+            _LEFT_SHARDED[self.module] = None
 
 
 # Models an engine has hooked (until its close()): a second engine on one would run both
@@ -349,9 +366,18 @@ class Engine(ModelAccess, StepView):
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
 
 
+# Models a stage 3 engine was closed on without unshard: each rank holds only its shards.
+_LEFT_SHARDED: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
+
+
 def is_wrapped(model: nn.Module) -> bool:
     """Whether an engine has hooked ``model`` and not been closed."""
     return model in _WRAPPED
+
+
+def left_sharded(model: nn.Module) -> bool:
+    """Whether a stage 3 engine was closed on ``model`` without putting the whole parameters back."""
+    return model in _LEFT_SHARDED
 
 
 # torch.compile's modes that capture CUDA graphs (torch._inductor.list_mode_options).

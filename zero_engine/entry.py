@@ -24,7 +24,7 @@ from .auto_values import fill_auto
 from .comm import Comm, connect, with_stage_groups
 from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
-from .engine import Engine, is_wrapped
+from .engine import Engine, is_wrapped, left_sharded
 from .features import refuse_unbuilt_features
 from .memory import host_bytes_needed
 from .monitor import check_monitor_packages
@@ -143,6 +143,13 @@ def _check_not_wrapped(model: Any) -> None:
         raise ValueError(
             "initialize: this model is already wrapped by an engine (its hooks and flat parameters are in place): "
             "call engine.close() on that engine first, or build a new model"
+        )
+    if left_sharded(model):
+        raise ValueError(
+            "initialize: a stage 3 engine was closed on this model without unshard, so each rank holds only its "
+            "shard of the parameters: close it with engine.close(unshard=True) (collective: the whole model on "
+            "every rank) before building a new engine, or save (engine.save_checkpoint), build the model again "
+            "(on the meta device for a big one) and initialize it with weights=<the checkpoint directory>"
         )
 
 

@@ -162,8 +162,9 @@ class ParamGatherer(NoGather):
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
-        self._methods = RootMethods(  # its generate, run as one forward of it
-            root, lifecycle, (self._enter_root, self._pre_forward), (self._post_forward, self._exit_root)
+        self._methods = RootMethods(  # its generate, run as one forward of it, every rank as many forwards
+            root, lifecycle, (self._enter_root, self._pre_forward), (self._post_forward, self._exit_root),
+            synced=comm.world_size > 1,
         )
 
     @property
