@@ -648,3 +648,22 @@ def test_a_reader_reads_the_bytes_it_verified_while_the_tag_is_resaved(
     monkeypatch.setattr(storage.Checkpoint, "read", real_read)
     second = zero_engine.load_consolidated(tmp_path, "rolling")  # the new copy, now in place
     assert not torch.equal(second["fc1.weight"], first["fc1.weight"]) and "frozen.weight" not in second
+
+
+def test_a_checkpoint_of_the_trainable_state_only_says_so_when_consolidated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Reliability review D6: a checkpoint saved with ``exclude_frozen_parameters=True`` holds no
+    base: consolidating it warns naming what it lacks, and a Hugging Face export of it (a model
+    whose base would load at random) is refused, naming what to do instead."""
+    engine = _trained_engine()
+    engine.save_checkpoint(tmp_path, tag="adapters", exclude_frozen_parameters=True)
+    with pytest.warns(UserWarning, match=r"trainable state only.*frozen\.bias, frozen\.weight"):
+        state = zero_engine.load_consolidated(tmp_path, "adapters")
+    assert "frozen.weight" not in state and "fc1.weight" in state
+    assert cli_main(["consolidate", str(tmp_path), str(tmp_path / "out.safetensors"), "--tag", "adapters"]) == 0
+    assert "note: " in capsys.readouterr().err
+    assert cli_main(["consolidate", str(tmp_path), str(tmp_path / "hf"), "--tag", "adapters", "--format", "hf"]) == 1
+    error = capsys.readouterr().err
+    assert "trainable state only" in error and "save_pretrained" in error
+    assert not (tmp_path / "hf" / "model.safetensors").exists()

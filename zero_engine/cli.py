@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from .config import ZeroEngineConfig, auto_keys, load_config
 from .errors import ConfigError
@@ -134,7 +135,11 @@ def _consolidate(args: argparse.Namespace) -> int:
     if args.format == "hf":
         return _export(args)
     try:
-        state = load_consolidated(args.checkpoint, args.tag)
+        with warnings.catch_warnings(record=True) as noted:
+            warnings.simplefilter("always")
+            state = load_consolidated(args.checkpoint, args.tag)
+        for note in noted:  # a checkpoint of the trainable state only says so
+            print(f"note: {note.message}", file=sys.stderr)
         write_state_dict(state, args.out)
     except (OSError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)

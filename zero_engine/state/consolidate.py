@@ -4,6 +4,7 @@ This engine's checkpoints and DeepSpeed's alike (`zero_engine.state.sources`).""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,12 @@ def load_consolidated(directory: str | Path, tag: str | None = None) -> dict[str
     """The checkpoint's full model as a plain fp32 ``state_dict`` (every alias of a tied
     parameter included), without torch.distributed."""
     checkpoint, index, extra, _, _ = open_source(directory, tag)
+    left_out = excluded_frozen(checkpoint.manifest)
+    if left_out:
+        warnings.warn(
+            f"{checkpoint.path}: {trainable_only_message(left_out)}: the state dict holds the trainable tensors and "
+            "buffers alone", stacklevel=2,
+        )
     state: dict[str, torch.Tensor] = {}
     for name, entry in checkpoint.manifest["params"].items():
         numel = 1
@@ -31,6 +38,20 @@ def load_consolidated(directory: str | Path, tag: str | None = None) -> dict[str
     for name, value in extra["module"].items():
         state[name] = value.clone()
     return state
+
+
+def excluded_frozen(manifest: dict[str, Any]) -> list[str]:
+    """The frozen parameters a checkpoint saved with ``exclude_frozen_parameters=True`` left out
+    (none known for an older DeepSpeed checkpoint that did not list its frozen parameters)."""
+    return [name for name in manifest.get("excluded_frozen") or () if name != "*"]
+
+
+def trainable_only_message(left_out: list[str]) -> str:
+    named = f"{len(left_out)} frozen parameter(s) ({', '.join(left_out[:4])}{', ...' if len(left_out) > 4 else ''})"
+    return (
+        f"this checkpoint holds the trainable state only (saved with exclude_frozen_parameters=True): {named} "
+        "are not in it; its base comes from the model it was trained on"
+    )
 
 
 def load_client_state(directory: str | Path, tag: str | None = None) -> Any:

@@ -34,6 +34,7 @@ from ..errors import CheckpointError
 from ..sharding.frozen_unit import FrozenUnit
 from ..sharding.unit import FlatUnit
 from .checkpoint import on_every_rank
+from .consolidate import excluded_frozen, trainable_only_message
 from .payload import PieceIndex
 from .safetensors_file import SafetensorsWriter, TensorSpec
 from .state_dict import ModelState
@@ -254,6 +255,14 @@ def export_checkpoint(
     parameter and one shard, never the model. Weights only: the checkpoint holds no model config."""
     directory, max_bytes, out = Path(directory), parse_shard_size(max_shard_size), parse_dtype(dtype)
     opened, index, extra, _, _ = open_source(checkpoint, tag)
+    left_out = excluded_frozen(opened.manifest)
+    if left_out:  # a "model" without its base would load as one with random frozen weights
+        raise CheckpointError(
+            f"{opened.path}: {trainable_only_message(left_out)}. A Hugging Face model written from it would lack "
+            "them: export from an engine built over the base (engine.save_pretrained, or "
+            "named_full_parameters(merge_adapters=True) for a merged LoRA model), or consolidate the adapters "
+            "to a state dict (zero-engine consolidate CHECKPOINT OUT.safetensors)"
+        )
     params = opened.manifest["params"]
     aliases = {alias for entry in params.values() for alias in entry["aliases"]}
     loose = loose_entries(extra["module"], out, skip=aliases.__contains__)
