@@ -19,8 +19,10 @@ and its gather is a decode, with no collective: half a bf16 base's memory and no
 gatherer decoding around each use and freeing after it, as it frees a gathered shard.
 
 Writes (loading a checkpoint or ``weights=``, ``gathered()``'s write-back) go to a decoded copy
-of the shard, encoded again at the next read: a load of every parameter of a unit encodes the
-shard once, so a block that two parameters share is quantized from its final values only.
+of the shard, encoded again at the next read (a gather, or a read of the values for a state
+dict, an export or a checkpoint): a load of every parameter of a unit encodes the shard once, so
+a block that two parameters share is quantized from its final values only, and what is read
+back is always what a forward computes with.
 """
 
 from __future__ import annotations
@@ -121,9 +123,10 @@ class QuantizedFrozenUnit(FrozenUnit):
         return self._encoded
 
     def shard_values(self) -> torch.Tensor:
-        if self._staged is not None:
-            return self._staged
-        encoded = self._encoded.to(self.device)
+        """The shard's values as a gather decodes them: a staged write is encoded first, so a
+        load or a write reads back as the next forward computes with it, never the exact values
+        it was given (reliability review D13)."""
+        encoded = self.param_shard.to(self.device)
         return self.quantizer.decode(encoded, self.layout.shard_numel).to(self.dtype)
 
     def _writable_shard(self) -> torch.Tensor:
