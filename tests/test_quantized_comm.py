@@ -112,6 +112,27 @@ def _nbytes(args: tuple) -> int:
     return max((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), default=0)
 
 
+@pytest.mark.parametrize("rows, numel", [(2, 10_000), (3, 5_000), (5, 1_000), (1, 3)])
+def test_the_chunked_decode_equals_the_whole_decode_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, rows: int, numel: int
+) -> None:
+    """Reliability review N01: with a buffer of 4096 elements, rows longer than it (decoded a
+    span of blocks at a time, the last span short) and more short rows than fit in it (several
+    rows at a time, the last group short) decode to exactly `decode_rows`' values; so do rows
+    shorter than a block."""
+    import zero_engine.quantize as quantize
+
+    monkeypatch.setattr(quantize, "DECODE_CHUNK_CPU", 4096)
+    quantizer = BlockQuantizer(8)
+    values = torch.randn(rows, numel, generator=torch.Generator().manual_seed(rows)) * torch.logspace(-3, 2, numel)
+    encoded = torch.empty(rows, quantizer.encoded_bytes(numel), dtype=torch.uint8)
+    quantizer.encode_rows(values, encoded)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((rows, numel), float("nan"), dtype=dtype)
+        quantizer.decode_rows_into(encoded, numel, out)
+        assert torch.equal(out, quantizer.decode_rows(encoded, numel).to(dtype)), dtype
+
+
 @pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])  # 3: a shard shorter than the block
 def test_codecs_keep_the_own_shard_exact_and_the_rest_within_the_bound(world_size: int) -> None:
     for rank, failures in enumerate(run_on_ranks(world_size, codecs_over_ranks)):

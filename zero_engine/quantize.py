@@ -39,7 +39,6 @@ class BlockQuantizer:
             raise ValueError(f"block of {block} elements: must be even and at least 2")
         self.bits, self.block = bits, block
         self.qmax = 2 ** (bits - 1) - 1
-        self._scratch_buffers: dict[torch.device, torch.Tensor] = {}  # `decode_rows_into`'s, per device
 
     def _sizes(self, numel: int) -> tuple[int, int, int]:
         """(blocks, payload bytes, payload bytes padded to a multiple of 4) for ``numel`` values."""
@@ -101,9 +100,9 @@ class BlockQuantizer:
 
     def decode_rows_into(self, encoded: torch.Tensor, numel: int, out: torch.Tensor) -> None:
         """`decode_rows` into ``out`` (rows of ``numel``, any floating dtype), the same values,
-        without an fp32 copy of the rows: in int8 the integers are widened into a small reused
-        fp32 buffer (`decode_chunk` elements: several short rows, or blocks of a long one, at a
-        time), scaled there and written into ``out``. Gathers decode this way (an int8 frozen
+        without an fp32 copy of the rows: in int8 the integers are widened into a small fp32
+        buffer (at most `decode_chunk` elements, and no more than the rows hold: several short
+        rows, or blocks of a long one, at a time), scaled there and written into ``out``. Gathers decode this way (an int8 frozen
         unit's whole buffer at every use, qwZ's shards of the others): a quarter of
         `decode_rows`' time on a CPU, and a fixed number of calls per `decode_chunk` elements
         whatever the number of rows."""
@@ -114,8 +113,12 @@ class BlockQuantizer:
         blocks, _, padded = self._sizes(numel)
         scales = encoded[:, padded : padded + 4 * blocks].view(torch.float32)
         q = encoded[:, :numel].view(torch.int8)
-        scratch = self._scratch(encoded.device)
-        chunk = scratch.numel()
+        chunk = min(decode_chunk(encoded.device), rows * numel)
+        # Made for this call, on the current stream, and let go after it: nothing is held between
+        # gathers (a buffer kept per quantizer was 4 MiB beside a small model's int8 shards,
+        # reliability review item 5), and a decode under another stream cannot reuse it while a
+        # decode queued on the compute stream still reads it (GPU review Q8).
+        scratch = torch.empty(max(chunk, 1), dtype=torch.float32, device=encoded.device)
         if numel <= chunk:  # whole rows, several at a time
             step = chunk // max(numel, 1)
             for first in range(0, rows, step):
@@ -143,14 +146,6 @@ class BlockQuantizer:
         if whole * self.block < numel:
             values[:, whole * self.block :].mul_(scales[:, whole : whole + 1])
         out.copy_(values)
-
-    def _scratch(self, device: torch.device) -> torch.Tensor:
-        """The fp32 buffer decodes on ``device`` widen into, made once per quantizer (its pages
-        stay mapped; units that share a quantizer share it). Decodes run in order on the compute
-        stream, where a gather's wait completes it, so one buffer serves them all."""
-        if device not in self._scratch_buffers:
-            self._scratch_buffers[device] = torch.empty(decode_chunk(device), dtype=torch.float32, device=device)
-        return self._scratch_buffers[device]
 
 
 def decode_chunk(device: torch.device) -> int:
