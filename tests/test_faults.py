@@ -166,7 +166,30 @@ def checkpoint_faults(rank: int, world_size: int, directory: str) -> dict:
         out[f"rank0_only_{case}"] = _outcome(on_rank0_only)
         out[f"refused_later_{case}"] = _outcome(functools.partial(diverging.save_checkpoint, root, tag="later"))
         diverging.close()
+        if case == "2_pretrained":  # then a reference engine (every weight frozen, stage 3): rank 0 exports alone
+            out["rank0_only_3_frozen"] = _frozen_engine_exported_on_rank0_alone(rank, world_size)
     return out
+
+
+def _frozen_engine_exported_on_rank0_alone(rank: int, world_size: int) -> tuple[str, str]:
+    """Reliability review N29: a stage 3 engine with nothing to train (a reference model) whose
+    full_state_dict rank 0 calls alone while rank 1 runs forwards: its frozen units are sharded,
+    so the call is collective and every rank raises, before any rank gathers alone."""
+    frozen = make_model()
+    frozen.requires_grad_(False)
+    reference = zero_engine.initialize(frozen, engine_config(3, micro=MICRO, lr=0.05, stage3_param_persistence_threshold=0))
+    batch = micro_batch(0, 0, rank, world_size, MICRO, 1)
+
+    def forwards() -> None:
+        with torch.no_grad():
+            for _ in range(3):
+                reference(*batch)
+
+    with torch.no_grad():
+        reference(*batch)
+    outcome = _outcome(reference.full_state_dict if rank == 0 else forwards)
+    reference.close()
+    return outcome
 
 
 def test_checkpoint_faults_end_the_same_way_on_every_rank(tmp_path: Path) -> None:
@@ -206,6 +229,8 @@ def test_checkpoint_faults_end_the_same_way_on_every_rank(tmp_path: Path) -> Non
         assert math.isfinite(out["stepped_after"][0])
 
         kind, message = out["between_forward_and_backward"]
+        assert kind == "DivergedRanksError" and "rank 0 is in full_state_dict()" in message, message
+        kind, message = out["rank0_only_3_frozen"]
         assert kind == "DivergedRanksError" and "rank 0 is in full_state_dict()" in message, message
         for case in ("0", "0_accumulating", "2_pretrained", "3"):
             kind, message = out[f"rank0_only_{case}"]
@@ -372,6 +397,39 @@ def test_a_schedule_that_fails_when_run_is_refused_at_initialize() -> None:
     config = {"scheduler": {"type": "StepLR", "params": {"step_size": 0}}}
     with pytest.raises(ConfigError, match=r"scheduler StepLR .* fails when run: ZeroDivisionError"):
         zero_engine.initialize(make_model(), config)
+
+
+def test_careless_arguments_get_the_engines_own_messages(tmp_path: Path) -> None:
+    """Reliability review D14: every parameter frozen after initialize is named by the engine
+    (not torch's "element 0 of tensors does not require grad"), a loss made without gradients
+    says so; sizes and dtypes are read the same whichever way they are written ("0GB" is
+    refused as 0 is, 1e30 bytes and "float64" are accepted as 10**30 and torch.float64 are);
+    a weights= file holding a pickle that would run code is refused naming the file, without
+    suggesting weights_only=False."""
+    model = make_model()
+    engine = zero_engine.initialize(model, engine_config(0, micro=MICRO, lr=0.05))
+    batch = micro_batch(0, 0, 0, 1, MICRO, 1)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="the loss does not require a gradient"):
+            engine.backward(engine(*batch))
+    model.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"requires_grad changed after zero_engine.initialize .*'fc1.weight'"):
+        engine.backward(engine(*batch))
+    engine.close()
+    engine = zero_engine.initialize(make_model(), engine_config(1, micro=MICRO, lr=0.05, dtype="bf16"))
+    for size in ("0GB", 0, "0.0001KB", -1.0):
+        with pytest.raises(ValueError, match="a positive number of bytes"):
+            engine.named_full_parameters(bucket_bytes=size)
+    streamed = dict(engine.named_full_parameters(bucket_bytes=1e30, dtype="float64"))
+    assert streamed and all(t.dtype == torch.float64 for t in streamed.values() if t.is_floating_point())
+    with pytest.raises(ValueError, match="a floating torch dtype"):
+        engine.named_full_parameters(dtype="int8")
+    engine.close()
+    unsafe = tmp_path / "unsafe.pt"
+    torch.save({"args": argparse.Namespace(lr=1)}, unsafe)
+    with pytest.raises(CheckpointError, match=r"weights: .*unsafe\.pt: refused by torch.load") as refused:
+        zero_engine.initialize(make_model(), engine_config(0, micro=MICRO, lr=0.05), weights=unsafe)
+    assert "weights_only=False" not in str(refused.value)
 
 
 def test_misused_calls_say_what_to_do() -> None:

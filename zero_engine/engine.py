@@ -144,6 +144,13 @@ class Engine(ModelAccess, StepView):
         neither divides nor scales."""
         _check_loss(loss)
         self._check_trains("backward")
+        if not loss.requires_grad:  # before torch's "element 0 of tensors does not require grad"
+            self._check_requires_grad_unchanged()  # every parameter frozen since initialize: that, by name
+            raise RuntimeError(
+                "engine.backward(loss): the loss does not require a gradient: it was computed under "
+                "torch.no_grad() or torch.inference_mode(), or from nothing trainable (call the engine with "
+                "gradients enabled, after engine.train())"
+            )
         self.step_log.add_loss(loss)  # with a monitor on: summed on the device, read back at the step
         divisor = self.batch.gradient_accumulation_steps if scale_wrt_gas else 1
         self._scaling_backward = True

@@ -50,23 +50,32 @@ _DTYPES = {
 }
 
 
-def parse_shard_size(value: int | str, what: str = "max_shard_size") -> int:
-    """Bytes from ``5000000``, ``"5GB"`` (10**9) or ``"5GiB"`` (2**30), as transformers reads them."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    match = _SIZE.match(value) if isinstance(value, str) else None
-    if match is None:
+def parse_shard_size(value: int | float | str, what: str = "max_shard_size") -> int:
+    """Bytes from ``5000000`` (or ``5e9``), ``"5GB"`` (10**9) or ``"5GiB"`` (2**30), as
+    transformers reads them; at least one byte, whichever way it is written."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        match = _SIZE.match(value) if isinstance(value, str) else None
+        size = int(float(match.group(1)) * _UNITS[match.group(2).upper()]) if match else 0
+    if size < 1:
         raise ValueError(f"{what} = {value!r}: give a positive number of bytes or a size such as '5GB'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    return size
 
 
 def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    """None (the fp32 masters), a floating torch dtype, or its name."""
+    """None (the fp32 masters), a floating torch dtype, or its name (``"bfloat16"``,
+    ``"torch.float64"``, ``"bf16"``: any floating dtype, named as torch or as configs do)."""
     if value is None or isinstance(value, torch.dtype) and value.is_floating_point:
         return value
-    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
-        return _DTYPES[value.removeprefix("torch.")]
-    raise ValueError(f"dtype = {value!r}: give None (fp32) or one of {sorted(_DTYPES)}")
+    if isinstance(value, str):
+        name = value.removeprefix("torch.")
+        named = _DTYPES.get(name, getattr(torch, name, None))
+        if isinstance(named, torch.dtype) and named.is_floating_point:
+            return named
+    raise ValueError(f"dtype = {value!r}: give None (fp32), a floating torch dtype, or its name ({sorted(_DTYPES)}, ...)")
 
 
 def plan_shards(entries: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:

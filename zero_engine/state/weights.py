@@ -19,6 +19,7 @@ unexpected and re-shaped names fail at `initialize`, listed as `load_checkpoint`
 from __future__ import annotations
 
 import json
+import pickle
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -74,9 +75,17 @@ class StateDictWeights(WeightsFile):
     @classmethod
     def from_file(cls, path: Path) -> StateDictWeights:
         try:
-            tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
-            tensors = torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+                tensors = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), "")
+            raise CheckpointError(
+                f"weights: {path}: refused by torch.load(weights_only=True), which never runs code from a file "
+                f"({detail.strip() or 'it holds Python objects besides tensors'}); load it in a process that trusts "
+                "it and save its state dict alone (torch.save(state_dict, ...), or safetensors), then pass that file"
+            ) from None
         if not isinstance(tensors, Mapping):
             raise CheckpointError(f"{path}: holds a {type(tensors).__name__}, not a state dict")
         return cls(str(path), tensors)
