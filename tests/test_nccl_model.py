@@ -272,6 +272,37 @@ def test_no_nccl_hang(grid_traces: dict[int, list[list[Event]]], index: int) -> 
     assert hang is None, str(hang)
 
 
+def _group_kind(group: str) -> str:
+    """A data group's place in the layout, the same on every rank: every rank, its shard group
+    (consecutive ranks), its replica group (strided), or stage 3's reduce group."""
+    role, members = group.split("[", 1)
+    if role == "reduce":
+        return "reduce"
+    if members == "all]":
+        return "world"
+    ranks = [int(rank) for rank in members.rstrip("]").split(",")]
+    return "shard" if ranks == list(range(ranks[0], ranks[0] + len(ranks))) else "replica"
+
+
+def test_every_data_communicator_is_made_at_initialize_in_one_order(grid_traces: dict[int, list[list[Event]]]) -> None:
+    """GPU review Q6: an NCCL communicator is set up at its first collective, blocking the host
+    until every member arrives; first used inside a backward (the reduce and replica groups),
+    where a rank's order of collectives follows its data, a setup could wait for a peer that
+    waits for this rank. Every data group a case uses is first used at ``initialize``, and the
+    kinds of groups come in the same order on every rank."""
+    for index, case in enumerate(GRID):
+        if any(case.get(key) for key in PLANTED):
+            continue
+        orders = []
+        for trace in grid_traces[index]:
+            start = next(i for i, event in enumerate(trace) if event.kind == "mark" and event.what in ("forward", "reference"))
+            made = list(dict.fromkeys(event.group for event in trace[:start] if event.kind == "launch"))
+            used = {event.group for event in trace if event.kind == "launch" and not event.group.startswith("p2p")}
+            assert used <= set(made), (case, sorted(used - set(made)))
+            orders.append([_group_kind(group) for group in made])
+        assert all(order == orders[0] for order in orders), (case, orders)
+
+
 def test_the_model_finds_gathers_launched_before_the_step_where_a_unit_got_no_gradient(
     grid_traces: dict[int, list[list[Event]]],
 ) -> None:

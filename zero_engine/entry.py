@@ -21,7 +21,7 @@ from torch import nn
 
 from . import offload
 from .auto_values import fill_auto
-from .comm import Comm, connect, with_stage_groups
+from .comm import Comm, connect, make_data_communicators, with_stage_groups
 from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .engine import Engine, is_wrapped, left_sharded
@@ -94,6 +94,7 @@ def initialize(
         file_names = match_weights(model, weights_file) if weights_file is not None else {}
         _check_device(device)
         comm = with_stage_groups(comm or connect(config, device), config, stage)
+        make_data_communicators(comm, device)
         if stage_table is not None and comm.rank == 0:
             logger.info(stage_table)
         deferred = None

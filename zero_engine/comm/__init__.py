@@ -4,15 +4,16 @@
   byte counter's kinds; no ``torch.distributed``, so codecs and reducers import it alone;
 - `groups`: `GroupComm` (one process group, its primitives and byte counts) and `Comm` (the
   engine's groups: data, control, shard, replica, reduce);
-- `connecting`: making those groups from the caller's process group or torchrun's environment.
+- `connecting`: making those groups from the caller's process group or torchrun's environment,
+  and (NCCL) their communicators, in one order on every rank.
 """
 
-from .connecting import choose_backend, connect, device_backend, with_stage_groups
+from .connecting import choose_backend, connect, device_backend, make_data_communicators, with_stage_groups
 from .groups import ABORTED, NOT_ABORTED, Comm, GroupComm, p2p_through_host
 from .handles import DONE, CollectiveKind, EachRank, Finishing, Pending, TwoPhase
 
 __all__ = [
     "ABORTED", "DONE", "NOT_ABORTED", "CollectiveKind", "Comm", "EachRank", "Finishing", "GroupComm", "Pending",
-    "TwoPhase", "choose_backend", "connect", "device_backend", "p2p_through_host",
+    "TwoPhase", "choose_backend", "connect", "device_backend", "make_data_communicators", "p2p_through_host",
     "with_stage_groups",
 ]

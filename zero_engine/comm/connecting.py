@@ -68,6 +68,27 @@ def with_stage_groups(comm: Comm, config: ZeroEngineConfig, stage: Stage) -> Com
     return Comm(comm.world, comm.shard_group, comm.replica_group, reduces)
 
 
+def make_data_communicators(comm: Comm, device: torch.device) -> None:
+    """NCCL: make every data communicator of ``comm`` now, in one order on every rank (a
+    one-element all-reduce on each: world, shard, replica, reduce groups), not at its first use.
+
+    A communicator made on first use blocks the host in its setup until every member arrives.
+    The engine's first use of the reduce and replica groups is inside a backward, where the
+    order of a rank's collectives follows its data (a mixture of experts); a rank blocked in a
+    reduce group's setup could wait for a peer blocked reading an agreement round that this
+    rank would issue only after the setup (GPU review Q6). A group made with ``device_id``
+    (torch 2.6 on) is set up eagerly anyway; on gloo every group connects when made."""
+    if not comm.orders_on_device:
+        return
+    made: set[int] = set()
+    for group in (comm.world, comm.shard_group, comm.replica_group, comm.reduce_group):
+        key = id(group.group)
+        if group.skips_collectives or key in made:
+            continue
+        made.add(key)
+        group.all_reduce_sum(torch.zeros(1, device=device)).wait()
+
+
 def _agreed_shard_group_size(zero: ZeroOptimizationConfig, world: GroupComm) -> int:
     """``zero_optimization.shard_group_size`` for this world, the same on every rank ('auto'
     reads each node's LOCAL_WORLD_SIZE, which could differ between nodes)."""
