@@ -69,7 +69,7 @@ def test_on_nccl_the_second_phase_starts_at_once_on_the_side_stream(monkeypatch:
     stream = ["compute"]
 
     @contextlib.contextmanager
-    def side() -> Iterator[None]:
+    def side(device: torch.device | None = None) -> Iterator[None]:
         stream.append("side")
         yield
         stream.pop()
@@ -87,6 +87,48 @@ def test_on_nccl_the_second_phase_starts_at_once_on_the_side_stream(monkeypatch:
     assert started == ["side"] and waits == ["side"]  # NCCL: launched now, the first phase waited on the side
     at_once.wait()
     assert waits == ["side", "compute"]  # the compute stream waits for the second phase's collective only
+
+
+def test_the_side_stream_is_the_tensors_devices_not_the_threads_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU review Q7: a training step run on a worker thread whose current device is GPU 0, the
+    tensors on GPU 3: the second phase's side stream is GPU 3's, and it waits for GPU 3's
+    current stream, under GPU 3 made current for the block (torch.cuda mocked: no GPU here)."""
+    seen: list[tuple[str, object]] = []
+    current_device = [0]
+
+    class FakeStream:
+        def __init__(self, device: object = None) -> None:
+            index = current_device[0] if device is None else device if isinstance(device, int) else device.index
+            self.device = torch.device("cuda", index)
+            seen.append(("made", index))
+
+        def wait_stream(self, other: FakeStream) -> None:
+            seen.append(("waits for", other.device.index))
+
+    @contextlib.contextmanager
+    def on_device(device: torch.device) -> Iterator[None]:
+        previous, current_device[0] = current_device[0], device.index
+        try:
+            yield
+        finally:
+            current_device[0] = previous
+
+    @contextlib.contextmanager
+    def on_stream(stream: FakeStream) -> Iterator[None]:
+        seen.append(("runs on", stream.device.index))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    monkeypatch.setattr(torch.cuda, "device", on_device)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(comm_handles, "_SIDE_STREAMS", {})
+    with comm_handles.second_phase_stream(torch.device("cuda", 3)):
+        seen.append(("inside, current device", current_device[0]))
+    assert seen == [("made", 3), ("made", 3), ("waits for", 3), ("runs on", 3), ("inside, current device", 3)]
+    with comm_handles.second_phase_stream(torch.device("cpu")):  # nothing to order off CUDA
+        seen.append(("cpu",))
+    assert seen[-1] == ("cpu",) and len(seen) == 6
 
 
 def test_agreements_stay_on_the_host_under_a_default_device() -> None:

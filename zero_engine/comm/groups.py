@@ -308,7 +308,7 @@ class Comm:
         if self.num_replicas == 1:
             return inside
         shard = self.shard_group.own_shard(flat)
-        return TwoPhase(inside, lambda: self.all_reduce_across_groups(shard), self.second_phases)
+        return TwoPhase(inside, lambda: self.all_reduce_across_groups(shard), self.second_phases, flat.device)
 
     def reduce_scatter_in_group(self, flat: torch.Tensor) -> Pending:
         """Sum ``flat`` over this rank's shard group only, into this rank's shard."""

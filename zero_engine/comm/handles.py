@@ -75,9 +75,14 @@ class TwoPhase:
     on gloo); `wait` waits for both phases."""
 
     def __init__(
-        self, first: Pending | Finishing, second: Callable[[], Pending | Finishing], starter: SecondPhaseStarter
+        self,
+        first: Pending | Finishing,
+        second: Callable[[], Pending | Finishing],
+        starter: SecondPhaseStarter,
+        device: torch.device | None = None,
     ) -> None:
         self.first = first
+        self.device = device  # where its tensors live (the side stream is that device's)
         self._second: Callable[[], Pending | Finishing] | None = second
         self.second: Pending | Finishing | None = None
         self._started = threading.Event()
@@ -124,7 +129,7 @@ class OnSideStream:
     for later reductions too."""
 
     def start(self, reduction: TwoPhase) -> None:
-        with second_phase_stream():
+        with second_phase_stream(reduction.device):
             reduction.start_second()
 
 
@@ -173,13 +178,14 @@ DONE = Pending()
 
 
 @contextlib.contextmanager
-def second_phase_stream() -> Iterator[None]:
-    """Where the second phases of hybrid reductions run (`TwoPhase`): on CUDA a side stream
-    that first waits for the current one; elsewhere the current stream (nothing to order)."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+def second_phase_stream(device: torch.device | None = None) -> Iterator[None]:
+    """Where the second phases of hybrid reductions run (`TwoPhase`): for tensors on a CUDA
+    ``device``, that device's side stream, which first waits for the device's current stream;
+    elsewhere the current stream (nothing to order)."""
+    if device is None or device.type != "cuda":
         yield
         return
-    with _cuda_side_stream():
+    with _cuda_side_stream(device):
         yield
 
 
@@ -202,15 +208,19 @@ def _cuda_side_stream_of(device: int) -> Any:
 
 
 @contextlib.contextmanager
-def _cuda_side_stream() -> Iterator[None]:
-    """CUDA only: the side stream, current for the block, after waiting for the current stream
-    (what the block reads was written there). Tensors made in the block belong to the side
+def _cuda_side_stream(device: torch.device) -> Iterator[None]:
+    """CUDA only: ``device``'s side stream, current for the block, after waiting for the
+    device's current stream (what the block reads was written there). The device is the
+    tensors', not the calling thread's current one: a training step run on a worker thread
+    whose current device is GPU 0 would otherwise wait on GPU 0's stream and leave the second
+    phase on the compute stream (GPU review Q7). Tensors made in the block belong to the side
     stream's pool; one read later on another stream is marked (`used_on_current_stream`)."""
-    current = torch.cuda.current_stream()
-    side = _cuda_side_stream_of(current.device.index)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        yield
+    with torch.cuda.device(device):
+        current = torch.cuda.current_stream(device)
+        side = _cuda_side_stream_of(device.index if device.index is not None else current.device.index)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            yield
 
 
 def _cuda_record_stream(tensor: torch.Tensor) -> None:

@@ -148,7 +148,7 @@ class ShardedGradReducer(GradReducer):
                 unit.optimizer_shard.move_grad_into(shard)
             return self.codec.all_reduce_across_groups(self.comm, shard)
 
-        return TwoPhase(inside, across_groups, self.comm.second_phases), True
+        return TwoPhase(inside, across_groups, self.comm.second_phases, flat.device), True
 
     def _may_wait_for_oldest(self) -> bool:
         """Whether waiting for the oldest reduction in flight is safe: it completed already, or

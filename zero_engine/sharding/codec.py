@@ -136,7 +136,7 @@ class QuantizedGrads:
         if comm.num_replicas == 1:
             return inside
         shard = comm.shard_group.own_shard(flat)
-        return TwoPhase(inside, lambda: self.all_reduce_across_groups(comm, shard), comm.second_phases)
+        return TwoPhase(inside, lambda: self.all_reduce_across_groups(comm, shard), comm.second_phases, flat.device)
 
     def reduce_scatter_in_group(self, comm: Comm, flat: torch.Tensor) -> Reduction:
         if comm.num_replicas > 1:  # a node's own ranks: exact; the hop across groups is quantized

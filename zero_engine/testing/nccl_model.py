@@ -232,7 +232,7 @@ class NcclModel:
                 work.wait()
 
     @contextlib.contextmanager
-    def _second_phase_stream(self) -> Iterator[None]:
+    def _second_phase_stream(self, device: torch.device | None = None) -> Iterator[None]:
         if self.second_phase_on_compute_stream:
             yield
             return
