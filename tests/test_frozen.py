@@ -24,7 +24,9 @@ TOL = 2e-5
 
 
 class Adapted(nn.Module):
-    """A frozen base linear and a trainable low-rank adapter beside it (LoRA's shape)."""
+    """A frozen base linear and a trainable low-rank adapter beside it (LoRA's shape); it returns
+    two tensors, both used (a unit module's outputs each get a backward hook: its frozen unit
+    must still be held once per call, N25)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,8 +35,9 @@ class Adapted(nn.Module):
         self.down = nn.Linear(DIM, RANK, bias=False)
         self.up = nn.Linear(RANK, DIM, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.base(x) + self.up(self.down(x)))
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.base(x) + self.up(self.down(x))
+        return torch.tanh(y), torch.tanh(0.5 * y)
 
 
 class FrozenMix(nn.Module):
@@ -54,7 +57,8 @@ class FrozenMix(nn.Module):
         for block in self.blocks:
             if self.probe is not None and h.requires_grad:
                 h.register_hook(lambda grad, probe=self.probe: probe())
-            h = block(h)
+            h, bent = block(h)
+            h = h + 0.5 * bent
         with torch.no_grad():
             context = self.shared(h)
         h = self.shared(h) + context

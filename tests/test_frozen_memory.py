@@ -67,6 +67,8 @@ CASES = {  # name: (base dtype, config dtype, trainable adapters)
     "lora_bf16": (torch.bfloat16, "bf16", True),
     "reference_fp32": (torch.float32, "fp32", False),
     "reference_bf16": (torch.bfloat16, "bf16", False),
+    # a reference loaded in bf16 under a config without bf16: its units stay in bf16 (N27)
+    "reference_bf16_fp32_config": (torch.bfloat16, "fp32", False),
 }
 
 
@@ -114,8 +116,8 @@ def measure(rank: int, world: int, names: list[str]) -> dict[str, dict]:
                 engine.step()
                 del loss
             else:
-                with torch.no_grad():
-                    engine(x)
+                with torch.no_grad():  # without mixed precision the caller casts the input to the model's dtype
+                    engine(x.to(base_dtype) if dtype == "fp32" else x)
             fp32_copies.append(_fp32_frozen_sized())
         gc.collect()
         results[name] = {
@@ -134,7 +136,7 @@ def test_frozen_weights_at_stage3_hold_their_share_as_the_process_holds_memory(
     world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    names = ["lora_fp32", "lora_bf16", "reference_bf16"] if world == 2 else list(CASES)
+    names = ["lora_fp32", "lora_bf16", "reference_bf16", "reference_bf16_fp32_config"] if world == 2 else list(CASES)
     results = run_on_ranks(world, measure, names)
     for rank, per_case in enumerate(results):
         for name, result in per_case.items():

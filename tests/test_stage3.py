@@ -235,8 +235,11 @@ def _counting(function, counts: list[int], index: int):
 def behaviour(rank: int, world_size: int) -> dict:
     out: dict = {"rows_and_root": rows_and_root(rank), "user_holds": user_holds(rank)}
 
-    # Memory and traffic on 8 units, measured in the second step (optimizer state exists).
-    for name, zero in {"default": {}, "live_limit": {"stage3_max_live_parameters": WIDTH * WIDTH + WIDTH}}.items():
+    # Memory and traffic on 8 units, measured in the second step (optimizer state exists); then
+    # a live limit of one unit's padded size exactly (N22: a prefetch that did not count its own
+    # unit against the limit would fit beside the running one).
+    for name in ("default", "live_limit"):
+        zero = {"stage3_max_live_parameters": max(out["default"]["padded"])} if name == "live_limit" else {}
         engine = None  # the last engine's tensors must not count in the baseline
         baseline = live_tensor_bytes()
         engine = _deep_engine(**zero)
