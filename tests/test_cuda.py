@@ -112,7 +112,7 @@ SIDE_STREAM_CASES = [
 ] + [dict(case, shard_group_size=2, zero=QUANTIZED) for case in CASES if case["stage"] == 3]
 
 
-def side_stream_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+def side_stream_grid(rank: int, world_size: int, cases: list[dict], synchronize: bool = False) -> list[dict]:
     """`cuda_grid` with the NCCL ordering forced on (GPU review K5): the second phases start at
     once on the side stream, which waits for the compute stream, and the compute stream waits
     for them; buffers made there are marked with ``record_stream``. One GPU cannot run NCCL
@@ -122,7 +122,17 @@ def side_stream_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict
     stream current in its worker thread (the default stream) wait for its copy back, so the side
     stream would read a first phase's shard before it landed (seen on the H200: stage 3 losses
     off by 1e-2); here a wait also orders the current stream behind the default one, as NCCL's
-    does."""
+    does. ``synchronize``: each wait ends with ``torch.cuda.synchronize()`` instead (GPU review
+    section 3): if that variant passes under load where the other fails, the stand-in lacks an
+    ordering that NCCL has; if both fail, the engine decides something differently under load.
+
+    Each case's result carries counters (`_launch_counters`): gathers launched early by a wait
+    for a reduction (N6), gathers launched between a backward's end and the step (Q1: must be
+    0), and how the rank process started (a torchrun variable left behind by another test moves
+    the harness from its fork server to spawn)."""
+    import multiprocessing
+    import os
+
     from zero_engine.comm import Comm, Pending
 
     Comm.orders_on_device = property(lambda self: True)  # this rank process only
@@ -130,18 +140,76 @@ def side_stream_grid(rank: int, world_size: int, cases: list[dict]) -> list[dict
 
     def wait_as_nccl(self: Pending) -> None:
         gloo_wait(self)
+        if synchronize:
+            torch.cuda.synchronize()
+            return
         current = torch.cuda.current_stream()
         if current != torch.cuda.default_stream():
             current.wait_stream(torch.cuda.default_stream())
 
     Pending.wait = wait_as_nccl
-    return cuda_grid(rank, world_size, cases)
+    counters = _launch_counters()
+    results = []
+    for case in cases:
+        counters.update({"early_by_a_wait": 0, "before_the_step": 0})
+        results.extend(cuda_grid(rank, world_size, [case]))
+        results[-1]["counters"] = dict(counters, start=multiprocessing.get_start_method(allow_none=True),
+                                       torchrun_left=os.environ.get("RANK") is not None)
+    return results
 
 
-def test_the_hybrid_second_phase_on_a_side_stream_matches_the_reference() -> None:
-    per_rank = run_on_ranks(4, side_stream_grid, SIDE_STREAM_CASES, timeout=600)
+def _launch_counters() -> dict:
+    """Count, in this rank process, gathers a wait for a reduction launched early (N6's launch
+    inside `CollectiveSchedule.launched_everywhere`) and gathers launched between the end of a
+    backward and the next step (Q1)."""
+    from zero_engine.engine import Engine
+    from zero_engine.sharding.agreement import CollectiveSchedule
+    from zero_engine.sharding.gatherer import ParamGatherer
+
+    counters = {"early_by_a_wait": 0, "before_the_step": 0, "_in_wait": False, "_after_backward": False}
+    asking, launching = CollectiveSchedule.launched_everywhere, ParamGatherer._launch_gather
+    ending, stepping, calling = Engine._end_backward, Engine.step, Engine.__call__
+
+    def launched_everywhere(self: CollectiveSchedule, reduction: int) -> bool | None:
+        counters["_in_wait"] = True
+        try:
+            return asking(self, reduction)
+        finally:
+            counters["_in_wait"] = False
+
+    def launch_gather(self: ParamGatherer, index: int, wanted: bool) -> None:
+        counters["early_by_a_wait"] += counters["_in_wait"]
+        counters["before_the_step"] += counters["_after_backward"]
+        launching(self, index, wanted)
+
+    def end_backward(self: Engine) -> None:
+        ending(self)
+        counters["_after_backward"] = True
+
+    def step(self: Engine) -> None:
+        counters["_after_backward"] = False
+        stepping(self)
+
+    def call(self: Engine, *args: object, **kwargs: object) -> object:
+        counters["_after_backward"] = False
+        return calling(self, *args, **kwargs)
+
+    CollectiveSchedule.launched_everywhere, ParamGatherer._launch_gather = launched_everywhere, launch_gather
+    Engine._end_backward, Engine.step, Engine.__call__ = end_backward, step, call
+    return counters
+
+
+@pytest.mark.parametrize("synchronize", [False, True], ids=["as-nccl", "synchronized"])
+def test_the_hybrid_second_phase_on_a_side_stream_matches_the_reference(synchronize: bool) -> None:
+    per_rank = run_on_ranks(4, side_stream_grid, SIDE_STREAM_CASES, synchronize, timeout=600)
+    for index, case in enumerate(SIDE_STREAM_CASES):  # printed first: the log says where it went wrong
+        results = [r[index] for r in per_rank]
+        print(f"{case}: losses per rank {[r['losses'] for r in results]}; "
+              f"counters {[{k: v for k, v in r['counters'].items() if not k.startswith('_')} for r in results]}")
     for index, case in enumerate(SIDE_STREAM_CASES):
-        _check(case, 4, [r[index] for r in per_rank])
+        results = [r[index] for r in per_rank]
+        assert all(r["counters"]["before_the_step"] == 0 for r in results), case  # Q1
+        _check(case, 4, results)
 
 
 def backend_as_made(rank: int, world_size: int, made_with: str | None) -> tuple[str, bool]:
@@ -202,6 +270,140 @@ def test_the_block_quantizer_on_the_gpu_is_the_cpus_bit_for_bit() -> None:
     print("bits, numel, dtype, same scales, integers differing, of them not at a tie, largest step, same decode")
     print("\n".join(map(str, report)))
     assert all(row[3] and row[5] == 0 and row[6] <= 1 and row[7] for row in report), report
+
+
+def test_the_int8_decode_on_the_gpu_is_the_cpus_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU review K7: int8 frozen weights are decoded on the GPU through a small fp32 buffer; with
+    it set to 4096 elements, long rows (a span of blocks at a time) and more short rows than fit
+    decode to the CPU's values bit for bit, in fp32 and bf16."""
+    import zero_engine.quantize as quantize
+
+    monkeypatch.setattr(quantize, "DECODE_CHUNK_ACCELERATOR", 4096)
+    quantizer = quantize.BlockQuantizer(8)
+    for rows, numel in ((2, 10_000), (5, 1_000), (3, 3)):
+        values = torch.randn(rows, numel, generator=torch.Generator().manual_seed(numel)) * torch.logspace(-3, 2, numel)
+        encoded = torch.empty(rows, quantizer.encoded_bytes(numel), dtype=torch.uint8)
+        quantizer.encode_rows(values, encoded)
+        for dtype in (torch.float32, torch.bfloat16):
+            on_cpu = torch.empty(rows, numel, dtype=dtype)
+            quantizer.decode_rows_into(encoded, numel, on_cpu)
+            on_gpu = torch.empty(rows, numel, dtype=dtype, device="cuda")
+            quantizer.decode_rows_into(encoded.cuda(), numel, on_gpu)
+            assert torch.equal(on_gpu.cpu(), on_cpu), (rows, numel, dtype)
+
+
+def _lora_llama(device: torch.device):  # noqa: ANN202
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(model, lora).to(device)
+
+
+def _lora_config(force: bool, dtype: str = "bf16", **zero: object) -> dict:
+    config = engine_config(3, micro=2, lr=1e-2, dtype=dtype, stage3_param_persistence_threshold=0, **zero)
+    config["comm"] = {"force_collectives": force}
+    return config
+
+
+def _ids(step: int, rank: int, device: torch.device) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(100 * step + rank)).to(device)
+
+
+def _syncs_while(call: object) -> tuple[object, int, float]:
+    """``call()``'s result, the synchronizing CUDA calls it made (sync debug mode) and its seconds."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        started = time.perf_counter()
+        try:
+            result = call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    seconds = time.perf_counter() - started
+    return result, sum("called a synchronizing CUDA operation" in str(w.message) for w in caught), seconds
+
+
+def new_paths(rank: int, world_size: int) -> dict:
+    """This turn's code on a GPU (GPU review K7), at one rank on NCCL with every collective
+    forced, or ranks sharing the GPU over gloo: LoRA on a tiny Llama at stage 3 with int8 frozen
+    weights, sharded and replicated (against the same run on the CPU where the ranks are gloo's);
+    a ``gathered(modifier_rank=0)`` write; ``named_full_parameters`` against ``full_state_dict``
+    with and without an offloaded optimizer (host syncs and seconds printed); ``generate``
+    against the unsharded model."""
+    device = local_cuda_device()
+    force = world_size == 1
+    out: dict = {"losses": {}, "cpu_losses": {}, "problems": [], "streams": {}}
+    for frozen in ("shard", "replicate"):
+        zero = {"zero_quantized_nontrainable_weights": True, "frozen_weights": frozen}
+        places = [device] if force else [device, torch.device("cpu")]  # one NCCL rank: no CPU tensors on it
+        for place in places:
+            engine = zero_engine.initialize(_lora_llama(place), _lora_config(force and place.type == "cuda", **zero))
+            losses = []
+            for step in range(3):
+                loss = engine(input_ids=_ids(step, rank, place), labels=_ids(step, rank, place)).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            out["losses" if place.type == "cuda" else "cpu_losses"][frozen] = losses
+            engine.close()
+    engine = zero_engine.initialize(_lora_llama(device), _lora_config(force))
+    adapter = next(p for n, p in engine.module.named_parameters() if "lora_A" in n)
+    name = next(n for n, p in engine.module.named_parameters() if p is adapter)
+    before = engine.full_state_dict()[name]
+    with engine.gathered([adapter], modifier_rank=0):
+        with torch.no_grad():
+            adapter.mul_(2.0 if rank == 0 else 7.0)
+    expected = (before.to(torch.bfloat16) * 2.0).float()
+    if not torch.equal(engine.full_state_dict()[name].cpu(), expected.cpu()):
+        out["problems"].append("gathered(modifier_rank=0): the write is not in the masters")
+    engine.close()
+    for label, zero in (("plain", {}), ("offloaded", {"offload_optimizer": PINNED})):
+        engine = zero_engine.initialize(_lora_llama(device), _lora_config(force, **zero))
+        engine.backward(engine(input_ids=_ids(0, rank, device), labels=_ids(0, rank, device)).loss)
+        engine.step()
+        full = engine.full_state_dict()
+        streamed, syncs, seconds = _syncs_while(lambda: dict(engine.named_full_parameters(bucket_bytes=64 * 1024)))
+        out["streams"][label] = (syncs, seconds)
+        if list(streamed) != list(full) or any(not torch.equal(t.cpu(), full[k].cpu()) for k, t in streamed.items()):
+            out["problems"].append(f"named_full_parameters ({label}) differs from full_state_dict")
+        engine.close()
+    model = _lora_llama(device)
+    engine = zero_engine.initialize(model, _lora_config(force, dtype="fp32"))
+    prompt = _ids(9, 0, device)
+    with torch.no_grad():
+        sharded = engine.module.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    full = engine.full_state_dict()
+    engine.close()
+    plain = _lora_llama(device).float()
+    plain.load_state_dict(full)
+    with torch.no_grad():
+        unsharded = plain.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if not torch.equal(sharded.cpu(), unsharded.cpu()):
+        out["problems"].append("generate at stage 3 differs from the unsharded model's")
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2], ids=["one rank on NCCL", "two ranks over gloo"])
+def test_this_turns_paths_on_the_gpu(world_size: int) -> None:
+    pytest.importorskip("peft", reason="scripts/prepare_wheels.sh carries peft")
+    backend = None if world_size == 1 else "gloo"
+    for rank, out in enumerate(run_on_ranks(world_size, new_paths, backend=backend, timeout=400, allow_numpy=True)):
+        print(f"rank {rank}: losses {out['losses']} (CPU {out['cpu_losses']}); named_full_parameters: "
+              f"(host syncs, seconds) {out['streams']}")
+        assert not out["problems"], out["problems"]
+        for frozen, losses in out["losses"].items():
+            assert all(loss == loss and loss < 10 for loss in losses), (frozen, losses)  # finite, sane
+            if out["cpu_losses"]:
+                assert losses == pytest.approx(out["cpu_losses"][frozen], rel=2e-2), (frozen, out["cpu_losses"])
+        assert out["streams"]["offloaded"][0] == 0, out["streams"]  # pinned masters: no host sync (Q2)
 
 
 def resume_grid(rank: int, world_size: int, cases: list[dict], directory: str) -> list[dict]:

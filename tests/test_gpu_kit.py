@@ -1,9 +1,9 @@
 """``scripts/gpu_check.sh --dry-run``: the GPU kit's plumbing on a CPU, so the minutes of a
 first GPU run are not lost to a missing import or a step that never starts. It installs the
 wheels it is given (as the GPU image needs pydantic and hjson from ``.whl``), imports from them,
-collects each step's CUDA tests and runs the benchmarks with collectives forced at one rank. The
-kit fits the device tool's limits: its step budgets inside one 600 s command, at most 7 files
-back from ``$OUT`` (the tool returns 8)."""
+collects each step's CUDA tests and runs the benchmarks (bench.py with collectives forced at one
+rank, bench_lora.py's memory and speed) on a tiny model. The kit fits the device tool's limits:
+its step budgets inside one 600 s command, at most 7 files back from ``$OUT`` (the tool returns 8)."""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ def _kit(tmp_path: Path, wheels: Path, steps: tuple[str, ...] = ()) -> subproces
     )
 
 
-ALL_STEPS = ("versions", "cuda", "timing", "bench", "compile", "gpt300m")
+ALL_STEPS = ("versions", "sidestream", "cuda", "gpt300m", "compile", "lora")
 
 
-@pytest.mark.parametrize(  # the fast run: the tests' steps and one of the benchmark's (bench.py's plumbing)
-    "steps", [("cuda", "timing", "gpt300m"), pytest.param((), marks=pytest.mark.slow)], ids=["some", "all"]
+@pytest.mark.parametrize(  # the fast run: the tests' steps and the LoRA benchmark's plumbing (new this turn)
+    "steps", [("sidestream", "cuda", "lora"), pytest.param((), marks=pytest.mark.slow)], ids=["some", "all"]
 )
 def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path, steps: tuple[str, ...]) -> None:
     """This interpreter's wheels of the versions installed here, as prepare_wheels.sh fetches
@@ -53,19 +53,20 @@ def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path, steps: t
     versions = (out / "versions.log").read_text()
     for module in ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions", "hjson"):
         assert f"\n{module} " in f"\n{versions}" and "from the wheels" in versions, versions
-    collected = {step: (out / f"{step}.log").read_text() for step in ("cuda", "timing")}
-    # "12/14 tests collected (2 deselected)": every CUDA test in one of the two steps
+    collected = {step: (out / f"{step}.log").read_text() for step in ("sidestream", "cuda")}
+    # "16/18 tests collected (2 deselected)": every CUDA test but the two timing ones; the side
+    # stream's two variants alone first
     selected, total = map(int, re.search(r"(\d+)/(\d+) tests collected", collected["cuda"]).groups())
-    assert f"{total - selected}/{total} tests collected" in collected["timing"] and total - selected == 2, collected
-    assert total >= 14, collected["cuda"]
-    if "bench" in ran:
-        bench = json.loads((out / "bench.log").read_text().split("\n{", 1)[1].split("\n}", 1)[0].join("{}"))
-        assert sorted(bench["systems"]) == ["ddp", "engine0", "engine2", "engine3", "engine3+opt", "fsdp2"]
-    runs = (out / "gpt300m.log").read_text()  # the timed job's JSON, then the engine's --rss line
-    timed = json.loads(runs.split("\n{", 1)[1].split("\n}", 1)[0].join("{}"))
-    assert timed["dtype"] == "bf16" and sorted(timed["systems"]) == ["ddp", "engine3", "fsdp2"], timed
-    alone = json.loads(next(line for line in runs.splitlines() if '"system": "engine3"' in line))
-    assert alone["memory_report"]["master_parameters"] > 0, alone  # bf16 indeed: fp32 masters beside
+    assert total - selected == 2 and f"2/{total} tests collected" in collected["sidestream"], collected
+    assert total >= 18, collected["cuda"]
+    if "gpt300m" in ran:
+        runs = (out / "gpt300m.log").read_text()  # the timed job's JSON, then the engine's --rss line
+        timed = json.loads(runs.split("\n{", 1)[1].split("\n}", 1)[0].join("{}"))
+        assert timed["dtype"] == "bf16" and sorted(timed["systems"]) == ["ddp", "engine3", "fsdp2"], timed
+        alone = json.loads(next(line for line in runs.splitlines() if '"system": "engine3"' in line))
+        assert alone["memory_report"]["master_parameters"] > 0, alone  # bf16 indeed: fp32 masters beside
+    lora = (out / "lora.log").read_text()  # a memory row, then the step-time table with FSDP2 and int8
+    assert "| stage 3 int8 frozen, bf16 base |" in lora and "| FSDP2 |" in lora and "| stage 3 int8 frozen |" in lora
 
 
 def test_the_kits_step_budgets_fit_one_command() -> None:
