@@ -12,6 +12,7 @@ from harness import run_on_ranks
 from models import DeepModel, decay_groups, global_batch, make_model, micro_batch
 from zero_engine.memory import HELD_NOW, formula_bytes
 from zero_engine.stage import stage_for
+from zero_engine.sharding.agreement import Call, call_row
 from zero_engine.testing.process_memory import live_tensor_bytes
 
 LR = 0.05
@@ -147,9 +148,13 @@ def test_distributed_behaviour(world_size: int) -> None:
             assert abs(memory["optimizer_states"] - counters - optimizer_formula) <= 8 * len(units)
             assert memory["master_parameters"] == 0
             # What the engine reports is what the process holds: every storage behind a live
-            # tensor, counted apart from the engine, is the report plus the model's buffers.
-            held = sum(memory[key] for key in HELD_NOW)
-            assert report["live_bytes"] == held + report["buffer_bytes"], (stage, report["live_bytes"], memory)
+            # tensor, counted apart from the engine, is the report plus the model's buffers;
+            # never more. Less by at most one agreement's slots: gloo may still hold a finished
+            # agreement of the previous engine's when the baseline is taken (seen once under load:
+            # 24 bytes, an integer from each of 3 ranks).
+            held = sum(memory[key] for key in HELD_NOW) + report["buffer_bytes"]
+            one_agreement = 8 * n * len(call_row(0, Call.TRAIN))
+            assert 0 <= held - report["live_bytes"] <= one_agreement, (stage, report["live_bytes"], held, memory)
         states = sum(r["memory"]["optimizer_states"] - 4 * r["num_optimizer_tensors"] for r in reports)
         assert states == 8 * stepped * (n if stage == 0 else 1), "optimizer state is not partitioned exactly"
 
