@@ -86,9 +86,11 @@ def lora_model(layers: int, dtype: str, trainable: bool) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    tiny = os.environ.get("BENCH_LORA_TINY") == "1"  # the GPU kit's dry run: the plumbing, in seconds
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
-        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=SEQ, tie_word_embeddings=False,
+        vocab_size=512 if tiny else VOCAB, hidden_size=64 if tiny else 768, intermediate_size=128 if tiny else 2048,
+        num_hidden_layers=layers, num_attention_heads=4 if tiny else 12, num_key_value_heads=4 if tiny else 12,
+        max_position_embeddings=SEQ, tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
     if dtype == "bf16":
@@ -118,7 +120,8 @@ def engine_config(stage: int, dtype: str, frozen_weights: str, force_collectives
 
 def batch(step: int, rank: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator)
+    vocab = 512 if os.environ.get("BENCH_LORA_TINY") == "1" else VOCAB
+    return torch.randint(0, vocab, (MICRO, SEQ), generator=generator)
 
 
 def resident() -> int:

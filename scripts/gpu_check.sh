@@ -163,6 +163,7 @@ if chosen lora; then
     # Memory per process (2 ranks sharing the GPU over gloo), then step time at one rank.
     step lora 110 bash -c '
         if [[ $0 == dry ]]; then device=cpu; size="--layers 1"; only="stage 3 int8"; speed="--steps 3 --fsdp2"
+            export BENCH_LORA_TINY=1  # a tiny Llama: the plumbing only
         else device=cuda; size="--layers 12"; only="bf16 base"; speed="--steps 10"; fi
         python3 scripts/bench_lora.py memory --device $device $size --only "$only" || exit
         torchrun --standalone --nproc_per_node=1 scripts/bench_lora.py speed --device $device $size $speed --dtype bf16 --int8' \
