@@ -74,3 +74,25 @@ def test_the_readme_is_a_front_page_whose_links_resolve() -> None:
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme):
         if not target.startswith(("http://", "https://")):
             assert (ROOT / target).exists(), target
+
+
+_NOT_OURS = re.compile(r"^[\"']?zero[-_.]?engine(?:\[[^\]]*\])?(?:[=<>~!].*)?[\"']?$", re.I)
+
+
+def test_no_install_line_names_the_index_package_we_do_not_own() -> None:
+    """"zero-engine" on the public index is another project (issue 65): every install line
+    installs from the repository (``pip install -e .``), never by that name, and the
+    distribution is named otherwise."""
+    offending = []
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "zero_engine").rglob("*.py"),
+             *(ROOT / "scripts").glob("*"), *(ROOT / "examples").rglob("*"), ROOT / ".ci" / "run"]
+    for path in files:
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for command in re.findall(r"pip install ([^`|&;\n]*)", line):
+                if any(_NOT_OURS.match(token) for token in command.split()):
+                    offending.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offending, offending
+    metadata = (ROOT / "setup.cfg").read_text()
+    assert "\nname = zero-sharding-engine\n" in metadata

@@ -2,7 +2,8 @@
 
 For users of ``Trainer(strategy="deepspeed_stage_3")``: ``Trainer(strategy=ZeroEngineStrategy(
 "ds_config.json"))``, or by name, ``strategy="zero_engine_stage_3"`` (registered when this module
-is imported). ``pip install "zero_engine[lightning]"`` installs the tested Lightning range.
+is imported). ``pip install -e ".[lightning]"`` (from a clone of the repository) installs the
+tested Lightning range.
 
 Lightning's own loop runs unchanged, with its DDP strategy's accumulation: it divides each loss
 by ``accumulate_grad_batches``, runs the micro-batches of a window under

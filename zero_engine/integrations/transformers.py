@@ -1,8 +1,8 @@
 """Hugging Face's Trainer on zero_engine: `ZeroEngineTrainer`.
 
 For users of ``TrainingArguments(deepspeed="ds_config.json")``: the same Trainer and the same
-arguments, the DeepSpeed config passed as ``zero_config=`` instead. ``pip install
-"zero_engine[hf]"`` installs the tested transformers range.
+arguments, the DeepSpeed config passed as ``zero_config=`` instead. ``pip install -e ".[hf]"``
+(from a clone of the repository) installs the tested transformers range.
 
 How the Trainer's loop meets the engine, through the Trainer's own overridable methods:
 
