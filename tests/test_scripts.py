@@ -78,3 +78,26 @@ def test_train_script_forces_collectives_at_one_rank_when_asked() -> None:
         done = subprocess.run(command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"stage 1 on 1 rank(s) {expected}" in done.stdout, done.stdout
+
+
+def _readme_loop() -> str:
+    """The README's first training loop, as a user pastes it into a script (no close())."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    return re.search(r"<!-- runnable -->\n```python\n(.*?)```", readme, re.S).group(1)
+
+
+@pytest.mark.parametrize("runs", [1, pytest.param(25, marks=pytest.mark.slow)])
+def test_the_readme_loop_exits_cleanly_on_two_ranks(tmp_path: Path, runs: int) -> None:
+    """Issue 65: the README's loop, pasted into a script (no close()), aborted at exit in 1 run
+    in 5 under torchrun on 2 ranks ("terminate called without an active exception": a gloo
+    thread letting go of the last collective's tensors, which takes the GIL, once Python was
+    finalizing). Every run exits 0 on both ranks (25 runs in the slow run; with the cause put
+    back, two of three tries of 25 aborted, after 7 and 6 runs: a race, which the fast run's one
+    run rarely sees)."""
+    script = tmp_path / "loop.py"
+    script.write_text(_readme_loop())
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    for run in range(runs):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0 and "terminate called" not in done.stderr, (run, done.stderr[-2000:])

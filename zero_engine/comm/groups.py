@@ -26,8 +26,10 @@ each), the lower bound that NCCL reaches and that the ZeRO paper's analysis uses
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -426,7 +428,30 @@ def own_group(timeout_s: float, role: str, backend: str | None, ranks: range | N
     if key not in _OWN_GROUPS:
         timeout = datetime.timedelta(seconds=timeout_s)
         _OWN_GROUPS[key] = dist.new_group(ranks=list(members) if members else None, timeout=timeout, backend=backend)
+        _exit_after_gloo_threads()
     return _OWN_GROUPS[key]
+
+
+_EXIT_PAUSE_S = 0.05
+_exit_pause_registered = False
+
+
+def _exit_after_gloo_threads() -> None:
+    """Before Python finalizes, let gloo's worker threads let go of the last collectives.
+
+    A gloo worker thread releases a collective's tensors after the caller's ``wait()`` has
+    returned; releasing a tensor that Python made takes the GIL. A script that ends right after
+    a collective (the README's loop ends with ``full_state_dict()``) could reach finalization
+    while such a thread waited for the GIL, and a thread that takes the GIL once Python is
+    finalizing ends the process: "terminate called without an active exception", a SIGABRT at
+    exit in 1 run in 5 on 2 ranks here (issue 65; seen in gdb: ``~AsyncAllreduceWork`` on a
+    ``pt_gloo_runloop`` thread, in ``take_gil``). atexit callbacks run before finalization: a
+    moment there with the GIL released lets those threads finish. No collective, so a rank
+    that exits on an error waits for nobody."""
+    global _exit_pause_registered
+    if not _exit_pause_registered:
+        _exit_pause_registered = True
+        atexit.register(time.sleep, _EXIT_PAUSE_S)
 
 
 ABORTED = " (the engine's NCCL communicators were aborted, so nothing waits for the unmatched collectives)"
