@@ -5,6 +5,7 @@ written by rank 0 alone; a monitor whose package is missing fails at initialize.
 from __future__ import annotations
 
 import csv
+import re
 import sys
 from pathlib import Path
 
@@ -81,3 +82,63 @@ def test_a_monitor_without_its_package_fails_at_initialize(
         zero_engine.initialize(make_model(), config)
     config[section] = {"enabled": False}  # switched off: silent
     zero_engine.initialize(make_model(), config).close()
+
+
+PROGRESS_SCRIPT = """
+import logging, sys
+import torch
+import zero_engine
+{logging}
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32)
+    def forward(self, input_ids):
+        logits = self.head(self.embed(input_ids))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), input_ids.roll(1, 1).reshape(-1))
+torch.manual_seed(0)
+config = {{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 2,
+          "wall_clock_breakdown": True, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+          "zero_optimization": {{"stage": 3}}}}
+engine = zero_engine.initialize(TinyLM(), config)
+losses = []
+for micro in range(8):
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(micro))
+    loss = engine(input_ids=ids)
+    losses.append(loss.item())
+    engine.backward(loss)
+    engine.step()
+print("MEANS", sum(losses[:4]) / 4, sum(losses[4:]) / 4)
+"""
+
+
+@pytest.mark.parametrize("logging_set_up", ["none", "warning", "info"])
+def test_the_progress_line_is_seen_by_default_and_follows_the_applications_logging(
+    tmp_path: Path, logging_set_up: str
+) -> None:
+    """Issue 65: with steps_per_print, rank 0 prints a line every that many optimizer steps: the
+    step, its window's mean loss (as the script computes it), the learning rate, the gradient
+    norm, samples/s and tokens/s, and with wall_clock_breakdown the phases' times; on stdout when
+    the application configured no logging, through its handlers (at its level) when it did."""
+    import subprocess
+
+    setup = {"none": "", "warning": "logging.basicConfig(level=logging.WARNING)",
+             "info": "logging.basicConfig(level=logging.INFO)"}[logging_set_up]
+    script = tmp_path / "progress.py"
+    script.write_text(PROGRESS_SCRIPT.format(logging=setup))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    means = [float(value) for value in done.stdout.split("MEANS ")[1].split()]
+    out = done.stdout if logging_set_up == "none" else done.stderr
+    lines = [line for line in out.splitlines() if "step 2 |" in line or "step 4 |" in line]
+    if logging_set_up == "warning":
+        assert lines == [] and "zero_engine" not in done.stdout, (done.stdout, done.stderr)
+        return
+    prefix = "[zero_engine] " if logging_set_up == "none" else "INFO:zero_engine:"
+    assert len(lines) == 2 and all(line.startswith(prefix) for line in lines), (done.stdout, done.stderr)
+    for line, mean in zip(lines, means):
+        fields = dict(part.rsplit(" ", 1) for part in line[len(prefix):].split(" | ") if " " in part)
+        assert float(fields["loss"]) == pytest.approx(mean, abs=1e-4), (line, mean)
+        assert fields["lr"] == "1.00e-03" and float(fields["grad norm"]) > 0, line
+        assert "samples/s" in line and "tokens/s" in line, line
+    assert all(re.search(rf"\| {phase} \d+\.\d ms", line) for line in lines for phase in ("forward", "backward", "step"))

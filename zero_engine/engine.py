@@ -26,6 +26,7 @@ from .model_access import ModelAccess
 from .monitor import StepLog, build_monitors
 from .param_groups import ParamGroup
 from .precision import Precision
+from .progress import Progress
 from .sharding.build import BuildSettings, build_mechanism
 from .sharding.deferred_init import DeferredInit
 from .sharding.lifecycle import Lifecycle
@@ -105,6 +106,10 @@ class Engine(ModelAccess, StepView):
                 lr_scheduler,
             )
         self.step_log = StepLog(build_monitors(config) if comm.rank == 0 else [])  # DeepSpeed's monitor sections
+        self.progress = Progress(  # rank 0's line every steps_per_print steps
+            config.steps_per_print, config.wall_clock_breakdown, batch.train_batch_size, comm.world_size, self.device,
+            printing=comm.rank == 0,
+        )
 
     # -- construction --------------------------------------------------------------------------
 
@@ -123,8 +128,10 @@ class Engine(ModelAccess, StepView):
             self.reducer.disarm()
         if self.precision.mixed:
             args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
+        self.progress.add_inputs(args, kwargs)
         try:
-            output = self.module(*args, **kwargs)
+            with self.progress.timed("forward"):
+                output = self.module(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 (re-raised as it is unless stage 3 can say more)
             explained = self.gatherer.explain_failed_forward(error)
             if explained is None:
@@ -152,10 +159,12 @@ class Engine(ModelAccess, StepView):
                 "gradients enabled, after engine.train())"
             )
         self.step_log.add_loss(loss)  # with a monitor on: summed on the device, read back at the step
+        self.progress.add_loss(loss)  # likewise, for the progress line
         divisor = self.batch.gradient_accumulation_steps if scale_wrt_gas else 1
         self._scaling_backward = True
         try:
-            (loss * (self.loss_scale / divisor)).backward()
+            with self.progress.timed("backward"):
+                (loss * (self.loss_scale / divisor)).backward()
         finally:
             self._scaling_backward = False
 
@@ -217,20 +226,19 @@ class Engine(ModelAccess, StepView):
         if not boundary:
             return
         self.calls.read()  # before the step's collectives (stages 0-2: a row sent and not read yet)
-        self.optimizer_step.run(self.global_step)
+        with self.progress.timed("step"):
+            self.optimizer_step.run(self.global_step)
         self._zero_grads()
         self.global_step += 1
         self._window_opened = False
         samples = self.global_step * self.batch.train_batch_size
         scale = self.loss_scale if self.loss_scaler is not None else None
         self.step_log.write_step(samples, self.get_lr()[0], self.get_global_grad_norm(), scale)
-        every = self.config.steps_per_print
-        if self.comm.rank == 0 and every is not None and self.global_step % every == 0:
-            logger.info(
-                "step %d: lr %s, grad norm %.4g, loss scale %g, skipped steps %d",
-                self.global_step, [f"{lr:.3g}" for lr in self.get_lr()], self.get_global_grad_norm() or 0.0,
-                self.loss_scale, self.skipped_steps,
-            )
+        line = self.progress.after_step(
+            self.global_step, self.get_lr(), self.get_global_grad_norm(), scale, self.skipped_steps
+        )
+        if line is not None:
+            logger.info(line)
 
     def _check_trains(self, call: str) -> None:
         """An engine over a model without a trainable parameter (a reference or reward model)

@@ -26,6 +26,7 @@ from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .engine import Engine, is_wrapped, left_sharded
 from .features import refuse_unbuilt_features
+from .logs import show_by_default
 from .memory import host_bytes_needed
 from .monitor import check_monitor_packages
 from .offload import offload_plan
@@ -74,6 +75,7 @@ def initialize(
     it steps on applied optimizer steps only and is saved in checkpoints.
     """
     _check_not_wrapped(model)
+    show_by_default()  # the engine's lines on stdout, unless the application configured logging
     config = fill_auto(load_config(config), model)
     _check_scheduler_factory(lr_scheduler, config)
     check_monitor_packages(config)

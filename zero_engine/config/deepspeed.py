@@ -86,6 +86,11 @@ def no_effect_settings(config: ZeroEngineConfig) -> list[str]:
         value, default = getattr(section, key), type(section).model_fields[key].default
         if value != default:
             messages.append(f"{path} = {value!r} has no effect here: {why}")
+    if config.wall_clock_breakdown and config.steps_per_print is None:
+        messages.append(
+            "wall_clock_breakdown = true has no effect without steps_per_print: the times are shown in the progress "
+            "line printed every steps_per_print optimizer steps"
+        )
     zero = config.zero_optimization
     if zero.stage != "auto" and zero.memory_budget_gib is not None:
         messages.append(

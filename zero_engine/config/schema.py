@@ -43,11 +43,16 @@ class ZeroEngineConfig(_Section):
     )
     comm: CommConfig = Field(default_factory=CommConfig, description="Process group settings (ours).")
     steps_per_print: Annotated[PositiveCount | None, BeforeValidator(_never_when_infinite)] = Field(
-        None, description="Every this many optimizer steps, rank 0 logs the step, learning rates, gradient norm, "
-        "loss scale and skipped steps (logger zero_engine, INFO), as DeepSpeed prints them. null (the default, as in "
-        "DeepSpeed) or infinity (Accelerate writes it): never."
+        None, description="Every this many optimizer steps, rank 0 prints a progress line (logger zero_engine, "
+        "INFO, on stdout unless the application configured logging): the step, rank 0's mean loss, learning rates, "
+        "gradient norm, loss scale (fp16), skipped steps, samples/s and tokens/s, as DeepSpeed prints its line. "
+        "null (the default, as in DeepSpeed) or infinity (Accelerate writes it): never."
     )
-    wall_clock_breakdown: bool = _deepspeed_option(False)
+    wall_clock_breakdown: bool = Field(
+        False, description="Add the forward, backward and step times to the progress line (mean per optimizer step "
+        "since the last line; on a GPU the device is synchronized around each phase, as DeepSpeed's timers do). "
+        "Needs steps_per_print."
+    )
     zero_allow_untested_optimizer: bool = _deepspeed_option(False)
     prescale_gradients: bool = _deepspeed_option(False)
     gradient_predivide_factor: Real = Field(1.0, gt=0, description="DeepSpeed option; accepted, no effect.")
@@ -113,7 +118,6 @@ class ZeroEngineConfig(_Section):
     # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
     # when set, and in the key table (`zero_engine.config.deepspeed`).
     NO_EFFECT: ClassVar[dict[str, str]] = {
-        "wall_clock_breakdown": "no timers are kept; comm_report() gives the bytes moved",
         "zero_allow_untested_optimizer": "every torch.optim optimizer is allowed (stages 1-3: elementwise ones)",
         "prescale_gradients": (
             "gradients are always averaged over the ranks; dividing before or after the sum is the same "
