@@ -462,3 +462,69 @@ def test_deprecated_offload_switches_land_in_their_sections(key: str, section: s
     with pytest.warns(FutureWarning):  # switched off: nothing set
         zero = zero_engine.load_config({"zero_optimization": {"stage": 3, key: False}}).zero_optimization
     assert zero.offload_optimizer is None and zero.offload_param is None
+
+
+def _model_with_hidden_size() -> "torch.nn.Module":
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model.config = type("Config", (), {"hidden_size": 8})()  # a Hugging Face model's, for the bucket sizes
+    return model
+
+
+_BASE = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}
+_TRAINER_AUTO = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+                 "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "train_batch_size": "auto", "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
+AGREEMENT = {  # name: (config, passes)
+    "plain": ({**_BASE, "train_micro_batch_size_per_gpu": 2}, True),
+    "one batch key auto": ({**_BASE, "train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto"}, True),
+    "two batch keys auto": ({**_BASE, "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+                             "train_micro_batch_size_per_gpu": 2}, False),
+    "three batch keys auto": ({**_BASE, "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+                               "train_micro_batch_size_per_gpu": "auto"}, False),
+    "bucket sizes auto": ({**_BASE, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                          "stage3_prefetch_bucket_size": "auto"}}, True),
+    "a Trainer's auto": (_TRAINER_AUTO, False),
+    "nvme": ({**_BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, False),
+    "not elementwise at stage 1": ({**_BASE, "optimizer": {"type": "Adafactor", "params": {"lr": 1e-3}}}, False),
+    "both precisions": ({**_BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, False),
+    "batch against one rank": ({**_BASE, "train_batch_size": 6, "train_micro_batch_size_per_gpu": 4}, False),
+    "stage auto": ({**_BASE, "train_micro_batch_size_per_gpu": 2,
+                    "zero_optimization": {"stage": "auto", "memory_budget_gib": 1}}, True),
+}
+
+
+@pytest.mark.parametrize("name", list(AGREEMENT))
+def test_validate_and_initialize_agree(name: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 65: ``zero-engine validate`` runs initialize's own checks, so the two pass and refuse
+    the same configs, "auto" ones included (a model with a hidden size, and --hidden-size, for
+    the bucket sizes); a summary line comes first."""
+    config, passes = AGREEMENT[name]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    validated = cli_main(["validate", str(path), "--hidden-size", "8"]) == 0
+    try:
+        zero_engine.initialize(_model_with_hidden_size(), config).close()
+        initialized = True
+    except (ConfigError, NotImplementedError):
+        initialized = False
+    assert validated == initialized == passes, (validated, initialized, capsys.readouterr().err)
+    if passes:
+        assert capsys.readouterr().err.splitlines()[0].startswith("stage ")
+
+
+def test_validate_checks_a_trainers_config_with_stand_ins(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A config for Hugging Face's Trainer (its "auto" values): refused as it is, with the hint;
+    passed with --trainer, each stand-in said; the summary names stage, precision, batch and offload."""
+    path = tmp_path / "trainer.json"
+    path.write_text(json.dumps({**_TRAINER_AUTO, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
+    assert cli_main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n  ") == 1 and "with --trainer" in err  # one problem, not its echo
+    assert cli_main(["validate", str(path), "--trainer", "--world-size", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == ("stage 3, fp32, AdamW, micro 1 x accumulation 1 x 2 rank(s) = 2 samples a step, "
+                                   "offload: optimizer to cpu")
+    assert "optimizer.params.lr is 'auto': the Trainer fills it" in err

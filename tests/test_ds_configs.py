@@ -193,5 +193,5 @@ def test_steps_per_print_logs_as_deepspeed_prints(caplog: pytest.LogCaptureFixtu
         for _ in range(4):
             _linear_step(engine)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
-    assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"], lines
+    assert [line.split(" | ")[0] for line in lines] == ["step 2", "step 4"], lines
     engine.close()

@@ -38,7 +38,13 @@ def fill_auto(config: ZeroEngineConfig, model: Any) -> ZeroEngineConfig:
         return config
     unfilled = []
     batch = [key for key in AUTO_BATCH_KEYS if key in auto]
-    if len(batch) > 1:
+    if len(batch) == 3:
+        unfilled.append(
+            "train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps (all three 'auto': "
+            "Hugging Face's Trainer fills them from its TrainingArguments; without it give "
+            "train_micro_batch_size_per_gpu, and gradient_accumulation_steps or train_batch_size)"
+        )
+    elif len(batch) == 2:
         unfilled.append(f"{' and '.join(batch)} (the world size and one batch key give only one of the three)")
     hidden = hidden_size(model)
     buckets = {}

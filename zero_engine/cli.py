@@ -20,16 +20,17 @@ import argparse
 import json
 import sys
 import warnings
+from typing import Any
 
-from .config import ZeroEngineConfig, auto_keys, load_config
+from .config import ZeroEngineConfig, load_config, read_config_mapping
 from .errors import ConfigError
-from .features import unbuilt_features
 from .memory import estimate_from_config
 from .stage import stage_for
 from .stage_choice import candidates, choose, format_table
 from .state.consolidate import load_consolidated, write_state_dict
 from .state.convert import convert_deepspeed
 from .state.export import export_checkpoint
+from .validation import check_config, summary, trainer_stand_ins
 from .values import as_count
 
 
@@ -49,12 +50,28 @@ def _non_negative_count(text: str) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    """initialize's own checks of the config (`zero_engine.validation`): a one-line summary and
+    the notes on stderr, the resolved config as JSON on stdout; exit 1 with every problem named."""
+    filled: list[str] = []
     try:
-        config = load_config(args.config)
-        batch = config.batch_sizes(args.world_size)
-    except ConfigError as err:
+        source: Any = args.config
+        if args.trainer:
+            source, filled = trainer_stand_ins(read_config_mapping(args.config)[0])
+        checked = check_config(load_config(source), world_size=args.world_size, hidden_size=args.hidden_size)
+    except (ConfigError, NotImplementedError) as err:
         print(f"invalid: {err}", file=sys.stderr)
+        if not args.trainer and "TrainingArguments" in str(err):
+            print("note: a config for Hugging Face's Trainer, TRL or Lightning (their 'auto' values): check it as "
+                  "they use it with --trainer", file=sys.stderr)
         return 1
+    config, batch = checked.config, checked.batch
+    assert batch is not None
+    print(summary(config, batch, args.world_size), file=sys.stderr)
+    for key in filled:
+        print(f"note: {key} is 'auto': the Trainer fills it from its TrainingArguments (checked with a stand-in)",
+              file=sys.stderr)
+    for note in checked.notes:
+        print(f"note: {note}", file=sys.stderr)
     resolved = config.model_dump(mode="json")
     resolved.update(
         train_batch_size=batch.train_batch_size,
@@ -62,11 +79,6 @@ def _validate(args: argparse.Namespace) -> int:
         gradient_accumulation_steps=batch.gradient_accumulation_steps,
     )
     print(json.dumps(resolved, indent=2))
-    for feature in unbuilt_features(config):
-        print(f"warning: not built yet, initialize will refuse: {feature}", file=sys.stderr)
-    for key in auto_keys(config):
-        print(f"note: {key} is 'auto': initialize fills it (the batch sizes from the world size, the bucket sizes "
-              "from the model's hidden size)", file=sys.stderr)
     return 0
 
 
@@ -181,9 +193,20 @@ def _shard_size(text: str) -> int | str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zero-engine", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
-    validate = verbs.add_parser("validate", help="check a config and print it resolved")
+    validate = verbs.add_parser(
+        "validate", help="check a config as initialize does and print it resolved (a summary and notes on stderr)"
+    )
     validate.add_argument("config", help="a .yaml, .yml or .json config file")
     validate.add_argument("--world-size", type=_positive_count, default=1, help="ranks to resolve the batch sizes for")
+    validate.add_argument(
+        "--trainer", action="store_true",
+        help="a config for Hugging Face's Trainer (ZeroEngineTrainer, TRL): its 'auto' values, which the Trainer fills "
+        "from TrainingArguments, are checked with stand-ins",
+    )
+    validate.add_argument(
+        "--hidden-size", type=_positive_count,
+        help="the model's config.hidden_size, to fill the bucket sizes given as 'auto' as initialize would",
+    )
     validate.set_defaults(run=_validate)
     estimate = verbs.add_parser("estimate", help="per-rank model-state memory by the ZeRO formula")
     estimate.add_argument("config", help="a .yaml, .yml or .json config file")

@@ -20,12 +20,10 @@ import torch
 from torch import nn
 
 from . import offload
-from .auto_values import fill_auto
 from .comm import Comm, connect, make_data_communicators, with_stage_groups
 from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .engine import Engine, is_wrapped, left_sharded
-from .features import refuse_unbuilt_features
 from .logs import show_by_default
 from .memory import host_bytes_needed
 from .monitor import check_monitor_packages
@@ -41,6 +39,7 @@ from .stage import Stage, stage_for
 from .stage_choice import resolve_stage
 from .state.weights import WeightsSource, load_weights, match_weights, open_weights
 from .step import StepSettings
+from .validation import check_config
 
 logger = logging.getLogger("zero_engine")
 
@@ -76,7 +75,8 @@ def initialize(
     """
     _check_not_wrapped(model)
     show_by_default()  # the engine's lines on stdout, unless the application configured logging
-    config = fill_auto(load_config(config), model)
+    checked = check_config(load_config(config), model)  # what `zero-engine validate` checks too
+    config = checked.config
     _check_scheduler_factory(lr_scheduler, config)
     check_monitor_packages(config)
     groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
@@ -86,9 +86,8 @@ def initialize(
     # stage: auto is agreed between the ranks, so they connect first; a set stage is checked first
     comm = connect(config, device) if config.zero_optimization.stage == "auto" else None
     config, stage_table = resolve_stage(config, plan, groups, device, comm)
-    refuse_unbuilt_features(config)
     stage = stage_for(config.zero_optimization.stage)
-    check_optimizer_for_stage(config.optimizer, stage)
+    check_optimizer_for_stage(config.optimizer, stage)  # again: stage: auto is settled only now
     precision = Precision.from_config(config)
     _check_params(model, precision)
     weights_file = open_weights(weights) if weights is not None else None

@@ -98,6 +98,7 @@ class Translated(NamedTuple):
     notes: list[str]  # for initialize to log
     problems: list[str]  # what could not be translated, each naming its keys
     auto: list[str]  # keys left out for initialize to fill (`FILLED_AT_INITIALIZE`)
+    refused_auto: list[str] = []  # "auto" nothing here fills, left out too: refused in `problems`
 
 
 def translate(raw: dict[str, Any]) -> Translated:
@@ -126,7 +127,7 @@ def translate(raw: dict[str, Any]) -> Translated:
     if isinstance(optimizer, dict) and isinstance(optimizer.setdefault("params", {}), dict):
         notes.extend(_translate_fused_adam(optimizer, problems))
     filled = [_long_spelling(path) for path in auto if _long_spelling(path) in FILLED_AT_INITIALIZE]
-    return Translated(config, notes, problems, filled)
+    return Translated(config, notes, problems, filled, unfillable)
 
 
 def _long_spelling(path: str) -> str:

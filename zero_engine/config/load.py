@@ -26,7 +26,7 @@ def load_config(source: str | Path | dict[str, Any] | ZeroEngineConfig) -> ZeroE
     try:
         config = ZeroEngineConfig.model_validate(translated.config)
     except ValidationError as err:
-        raise ConfigError(_format_errors(origin, translated.problems, err)) from None
+        raise ConfigError(_format_errors(origin, translated.problems, err, translated.refused_auto)) from None
     if translated.problems:
         raise ConfigError(_format_errors(origin, translated.problems))
     config._notes = translated.notes
@@ -105,9 +105,16 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _format_errors(origin: str, problems: list[str], err: ValidationError | None = None) -> str:
-    """One message for every problem of a config: translation problems, then field errors."""
-    items = _merged_union_errors(err.errors() if err is not None else [])
+def _format_errors(
+    origin: str, problems: list[str], err: ValidationError | None = None, refused_auto: list[str] = ()
+) -> str:
+    """One message for every problem of a config: translation problems, then field errors. A
+    field error about a key refused as ``"auto"`` (left out, so missing) is the first error's
+    echo, and is left out (issue 65: a scheduler "required" its step count given as "auto")."""
+    items = [
+        item for item in _merged_union_errors(err.errors() if err is not None else [])
+        if not any(path in str(item["msg"]) or path == ".".join(map(str, item["loc"])) for path in refused_auto)
+    ]
     lines = [f"{origin}: {len(problems) + len(items)} invalid setting(s)"]
     lines += [f"  {problem}" for problem in problems]
     for item in items:

@@ -1,0 +1,122 @@
+"""One set of checks of a config, before any model or process group: `initialize` runs them, and
+``zero-engine validate`` runs the same, so the two agree on what passes (issue 65: validate
+passed an all-``"auto"`` batch that initialize refused, and refused a Trainer's ``"auto"``
+config that the Trainer accepts).
+
+`check_config` takes a loaded config and what is known of the model (its hidden size, for the
+bucket sizes Hugging Face writes as ``"auto"``): ``"auto"`` filled or refused
+(`zero_engine.auto_values`), features not built refused, the optimizer checked against the stage,
+the precision resolved and, given a world size, the batch arithmetic; the keys that will have no
+effect listed. `trainer_stand_ins` is what a config meant for Hugging Face's Trainer (or TRL's,
+or Lightning's) is checked with: each ``"auto"`` the Trainer fills from its arguments replaced by
+a valid stand-in, so that everything else is checked before the Trainer knows its values.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, NamedTuple
+
+from .auto_values import fill_auto
+from .config import BatchSizes, ZeroEngineConfig, auto_keys, no_effect_settings
+from .config.deepspeed_compat import AUTO_BATCH_KEYS
+from .features import refuse_unbuilt_features
+from .optim import check_optimizer_for_stage
+from .precision import Precision
+from .stage import stage_for
+
+# What Hugging Face's Trainer fills from its arguments (`zero_engine.integrations.training_arguments`),
+# with a value that passes every check, for validating a Trainer's config without the Trainer.
+TRAINER_STAND_INS: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "fp16.enabled": False,
+    "bf16.enabled": False,
+    "optimizer.params.lr": 1e-3,
+    "optimizer.params.betas": [0.9, 0.999],
+    "optimizer.params.eps": 1e-8,
+    "optimizer.params.weight_decay": 0.0,
+    "scheduler.params.warmup_min_lr": 0.0,
+    "scheduler.params.warmup_max_lr": 1e-3,
+    "scheduler.params.warmup_num_steps": 1,
+    "scheduler.params.total_num_steps": 2**31 - 1,
+}
+
+
+class Checked(NamedTuple):
+    """A config that passed, filled for the model, with what was noted on the way."""
+
+    config: ZeroEngineConfig
+    batch: BatchSizes | None  # given a world size
+    notes: list[str]  # keys that change nothing here; "auto" filled and from what
+
+
+class _Model:
+    """What `fill_auto` reads of a model (its config's hidden size), for a check without one."""
+
+    def __init__(self, hidden_size: int | None) -> None:
+        self.config = type("Config", (), {"hidden_size": hidden_size})()
+
+
+def check_config(config: ZeroEngineConfig, model: Any = None, world_size: int | None = None, *,
+                 hidden_size: int | None = None) -> Checked:
+    """`initialize`'s checks of ``config`` that need no process group, in its order (a
+    `ConfigError` or `NotImplementedError` naming the keys). ``model``: the model (its hidden
+    size fills bucket sizes); without one, ``hidden_size`` stands for it, and bucket sizes left
+    ``"auto"`` with neither are noted, not refused (`initialize` sizes them from the model)."""
+    notes = []
+    auto = [key for key in auto_keys(config) if key not in AUTO_BATCH_KEYS]
+    if model is None:
+        if auto and hidden_size is None:
+            notes += [f"{key} is 'auto': initialize fills it from the model's config.hidden_size (a model "
+                      "without one refuses it; --hidden-size fills it here)" for key in auto]
+        model = _Model(hidden_size if hidden_size is not None else 1)
+    elif auto:
+        notes.append(f"{', '.join(auto)}: 'auto', filled from the model's hidden size")
+    batch_auto = [key for key in auto_keys(config) if key in AUTO_BATCH_KEYS]
+    config = fill_auto(config, model)
+    notes += [f"{key} is 'auto': initialize fills it from the world size and the other batch keys" for key in batch_auto]
+    refuse_unbuilt_features(config)
+    if config.zero_optimization.stage != "auto":
+        check_optimizer_for_stage(config.optimizer, stage_for(config.zero_optimization.stage))
+    Precision.from_config(config)
+    batch = config.batch_sizes(world_size) if world_size is not None else None
+    return Checked(config, batch, [*no_effect_settings(config), *notes])
+
+
+def trainer_stand_ins(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A copy of a raw config meant for Hugging Face's Trainer with each ``"auto"`` the Trainer
+    fills from its arguments replaced by a stand-in, and those keys. ``train_batch_size`` left
+    ``"auto"`` is dropped: the Trainer derives it from the others."""
+    config, filled = copy.deepcopy(raw), []
+    for path, value in {**TRAINER_STAND_INS, "train_batch_size": None}.items():
+        *sections, key = path.split(".")
+        section = config
+        for name in sections:
+            section = section.get(name) if isinstance(section, dict) else None
+        if isinstance(section, dict) and section.get(key) == "auto":
+            if value is None:
+                del section[key]
+            else:
+                section[key] = value
+            filled.append(path)
+    return config, filled
+
+
+def summary(config: ZeroEngineConfig, batch: BatchSizes | None, world_size: int | None) -> str:
+    """One line: the stage, precision, batch arithmetic and offload."""
+    zero = config.zero_optimization
+    precision = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
+    parts = [f"stage {zero.stage}", precision, config.optimizer.type]
+    if batch is not None:
+        parts.append(f"micro {batch.micro_batch_size} x accumulation {batch.gradient_accumulation_steps} x "
+                     f"{world_size} rank(s) = {batch.train_batch_size} samples a step")
+    offloaded = [f"{name.split('_')[1]} to {section.device}" for name in ("offload_optimizer", "offload_param")
+                 if (section := getattr(zero, name)) is not None and section.device != "none"]
+    parts.append("offload: " + ", ".join(offloaded) if offloaded else "no offload")
+    if zero.shard_group_size not in (None, "auto") and world_size and zero.shard_group_size < world_size:
+        parts.append(f"sharded over groups of {zero.shard_group_size}")
+    elif zero.shard_group_size == "auto":
+        parts.append("shard groups of each node's ranks (settled at launch)")
+    return ", ".join(parts)
