@@ -528,3 +528,30 @@ def test_validate_checks_a_trainers_config_with_stand_ins(tmp_path: Path, capsys
     assert err.splitlines()[0] == ("stage 3, fp32, AdamW, micro 1 x accumulation 1 x 2 rank(s) = 2 samples a step, "
                                    "offload: optimizer to cpu")
     assert "optimizer.params.lr is 'auto': the Trainer fills it" in err
+
+
+def test_a_key_of_another_section_names_where_it_belongs() -> None:
+    """Issue 65: a top-level offload_optimizer suggested 'optimizer'; it belongs in zero_optimization."""
+    with pytest.raises(ConfigError, match=r"offload_optimizer: not a key here; it belongs at "
+                                          r"zero_optimization\.offload_optimizer"):
+        load_config({"offload_optimizer": {"device": "cpu"}})
+    with pytest.raises(ConfigError, match=r"zero_optimisation: unknown key; did you mean 'zero_optimization'"):
+        load_config({"zero_optimisation": {}})
+
+
+def test_the_command_line_says_its_version_and_helps_in_plain_text(capsys: pytest.CaptureFixture) -> None:
+    """Issue 65: ``zero-engine --version``; no reStructuredText markup in any help."""
+    with pytest.raises(SystemExit) as done:
+        cli_main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith(f"zero-engine {zero_engine.__version__}")
+    for command in ([], ["validate"], ["estimate"], ["consolidate"], ["convert"]):
+        with pytest.raises(SystemExit):
+            cli_main([*command, "--help"])
+        assert "``" not in capsys.readouterr().out, command
+
+
+def test_estimate_says_when_an_auto_shard_group_is_settled(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "shard_group_size": "auto"}}))
+    assert cli_main(["estimate", str(path), "--params", "7e9", "--world-size", "16"]) == 0
+    assert "shard_group_size: auto is settled at launch" in capsys.readouterr().out

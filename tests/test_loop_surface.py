@@ -157,3 +157,12 @@ def test_lr_scheduler_must_be_a_function_of_the_engines_optimizer() -> None:
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
     with pytest.raises(ValueError, match=r"and the config's scheduler section \(WarmupLR\) both give a schedule"):
         zero_engine.initialize(make_model(), config, lr_scheduler=_warmup)
+
+
+def test_the_batch_sizes_are_read_as_deepspeeds_engine_gives_them() -> None:
+    """For a data loader built as DeepSpeed's ``training_data=`` built it (the migration guide)."""
+    engine = zero_engine.initialize(torch.nn.Linear(2, 1), {"train_micro_batch_size_per_gpu": 3,
+                                                            "gradient_accumulation_steps": 2})
+    assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+            engine.train_batch_size()) == (3, 2, 6)
+    engine.close()

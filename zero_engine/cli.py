@@ -22,6 +22,7 @@ import sys
 import warnings
 from typing import Any
 
+from . import __version__
 from .config import ZeroEngineConfig, load_config, read_config_mapping
 from .errors import ConfigError
 from .memory import estimate_from_config
@@ -100,6 +101,9 @@ def _estimate(args: argparse.Namespace) -> int:
     frozen = f" and {args.frozen_params:,} frozen" if args.frozen_params else ""
     print(f"stage {zero.stage}, {dtype}, {config.optimizer.type}, {args.world_size} rank(s){sharding}, "
           f"{args.params:,} trainable{frozen} parameters; per rank, without padding and activations:")
+    if zero.shard_group_size == "auto" and not args.shard_group_size:
+        print(f"  (shard_group_size: auto is settled at launch, one group per node of LOCAL_WORLD_SIZE ranks; estimated "
+              f"here for one group of all {args.world_size}: --shard-group-size G for nodes of G ranks)")
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
         if key == "parameters" and args.frozen_params:
@@ -191,8 +195,13 @@ def _shard_size(text: str) -> int | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zero-engine", description=__doc__.splitlines()[0])
-    verbs = parser.add_subparsers(dest="verb", required=True)
+    parser = argparse.ArgumentParser(
+        prog="zero-engine",
+        description="zero_engine's command line: check a config, estimate per-rank memory, turn a checkpoint into "
+        "a state dict or Hugging Face's layout, convert a DeepSpeed checkpoint. COMMAND --help for each.",
+    )
+    parser.add_argument("--version", action="version", version=f"zero-engine {__version__} (zero-sharding-engine)")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
     validate = verbs.add_parser(
         "validate", help="check a config as initialize does and print it resolved (a summary and notes on stderr)"
     )

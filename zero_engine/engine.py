@@ -308,6 +308,18 @@ class Engine(ModelAccess, StepView):
         the same."""
         self.window.set_boundary(is_boundary)
 
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples a rank's micro-batch holds (DeepSpeed's engine method: a data loader's batch size)."""
+        return self.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches an optimizer step accumulates (DeepSpeed's engine method)."""
+        return self.batch.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        """Samples an optimizer step takes over every data-parallel rank (DeepSpeed's engine method)."""
+        return self.batch.train_batch_size
+
     @property
     def micro_steps(self) -> int:
         """Micro-steps (``step()`` calls) so far."""

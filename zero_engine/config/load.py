@@ -123,7 +123,11 @@ def _format_errors(
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             known = list(_model_at(loc[:-1]).model_fields)
-            lines.append(f"  {path}: unknown key{suggest(str(loc[-1]), known)}")
+            elsewhere = [where for where in _paths_of_key(str(loc[-1])) if where != path]
+            if 0 < len(elsewhere) <= 2:  # a key of another section (offload_optimizer at the top level)
+                lines.append(f"  {path}: not a key here; it belongs at {' or '.join(elsewhere)}")
+            else:
+                lines.append(f"  {path}: unknown key{suggest(str(loc[-1]), known)}")
         elif path:
             lines.append(f"  {path} = {item['input']!r}: {message}")
         else:
@@ -151,6 +155,19 @@ def _merged_union_errors(items: list[Any]) -> list[Any]:
 
 def _is_union_tag(part: Any) -> bool:
     return isinstance(part, str) and ("[" in part or "(" in part or part in _UNION_TAGS)
+
+
+def _paths_of_key(key: str, model: type[BaseModel] = ZeroEngineConfig, prefix: str = "") -> list[str]:
+    """Every key path of the schema whose last key is ``key``."""
+    found = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        if name == key:
+            found.append(path)
+        for candidate in getattr(field.annotation, "__args__", (field.annotation,)):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                found += _paths_of_key(key, candidate, f"{path}.")
+    return found
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
