@@ -122,6 +122,9 @@ class Engine(ModelAccess, StepView):
     # -- the training loop -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward on the arguments (cast to the compute dtype under mixed
+        precision), its units gathered around their use at stage 3; the output as the model
+        gives it."""
         self.calls.check_usable()  # after ranks diverged, every call raises
         self._open_window()
         if self.lifecycle.state.in_backward:  # the last backward raised before autograd ran its end
