@@ -398,12 +398,18 @@ def read_file(path: Path, shown: Path | None = None) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
-        detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), "")
-        raise CheckpointError(
-            f"{shown or path}: refused by torch.load(weights_only=True), which never runs code from a file "
-            f"({detail.strip() or str(err).splitlines()[0]}); only load it with weights_only=False if you trust "
-            "whoever wrote it"
-        ) from None
+        raise refused_pickle(shown or path, err) from None
+
+
+def refused_pickle(path: Path | str, err: pickle.UnpicklingError) -> CheckpointError:
+    """The error for a file whose pickle would run code: the file, what it holds, what to do
+    (never "load it with weights_only=False": nothing here runs code from a file)."""
+    detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), "")
+    return CheckpointError(
+        f"{path}: refused by torch.load(weights_only=True), which never runs code from a file "
+        f"({detail.strip() or 'it holds Python objects besides tensors'}); save it again with tensors, numbers, "
+        "strings and containers of them alone (a state dict, or safetensors), in a process that trusts it"
+    )
 
 
 def write_atomically(out: Path, write: Callable[[Path], Any]) -> Path:

@@ -33,7 +33,7 @@ from ..sharding.unit import FlatUnit
 from .checkpoint import misfit_message
 from .deepspeed_checkpoint import find_deepspeed_tag
 from .sources import open_source
-from .storage import LATEST, MANIFEST
+from .storage import LATEST, MANIFEST, refused_pickle
 from .safetensors_reader import SafetensorsFile
 from .state_dict import ModelState
 
@@ -80,12 +80,7 @@ class StateDictWeights(WeightsFile):
             except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
                 tensors = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
-            detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), "")
-            raise CheckpointError(
-                f"weights: {path}: refused by torch.load(weights_only=True), which never runs code from a file "
-                f"({detail.strip() or 'it holds Python objects besides tensors'}); load it in a process that trusts "
-                "it and save its state dict alone (torch.save(state_dict, ...), or safetensors), then pass that file"
-            ) from None
+            raise refused_pickle(f"weights: {path}", err) from None
         if not isinstance(tensors, Mapping):
             raise CheckpointError(f"{path}: holds a {type(tensors).__name__}, not a state dict")
         return cls(str(path), tensors)
