@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> float:
     args = parser.parse_args(argv)
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    model = get_peft_model(tiny_llama(torch.bfloat16), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(tiny_llama(torch.bfloat16), lora)
     engine = zero_engine.initialize(model, CONFIG)  # joins torchrun's process group (gloo on CPUs)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 

@@ -285,7 +285,8 @@ class FSDP2Run(DDPRun):
     def __init__(self, model: Any, dtype: str) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = bf16 if dtype == "bf16" else None
         options = {"mp_policy": policy} if policy else {}
         for layer in model.base_model.model.model.layers:
             fully_shard(layer, **options)

@@ -63,13 +63,18 @@ def _signature(name: str, obj: object) -> str:
             star = True
         text = {param.VAR_POSITIONAL: "*", param.VAR_KEYWORD: "**"}.get(param.kind, "") + param.name
         if param.annotation is not param.empty:
-            text += f": {param.annotation if isinstance(param.annotation, str) else inspect.formatannotation(param.annotation)}"
+            text += f": {_annotation(param.annotation)}"
         if param.default is not param.empty:
             text += f" = {param.default!r}"
         params.append(text)
     returns = signature.return_annotation
-    shown = "" if returns is signature.empty else f" -> {returns if isinstance(returns, str) else inspect.formatannotation(returns)}"
+    shown = "" if returns is signature.empty else f" -> {_annotation(returns)}"
     return f"{name}({', '.join(params)}){shown}"
+
+
+def _annotation(annotation: object) -> str:
+    """As the source writes it: annotations are strings there (``from __future__ import annotations``)."""
+    return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
 
 
 def _entry(title: str, obj: object, name: str | None = None) -> str:

@@ -102,8 +102,8 @@ def _estimate(args: argparse.Namespace) -> int:
     print(f"stage {zero.stage}, {dtype}, {config.optimizer.type}, {args.world_size} rank(s){sharding}, "
           f"{args.params:,} trainable{frozen} parameters; per rank, without padding and activations:")
     if zero.shard_group_size == "auto" and not args.shard_group_size:
-        print(f"  (shard_group_size: auto is settled at launch, one group per node of LOCAL_WORLD_SIZE ranks; estimated "
-              f"here for one group of all {args.world_size}: --shard-group-size G for nodes of G ranks)")
+        print("  (shard_group_size: auto is settled at launch, one group per node of LOCAL_WORLD_SIZE ranks; "
+              f"estimated here for one group of all {args.world_size}: --shard-group-size G for nodes of G ranks)")
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
         if key == "parameters" and args.frozen_params:

@@ -69,7 +69,8 @@ class Engine(ModelAccess, StepView):
         self.module = model
         _WRAPPED[model] = None
         _LEFT_SHARDED.pop(model, None)
-        # each parameter's dtype as given (the engine may keep it in the compute dtype): close(unshard=True) gives it back so
+        # each parameter's dtype as given (the engine may keep it in the compute dtype): close(unshard=True)
+        # gives the parameters back in it
         self._dtypes_as_given = {name: param.dtype for name, param in model.named_parameters(remove_duplicate=False)}
         self.config = config
         self.comm = comm

@@ -236,7 +236,9 @@ class ModelAccess:
         )
 
 
-def _wanted_names(names: Callable[[str], bool] | Iterable[str] | None, module: nn.Module) -> Callable[[str], bool] | None:
+def _wanted_names(
+    names: Callable[[str], bool] | Iterable[str] | None, module: nn.Module
+) -> Callable[[str], bool] | None:
     """``named_full_parameters(names=...)`` as a predicate: a callable as it is; a name or a
     collection of names, each of which must be a ``state_dict()`` entry (a name that matches
     nothing is a slip, refused before any collective: reliability review D9)."""

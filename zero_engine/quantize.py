@@ -102,10 +102,10 @@ class BlockQuantizer:
         """`decode_rows` into ``out`` (rows of ``numel``, any floating dtype), the same values,
         without an fp32 copy of the rows: in int8 the integers are widened into a small fp32
         buffer (at most `decode_chunk` elements, and no more than the rows hold: several short
-        rows, or blocks of a long one, at a time), scaled there and written into ``out``. Gathers decode this way (an int8 frozen
-        unit's whole buffer at every use, qwZ's shards of the others): a quarter of
-        `decode_rows`' time on a CPU, and a fixed number of calls per `decode_chunk` elements
-        whatever the number of rows."""
+        rows, or blocks of a long one, at a time), scaled there and written into ``out``.
+        Gathers decode this way (an int8 frozen unit's whole buffer at every use, qwZ's shards
+        of the others): a quarter of `decode_rows`' time on a CPU, and a fixed number of calls
+        per `decode_chunk` elements whatever the number of rows."""
         if self.bits != 8:
             out.copy_(self.decode_rows(encoded, numel))
             return

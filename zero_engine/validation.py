@@ -76,7 +76,9 @@ def check_config(config: ZeroEngineConfig, model: Any = None, world_size: int | 
         notes.append(f"{', '.join(auto)}: 'auto', filled from the model's hidden size")
     batch_auto = [key for key in auto_keys(config) if key in AUTO_BATCH_KEYS]
     config = fill_auto(config, model)
-    notes += [f"{key} is 'auto': initialize fills it from the world size and the other batch keys" for key in batch_auto]
+    notes += [
+        f"{key} is 'auto': initialize fills it from the world size and the other batch keys" for key in batch_auto
+    ]
     refuse_unbuilt_features(config)
     if config.zero_optimization.stage != "auto":
         check_optimizer_for_stage(config.optimizer, stage_for(config.zero_optimization.stage))

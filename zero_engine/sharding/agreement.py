@@ -115,10 +115,10 @@ def call_divergence(rows: list[list[int]], describe_unit: Callable[[int], str] =
     if all(row[1] != PassKind.CALL for row in rows) or all(row == rows[0] for row in rows):
         return None
     return (
-        f"ranks are in different calls: {describe_rows(rows, describe_unit)}. save_checkpoint, load_checkpoint, save_pretrained, "
-        "gathered(), named_full_parameters() (iterated to its end), generation at stage 3 and (when state is sharded) "
-        "full_state_dict are collective: call them on every rank, at the same step. The ranks' collectives are now out of "
-        "step: end the job"
+        f"ranks are in different calls: {describe_rows(rows, describe_unit)}. save_checkpoint, load_checkpoint, "
+        "save_pretrained, gathered(), named_full_parameters() (iterated to its end), generation at stage 3 and (when "
+        "state is sharded) full_state_dict are collective: call them on every rank, at the same step. The ranks' "
+        "collectives are now out of step: end the job"
     )
 
 

@@ -75,7 +75,9 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
         named = _DTYPES.get(name, getattr(torch, name, None))
         if isinstance(named, torch.dtype) and named.is_floating_point:
             return named
-    raise ValueError(f"dtype = {value!r}: give None (fp32), a floating torch dtype, or its name ({sorted(_DTYPES)}, ...)")
+    raise ValueError(
+        f"dtype = {value!r}: give None (fp32), a floating torch dtype, or its name ({sorted(_DTYPES)}, ...)"
+    )
 
 
 def plan_shards(entries: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:

@@ -134,7 +134,8 @@ class GatheredParameters:
             modifier_rank = int(modifier_rank)
             if not 0 <= modifier_rank < comm.world_size:
                 raise ValueError(
-                    f"engine.gathered(modifier_rank={modifier_rank}): not a rank of this job (0 to {comm.world_size - 1})"
+                    f"engine.gathered(modifier_rank={modifier_rank}): not a rank of this job "
+                    f"(0 to {comm.world_size - 1})"
                 )
         self.model_state, self.gatherer, self.comm = model_state, gatherer, comm
         self.modifier_rank = modifier_rank

@@ -114,7 +114,9 @@ def stream(
         yield from _rows(_entries_out(model_state, comm, device, bucket_bytes, dtype, rank0_only, merge, wanted), agree)
 
 
-def _rows(entries: Iterator[tuple[str, torch.Tensor] | int], agree: Callable[[Call, int], None]) -> Iterator[tuple[str, torch.Tensor]]:
+def _rows(
+    entries: Iterator[tuple[str, torch.Tensor] | int], agree: Callable[[Call, int], None]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The entries, with a call row before each bucket's gather (its number) and one at the end
     (how many buckets were gathered), however the stream ends: a rank that stops iterating early
     (a ``break``, an exception in the consumer: the generator is closed) or streams alone sends

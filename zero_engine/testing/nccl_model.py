@@ -409,7 +409,9 @@ def find_mismatches(traces: Sequence[Sequence[Event]]) -> list[str]:
     found = []
     for (group, seq), by_rank in sorted(seen.items()):
         if len(set(by_rank.values())) > 1:
-            launched = ", ".join(f"rank {rank} {what} of {size} bytes" for rank, (what, size) in sorted(by_rank.items()))
+            launched = ", ".join(
+                f"rank {rank} {what} of {size} bytes" for rank, (what, size) in sorted(by_rank.items())
+            )
             found.append(f"{group}#{seq}: {launched}")
     return found
 
