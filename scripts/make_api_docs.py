@@ -37,7 +37,7 @@ docstrings by `python scripts/make_api_docs.py` (the tests check that it is curr
 COMMAND_LINE = """## The command line
 
 `zero-engine validate CONFIG [--world-size N] [--trainer] [--hidden-size H]`, `zero-engine
-estimate CONFIG --params P --world-size N [--shard-group-size G]`, `zero-engine consolidate
+estimate CONFIG --params P --world-size N [--shard-group-size G] [--model-config config.json --seq-len S]`, `zero-engine consolidate
 CHECKPOINT OUT [--format hf]` and `zero-engine convert DEEPSPEED_DIR OUT_DIR`; `zero-engine
 --version`; `zero-engine COMMAND --help` lists each one's options.
 """

@@ -2,10 +2,13 @@
 
     zero-engine validate CONFIG [--world-size N]        print the resolved config, or its errors
     zero-engine estimate CONFIG --params N [--frozen-params N] [--world-size N] [--shard-group-size G]
-                                                         [--largest-unit N]
+                                [--largest-unit N] [--model-config config.json --seq-len S [--micro-batch B]]
                                                          per-rank model-state bytes by the formula,
                                                          host and device apart with offload; with
-                                                         stage: auto, every candidate and the choice
+                                                         stage: auto, every candidate and the choice;
+                                                         with a decoder's config.json, its activations
+                                                         for one micro-batch, with and without
+                                                         recompute_units
     zero-engine consolidate CHECKPOINT OUT [--tag T]     write a plain fp32 state_dict (.pt, .safetensors)
     zero-engine consolidate CHECKPOINT OUT --format hf [--max-shard-size S] [--dtype D]
                                                          write Hugging Face's sharded safetensors
@@ -25,6 +28,7 @@ from typing import Any
 from . import __version__
 from .config import ZeroEngineConfig, load_config, read_config_mapping
 from .errors import ConfigError
+from .activations import DecoderShape, activation_bytes
 from .memory import estimate_from_config
 from .stage import stage_for
 from .stage_choice import candidates, choose, format_table
@@ -86,13 +90,63 @@ def _validate(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
+        shape = _decoder_shape(args, config)
         if config.zero_optimization.stage == "auto":
-            return _estimate_auto(config, args)
+            code = _estimate_auto(config, args)
+            if code == 0 and shape is not None:
+                _print_activations(config, args, shape)
+            return code
         group = args.shard_group_size or config.zero_optimization.shard_group_size_for(args.world_size)
         report = estimate_from_config(config, args.params, args.world_size, group, frozen_params=args.frozen_params)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    _print_states(config, args, group, report)
+    if shape is not None:
+        _print_activations(config, args, shape)
+    return 0
+
+
+def _decoder_shape(args: argparse.Namespace, config: ZeroEngineConfig) -> DecoderShape | None:
+    """The model's shape from ``--model-config``, which also settles ``--params`` (and the
+    micro-batch, from the config, when not given)."""
+    if args.model_config is None:
+        for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
+            if value is not None:
+                raise ValueError(f"{flag} counts activations of the model that --model-config describes: give it")
+        if args.params is None:
+            raise ValueError("--params N (trainable parameters) or --model-config config.json is required")
+        return None
+    if args.seq_len is None:
+        raise ValueError("--model-config counts activations: give the sequence length, --seq-len S")
+    shape = DecoderShape.from_file(args.model_config)
+    if args.params is None:
+        args.params = shape.num_params
+    if args.micro_batch is None:
+        micro = config.train_micro_batch_size_per_gpu
+        if not isinstance(micro, int):
+            raise ValueError("train_micro_batch_size_per_gpu is not set in the config: give --micro-batch B")
+        args.micro_batch = micro
+    return shape
+
+
+def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape: DecoderShape) -> None:
+    """One micro-batch's activations, with and without recompute_units (`zero_engine.activations`)."""
+    compute_bytes = 2 if config.fp16.enabled or config.bf16.enabled else 4
+    on = config.zero_optimization.recompute_units
+    print(f"activations of one micro-batch ({args.micro_batch} x {args.seq_len} tokens; a Llama-style decoder of "
+          f"{shape.layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}), not sharded by any stage:")
+    for recompute in (False, True):
+        counted = activation_bytes(shape, args.micro_batch, args.seq_len, compute_bytes, recompute)
+        which = "recompute_units: true " if recompute else "recompute_units: false"
+        chosen = "  <- this config" if recompute == on else ""
+        print(f"  {which} kept for backward {counted.kept / 2**30:8.3f} GiB, step peak "
+              f"{counted.peak / 2**30:8.3f} GiB{chosen}")
+    print(f"  of the peak, the loss's logits and their fp32 log-softmax and gradients: {counted.loss / 2**30:.3f} GiB")
+    print("  (the peak adds to the model states; stage 3 adds its gathered units; docs/guides/out-of-memory.md)")
+
+
+def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int, report: Any) -> None:
     zero = config.zero_optimization
     dtype = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
     sharding = ""
@@ -117,7 +171,6 @@ def _estimate(args: argparse.Namespace) -> int:
     if stage.shard_gradients and not stage.shard_parameters:  # stage 2: a bucket filling, one reducing
         print(f"  + during backward up to two gradient buckets: "
               f"{2 * zero.reduce_bucket_size * 4 / 2**30:.3f} GiB (reduce_bucket_size)")
-    return 0
 
 
 def _estimate_auto(config: ZeroEngineConfig, args: argparse.Namespace) -> int:
@@ -219,7 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(run=_validate)
     estimate = verbs.add_parser("estimate", help="per-rank model-state memory by the ZeRO formula")
     estimate.add_argument("config", help="a .yaml, .yml or .json config file")
-    estimate.add_argument("--params", required=True, type=_positive_count, help="trainable parameters, e.g. 7e9")
+    estimate.add_argument(
+        "--params", type=_positive_count,
+        help="trainable parameters, e.g. 7e9 (default with --model-config: the decoder's, all trainable)",
+    )
     estimate.add_argument(
         "--frozen-params", type=_non_negative_count, default=0,
         help="frozen parameters (a LoRA base, a reference model), e.g. 7e9: their storage alone, sharded at stage 3 "
@@ -232,6 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--largest-unit", type=_positive_count, default=0,
         help="stage: auto: parameters of the largest stage 3 unit (initialize measures it on the model)",
+    )
+    estimate.add_argument(
+        "--model-config", metavar="CONFIG_JSON",
+        help="a decoder's Hugging Face config.json (Llama, Mistral, Qwen...): count its activations too",
+    )
+    estimate.add_argument("--seq-len", type=_positive_count, help="with --model-config: tokens per sequence")
+    estimate.add_argument(
+        "--micro-batch", type=_positive_count,
+        help="with --model-config: sequences per micro-batch (default: the config's train_micro_batch_size_per_gpu)",
     )
     estimate.set_defaults(run=_estimate)
     consolidate = verbs.add_parser("consolidate", help="turn a checkpoint into a plain state_dict file")

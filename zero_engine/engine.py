@@ -99,7 +99,7 @@ class Engine(ModelAccess, StepView):
         # requires_grad as built: a change (PEFT's set_adapter, unfreezing a layer) would train wrong
         self._trainable_as_built = [(name, param, param.requires_grad) for name, param in model.named_parameters()]
         # The leaf unit modules recomputed now (recompute_units), compiled later (compile()).
-        self.unit_forwards = UnitForwards(plan.modules.leaf_modules, zero.recompute_units)
+        self.unit_forwards = UnitForwards(plan.modules.leaf_modules, zero.recompute_units, model)
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
         if self.units:
             self.optimizer_step = OptimizerStep(

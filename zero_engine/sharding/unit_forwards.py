@@ -11,6 +11,13 @@ outputs has gathered it: that gather serves it, and nothing gathers a second tim
 #777 and transformers #30404 are that bug in other engines). Units holding other units are left
 whole, since recomputing them would run the inner units' hooks inside the backward.
 
+A model that builds a key/value cache in its forward when ``use_cache`` is on (Hugging Face's,
+whose configs say ``use_cache: true``) keeps it through a training step: without recomputation
+the attention keeps the same keys and values for its backward anyway, but with it the cache is
+all that keeps them, one layer's keys and values per layer in memory for nothing. Under
+recomputation the root's training forwards get ``use_cache=False`` unless the caller passes it,
+as Hugging Face's own gradient checkpointing does.
+
 Compilation: ``torch.compile`` of the forward (as FSDP2 and torchtitan compile each block and
 keep the sharding hooks outside the graph).
 """
@@ -20,8 +27,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import inspect
+
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from torch.utils.checkpoint import checkpoint
 
 Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -55,9 +65,10 @@ class UnitForwards:
     torch.compile traces the checkpointed forward; the engine's hooks outside both (torchtitan's
     order: activation checkpointing, then compile, then sharding)."""
 
-    def __init__(self, leaf_modules: Callable[[], Sequence[nn.Module]], recompute: bool) -> None:
+    def __init__(self, leaf_modules: Callable[[], Sequence[nn.Module]], recompute: bool, root: nn.Module) -> None:
         self._leaf_modules = leaf_modules  # asked only where needed (the unit plan may fail on a wrap list)
         self._recomputed = WrappedForwards(leaf_modules() if recompute else [], recomputed)
+        self._no_cache = no_cache_while_training(root) if recompute else None
         self._compiled: WrappedForwards | None = None
 
     def compile(self, options: dict[str, Any], whole: nn.Module) -> None:
@@ -76,6 +87,8 @@ class UnitForwards:
         """Put every forward back, in the reverse order."""
         if self._compiled is not None:
             self._compiled.remove()
+        if self._no_cache is not None:
+            self._no_cache.remove()
         self._recomputed.remove()
 
 
@@ -86,6 +99,20 @@ def recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
+
+
+def no_cache_while_training(root: nn.Module) -> RemovableHandle | None:
+    """``use_cache=False`` in ``root``'s forwards while it trains with gradients on, unless the
+    caller passes ``use_cache``; None for a forward without that argument."""
+    if "use_cache" not in inspect.signature(root.forward).parameters:
+        return None
+
+    def without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if "use_cache" in kwargs or not (module.training and torch.is_grad_enabled()):
+            return None
+        return args, {**kwargs, "use_cache": False}
+
+    return root.register_forward_pre_hook(without_cache, with_kwargs=True)
 
 
 def compiled(options: dict[str, Any]) -> Wrapper:

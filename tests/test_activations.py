@@ -1,0 +1,148 @@
+"""`zero_engine.activations`: the activation bytes `zero-engine estimate` prints, against what
+torch allocates in a real step of a Hugging Face Llama through the engine (the profiler's
+memory records: every allocation and free of the CPU allocator, in order), with and without
+``recompute_units``, in fp32 and bf16, on 2 ranks."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+
+import zero_engine
+from configs import engine_config
+from harness import run_on_ranks
+from zero_engine.activations import DecoderShape, activation_bytes
+
+SHAPE = DecoderShape(hidden=128, layers=3, heads=4, kv_heads=2, ffn=352, vocab=1000)
+MICRO, SEQ = 2, 256
+
+
+def _llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=SHAPE.hidden, num_hidden_layers=SHAPE.layers, num_attention_heads=SHAPE.heads,
+        num_key_value_heads=SHAPE.kv_heads, intermediate_size=SHAPE.ffn, vocab_size=SHAPE.vocab,
+        max_position_embeddings=SEQ, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+def _allocated_during(run: Any, mark: str) -> tuple[int, int]:
+    """Bytes allocated and not freed when ``mark`` is recorded, and at most, while ``run`` runs:
+    from the profiler's memory records, the CPU allocator's own count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()  # a collection inside would free earlier tensors, whose frees the profiler may count
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+    finally:
+        gc.enable()
+    events = list(prof.profiler.kineto_results.events())
+    marked = min(event.start_ns() for event in events if event.name() == mark)
+    records = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
+    alive = peak = 0
+    at_mark = None
+    for when, nbytes in records:
+        if at_mark is None and when >= marked:
+            at_mark = alive
+        alive += nbytes
+        peak = max(peak, alive)
+    return (alive if at_mark is None else at_mark), peak
+
+
+def measured_steps(rank: int, world_size: int, cases: list[tuple[int, str, bool]]) -> dict[Any, Any]:
+    torch.set_num_threads(1)
+    ids = torch.randint(0, SHAPE.vocab, (MICRO, SEQ), generator=torch.Generator().manual_seed(rank))
+    results = {}
+    for stage, dtype, recompute in cases:
+        torch.manual_seed(0)
+        config = engine_config(stage, micro=MICRO, lr=1e-3, dtype=dtype, recompute_units=recompute)
+        engine = zero_engine.initialize(_llama(), config)
+        for _ in range(2):  # buffers, optimizer state and allocator caches settle
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+        def forward_backward() -> None:
+            out = engine(input_ids=ids, labels=ids)
+            with torch.profiler.record_function("forward done"):
+                pass
+            engine.backward(out.loss)
+            del out
+
+        results[(stage, dtype, recompute)] = _allocated_during(forward_backward, "forward done")
+        engine.close()
+    return results
+
+
+# Activations do not depend on the stage; stage 3 adds its gathered units, which memory_report() counts.
+CASES = [(stage, dtype, recompute) for stage in (1, 2) for dtype in ("fp32", "bf16") for recompute in (False, True)]
+
+
+def test_the_estimate_is_what_a_step_allocates():
+    """After the forward, the activations kept and the logits; at most, the step's peak: each
+    within 1% of the allocator's count, on every rank. With recomputation the model's key/value
+    cache is off in training (before, it kept every layer's keys and values: 14% more here)."""
+    results = run_on_ranks(2, measured_steps, CASES, allow_numpy=True, timeout=400)
+    for case in CASES:
+        stage, dtype, recompute = case
+        expected = activation_bytes(SHAPE, MICRO, SEQ, 2 if dtype == "bf16" else 4, recompute)
+        for rank_results in results:
+            after_forward, peak = rank_results[case]
+            assert after_forward == pytest.approx(expected.kept + expected.logits, rel=0.01), case
+            assert peak == pytest.approx(expected.peak, rel=0.01), case
+
+
+def test_a_decoders_parameters_counted_from_its_shape():
+    model = _llama()
+    assert SHAPE.num_params == sum(p.numel() for p in model.parameters())
+    assert DecoderShape.from_hf_config(model.config.to_dict()) == SHAPE
+    tied = SHAPE._replace(tied=True)
+    assert tied.num_params == SHAPE.num_params - SHAPE.vocab * SHAPE.hidden
+
+
+def test_a_config_that_is_not_a_decoders_is_named(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"hidden_size": 64, "vocab_size": 10}')
+    with pytest.raises(ValueError, match=r"config.json has no integer num_hidden_layers, num_attention_heads"):
+        DecoderShape.from_file(path)
+
+
+def test_estimate_prints_a_decoders_activations_with_and_without_recompute(tmp_path, capsys):
+    from zero_engine.cli import main
+
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true}, '
+                      '"zero_optimization": {"stage": 3, "recompute_units": true}}')
+    model_config = tmp_path / "config.json"
+    model_config.write_text(_llama().config.to_json_string())
+    assert main(["estimate", str(config), "--model-config", str(model_config), "--seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert f"{SHAPE.num_params:,} trainable" in out  # --params from the model's shape
+    for recompute, line in zip((False, True), [line for line in out.splitlines() if "kept for backward" in line]):
+        counted = activation_bytes(SHAPE, 2, 4096, 2, recompute)
+        assert f"{counted.kept / 2**30:8.3f} GiB" in line and f"{counted.peak / 2**30:8.3f} GiB" in line
+        assert line.endswith("<- this config") == recompute
+    assert main(["estimate", str(config), "--params", "1e9", "--seq-len", "4096"]) == 1
+    assert "--seq-len counts activations of the model that --model-config describes" in capsys.readouterr().err
+    assert main(["estimate", str(config), "--model-config", str(model_config)]) == 1
+    assert "give the sequence length, --seq-len S" in capsys.readouterr().err
+
+
+def test_recompute_turns_the_models_cache_off_in_training_until_removed():
+    from zero_engine.sharding.unit_forwards import UnitForwards
+
+    model = _llama()
+    ids = torch.randint(0, SHAPE.vocab, (1, 8))
+    forwards = UnitForwards(lambda: list(model.model.layers), True, model)
+    assert model(input_ids=ids).past_key_values is None
+    assert model(input_ids=ids, use_cache=True).past_key_values is not None  # the caller's word holds
+    with torch.no_grad():
+        assert model(input_ids=ids).past_key_values is not None  # generation keeps its cache
+    forwards.remove()
+    assert model(input_ids=ids).past_key_values is not None
