@@ -1,8 +1,9 @@
 """Size and reach figures of the package's structure, for the notes of restructuring work.
 
 Prints the longest classes and modules (lines), the builders' argument counts, the modules that
-name the config's types (``ZeroEngineConfig`` or one of its section classes), and the functions
-that take one as an argument. Counted with ``ast`` over ``zero_engine/`` (integrations, the
+name the config's types (``ZeroEngineConfig`` or one of its section classes), the functions
+that take one as an argument, and the world size read outside ``comm/`` (a ``world_size``
+name or argument, or ``comm.world_size``: counts of ranks are asked of the mesh by use there). Counted with ``ast`` over ``zero_engine/`` (integrations, the
 config package itself, the CLI and ``testing/`` left out: they are the config's readers by
 trade). Run from the repository root::
 
@@ -35,11 +36,27 @@ def _relative(path: Path) -> str:
     return str(path.relative_to(PACKAGE))
 
 
+def _world_size_reads(tree: ast.AST) -> list[int]:
+    """Lines naming ``world_size`` (a variable or an argument) or reading ``<...>comm.world_size``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.arg == "world_size":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Name) and node.id == "world_size":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr == "world_size":
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name == "comm":
+                lines.append(node.lineno)
+    return sorted(set(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=5)
     args = parser.parse_args()
-    classes, modules, builders, reached, takers = [], [], [], [], []
+    classes, modules, builders, reached, takers, world_reads = [], [], [], [], [], []
     config_types = _config_types()
     for path in _modules():
         text = path.read_text()
@@ -54,6 +71,8 @@ def main() -> None:
                 count = len([name for name in named if name != "self"])
                 builders.append((count, f"{_relative(path)}:{node.name}"))
         relative = _relative(path)
+        if not relative.startswith(("comm/", "testing/")):
+            world_reads += [f"{relative}:{line}" for line in _world_size_reads(tree)]
         if not relative.startswith(NOT_COUNTED_FOR_REACH):
             names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
             if names & config_types:
@@ -80,6 +99,9 @@ def main() -> None:
     print(f"functions that take the config or a section of it ({len(takers)}):")
     for name in takers:
         print(f"  {name}")
+    print(f"the world size read outside comm/ ({len(world_reads)}; ask comm.mesh for a count by use):")
+    for place in world_reads:
+        print(f"  {place}")
 
 
 if __name__ == "__main__":

@@ -185,3 +185,26 @@ def test_hybrid_sharding_keeps_shard_traffic_inside_groups() -> None:
             else:
                 assert roles == ["shard_group"], (case, key, roles)
         assert calls.get("all_reduce_sum:all_reduce") == ["data", "replica_group"], calls
+
+
+def test_the_mesh_lays_ranks_out_once():
+    """Shard groups of consecutive ranks, replicas at the same place in each: the one layout
+    `connect` makes groups from and `Comm` reports; counts by use, not the world size."""
+    from zero_engine.comm import Comm, GroupComm, Mesh
+
+    mesh = Mesh.for_world(6, 3)
+    assert (mesh.replicate, mesh.shard, mesh.world, mesh.batch, mesh.grad_divisor) == (2, 3, 6, 6, 6)
+    assert [list(r) for r in mesh.shard_groups()] == [[0, 1, 2], [3, 4, 5]]
+    assert [list(r) for r in mesh.replica_groups()] == [[0, 3], [1, 4], [2, 5]]
+    assert list(mesh.shard_group_of(4)) == [3, 4, 5] and list(mesh.replica_group_of(4)) == [1, 4]
+    assert mesh.as_manifest() == {"replicate": 2, "shard": 3}
+    with pytest.raises(ValueError, match="shard group size 4 does not divide the world size 6"):
+        Mesh.for_world(6, 4)
+    with pytest.raises(ValueError, match="mesh degree shard must be a positive integer, not 0"):
+        Mesh(replicate=1, shard=0)
+    alone = Comm.alone()
+    assert alone.mesh == Mesh() and alone.mesh.batch == 1
+    groups = [GroupComm(0, size, "none") for size in (6, 3, 2)]
+    assert Comm(*groups).mesh == mesh  # derived from the groups when not given
+    with pytest.raises(ValueError, match="does not match groups of 6, 3 and 2 ranks"):
+        Comm(*groups, mesh=Mesh(replicate=3, shard=2))

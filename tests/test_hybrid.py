@@ -100,6 +100,7 @@ def hybrid_grid(rank: int, world_size: int, groups: list[int], overflow_stages: 
                 "optimizer_tensors": len(engine.optimizer.state),
                 "shard_numels": [unit.layout.shard_numel for unit in engine.units],
                 "groups": (comm.shard_group_ranks, comm.replica_group_ranks),
+                "mesh": (comm.mesh.replicate, comm.mesh.shard, comm.mesh.batch, comm.mesh.grad_divisor),
                 "process_groups": [
                     dist.get_process_group_ranks(g) if g is not None else None
                     for g in (comm.shard_group.group, comm.replica_group.group)
@@ -156,6 +157,8 @@ def _check_case(case: dict, world_size: int, group: int, results: list[dict]) ->
         first = rank - rank % group
         shard_ranks, replica_ranks = list(range(first, first + group)), list(range(rank % group, world_size, group))
         assert result["groups"] == (shard_ranks, replica_ranks), label
+        # One mesh of world / G groups of G: every rank reads samples and divides by all of them.
+        assert result["mesh"] == (world_size // group, group, world_size, world_size), label
         for made, expected in zip(result["process_groups"], (shard_ranks, replica_ranks)):
             assert made == expected, (label, made, expected)
 

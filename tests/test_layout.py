@@ -44,9 +44,9 @@ def test_world_size_larger_than_the_unit() -> None:
 
 
 def test_bad_arguments_are_refused() -> None:
-    with pytest.raises(ValueError, match="world_size"):
+    with pytest.raises(ValueError, match="num_shards"):
         UnitLayout([3], 0)
-    with pytest.raises(ValueError, match="rank 2 is outside world size 2"):
+    with pytest.raises(ValueError, match="rank 2 is outside 2 shards"):
         UnitLayout([3], 2).shard_range(2)
     with pytest.raises(ValueError, match="max_unit_numel"):
         plan_units([3], 0)

@@ -39,7 +39,7 @@ AUTO_CONFIG = {
 
 def test_every_auto_the_arguments_decide_is_filled_from_them() -> None:
     args = _arguments(bf16=True)
-    filled = fill_schedule(fill_from_arguments(AUTO_CONFIG, args, world_size=2, origin="ds.json"), args, 200, "ds.json")
+    filled = fill_schedule(fill_from_arguments(AUTO_CONFIG, args, data_ranks=2, origin="ds.json"), args, 200, "ds.json")
     assert filled["train_micro_batch_size_per_gpu"] == 3
     assert filled["gradient_accumulation_steps"] == 4
     assert filled["train_batch_size"] == 2 * 3 * 4
@@ -60,7 +60,7 @@ def test_keys_the_config_leaves_out_take_the_trainers_values_except_in_optimizer
     precision; the optimizer and scheduler sections keep their own defaults (as Hugging Face)."""
     args = _arguments(fp16=False, bf16=True)
     raw = {"zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
-    filled = fill_from_arguments(raw, args, world_size=2, origin="ds.json")
+    filled = fill_from_arguments(raw, args, data_ranks=2, origin="ds.json")
     assert filled["train_micro_batch_size_per_gpu"] == 3 and filled["gradient_accumulation_steps"] == 4
     assert "train_batch_size" not in filled  # derived from the two and the world size
     assert filled["gradient_clipping"] == 0.7
@@ -78,7 +78,7 @@ def test_every_value_that_disagrees_with_the_arguments_is_named_in_one_error() -
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 2e-4}},
     }
     with pytest.raises(ConfigError) as caught:
-        fill_from_arguments(raw, args, world_size=2, origin="ds.json")
+        fill_from_arguments(raw, args, data_ranks=2, origin="ds.json")
     message = str(caught.value)
     assert message.startswith("ds.json: values that disagree with the Trainer's TrainingArguments")
     expected = [
@@ -109,7 +109,7 @@ def test_the_schedules_step_counts_are_checked_against_max_steps() -> None:
 
 
 def test_a_config_is_validated_before_max_steps_is_known() -> None:
-    raw = fill_from_arguments(AUTO_CONFIG, _arguments(), world_size=1, origin="ds.json")
+    raw = fill_from_arguments(AUTO_CONFIG, _arguments(), data_ranks=1, origin="ds.json")
     load_config(provisional_schedule(raw))  # the step counts stand in
     assert raw["scheduler"]["params"]["total_num_steps"] == "auto", "left for fill_schedule"
     raw["optimizer"]["params"]["lrr"] = 1.0
@@ -120,4 +120,4 @@ def test_a_config_is_validated_before_max_steps_is_known() -> None:
 def test_an_auto_the_trainer_does_not_fill_is_named_by_the_config_loader() -> None:
     raw = dict(AUTO_CONFIG, zero_optimization={"stage": 3, "stage3_gather_16bit_weights_on_model_save": "auto"})
     with pytest.raises(ConfigError, match="stage3_gather_16bit_weights_on_model_save"):
-        load_config(provisional_schedule(fill_from_arguments(raw, _arguments(), world_size=1, origin="ds.json")))
+        load_config(provisional_schedule(fill_from_arguments(raw, _arguments(), data_ranks=1, origin="ds.json")))

@@ -104,7 +104,7 @@ def initialize(
             deferred = DeferredInit(model, device, base_seed, param_init_fn, provided=set(file_names))
         elif param_init_fn is not None and comm.rank == 0:
             logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
-        batch = config.batch_sizes(comm.world_size)
+        batch = config.batch_sizes(comm.mesh.batch)
         zero = config.zero_optimization
         placement = offload_plan(zero, stage, batch.gradient_accumulation_steps)
         settings = BuildSettings.derive(zero, stage, precision.compute_dtype, precision.reduce_dtype, placement)
@@ -210,7 +210,7 @@ def _check_host_memory(
         return
     num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
     pinned = planned_host_buffers(plan, settings, comm.num_shards)
-    needed = host_bytes_needed(config, num_params, comm.world_size) + offload.pinning_overshoot(pinned)
+    needed = host_bytes_needed(config, num_params, comm.mesh.batch) + offload.pinning_overshoot(pinned)
     offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")
 
 

@@ -58,7 +58,7 @@ HELD_NOW = ("parameters", "gradients", "optimizer_states", "master_parameters", 
 def formula_bytes(
     num_params: int,
     stage: Stage,
-    world_size: int,
+    shards: int,
     *,
     param_bytes: int = 4,
     grad_bytes: int = 4,
@@ -71,7 +71,7 @@ def formula_bytes(
     """
     def per_rank(bytes_per_param: int, sharded: bool) -> int:
         total = num_params * bytes_per_param
-        return total // world_size if sharded else total
+        return total // shards if sharded else total
 
     return MemoryReport(
         parameters=per_rank(param_bytes, stage.shard_parameters),
@@ -102,21 +102,21 @@ def optimizer_bytes_per_param(name: str, params: dict) -> int:
 def estimate_from_config(
     config: ZeroEngineConfig,
     num_params: int,
-    world_size: int,
+    data_ranks: int,
     shard_group_size: int | None = None,
     frozen_params: int = 0,
 ) -> MemoryReport:
     """The formula for a config: its stage, precision, optimizer and offload. States are
-    sharded over the shard group (``shard_group_size``, else the config's for ``world_size``),
+    sharded over the shard group (``shard_group_size``, else the config's for ``data_ranks`` data-parallel ranks),
     not over every rank: with hybrid sharding ``G`` takes the place of ``N``. ``num_params``
     trainable parameters; ``frozen_params`` frozen ones add their storage alone (2 bytes under
     fp16/bf16, else 4; about 1 in int8 at stage 3 under ``zero_quantized_nontrainable_weights``),
     sharded at stage 3 unless ``frozen_weights`` is ``replicate``."""
     mixed = config.fp16.enabled or config.bf16.enabled
     if shard_group_size is None:
-        shard_group_size = config.zero_optimization.shard_group_size_for(world_size)
-    elif world_size % shard_group_size:
-        raise ValueError(f"shard group size {shard_group_size} does not divide the world size {world_size}")
+        shard_group_size = config.zero_optimization.shard_group_size_for(data_ranks)
+    elif data_ranks % shard_group_size:
+        raise ValueError(f"shard group size {shard_group_size} does not divide the world size {data_ranks}")
     stage = stage_for(config.zero_optimization.stage)
     report = formula_bytes(
         num_params,
@@ -168,9 +168,9 @@ def with_offload(
     return report._replace(host=host)
 
 
-def host_bytes_needed(config: ZeroEngineConfig, num_params: int, world_size: int) -> int:
+def host_bytes_needed(config: ZeroEngineConfig, num_params: int, data_ranks: int) -> int:
     """What one rank will allocate on the host for offloaded state (formula, no padding)."""
-    return estimate_from_config(config, num_params, world_size).host
+    return estimate_from_config(config, num_params, data_ranks).host
 
 
 def measure_memory(

@@ -59,7 +59,7 @@ class _Model:
         self.config = type("Config", (), {"hidden_size": hidden_size})()
 
 
-def check_config(config: ZeroEngineConfig, model: Any = None, world_size: int | None = None, *,
+def check_config(config: ZeroEngineConfig, model: Any = None, data_ranks: int | None = None, *,
                  hidden_size: int | None = None) -> Checked:
     """`initialize`'s checks of ``config`` that need no process group, in its order (a
     `ConfigError` or `NotImplementedError` naming the keys). ``model``: the model (its hidden
@@ -83,7 +83,7 @@ def check_config(config: ZeroEngineConfig, model: Any = None, world_size: int | 
     if config.zero_optimization.stage != "auto":
         check_optimizer_for_stage(config.optimizer, stage_for(config.zero_optimization.stage))
     Precision.from_config(config)
-    batch = config.batch_sizes(world_size) if world_size is not None else None
+    batch = config.batch_sizes(data_ranks) if data_ranks is not None else None
     return Checked(config, batch, [*no_effect_settings(config), *notes])
 
 
@@ -106,18 +106,18 @@ def trainer_stand_ins(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return config, filled
 
 
-def summary(config: ZeroEngineConfig, batch: BatchSizes | None, world_size: int | None) -> str:
+def summary(config: ZeroEngineConfig, batch: BatchSizes | None, data_ranks: int | None) -> str:
     """One line: the stage, precision, batch arithmetic and offload."""
     zero = config.zero_optimization
     precision = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
     parts = [f"stage {zero.stage}", precision, config.optimizer.type]
     if batch is not None:
         parts.append(f"micro {batch.micro_batch_size} x accumulation {batch.gradient_accumulation_steps} x "
-                     f"{world_size} rank(s) = {batch.train_batch_size} samples a step")
+                     f"{data_ranks} rank(s) = {batch.train_batch_size} samples a step")
     offloaded = [f"{name.split('_')[1]} to {section.device}" for name in ("offload_optimizer", "offload_param")
                  if (section := getattr(zero, name)) is not None and section.device != "none"]
     parts.append("offload: " + ", ".join(offloaded) if offloaded else "no offload")
-    if zero.shard_group_size not in (None, "auto") and world_size and zero.shard_group_size < world_size:
+    if zero.shard_group_size not in (None, "auto") and data_ranks and zero.shard_group_size < data_ranks:
         parts.append(f"sharded over groups of {zero.shard_group_size}")
     elif zero.shard_group_size == "auto":
         parts.append("shard groups of each node's ranks (settled at launch)")

@@ -1,7 +1,7 @@
 """Connecting: the engine's process groups, made from the caller's group or torchrun's environment.
 
-`connect` makes the data group (the device's backend), the control group (gloo) and, with
-hybrid sharding, each rank's shard and replica groups; `with_stage_groups` adds stage 3's group
+`connect` settles the `Mesh` (the rank layout) and makes the data group (the device's backend),
+the control group (gloo) and, with hybrid sharding, each rank's shard and replica groups; `with_stage_groups` adds stage 3's group
 for reduce-scatters once the stage is known. Every rank calls them at the same point
 (``new_group`` is collective).
 """
@@ -20,6 +20,7 @@ from ..devices import local_cuda_device
 from ..errors import ConfigError
 from ..stage import Stage
 from .groups import Comm, GroupComm, own_group
+from .mesh import Mesh
 
 def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     """The engine's `Comm`: groups of its own beside the caller's default group (so its
@@ -47,11 +48,11 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     force = config.comm.force_collectives
     world = GroupComm(rank, world_size, backend, data, own_group(timeout, "control", "gloo"), primitives, force)
-    size = _agreed_shard_group_size(config.zero_optimization, world)
-    shard_group, replica_group = _hybrid_groups(timeout, world_size, rank, size, data)
-    shards = GroupComm(rank % size, size, backend, shard_group, None, primitives, force)
-    replicas = GroupComm(rank // size, world_size // size, backend, replica_group, None, primitives, force)
-    return Comm(world, shards, replicas)
+    mesh = Mesh.for_world(world_size, _agreed_shard_group_size(config.zero_optimization, world))
+    shard_group, replica_group = _hybrid_groups(timeout, mesh, rank, data)
+    shards = GroupComm(rank % mesh.shard, mesh.shard, backend, shard_group, None, primitives, force)
+    replicas = GroupComm(rank // mesh.shard, mesh.replicate, backend, replica_group, None, primitives, force)
+    return Comm(world, shards, replicas, mesh=mesh)
 
 
 def with_stage_groups(comm: Comm, config: ZeroEngineConfig, stage: Stage) -> Comm:
@@ -61,11 +62,11 @@ def with_stage_groups(comm: Comm, config: ZeroEngineConfig, stage: Stage) -> Com
     size = comm.num_shards
     if not (stage.shard_parameters and size > 1):
         return comm
-    group = _reduce_group(config.comm.timeout_s, comm.world_size, comm.rank, size)
+    group = _reduce_group(config.comm.timeout_s, comm.mesh, comm.rank)
     reduces = GroupComm(
         comm.shard_rank, size, comm.backend, group, None, config.comm.primitives, config.comm.force_collectives
     )
-    return Comm(comm.world, comm.shard_group, comm.replica_group, reduces)
+    return Comm(comm.world, comm.shard_group, comm.replica_group, reduces, comm.mesh)
 
 
 def make_data_communicators(comm: Comm, device: torch.device) -> None:
@@ -103,30 +104,26 @@ def _agreed_shard_group_size(zero: ZeroOptimizationConfig, world: GroupComm) -> 
     return size
 
 
-def _hybrid_groups(timeout_s: float, world_size: int, rank: int, size: int, data: Any) -> tuple[Any, Any]:
-    """This rank's shard group (``size`` consecutive ranks) and replica group (the ranks at
-    the same place in every shard group). A single group is the data group itself, and a
-    group of one rank needs none. Every rank makes every group (``new_group`` is collective)."""
-    if size == world_size:
+def _hybrid_groups(timeout_s: float, mesh: Mesh, rank: int, data: Any) -> tuple[Any, Any]:
+    """This rank's shard group and replica group, as ``mesh`` lays them out. A single group
+    is the data group itself, and a group of one rank needs none. Every rank makes every group
+    (``new_group`` is collective)."""
+    if mesh.replicate == 1:
         return data, None
-    if size == 1:
+    if mesh.shard == 1:
         return None, data
-    shard_groups = [
-        own_group(timeout_s, "data", None, range(g * size, (g + 1) * size)) for g in range(world_size // size)
-    ]
-    replica_groups = [own_group(timeout_s, "data", None, range(s, world_size, size)) for s in range(size)]
-    return shard_groups[rank // size], replica_groups[rank % size]
+    shard_groups = [own_group(timeout_s, "data", None, ranks) for ranks in mesh.shard_groups()]
+    replica_groups = [own_group(timeout_s, "data", None, ranks) for ranks in mesh.replica_groups()]
+    return shard_groups[rank // mesh.shard], replica_groups[rank % mesh.shard]
 
 
-def _reduce_group(timeout_s: float, world_size: int, rank: int, size: int) -> Any:
+def _reduce_group(timeout_s: float, mesh: Mesh, rank: int) -> Any:
     """Stage 3: a group of this rank's shard group's ranks for reduce-scatters alone. Gathers
     launch in the order the ranks agree on (`zero_engine.sharding.agreement`), reductions in
     unit order as gradients complete; on one group the two orders would have to interleave
     alike on every rank, which depends on which parameters got gradients where."""
-    groups = [
-        own_group(timeout_s, "reduce", None, range(g * size, (g + 1) * size)) for g in range(world_size // size)
-    ]
-    return groups[rank // size]
+    groups = [own_group(timeout_s, "reduce", None, ranks) for ranks in mesh.shard_groups()]
+    return groups[rank // mesh.shard]
 
 
 def choose_backend(requested: str, device: torch.device) -> str:

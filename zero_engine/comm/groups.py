@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices import HOST, tensor_bytes
+from .mesh import Mesh
 from .handles import (
     DONE, ON_SIDE_STREAM, CollectiveKind, EachRank, Finishing, Pending, SecondPhaseStarter, SecondPhaseThread, TwoPhase,
 )
@@ -247,7 +248,8 @@ class GroupComm:
 
 
 class Comm:
-    """The engine's collectives, over ranks laid out as shard groups that replicate each other.
+    """The engine's collectives, over ranks laid out as its `Mesh` says: shard groups that
+    replicate each other.
 
     Shard group ``g`` is ranks ``[g G, (g + 1) G)`` (``G``: ``zero_optimization.shard_group_size``,
     all ranks by default); a rank's replicas are the ranks at its place in the other groups.
@@ -264,8 +266,16 @@ class Comm:
         shard_group: GroupComm,
         replica_group: GroupComm,
         reduce_group: GroupComm | None = None,
+        mesh: Mesh | None = None,
     ) -> None:
         self.world, self.shard_group, self.replica_group = world, shard_group, replica_group
+        # The layout and the rank counts by use (batch, gradient divisor, shard, replicate).
+        self.mesh = mesh or Mesh(replicate=replica_group.world_size, shard=shard_group.world_size)
+        if (self.mesh.world, self.mesh.shard, self.mesh.replicate) != (
+            world.world_size, shard_group.world_size, replica_group.world_size
+        ):
+            raise ValueError(f"{self.mesh} does not match groups of {world.world_size}, {shard_group.world_size} and "
+                             f"{replica_group.world_size} ranks")
         # Reduce-scatters inside the shard group: the shard group itself, or (stage 3) a group
         # of the same ranks of their own, so their order needs no agreement with the gathers'.
         self.reduce_group = reduce_group or shard_group
@@ -289,13 +299,12 @@ class Comm:
     @property
     def shard_group_ranks(self) -> list[int]:
         """The global ranks this rank shards with (itself included)."""
-        first = self.rank - self.shard_rank
-        return list(range(first, first + self.num_shards))
+        return list(self.mesh.shard_group_of(self.rank))
 
     @property
     def replica_group_ranks(self) -> list[int]:
         """The global ranks holding the same shard as this one (itself included)."""
-        return list(range(self.shard_rank, self.world_size, self.num_shards))
+        return list(self.mesh.replica_group_of(self.rank))
 
     # -- data --------------------------------------------------------------------------------
 

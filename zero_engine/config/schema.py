@@ -178,39 +178,39 @@ class ZeroEngineConfig(_Section):
             )
         return self
 
-    def batch_sizes(self, world_size: int) -> BatchSizes:
-        """Fill in the batch triple for ``world_size``; any two keys determine the third."""
+    def batch_sizes(self, data_ranks: int) -> BatchSizes:
+        """Fill in the batch triple for ``data_ranks``; any two keys determine the third."""
         return resolve_batch_sizes(
-            self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, world_size
+            self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, data_ranks
         )
 
 
-def resolve_batch_sizes(total: int | None, micro: int | None, accum: int | None, world_size: int) -> BatchSizes:
-    """DeepSpeed's batch arithmetic: ``total = micro * accum * world_size``."""
+def resolve_batch_sizes(total: int | None, micro: int | None, accum: int | None, data_ranks: int) -> BatchSizes:
+    """DeepSpeed's batch arithmetic: ``total = micro * accum * data_ranks``."""
     if total is None:
         micro, accum = micro or 1, accum or 1
-        return BatchSizes(micro * accum * world_size, micro, accum)
+        return BatchSizes(micro * accum * data_ranks, micro, accum)
     if micro is None and accum is None:
         accum = 1
     if micro is None:
         assert accum is not None
-        if total % (accum * world_size):
+        if total % (accum * data_ranks):
             raise ConfigError(
                 f"train_batch_size = {total} is not divisible by gradient_accumulation_steps ({accum}) x "
-                f"world size ({world_size}) = {accum * world_size}: set train_micro_batch_size_per_gpu"
+                f"world size ({data_ranks}) = {accum * data_ranks}: set train_micro_batch_size_per_gpu"
             )
-        return BatchSizes(total, total // (accum * world_size), accum)
+        return BatchSizes(total, total // (accum * data_ranks), accum)
     if accum is None:
-        if total % (micro * world_size):
+        if total % (micro * data_ranks):
             raise ConfigError(
                 f"train_batch_size = {total} is not divisible by train_micro_batch_size_per_gpu ({micro}) x "
-                f"world size ({world_size}) = {micro * world_size}: set gradient_accumulation_steps"
+                f"world size ({data_ranks}) = {micro * data_ranks}: set gradient_accumulation_steps"
             )
-        return BatchSizes(total, micro, total // (micro * world_size))
-    if micro * accum * world_size != total:
+        return BatchSizes(total, micro, total // (micro * data_ranks))
+    if micro * accum * data_ranks != total:
         raise ConfigError(
             f"train_batch_size = {total} but train_micro_batch_size_per_gpu ({micro}) x "
-            f"gradient_accumulation_steps ({accum}) x world size ({world_size}) = {micro * accum * world_size}: "
+            f"gradient_accumulation_steps ({accum}) x world size ({data_ranks}) = {micro * accum * data_ranks}: "
             "give two of the three and the third is derived"
         )
     return BatchSizes(total, micro, accum)

@@ -376,20 +376,20 @@ class ZeroOptimizationConfig(_Section):
         "leaf_module": "every stage 3 unit is a whole module already (stage3_wrap_modules names them)",
     }
 
-    def shard_group_size_for(self, world_size: int, local_world_size: int | None = None) -> int:
-        """Ranks per shard group for ``world_size`` ranks (``local_world_size``: torchrun's
+    def shard_group_size_for(self, data_ranks: int, local_world_size: int | None = None) -> int:
+        """Ranks per shard group for ``data_ranks`` ranks (``local_world_size``: torchrun's
         ranks per node, for ``'auto'``)."""
         key, value = "shard_group_size", self.shard_group_size
         if value is None and self.mics_shard_size != -1:
             key, value = "mics_shard_size", self.mics_shard_size
         if value is None:
-            return world_size
+            return data_ranks
         if value == "auto":
-            value = local_world_size or world_size
+            value = local_world_size or data_ranks
             key = f"{key} = 'auto' (LOCAL_WORLD_SIZE)"
-        if world_size % value:
+        if data_ranks % value:
             raise ConfigError(
-                f"zero_optimization.{key} = {value} does not divide the world size {world_size}: "
+                f"zero_optimization.{key} = {value} does not divide the world size {data_ranks}: "
                 "every shard group must hold the same number of ranks"
             )
         return value

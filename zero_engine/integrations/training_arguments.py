@@ -32,7 +32,7 @@ TRAINING_ARGUMENTS = Authority(
 )
 
 
-def argument_rules(args: Any, world_size: int) -> list[Rule]:
+def argument_rules(args: Any, data_ranks: int) -> list[Rule]:
     """The keys the Trainer's arguments decide, with Hugging Face's rules."""
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     fp16 = bool(args.fp16 or args.fp16_full_eval)
@@ -41,7 +41,7 @@ def argument_rules(args: Any, world_size: int) -> list[Rule]:
         Rule("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", True),
         Rule("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps", True),
         Rule(
-            "train_batch_size", world_size * micro * accumulation,
+            "train_batch_size", data_ranks * micro * accumulation,
             "world size * per_device_train_batch_size * gradient_accumulation_steps", False,
         ),
         Rule("gradient_clipping", args.max_grad_norm, "max_grad_norm", True),
@@ -67,10 +67,10 @@ def schedule_rules(args: Any, max_steps: int) -> list[Rule]:
     ]
 
 
-def fill_from_arguments(raw: dict[str, Any], args: Any, world_size: int, origin: str) -> dict[str, Any]:
+def fill_from_arguments(raw: dict[str, Any], args: Any, data_ranks: int, origin: str) -> dict[str, Any]:
     """A copy of the raw config with the arguments' ``"auto"`` filled; a `ConfigError` listing
     every value that disagrees with the arguments."""
-    return fill(raw, argument_rules(args, world_size), origin, TRAINING_ARGUMENTS)
+    return fill(raw, argument_rules(args, data_ranks), origin, TRAINING_ARGUMENTS)
 
 
 def fill_schedule(raw: dict[str, Any], args: Any, max_steps: int, origin: str) -> dict[str, Any]:

@@ -142,7 +142,7 @@ class ShardedGradReducer(GradReducer):
         shard = flat[start:end]
 
         def across_groups() -> Reduction:  # on the starter's thread (gloo): touches this unit only
-            shard.mul_(1.0 / self.comm.world_size)
+            shard.mul_(1.0 / self.comm.mesh.grad_divisor)
             if id(unit) not in self._crossed:  # carry the group's part of the window, once
                 self._crossed.add(id(unit))
                 unit.optimizer_shard.move_grad_into(shard)
@@ -172,7 +172,7 @@ class ShardedGradReducer(GradReducer):
         start, end = unit.layout.shard_range(unit.rank)
         reduced = bucket.flat[start:end]
         held = unit.optimizer_shard.grad_bytes
-        unit.optimizer_shard.add_reduced(reduced, 1.0 if averaged else 1.0 / self.comm.world_size)
+        unit.optimizer_shard.add_reduced(reduced, 1.0 if averaged else 1.0 / self.comm.mesh.grad_divisor)
         self._shard_bytes += unit.optimizer_shard.grad_bytes - held
         self._num_live -= 1
         self._live_bytes -= tensor_bytes(bucket.storage)

@@ -48,7 +48,7 @@ class FrozenUnit(GatheredStorage):
         params: Sequence[nn.Parameter],
         names: Sequence[str],
         rank: int,
-        world_size: int,
+        num_shards: int,
         *,
         label: str,
         device: torch.device,
@@ -62,7 +62,7 @@ class FrozenUnit(GatheredStorage):
         self.dtype = dtype  # what the unit stores and gathers: the parameters' own, or the compute dtype
         self.rank = rank
         self.device = device
-        self.layout = UnitLayout([param.numel() for param in self.params], world_size)
+        self.layout = UnitLayout([param.numel() for param in self.params], num_shards)
         self.used_offset = 0
         self.flat_param = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
         # A meta parameter is initialized in its declared dtype (the values eager construction

@@ -164,7 +164,7 @@ class ParamGatherer(NoGather):
         self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
         self._methods = RootMethods(  # its generate, run as one forward of it, every rank as many forwards
             root, lifecycle, (self._enter_root, self._pre_forward), (self._post_forward, self._exit_root),
-            synced=comm.world_size > 1,
+            synced=comm.mesh.world > 1,
         )
 
     @property

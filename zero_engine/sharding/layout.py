@@ -3,7 +3,7 @@
 Pure integers, no tensors and no processes, so it is tested exhaustively in one process.
 
 A *unit* is a list of parameters flattened one after another into one buffer. The buffer is
-padded at its end to a multiple of the world size and cut into equal, contiguous shards:
+padded at its end to a multiple of the number of shards (the shard group's ranks) and cut into equal, contiguous shards:
 rank ``r`` owns ``[r * shard_numel, (r + 1) * shard_numel)``. A parameter may straddle a shard
 boundary; its intersection with a rank's shard is a `Segment`, the piece of the parameter that
 rank's optimizer updates. Padding belongs to no parameter and is never updated.
@@ -27,17 +27,17 @@ class Segment(NamedTuple):
 class UnitLayout:
     """Offsets, padding and shards of one flat buffer holding ``param_numels`` in order."""
 
-    def __init__(self, param_numels: Sequence[int], world_size: int) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be at least 1, got {world_size}")
+    def __init__(self, param_numels: Sequence[int], num_shards: int) -> None:
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be at least 1, got {num_shards}")
         if any(n < 0 for n in param_numels):
             raise ValueError(f"parameter sizes must be non-negative, got {list(param_numels)}")
         self.param_numels = tuple(param_numels)
-        self.world_size = world_size
+        self.num_shards = num_shards
         self.param_offsets = tuple(_prefix_sums(self.param_numels))
         self.unpadded_numel = sum(self.param_numels)
-        self.shard_numel = -(-self.unpadded_numel // world_size)
-        self.padded_numel = self.shard_numel * world_size
+        self.shard_numel = -(-self.unpadded_numel // num_shards)
+        self.padded_numel = self.shard_numel * num_shards
 
     @property
     def padding_numel(self) -> int:
@@ -45,8 +45,8 @@ class UnitLayout:
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``rank``'s shard in the padded flat buffer."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        if not 0 <= rank < self.num_shards:
+            raise ValueError(f"rank {rank} is outside {self.num_shards} shards")
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     def segments(self, rank: int) -> list[Segment]:

@@ -286,7 +286,7 @@ class FullGradReducer(GradReducer):
     def _complete_oldest(self) -> None:
         unit, flat, pending = self._pending.popleft()
         pending.wait()
-        unit.optimizer_shard.take_reduced(self.reduction.kept(flat, unit).div_(self.comm.world_size))
+        unit.optimizer_shard.take_reduced(self.reduction.kept(flat, unit).div_(self.comm.mesh.grad_divisor))
         if flat is not unit.flat_grad:
             self._copy_bytes -= tensor_bytes(flat)
 

@@ -48,7 +48,7 @@ class FlatUnit:
         names: Sequence[str],
         group_indices: Sequence[int],
         rank: int,
-        world_size: int,
+        num_shards: int,
         *,
         compute_dtype: torch.dtype = torch.float32,
         spec: UnitSpec = UnitSpec(shard_master=True, full_grads=True, releases_grad=False),
@@ -64,7 +64,7 @@ class FlatUnit:
         self.names = list(names)
         self.group_indices = list(group_indices)  # each parameter's optimizer param group
         self.rank = rank
-        self.layout = UnitLayout([p.numel() for p in self.params], world_size)
+        self.layout = UnitLayout([p.numel() for p in self.params], num_shards)
         self.device = device = device or self.params[0].device
         self.compute_dtype = compute_dtype
         # Masters start from the parameters' own values, before any cast to the compute dtype.
@@ -285,7 +285,7 @@ class ShardedFlatUnit(GatheredStorage, FlatUnit):
         names: Sequence[str],
         group_indices: Sequence[int],
         rank: int,
-        world_size: int,
+        num_shards: int,
         *,
         label: str,
         compute_dtype: torch.dtype = torch.float32,
@@ -295,7 +295,7 @@ class ShardedFlatUnit(GatheredStorage, FlatUnit):
         codec: GatherCodec = IDENTITY,
     ) -> None:
         FlatUnit.__init__(
-            self, params, names, group_indices, rank, world_size, compute_dtype=compute_dtype, spec=SHARDED_UNIT,
+            self, params, names, group_indices, rank, num_shards, compute_dtype=compute_dtype, spec=SHARDED_UNIT,
             device=device, materialize=materialize, placement=placement, codec=codec,
         )
         self._start_sharded(label)

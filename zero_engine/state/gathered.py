@@ -129,13 +129,13 @@ class GatheredParameters:
             if isinstance(modifier_rank, bool) or not isinstance(modifier_rank, numbers.Integral):
                 raise TypeError(
                     f"engine.gathered(modifier_rank={modifier_rank!r}): the rank whose writes to keep, an int "
-                    f"(0 to {comm.world_size - 1}) or None, not {type(modifier_rank).__name__}"
+                    f"(0 to {comm.mesh.world - 1}) or None, not {type(modifier_rank).__name__}"
                 )
             modifier_rank = int(modifier_rank)
-            if not 0 <= modifier_rank < comm.world_size:
+            if not 0 <= modifier_rank < comm.mesh.world:
                 raise ValueError(
                     f"engine.gathered(modifier_rank={modifier_rank}): not a rank of this job "
-                    f"(0 to {comm.world_size - 1})"
+                    f"(0 to {comm.mesh.world - 1})"
                 )
         self.model_state, self.gatherer, self.comm = model_state, gatherer, comm
         self.modifier_rank = modifier_rank
@@ -236,7 +236,7 @@ class GatheredParameters:
         for target, ranks in zip(self.targets, writers):
             if not ranks:
                 continue
-            clean = [rank for rank in range(self.comm.world_size) if rank not in ranks]
+            clean = [rank for rank in range(self.comm.mesh.world) if rank not in ranks]
             by_source.setdefault(clean[0] if clean else 0, []).append(target)
             if not clean and (target.unit is None or not target.unit.sharded_params):
                 everywhere.append(target.name)

@@ -90,8 +90,9 @@ def manifest_of(state: Resumable, counters: Counters, tag: str, files: dict[str,
         "tag": tag,
         "global_step": counters.global_step,
         "stage": state.stage,
-        "world_size": model.comm.world_size,
+        "world_size": model.comm.mesh.world,  # the rank files
         "shard_group_size": model.comm.num_shards,
+        "mesh": model.comm.mesh.as_manifest(),  # the rank layout that wrote it (read at any other)
         "optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
         "config": state.config.model_dump(mode="json"),
         "params": params,

@@ -372,18 +372,18 @@ def _check_manifest(manifest: Any, path: Path) -> None:
 
 def _manifest_entry_problems(manifest: dict[str, Any]) -> list[str]:
     problems = []
-    world_size, files = manifest["world_size"], manifest["files"]
-    if world_size < 1:
-        problems.append(f"world_size is {world_size}")
+    ranks, files = manifest["world_size"], manifest["files"]  # one file per rank that wrote it
+    if ranks < 1:
+        problems.append(f"world_size is {ranks}")
     for name, entry in files.items():
         if not _is_plain_name(name):
             problems.append(f"files lists {name!r}, not a file of this directory")
         elif not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
             problems.append(f"files[{name!r}] is {entry!r}, not {{'bytes': int, 'sha256': str}}")
-    expected = [rank_file(rank) for rank in range(max(world_size, 0))] + [EXTRA]
+    expected = [rank_file(rank) for rank in range(max(ranks, 0))] + [EXTRA]
     unlisted = [name for name in expected if name not in files]
     if unlisted:
-        problems.append(f"world_size {world_size} needs {', '.join(unlisted)} in files, which lists {sorted(files)}")
+        problems.append(f"world_size {ranks} needs {', '.join(unlisted)} in files, which lists {sorted(files)}")
     for name, entry in manifest["params"].items():
         shape, aliases = (entry.get("shape"), entry.get("aliases")) if isinstance(entry, dict) else (None, None)
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)

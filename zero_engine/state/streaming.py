@@ -206,7 +206,7 @@ def _gather_bucket(
     ``rank0_only``). A bucket of one entry needs no unpacking: its pieces in rank order are the
     parameter's elements in order, so the buffer is the tensor yielded."""
     unit = bucket[0].unit
-    ranks = unit.layout.world_size  # the shard group's size
+    ranks = unit.layout.num_shards  # the shard group's size
     sizes = [sum(entry.pieces(rank)[2] for entry in bucket) for rank in range(ranks)]
     starts = [sum(sizes[:rank]) for rank in range(ranks)]
     keep = not rank0_only or comm.rank == 0
