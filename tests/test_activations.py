@@ -135,11 +135,14 @@ def test_estimate_prints_a_decoders_activations_with_and_without_recompute(tmp_p
 
 
 def test_recompute_turns_the_models_cache_off_in_training_until_removed():
-    from zero_engine.sharding.unit_forwards import UnitForwards
+    from zero_engine.comm import Mesh
+    from zero_engine.sharding.transforms import ModuleTransforms, TransformTarget
+    from zero_engine.sharding.unit_forwards import Recompute
 
     model = _llama()
     ids = torch.randint(0, SHAPE.vocab, (1, 8))
-    forwards = UnitForwards(lambda: list(model.model.layers), True, model)
+    forwards = ModuleTransforms(TransformTarget(model, lambda: list(model.model.layers), Mesh()))
+    forwards.add(Recompute())
     assert model(input_ids=ids).past_key_values is None
     assert model(input_ids=ids, use_cache=True).past_key_values is not None  # the caller's word holds
     with torch.no_grad():

@@ -20,6 +20,7 @@ from configs import engine_config
 from harness import run_on_ranks
 from models import BlockStack
 from zero_engine import load_consolidated
+from zero_engine.sharding.transforms import COMPILE
 
 STEPS, MICRO, WIDTH = 4, 8, 16
 
@@ -50,7 +51,7 @@ def compiled_runs(rank: int, world_size: int, stages: list[int], options: dict, 
             engine = zero_engine.initialize(BlockStack(WIDTH, 3), config)
             if compile_it:
                 engine.compile(**options)
-                compiled_forwards = [type(m).__name__ for m in engine.unit_forwards.compiled_modules]
+                compiled_forwards = [type(m).__name__ for t in engine.transforms.of_order(COMPILE) for m in t.modules]
             losses, graphs = _train(engine, rank)
             name = f"{stage}-{'compiled' if compile_it else 'eager'}"
             engine.save_checkpoint(Path(directory) / name)
@@ -110,3 +111,24 @@ def test_stage_3_refuses_compile_modes_that_capture_cuda_graphs() -> None:
         engine = zero_engine.initialize(BlockStack(WIDTH, 3), engine_config(stage, micro=MICRO, lr=0.01))
         engine.compile(**asked)  # compiled lazily: nothing runs until a forward
         engine.close()
+
+
+def test_transforms_apply_in_one_order_and_come_off_together():
+    """Recompute inside compile, whatever the call order allows: a recomputation added after a
+    compilation would wrap outside the compiled forward, and is refused; remove() puts the
+    class's own forwards back."""
+    from zero_engine.comm import Mesh
+    from zero_engine.sharding.transforms import ModuleTransforms, TransformTarget
+    from zero_engine.sharding.unit_forwards import Compile, Recompute
+
+    model = BlockStack(4, 2)
+    blocks = list(model.blocks)
+    transforms = ModuleTransforms(TransformTarget(model, lambda: blocks, Mesh()))
+    transforms.add(Recompute())
+    recomputed = [block.forward for block in blocks]
+    transforms.add(Compile({"backend": "eager"}))
+    assert all(block.forward is not inner for block, inner in zip(blocks, recomputed))
+    with pytest.raises(RuntimeError, match=r"recompute_units after engine.compile\(\): it would wrap outside it"):
+        transforms.add(Recompute())
+    transforms.remove()
+    assert all("forward" not in vars(block) for block in blocks)

@@ -33,7 +33,8 @@ from .sharding.lifecycle import Lifecycle
 from .sharding.unit_plan import UnitPlan
 from .sharding.agreement import Call
 from .stage import Stage
-from .sharding.unit_forwards import UnitForwards
+from .sharding.transforms import COMPILE, ModuleTransforms, TransformTarget
+from .sharding.unit_forwards import Compile, Recompute
 from .state.gathered import GatheredParameters
 from .state.state_dict import ModelState, cast_frozen
 from .state.storage import FILES, FileWriter
@@ -98,8 +99,11 @@ class Engine(ModelAccess, StepView):
         self.checkpoint_writer: FileWriter = FILES  # where save_checkpoint writes (another storage: its own writer)
         # requires_grad as built: a change (PEFT's set_adapter, unfreezing a layer) would train wrong
         self._trainable_as_built = [(name, param, param.requires_grad) for name, param in model.named_parameters()]
-        # The leaf unit modules recomputed now (recompute_units), compiled later (compile()).
-        self.unit_forwards = UnitForwards(plan.modules.leaf_modules, zero.recompute_units, model)
+        # What the model's modules compute, changed in one order: recomputed now (recompute_units),
+        # compiled later (compile()); close() puts it all back.
+        self.transforms = ModuleTransforms(TransformTarget(model, plan.modules.leaf_modules, comm.mesh))
+        if zero.recompute_units:
+            self.transforms.add(Recompute())
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
         if self.units:
             self.optimizer_step = OptimizerStep(
@@ -108,7 +112,7 @@ class Engine(ModelAccess, StepView):
             )
         self.step_log = StepLog(build_monitors(config) if comm.rank == 0 else [])  # DeepSpeed's monitor sections
         self.progress = Progress(  # rank 0's line every steps_per_print steps
-            config.steps_per_print, config.wall_clock_breakdown, batch.train_batch_size, comm.world_size, self.device,
+            config.steps_per_print, config.wall_clock_breakdown, batch.train_batch_size, comm.mesh.batch, self.device,
             printing=comm.rank == 0,
         )
 
@@ -356,7 +360,11 @@ class Engine(ModelAccess, StepView):
         recorded again every step (or fall back to eager) while their memory pools pile up."""
         if self.stage.shard_parameters:
             _refuse_cuda_graphs(options)
-        self.unit_forwards.compile(options, self.module)
+        if self.transforms.of_order(COMPILE):
+            raise RuntimeError(
+                "engine.compile() was called already; call engine.close() and build a new engine to change it"
+            )
+        self.transforms.add(Compile(options))
         return self
 
     # -- the module's mode, and letting it go -----------------------------------------------------
@@ -380,7 +388,7 @@ class Engine(ModelAccess, StepView):
         whole = self.full_state_dict() if unshard and self.stage.shard_parameters else None
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
-        self.unit_forwards.remove()
+        self.transforms.remove()
         self.lifecycle.remove_hooks()
         self.step_log.close()
         _WRAPPED.pop(self.module, None)

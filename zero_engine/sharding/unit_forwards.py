@@ -1,5 +1,5 @@
-"""What runs inside each unit module's forward: recomputed in backward (``recompute_units``)
-and compiled (``engine.compile``).
+"""Two entries of the module transforms (`zero_engine.sharding.transforms`): each unit module's
+forward recomputed in backward (``recompute_units``) and compiled (``engine.compile``).
 
 Both replace the module's ``forward`` on the instance and keep its ``__call__``, so names, state
 dicts and the engine's hooks stay as they are: the hooks run eagerly around the wrapped forward,
@@ -24,72 +24,60 @@ keep the sharding hooks outside the graph).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 from torch.utils.checkpoint import checkpoint
+from torch.utils.hooks import RemovableHandle
 
-Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+from .transforms import COMPILE, RECOMPUTE, TransformTarget, WrappedForwards, Wrapper
 
 
-class WrappedForwards:
-    """``forward`` of each of ``modules`` replaced by ``wrap(forward)`` until `remove`, which puts
-    back what was there (another wrapper, or the class's own)."""
+class Recompute:
+    """``recompute_units``: each leaf unit module's forward under torch's non-reentrant
+    checkpoint; the root's training forwards without a key/value cache."""
 
-    def __init__(self, modules: Sequence[nn.Module], wrap: Wrapper) -> None:
-        self._previous = [(module, module.__dict__.get("forward")) for module in modules]
-        for module in modules:
-            module.forward = wrap(module.forward)  # type: ignore[method-assign]
+    ORDER = RECOMPUTE
+
+    def __init__(self) -> None:
+        self._recomputed: WrappedForwards | None = None
+        self._no_cache: RemovableHandle | None = None
+
+    def apply(self, target: TransformTarget) -> None:
+        self._recomputed = WrappedForwards(target.leaf_modules(), recomputed)
+        self._no_cache = no_cache_while_training(target.model)
+
+    def remove(self) -> None:
+        if self._no_cache is not None:
+            self._no_cache.remove()
+        if self._recomputed is not None:
+            self._recomputed.remove()
+
+
+class Compile:
+    """``engine.compile(**options)``: ``torch.compile`` of each leaf unit module's forward, or of
+    the whole model's when it has none (torchtitan's order: checkpoint, then compile, then
+    sharding)."""
+
+    ORDER = COMPILE
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self._compiled: WrappedForwards | None = None
+
+    def apply(self, target: TransformTarget) -> None:
+        self._compiled = WrappedForwards(list(target.leaf_modules()) or [target.model], compiled(self.options))
 
     @property
     def modules(self) -> list[nn.Module]:
-        return [module for module, _ in self._previous]
-
-    def remove(self) -> None:
-        for module, previous in reversed(self._previous):
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous  # type: ignore[method-assign]
-        self._previous = []
-
-
-class UnitForwards:
-    """Recomputation and compilation of the leaf unit modules' forwards, applied in one order:
-    recomputation first, around each module's own forward; compilation over it, so that
-    torch.compile traces the checkpointed forward; the engine's hooks outside both (torchtitan's
-    order: activation checkpointing, then compile, then sharding)."""
-
-    def __init__(self, leaf_modules: Callable[[], Sequence[nn.Module]], recompute: bool, root: nn.Module) -> None:
-        self._leaf_modules = leaf_modules  # asked only where needed (the unit plan may fail on a wrap list)
-        self._recomputed = WrappedForwards(leaf_modules() if recompute else [], recomputed)
-        self._no_cache = no_cache_while_training(root) if recompute else None
-        self._compiled: WrappedForwards | None = None
-
-    def compile(self, options: dict[str, Any], whole: nn.Module) -> None:
-        """``torch.compile(**options)`` each leaf unit's forward (``whole``'s, when there is none)."""
-        if self._compiled is not None:
-            raise RuntimeError(
-                "engine.compile() was called already; call engine.close() and build a new engine to change it"
-            )
-        self._compiled = WrappedForwards(list(self._leaf_modules()) or [whole], compiled(options))
-
-    @property
-    def compiled_modules(self) -> list[nn.Module]:
         return self._compiled.modules if self._compiled is not None else []
 
     def remove(self) -> None:
-        """Put every forward back, in the reverse order."""
         if self._compiled is not None:
             self._compiled.remove()
-        if self._no_cache is not None:
-            self._no_cache.remove()
-        self._recomputed.remove()
 
 
 def recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
