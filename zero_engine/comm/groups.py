@@ -271,7 +271,7 @@ class Comm:
         self.world, self.shard_group, self.replica_group = world, shard_group, replica_group
         # The layout and the rank counts by use (batch, gradient divisor, shard, replicate).
         self.mesh = mesh or Mesh(replicate=replica_group.world_size, shard=shard_group.world_size)
-        if (self.mesh.world, self.mesh.shard, self.mesh.replicate) != (
+        if mesh is not None and (mesh.world, mesh.shard, mesh.replicate) != (
             world.world_size, shard_group.world_size, replica_group.world_size
         ):
             raise ValueError(f"{self.mesh} does not match groups of {world.world_size}, {shard_group.world_size} and "
