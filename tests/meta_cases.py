@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from models import TrapModel
-from zero_engine.sharding.deferred_init import draw_base_seed, module_seed
+from zero_engine.sharding.building.deferred_init import draw_base_seed, module_seed
 
 SEED = 1234
 

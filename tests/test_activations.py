@@ -136,8 +136,8 @@ def test_estimate_prints_a_decoders_activations_with_and_without_recompute(tmp_p
 
 def test_recompute_turns_the_models_cache_off_in_training_until_removed():
     from zero_engine.comm import Mesh
-    from zero_engine.sharding.transforms import ModuleTransforms, TransformTarget
-    from zero_engine.sharding.unit_forwards import Recompute
+    from zero_engine.sharding.transforms.seam import ModuleTransforms, TransformTarget
+    from zero_engine.sharding.transforms.unit_forwards import Recompute
 
     model = _llama()
     ids = torch.randint(0, SHAPE.vocab, (1, 8))

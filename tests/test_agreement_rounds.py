@@ -14,7 +14,7 @@ import torch
 
 from zero_engine.comm import ABORTED, DONE, EachRank
 from zero_engine.errors import DivergedRanksError
-from zero_engine.sharding.agreement import (
+from zero_engine.sharding.gathering.agreement import (
     NO_UNIT, PASS_DONE, Call, CollectiveSchedule, PassKind, call_row, make_row,
 )
 

@@ -163,8 +163,8 @@ def _launch_counters() -> dict:
     inside `CollectiveSchedule.launched_everywhere`) and gathers launched between the end of a
     backward and the next step (Q1)."""
     from zero_engine.engine import Engine
-    from zero_engine.sharding.agreement import CollectiveSchedule
-    from zero_engine.sharding.gatherer import ParamGatherer
+    from zero_engine.sharding.gathering.agreement import CollectiveSchedule
+    from zero_engine.sharding.gathering.gatherer import ParamGatherer
 
     counters = {"early_by_a_wait": 0, "before_the_step": 0, "_in_wait": False, "_after_backward": False}
     asking, launching = CollectiveSchedule.launched_everywhere, ParamGatherer._launch_gather

@@ -12,7 +12,7 @@ from harness import run_on_ranks
 from models import DeepModel, decay_groups, global_batch, make_model, micro_batch
 from zero_engine.memory import HELD_NOW, formula_bytes
 from zero_engine.stage import stage_for
-from zero_engine.sharding.agreement import Call, call_row
+from zero_engine.sharding.gathering.agreement import Call, call_row
 from zero_engine.testing.process_memory import live_tensor_bytes
 
 LR = 0.05

@@ -46,7 +46,7 @@ def generate(model, ids: torch.Tensor, new_tokens: int = NEW_TOKENS) -> torch.Te
 
 
 def run_generation(rank: int, world: int, lora: bool) -> dict:
-    from zero_engine.sharding.unit import GatheredStorage
+    from zero_engine.sharding.units.unit import GatheredStorage
 
     torch.set_num_threads(1)
     model = llama(lora)

@@ -89,7 +89,7 @@ def _planted_p1() -> None:
 def _planted_n6() -> None:
     """No agreed gather launched before answering that a reduction is launched everywhere, as
     before N6's fix (the launch before a call's own collectives stays)."""
-    from zero_engine.sharding.agreement import CollectiveSchedule
+    from zero_engine.sharding.gathering.agreement import CollectiveSchedule
 
     asking, launch_all = CollectiveSchedule.launched_everywhere, CollectiveSchedule.launch_all
 
@@ -152,7 +152,7 @@ def _lag_at_backward_end(engine: Any, seconds: float) -> None:
 
 def _planted_q1() -> None:
     """The next pass proposed at the end of the drain, before the reducer's end, as before Q1's fix."""
-    from zero_engine.sharding.gatherer import ParamGatherer
+    from zero_engine.sharding.gathering.gatherer import ParamGatherer
 
     end_backward, propose = ParamGatherer.end_backward, ParamGatherer.propose_next_pass
 

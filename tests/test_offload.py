@@ -33,7 +33,7 @@ from zero_engine.memory import estimate_from_config
 from zero_engine.devices import HOST
 from zero_engine.testing.device_guard import DeviceGuard, DeviceMistake
 from zero_engine.testing.process_memory import live_tensor_bytes
-from zero_engine.sharding.agreement import PassKind, make_row
+from zero_engine.sharding.gathering.agreement import PassKind, make_row
 
 OPTIMIZER = {"offload_optimizer": {"device": "cpu"}}
 PARAMS = {"offload_param": {"device": "cpu"}}
@@ -479,7 +479,7 @@ def test_a_host_gradient_accumulates_a_window_and_starts_the_next_anew() -> None
     the backward's wait), ``value()`` of a window nothing wrote is zeros, a whole-window
     ``replace`` overwrites, and ``move_into`` hands the window so far to the device and starts the
     next copy anew; ``clear()`` after a step likewise."""
-    from zero_engine.sharding.host_gradient import HostGradient
+    from zero_engine.sharding.storage.host_gradient import HostGradient
 
     device = torch.device("cpu")
     first, second, third = (torch.full((5,), value) for value in (1.0, 2.0, 4.0))

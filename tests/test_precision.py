@@ -19,7 +19,7 @@ from zero_engine.memory import HELD_NOW, formula_bytes
 from zero_engine.stage import stage_for
 from zero_engine.testing.process_memory import live_tensor_bytes
 from zero_engine.precision import LossScaler
-from zero_engine.sharding.agreement import PassKind, make_row
+from zero_engine.sharding.gathering.agreement import PassKind, make_row
 
 FULL_GRID = [
     {"stage": s, "dtype": d, "accum": a, "clip": c}

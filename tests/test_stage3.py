@@ -17,7 +17,7 @@ from configs import engine_config
 from harness import run_on_ranks
 from models import DeepModel, decay_groups, make_model, train_engine, train_reference
 from zero_engine.memory import HELD_NOW
-from zero_engine.sharding.agreement import PASS_DONE, PassKind, make_row, row_wants
+from zero_engine.sharding.gathering.agreement import PASS_DONE, PassKind, make_row, row_wants
 from zero_engine.testing.process_memory import live_tensor_bytes
 from structured import StructuredModel, structured_batch
 
@@ -472,7 +472,7 @@ def test_units_follow_no_split_modules_unless_the_config_names_classes() -> None
     ``stage3_wrap_modules`` those are the units; the config's list wins; a model that declares
     nothing (or only classes it does not have) keeps the size rule."""
     from zero_engine.param_groups import resolve_param_groups
-    from zero_engine.sharding.module_plan import plan_module_units
+    from zero_engine.sharding.units.module_plan import plan_module_units
 
     def labels(model: torch.nn.Module, wrap: list[str] | None) -> list[str]:
         groups = resolve_param_groups(model, None, torch.optim.AdamW)

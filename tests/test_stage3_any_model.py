@@ -240,7 +240,7 @@ def _stage3(model: nn.Module, **zero: Any) -> Any:
 
 def test_a_container_that_is_only_iterated_is_never_a_unit() -> None:
     from zero_engine.param_groups import resolve_param_groups
-    from zero_engine.sharding.module_plan import can_be_called, plan_module_units
+    from zero_engine.sharding.units.module_plan import can_be_called, plan_module_units
 
     for name, (_, bucket, units, _) in MODELS.items():
         model = _make(name)
@@ -331,7 +331,7 @@ def test_a_module_of_exactly_the_limit_is_a_unit() -> None:
     """``reduce_bucket_size`` is the least a unit holds: Linear(4, 8) has 40 elements, a unit at
     limit 40; Linear(8, 4) has 36 and stays with the root."""
     from zero_engine.param_groups import resolve_param_groups
-    from zero_engine.sharding.module_plan import plan_module_units
+    from zero_engine.sharding.units.module_plan import plan_module_units
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     groups = resolve_param_groups(model, None, torch.optim.AdamW)
@@ -355,7 +355,7 @@ class _TiedPair(nn.Module):
 
 def tied_pair_run(rank: int, world_size: int) -> dict[str, Any]:
     from zero_engine.param_groups import resolve_param_groups
-    from zero_engine.sharding.module_plan import plan_module_units
+    from zero_engine.sharding.units.module_plan import plan_module_units
 
     messages = _Messages()
     logging.getLogger("zero_engine").addHandler(messages)

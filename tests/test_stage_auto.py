@@ -18,7 +18,7 @@ from harness import run_on_ranks
 from models import make_model, train_engine
 from zero_engine import ConfigError, load_config, load_consolidated
 from zero_engine.param_groups import resolve_param_groups
-from zero_engine.sharding.module_plan import ModulePlan
+from zero_engine.sharding.units.module_plan import ModulePlan
 from zero_engine.stage_choice import GIB, candidates
 
 WORLD, MICRO = 2, 2
@@ -70,7 +70,7 @@ def test_the_gathered_unit_is_counted_in_the_compute_dtype() -> None:
 
 
 def _plans() -> list[Any]:
-    from zero_engine.sharding.module_plan import plan_module_units
+    from zero_engine.sharding.units.module_plan import plan_module_units
 
     model = make_model()
     groups = resolve_param_groups(model, None, torch.optim.AdamW)

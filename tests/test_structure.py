@@ -35,3 +35,33 @@ def test_the_check_sees_each_kind_of_read():
         "    w = group.world_size\n"
     ))
     assert reads == [1, 2, 3, 4]  # a group's own size (line 5) is its size, not a degree
+
+
+# sharding/'s sub-packages, bottom first: each may import those before it, never one after.
+SHARDING_ORDER = ["storage", "units", "reduction", "gathering", "transforms", "building"]
+
+
+def _sharding_imports(path: Path) -> set[str]:
+    """The sub-packages of `sharding/` that ``path`` imports, by absolute module name."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            module = [*base, *(node.module or "").split(".")] if node.module else base
+            names = module if node.module else [*module, *(alias.name for alias in node.names)]
+            if names[:2] == ["zero_engine", "sharding"] and len(names) > 2:
+                found.add(names[2])
+    return found
+
+
+def test_shardings_sub_packages_import_only_downward():
+    upward = []
+    for sub in SHARDING_ORDER:
+        for path in sorted((ROOT / "zero_engine" / "sharding" / sub).glob("*.py")):
+            allowed = set(SHARDING_ORDER[: SHARDING_ORDER.index(sub) + 1])
+            if sub == "transforms":
+                allowed = {"transforms"}  # the seam needs only the mesh
+            upward += [f"{path.name} imports sharding.{other}" for other in _sharding_imports(path) - allowed]
+    assert upward == []
+    assert sorted(p.name for p in (ROOT / "zero_engine" / "sharding").glob("*.py")) == ["__init__.py"]

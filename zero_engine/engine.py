@@ -27,14 +27,14 @@ from .monitor import StepLog, build_monitors
 from .param_groups import ParamGroup
 from .precision import Precision
 from .progress import Progress
-from .sharding.build import BuildSettings, build_mechanism
-from .sharding.deferred_init import DeferredInit
-from .sharding.lifecycle import Lifecycle
-from .sharding.unit_plan import UnitPlan
-from .sharding.agreement import Call
+from .sharding.building.build import BuildSettings, build_mechanism
+from .sharding.building.deferred_init import DeferredInit
+from .sharding.units.lifecycle import Lifecycle
+from .sharding.units.unit_plan import UnitPlan
+from .sharding.gathering.agreement import Call
 from .stage import Stage
-from .sharding.transforms import COMPILE, ModuleTransforms, TransformTarget
-from .sharding.unit_forwards import Compile, Recompute
+from .sharding.transforms.seam import COMPILE, ModuleTransforms, TransformTarget
+from .sharding.transforms.unit_forwards import Compile, Recompute
 from .state.gathered import GatheredParameters
 from .state.state_dict import ModelState, cast_frozen
 from .state.storage import FILES, FileWriter

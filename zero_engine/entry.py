@@ -31,10 +31,10 @@ from .offload import offload_plan
 from .optim import check_optimizer_for_stage
 from .param_groups import resolve_param_groups
 from .precision import Precision
-from .sharding.build import BuildSettings, planned_host_buffers
-from .sharding.module_plan import ModulePlan
-from .sharding.unit_plan import UnitPlan
-from .sharding.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
+from .sharding.building.build import BuildSettings, planned_host_buffers
+from .sharding.units.module_plan import ModulePlan
+from .sharding.units.unit_plan import UnitPlan
+from .sharding.building.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
 from .stage import Stage, stage_for
 from .stage_choice import resolve_stage
 from .state.weights import WeightsSource, load_weights, match_weights, open_weights
@@ -60,7 +60,7 @@ def initialize(
     later: unbuilt features, the optimizer for the stage, the batch arithmetic.
 
     A model built on the meta device is materialized here, one unit at a time at stage 3
-    (`zero_engine.sharding.deferred_init`): each module initialized by ``param_init_fn(module)`` or its
+    (`zero_engine.sharding.building.deferred_init`): each module initialized by ``param_init_fn(module)`` or its
     own ``reset_parameters()``, identically at every stage and world size. ``weights`` (a
     safetensors file, a Hugging Face directory, a torch state dict file, a checkpoint
     directory, or a state dict) sets the values it holds, each rank reading only what it

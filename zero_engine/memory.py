@@ -24,9 +24,9 @@ from .config import ZeroEngineConfig
 from .stage import Stage, stage_for
 from .offload import OffloadPlan, offload_plan
 from .quantize import BLOCK
-from .sharding.reducer import GradReducer
-from .sharding.frozen_unit import FrozenUnit
-from .sharding.unit import FlatUnit
+from .sharding.reduction.reducer import GradReducer
+from .sharding.units.frozen_unit import FrozenUnit
+from .sharding.units.unit import FlatUnit
 
 
 class MemoryReport(NamedTuple):

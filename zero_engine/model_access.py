@@ -16,7 +16,7 @@ from torch import nn
 
 from . import offload
 from .memory import measure_memory
-from .sharding.agreement import Call
+from .sharding.gathering.agreement import Call
 from .state import checkpoint, export, streaming
 from .state.adapters import AdapterMerge
 from .state.gathered import GatheredParameters
@@ -26,12 +26,12 @@ if TYPE_CHECKING:
     from .comm import Comm
     from .config import BatchSizes, ZeroEngineConfig
     from .offload import OffloadPlan
-    from .sharding.calls import CallGuard, PassCallGuard
-    from .sharding.codec import Codecs
-    from .sharding.frozen_unit import FrozenUnit
-    from .sharding.gatherer import NoGather
-    from .sharding.reducer import GradReducer
-    from .sharding.unit import FlatUnit
+    from .sharding.gathering.calls import CallGuard, PassCallGuard
+    from .sharding.storage.codec import Codecs
+    from .sharding.units.frozen_unit import FrozenUnit
+    from .sharding.gathering.gatherer import NoGather
+    from .sharding.reduction.reducer import GradReducer
+    from .sharding.units.unit import FlatUnit
     from .stage import Stage
     from .state.state_dict import ModelState
     from .state.storage import FileWriter

@@ -1,10 +1,10 @@
 """A ZeRO stage as a small value object: which states are sharded, decided once.
 
 `initialize` looks the stage up once, in `STAGES`, and everything else takes the `Stage` (never
-its number): the mechanism composes shared parts from it (`zero_engine.sharding.build`), the
+its number): the mechanism composes shared parts from it (`zero_engine.sharding.building.build`), the
 units take its `UnitSpec`, and the formula, offload, the optimizer check and the process groups
 ask it what they need. Stage 3 adds sharded parameters: units become modules whose parameters
-are gathered around their use (`zero_engine.sharding.gatherer`).
+are gathered around their use (`zero_engine.sharding.gathering.gatherer`).
 
 A leaf module (it imports only the config), so that every layer may take a `Stage`.
 """
@@ -18,7 +18,7 @@ from .config import ZeroOptimizationConfig
 
 
 class UnitSpec(NamedTuple):
-    """What a stage makes of a unit (`zero_engine.sharding.unit.FlatUnit`)."""
+    """What a stage makes of a unit (`zero_engine.sharding.units.unit.FlatUnit`)."""
 
     shard_master: bool  # its optimizer owns this rank's shard (else the whole unit: stage 0)
     full_grads: bool  # full gradients persist in a flat buffer (else they pass through buckets into the shard)

@@ -32,7 +32,7 @@ from .errors import ConfigError
 from .memory import estimate_from_config
 from .param_groups import ParamGroup
 from .precision import Precision
-from .sharding.module_plan import ModulePlan, frozen_params
+from .sharding.units.module_plan import ModulePlan, frozen_params
 
 GIB = 2**30
 CANDIDATES: list[tuple[str, dict[str, Any]]] = [

@@ -9,7 +9,7 @@ optimizer shards, the learning-rate schedule, fp16's loss scaler, and the step's
 2. a non-finite norm skips the step on every rank (parameters, optimizer state and schedule
    untouched; the fp16 scale drops);
 3. otherwise unscale and clip (one multiplier), update this rank's masters one unit at a time
-   (`zero_engine.sharding.optimizer_shard.step_shards`), and all-gather the updated
+   (`zero_engine.sharding.storage.optimizer_shard.step_shards`), and all-gather the updated
    parameters where optimizer state is sharded (stage 3 units stay sharded until used);
 4. the schedule and the loss scaler advance on applied steps only.
 """
@@ -33,10 +33,10 @@ from .param_groups import ParamGroup
 from .precision import build_loss_scaler
 from .schedules import build_scheduler, dry_run
 from .errors import CheckpointError
-from .sharding.optimizer_shard import SavedPiece, SavedPieces, step_shards
-from .sharding.reducer import GradReducer
+from .sharding.storage.optimizer_shard import SavedPiece, SavedPieces, step_shards
+from .sharding.reduction.reducer import GradReducer
 from .stage import Stage
-from .sharding.unit import FlatUnit
+from .sharding.units.unit import FlatUnit
 
 logger = logging.getLogger("zero_engine")
 

@@ -119,7 +119,7 @@ def _hybrid_groups(timeout_s: float, mesh: Mesh, rank: int, data: Any) -> tuple[
 
 def _reduce_group(timeout_s: float, mesh: Mesh, rank: int) -> Any:
     """Stage 3: a group of this rank's shard group's ranks for reduce-scatters alone. Gathers
-    launch in the order the ranks agree on (`zero_engine.sharding.agreement`), reductions in
+    launch in the order the ranks agree on (`zero_engine.sharding.gathering.agreement`), reductions in
     unit order as gradients complete; on one group the two orders would have to interleave
     alike on every rank, which depends on which parameters got gradients where."""
     groups = [own_group(timeout_s, "reduce", None, ranks) for ranks in mesh.shard_groups()]

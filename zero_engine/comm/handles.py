@@ -45,7 +45,7 @@ class Pending(NamedTuple):
 
 class Finishing:
     """Collectives in flight and the local work, if any, that completes their result once
-    they are done (decoding a quantized buffer into place, `zero_engine.sharding.codec`);
+    they are done (decoding a quantized buffer into place, `zero_engine.sharding.storage.codec`);
     `wait` runs it once. Stands wherever a `Pending` does."""
 
     def __init__(self, pending: Pending, finish: Callable[[], None] | None = None) -> None:

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..sharding.frozen_unit import FrozenUnit
-from ..sharding.unit import FlatUnit
+from ..sharding.units.frozen_unit import FrozenUnit
+from ..sharding.units.unit import FlatUnit
 from .checkpoint import on_every_rank
 from .consolidate import excluded_frozen, trainable_only_message
 from .payload import PieceIndex

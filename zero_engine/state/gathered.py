@@ -39,12 +39,12 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..sharding.holds import HoldReason
+from ..sharding.gathering.holds import HoldReason
 
 if TYPE_CHECKING:
-    from ..sharding.frozen_unit import FrozenUnit
-    from ..sharding.gatherer import NoGather
-    from ..sharding.unit import FlatUnit
+    from ..sharding.units.frozen_unit import FrozenUnit
+    from ..sharding.gathering.gatherer import NoGather
+    from ..sharding.units.unit import FlatUnit
     from .state_dict import ModelState
 
 _BLOCK = 4096  # elements per row of the fingerprint's sums (rows and columns sum without a widened copy)

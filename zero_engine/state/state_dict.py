@@ -1,8 +1,8 @@
 """The model's values as state dicts, wherever the stage keeps them.
 
-Trainable parameters live in units (`zero_engine.sharding.unit`): whole or sharded, with their
+Trainable parameters live in units (`zero_engine.sharding.units.unit`): whole or sharded, with their
 fp32 masters in each unit's `OptimizerShard`. At stage 3 frozen parameters live in frozen units
-(`zero_engine.sharding.frozen_unit`), sharded in their own dtype. Everything else of
+(`zero_engine.sharding.units.frozen_unit`), sharded in their own dtype. Everything else of
 ``module.state_dict()`` (frozen parameters below stage 3 or replicated, parameters left out of
 every param group, buffers) is *loose*: whole on every rank, kept as the module holds it.
 
@@ -28,9 +28,9 @@ from torch import nn
 
 from ..comm import Comm
 from ..devices import saved_copy
-from ..sharding.frozen_unit import FrozenUnit, frozen_dtype
-from ..sharding.optimizer_shard import SavedPiece, saved_piece
-from ..sharding.unit import FlatUnit
+from ..sharding.units.frozen_unit import FrozenUnit, frozen_dtype
+from ..sharding.storage.optimizer_shard import SavedPiece, saved_piece
+from ..sharding.units.unit import FlatUnit
 
 # Values of elements [start, start + numel) of a unit's parameter ``index``, or None to leave it.
 ValuesFor = Callable[[FlatUnit, int, int, int], "torch.Tensor | None"]

@@ -32,12 +32,12 @@ from torch import nn
 from .. import offload
 from ..comm import Comm
 from ..errors import DivergedRanksError
-from ..sharding.agreement import Call
+from ..sharding.gathering.agreement import Call
 from .adapters import AdapterMerge
 
 if TYPE_CHECKING:
-    from ..sharding.frozen_unit import FrozenUnit
-    from ..sharding.unit import FlatUnit
+    from ..sharding.units.frozen_unit import FrozenUnit
+    from ..sharding.units.unit import FlatUnit
     from .state_dict import ModelState
 
 

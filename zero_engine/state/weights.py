@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..sharding.unit import FlatUnit
+from ..sharding.units.unit import FlatUnit
 from .checkpoint import misfit_message
 from .deepspeed_checkpoint import find_deepspeed_tag
 from .sources import open_source

@@ -63,7 +63,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import devices, offload
 from ..comm import connecting, groups, handles
-from ..sharding import unit as unit_module
+from ..sharding.units import unit as unit_module
 
 _DATA_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_to_all_single", "all_gather")
 _FLAT_COLLECTIVES = ("_reduce_scatter_tensor", "_all_gather_into_tensor")

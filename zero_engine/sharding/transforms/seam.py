@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Protocol
 
 from torch import nn
 
-from ..comm import Mesh
+from ...comm import Mesh
 
 MODEL, RECOMPUTE, COMPILE = 0, 1, 2
 ORDER_NAMES = {MODEL: "a model transform", RECOMPUTE: "recompute_units", COMPILE: "engine.compile()"}

@@ -32,9 +32,9 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import ShardedParameterError
-from .frozen_unit import FrozenUnit
-from .unit import ShardedFlatUnit
+from ...errors import ShardedParameterError
+from ..units.frozen_unit import FrozenUnit
+from ..units.unit import ShardedFlatUnit
 
 logger = logging.getLogger("zero_engine")
 

@@ -30,7 +30,7 @@ backward, another one): every rank raises `DivergedRanksError` on the same round
 
 The engine's collective calls (saving, loading, exporting; at stages 0-2 also a micro-step's
 first backward) open with a *call row* on the same control group
-(`CollectiveSchedule.agree_on_call`, through `zero_engine.sharding.calls`; at stages 0-2
+(`CollectiveSchedule.agree_on_call`, through `zero_engine.sharding.gathering.calls`; at stages 0-2
 `CallGuard`, which reads a training row only before the next reduction): a rank that skipped a call
 (``if rank == 0: engine.save_checkpoint(...)``) pairs its next row with another rank's call
 row, and every rank raises `DivergedRanksError` naming each rank's call instead of pairing
@@ -49,8 +49,8 @@ from collections.abc import Callable, Sequence
 from enum import IntEnum
 from typing import NamedTuple, Protocol
 
-from ..comm import Comm, EachRank
-from ..errors import DivergedRanksError
+from ...comm import Comm, EachRank
+from ...errors import DivergedRanksError
 
 NO_UNIT = -1  # a row that asks for no gather
 PASS_DONE = -2  # a row that asks for no gather and has nothing left to ask in this pass
@@ -138,7 +138,7 @@ def describe_row(row: list[int], describe_unit: Callable[[int], str] = str) -> s
 
 
 class Reductions(Protocol):
-    """What the rows report about the gradient reductions (`zero_engine.sharding.reducer.GradReducer`)."""
+    """What the rows report about the gradient reductions (`zero_engine.sharding.reduction.reducer.GradReducer`)."""
 
     def ready_units(self) -> int: ...
 

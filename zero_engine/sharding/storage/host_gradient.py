@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import offload
+from ... import offload
 
 
 class HostGradient:

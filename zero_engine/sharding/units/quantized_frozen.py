@@ -12,7 +12,7 @@ What is quantized is decided per parameter (`FrozenQuantization`): frozen floati
 matrices of at least ``zero_quantized_nontrainable_min_numel`` elements that the user did not
 name in ``zero_quantized_nontrainable_exact``. Vectors (norms, biases) stay exact: a scale per
 block of a norm's gains costs its precision for a negligible saving. The plan puts the quantized
-parameters of a unit module in a unit of their own (`zero_engine.sharding.unit_plan`).
+parameters of a unit module in a unit of their own (`zero_engine.sharding.units.unit_plan`).
 
 With ``frozen_weights: replicate`` each rank keeps the whole unit encoded (a unit of one shard)
 and its gather is a decode, with no collective: half a bf16 base's memory and no traffic, the
@@ -35,12 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import offload
-from ..comm import Comm
-from ..comm.handles import DONE, CollectiveKind
-from ..errors import ConfigError
-from ..quantize import BlockQuantizer, BufferMeter
-from .codec import Gathering
+from ... import offload
+from ...comm import Comm
+from ...comm.handles import DONE, CollectiveKind
+from ...errors import ConfigError
+from ...quantize import BlockQuantizer, BufferMeter
+from ..storage.codec import Gathering
 from .frozen_unit import FrozenUnit
 
 EXACT_KEY = "zero_optimization.zero_quantized_nontrainable_exact"

@@ -2,7 +2,7 @@
 
 The engine's collective calls (``save_checkpoint``, ``load_checkpoint``, ``full_state_dict`` when
 state is sharded, and at stages 0-2 every micro-step's first backward) open with a *call row*
-on the control group, shaped like the agreement rounds' rows (`zero_engine.sharding.agreement`).
+on the control group, shaped like the agreement rounds' rows (`zero_engine.sharding.gathering.agreement`).
 When rank 0 saves under ``if rank == 0:`` while rank 1 trains on, rank 0's call row meets rank
 1's next row, both read the same mismatch, and both raise `DivergedRanksError` naming each
 rank's call, instead of pairing the save's collectives with the next step's.
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..comm import Comm, EachRank
-from ..errors import DivergedRanksError
+from ...comm import Comm, EachRank
+from ...errors import DivergedRanksError
 from .agreement import Call, call_divergence, call_row
 from .gatherer import ParamGatherer
 

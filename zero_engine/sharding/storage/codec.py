@@ -36,10 +36,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..comm import Comm, GroupComm
-from ..comm.handles import DONE, CollectiveKind, Finishing, Pending, TwoPhase, used_on_current_stream
-from ..devices import tensor_bytes
-from ..quantize import BlockQuantizer, BufferMeter
+from ...comm import Comm, GroupComm
+from ...comm.handles import DONE, CollectiveKind, Finishing, Pending, TwoPhase, used_on_current_stream
+from ...devices import tensor_bytes
+from ...quantize import BlockQuantizer, BufferMeter
 
 
 # A unit's all-gather in flight and what completes it after the wait (decoding): the same

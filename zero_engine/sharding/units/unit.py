@@ -26,14 +26,14 @@ from enum import Enum
 import torch
 from torch import nn
 
-from .. import offload
-from ..comm import Comm
-from ..devices import tensor_bytes
-from ..stage import UnitSpec
-from .codec import IDENTITY, GatherCodec, Gathering
-from .layout import UnitLayout
-from .placement import ON_DEVICE, Placement
-from .optimizer_shard import OptimizerShard
+from ... import offload
+from ...comm import Comm
+from ...devices import tensor_bytes
+from ...stage import UnitSpec
+from ..storage.codec import IDENTITY, GatherCodec, Gathering
+from ..storage.layout import UnitLayout
+from ..storage.placement import ON_DEVICE, Placement
+from ..storage.optimizer_shard import OptimizerShard
 
 
 class FlatUnit:
@@ -202,7 +202,7 @@ class GatheredStorage:
     not tensors" in ``docs/architecture.md``). The parameters themselves are empty tensors
     between uses, as DeepSpeed leaves them, so a use outside the engine's hooks fails on a
     shape instead of reading freed memory. Shared by trainable units (`ShardedFlatUnit`) and
-    frozen ones (`zero_engine.sharding.frozen_unit.FrozenUnit`), which differ only in what
+    frozen ones (`zero_engine.sharding.units.frozen_unit.FrozenUnit`), which differ only in what
     they keep beside the shard.
     """
 

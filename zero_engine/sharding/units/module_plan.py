@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from ..param_groups import ParamGroup
+from ...param_groups import ParamGroup
 from .quantized_frozen import FrozenQuantization
 
 
@@ -75,7 +75,7 @@ def plan_module_units(
     ``shard_frozen``: frozen floating-point parameters of at least ``persistence_threshold``
     elements are sharded too, each with the unit module that registers it first. Otherwise
     (``frozen_weights: replicate``) the frozen ones ``kept_int8`` names are in units too, each
-    rank keeping them whole in int8 (`zero_engine.sharding.quantized_frozen`)."""
+    rank keeping them whole in int8 (`zero_engine.sharding.units.quantized_frozen`)."""
     in_group = {
         param: (index, name) for index, group in enumerate(groups) for name, param in zip(group.names, group.params)
     }

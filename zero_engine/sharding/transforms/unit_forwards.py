@@ -1,4 +1,4 @@
-"""Two entries of the module transforms (`zero_engine.sharding.transforms`): each unit module's
+"""Two entries of the module transforms (`zero_engine.sharding.transforms.seam`): each unit module's
 forward recomputed in backward (``recompute_units``) and compiled (``engine.compile``).
 
 Both replace the module's ``forward`` on the instance and keep its ``__call__``, so names, state
@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
-from .transforms import COMPILE, RECOMPUTE, TransformTarget, WrappedForwards, Wrapper
+from .seam import COMPILE, RECOMPUTE, TransformTarget, WrappedForwards, Wrapper
 
 
 class Recompute:

@@ -9,7 +9,7 @@ master, no gradient and no optimizer state; nothing reduces it. Its values chang
 loading (a checkpoint, ``weights=``). In backward a frozen unit is gathered where autograd
 needs its values for input gradients (a LoRA model back-propagates through every frozen
 layer) and released by the gatherer's post-backward signal, since no gradient ever completes
-it (`zero_engine.sharding.gatherer`).
+it (`zero_engine.sharding.gathering.gatherer`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .. import offload
-from ..comm import Comm
-from ..comm.handles import CollectiveKind
-from ..devices import tensor_bytes
-from .codec import Gathering
-from .layout import UnitLayout
+from ... import offload
+from ...comm import Comm
+from ...comm.handles import CollectiveKind
+from ...devices import tensor_bytes
+from ..storage.codec import Gathering
+from ..storage.layout import UnitLayout
 from .unit import FlatUnit, GatheredStorage, _point_meta_param
 
 

@@ -12,7 +12,7 @@ At stage 3 the reductions run on a group of their own (`zero_engine.comm.Comm.re
 the all-gathers launch in an order the ranks agree on, which cannot interleave alike with
 these on every rank when ranks differ in which parameters got gradients. A backward then may
 wait for a reduction only once it completed or every rank has said it launched it
-(`may_wait_for`, from the rows the stage 3 schedule exchanges, `zero_engine.sharding.agreement`):
+(`may_wait_for`, from the rows the stage 3 schedule exchanges, `zero_engine.sharding.gathering.agreement`):
 a rank where a parameter got no gradient launches it only after its backward, and may be
 waiting for this rank meanwhile.
 
@@ -21,7 +21,7 @@ Two ways to hold gradients, one class each:
 - `FullGradReducer` (stages 0-1): every ``.grad`` is a view into the unit's persistent flat
   gradient buffer; autograd accumulates there across micro-steps and the reduction runs on
   boundaries only: all-reduce (stage 0) or reduce-scatter into the rank's shard (stage 1).
-- `ShardedGradReducer` (stages 2-3, `zero_engine.sharding.bucket_reducer`): only the rank's
+- `ShardedGradReducer` (stages 2-3, `zero_engine.sharding.reduction.bucket_reducer`): only the rank's
   gradient shard persists; gradients stream through buckets into it, every micro-step.
 """
 
@@ -33,13 +33,13 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import offload
-from ..comm import Comm
-from ..comm.handles import Pending
-from ..devices import HOST, tensor_bytes
-from .codec import EXACT_GRADS, GradCodec, Reduction
-from .lifecycle import Lifecycle, TrainingState
-from .unit import FlatUnit
+from ... import offload
+from ...comm import Comm
+from ...comm.handles import Pending
+from ...devices import HOST, tensor_bytes
+from ..storage.codec import EXACT_GRADS, GradCodec, Reduction
+from ..units.lifecycle import Lifecycle, TrainingState
+from ..units.unit import FlatUnit
 
 
 class GradReduction(Protocol):
@@ -115,7 +115,7 @@ class GradReducer:
         # (stage 3: whether every rank has launched it; None: not known yet); None: always.
         self.may_wait_for = may_wait_for
         # Called before a reduction is launched (stages 0-2: the training call row sent at the
-        # backward's start is read there, `zero_engine.sharding.calls.CallGuard.read`).
+        # backward's start is read there, `zero_engine.sharding.gathering.calls.CallGuard.read`).
         self.before_launch = before_launch
         self._settled: set[int] = set()  # units that get no gradient here this backward
         self._index = {id(unit): index for index, unit in enumerate(self.units)}

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import local_cuda_device
+from ...devices import local_cuda_device
 
 InitFn = Callable[[nn.Module], None]
 

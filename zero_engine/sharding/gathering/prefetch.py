@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .agreement import WANTS_PER_ROW, CollectiveSchedule
-from .frozen_unit import FrozenUnit
-from .unit import ShardedFlatUnit
+from ..units.frozen_unit import FrozenUnit
+from ..units.unit import ShardedFlatUnit
 
 
 class Prefetcher:

@@ -2,7 +2,7 @@
 mechanism around them, built and linked in one place (`build_mechanism`): the gatherer, the
 reducer and the call guard.
 
-What units, holding which parameters, is planned before (`zero_engine.sharding.unit_plan`):
+What units, holding which parameters, is planned before (`zero_engine.sharding.units.unit_plan`):
 stages 0-2, buckets of ``reduce_bucket_size`` elements per param group, whole parameters
 always present; stage 3, one `ShardedFlatUnit` per unit module and a `FrozenUnit` per unit
 module and stored dtype, plus buckets of the small parameters that stay resident, and the
@@ -28,23 +28,23 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..config import ZeroOptimizationConfig
-from ..offload import NO_OFFLOAD, OffloadPlan
-from ..quantize import BlockQuantizer
-from ..stage import Stage, UnitSpec
-from .calls import CallGuard, PassCallGuard
-from .codec import Codecs, choose_codecs
+from ...comm import Comm
+from ...config import ZeroOptimizationConfig
+from ...offload import NO_OFFLOAD, OffloadPlan
+from ...quantize import BlockQuantizer
+from ...stage import Stage, UnitSpec
+from ..gathering.calls import CallGuard, PassCallGuard
+from ..storage.codec import Codecs, choose_codecs
 from .deferred_init import DeferredInit
-from .gatherer import NoGather, ParamGatherer
-from .lifecycle import Lifecycle
-from .frozen_unit import FrozenUnit
-from .quantized_frozen import NO_QUANTIZATION, FrozenQuantization, QuantizedFrozenUnit
-from .placement import Placement, place
-from .bucket_reducer import ShardedGradReducer
-from .reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads
-from .unit import FlatUnit, ShardedFlatUnit
-from .unit_plan import PlannedUnit, UnitPlan
+from ..gathering.gatherer import NoGather, ParamGatherer
+from ..units.lifecycle import Lifecycle
+from ..units.frozen_unit import FrozenUnit
+from ..units.quantized_frozen import NO_QUANTIZATION, FrozenQuantization, QuantizedFrozenUnit
+from ..storage.placement import Placement, place
+from ..reduction.bucket_reducer import ShardedGradReducer
+from ..reduction.reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads
+from ..units.unit import FlatUnit, ShardedFlatUnit
+from ..units.unit_plan import PlannedUnit, UnitPlan
 
 
 @dataclass(frozen=True)

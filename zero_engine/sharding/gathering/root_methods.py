@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from .lifecycle import Lifecycle
+from ..units.lifecycle import Lifecycle
 
 ROOT_METHODS = ("generate",)  # Hugging Face's
 

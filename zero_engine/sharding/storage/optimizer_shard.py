@@ -17,7 +17,7 @@ optimizer updates (the rank's shard when optimizer state is sharded, the whole u
   so torch optimizers keep their per-tensor semantics piece by piece.
 
 Where the master and the gradient live is decided once for the engine
-(`zero_engine.sharding.placement`): on the unit's device, or on the host with
+(`zero_engine.sharding.storage.placement`): on the unit's device, or on the host with
 ``offload_optimizer``: then the step gradient is a `HostGrad` that reductions are copied into,
 the optimizer steps the host masters, and `publish` copies them back. The step gradient's kind
 is an object (`StepGrad`), so nothing here branches on where it lives. Nothing outside this
@@ -37,14 +37,14 @@ from typing import Any, NamedTuple, Protocol, TypedDict
 
 import torch
 
-from .. import offload
-from ..devices import saved_copy, tensor_bytes
+from ... import offload
+from ...devices import saved_copy, tensor_bytes
 from .layout import UnitLayout
 from .placement import Master, StepGrad
 
 
 class OwningUnit(Protocol):
-    """What a shard reads of its unit (`zero_engine.sharding.unit.FlatUnit`)."""
+    """What a shard reads of its unit (`zero_engine.sharding.units.unit.FlatUnit`)."""
 
     layout: UnitLayout
     names: list[str]
@@ -121,7 +121,7 @@ class OptimizerShard:
     ) -> None:
         self.unit = unit
         self.owned_range = owned_range
-        self.master_kind = master  # where the master lives (`zero_engine.sharding.placement`)
+        self.master_kind = master  # where the master lives (`zero_engine.sharding.storage.placement`)
         self.master = master.tensor
         self.grad = grad  # the step gradient (a view of the full buffer, a device tensor, or on the host)
         self.targets = [
@@ -242,7 +242,7 @@ class OptimizerShard:
         states = [optimizer.state.get(target.tensor, {}) for target in self.targets]
         return sum(tensor_bytes(value) for state in states for value in state.values() if torch.is_tensor(value))
 
-    # -- the step gradient (its kind: `zero_engine.sharding.placement`) -----------------------
+    # -- the step gradient (its kind: `zero_engine.sharding.storage.placement`) -----------------------
 
     @property
     def grad_bytes(self) -> int:

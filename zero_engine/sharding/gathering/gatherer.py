@@ -5,7 +5,7 @@ uses share one gather) and starts the all-gather of the next unit in the order r
 the previous forward; its post-hook releases them, and a unit nobody holds is freed. A sharded
 parameter read during a forward while no hook holds its unit (a head's ``F.linear(h,
 self.embed.weight)``, the members of a container whose own forward never runs) gathers its
-unit where it is read (`zero_engine.sharding.param_access`): the unit joins what the module
+unit where it is read (`zero_engine.sharding.gathering.param_access`): the unit joins what the module
 running then needs, in this forward (until that module's forward ends) and in every later
 forward and backward, as DeepSpeed registers an external parameter. The
 post-hook also puts a hook on the module's output tensors: the first gradient that reaches
@@ -21,7 +21,7 @@ still gathered when backward returns (unused parameters, a call whose inputs nee
 gradient) is freed.
 
 Every gather is agreed on first, and launched in the order `CollectiveSchedule` derives from
-what every rank asked for (`zero_engine.sharding.agreement`), with the reductions of the
+what every rank asked for (`zero_engine.sharding.gathering.agreement`), with the reductions of the
 gradients: ranks that run different modules (a mixture of experts, a data-dependent branch)
 take part in each other's gathers instead of hanging, aborting in the transport on mismatched
 sizes or filling one unit with another's values. Agreeing synchronously before every gather
@@ -33,9 +33,9 @@ and the prefetches launch without waiting. A proposal that turns out wrong costs
 gather, never a wrong one.
 
 Prefetching launches one unit ahead, within ``stage3_prefetch_bucket_size`` and
-``stage3_max_live_parameters`` (`zero_engine.sharding.prefetch`).
+``stage3_max_live_parameters`` (`zero_engine.sharding.gathering.prefetch`).
 
-Who holds a unit, and why, is counted per reason (`zero_engine.sharding.holds`): the hooks take
+Who holds a unit, and why, is counted per reason (`zero_engine.sharding.gathering.holds`): the hooks take
 forward, backward and per-call holds; `ParamGatherer.hold` and `ParamGatherer.release` are the
 same decision for code outside the hooks (a user's hold lasts across passes until released).
 
@@ -53,17 +53,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..tree import iter_tensors
+from ...comm import Comm
+from ...tree import iter_tensors
 from .agreement import WANTS_PER_ROW, CollectiveSchedule, PassKind
-from .frozen_unit import FrozenUnit
+from ..units.frozen_unit import FrozenUnit
 from .holds import GatheredUnits, HoldReason, ModuleCall, signal_post_backward
-from .lifecycle import Lifecycle, TrainingState
+from ..units.lifecycle import Lifecycle, TrainingState
 from .param_access import ParamReads
 from .prefetch import Prefetcher
-from .reducer import GradReducer
+from ..reduction.reducer import GradReducer
 from .root_methods import RootMethods
-from .unit import FlatUnit, ShardedFlatUnit
+from ..units.unit import FlatUnit, ShardedFlatUnit
 
 FORWARD, BACKWARD, CALL, USER = HoldReason.FORWARD, HoldReason.BACKWARD, HoldReason.CALL, HoldReason.USER
 
@@ -221,7 +221,7 @@ class ParamGatherer(NoGather):
         self.schedule.check_usable()
 
     def settle_for_call(self) -> None:
-        """After a collective call's row (`zero_engine.sharding.calls.PassCallGuard`): every unit
+        """After a collective call's row (`zero_engine.sharding.gathering.calls.PassCallGuard`): every unit
         sharded for the call (a load writes shards)."""
         self._release_kept()  # a backward that follows gathers the root again
         # It launched the gathers agreed before (prefetches proposed for the next pass): let
@@ -390,7 +390,7 @@ class ParamGatherer(NoGather):
         for index in call.frozen:
             self.gathered.release(index, CALL)
 
-    # -- parameters read outside the hooks (see `zero_engine.sharding.param_access`) -------------
+    # -- parameters read outside the hooks (see `zero_engine.sharding.gathering.param_access`) -------------
 
     def _on_read(self, param: nn.Parameter) -> None:
         """A module's parameter was read during a forward: gather its unit there unless some
@@ -428,7 +428,7 @@ class ParamGatherer(NoGather):
     def explain_failed_forward(self, error: BaseException) -> str | None:
         return self.reads.explain_failed_forward(error)
 
-    # -- gathering, agreed on every rank (see `zero_engine.sharding.agreement`) ------------------
+    # -- gathering, agreed on every rank (see `zero_engine.sharding.gathering.agreement`) ------------------
 
     def _ensure_gathered(self, index: int) -> None:
         if not self.units[index].has_full_storage:

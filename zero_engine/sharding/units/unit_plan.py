@@ -3,10 +3,10 @@ which order, of which param group, and what kind of unit holds them.
 
 Three kinds: at stage 3, a *sharded* unit per unit module (its trainable parameters) and a
 *frozen* unit per unit module, stored dtype and encoding (exact, or int8 under
-``zero_quantized_nontrainable_weights``: `zero_engine.sharding.quantized_frozen`); everywhere
+``zero_quantized_nontrainable_weights``: `zero_engine.sharding.units.quantized_frozen`); everywhere
 else, *whole*-parameter units of at most ``reduce_bucket_size`` elements per param group (stages
 0-2, and stage 3's resident parameters, below ``stage3_param_persistence_threshold``). The plan is
-made from the module plan (`zero_engine.sharding.module_plan`, stage 3's unit modules) and the
+made from the module plan (`zero_engine.sharding.units.module_plan`, stage 3's unit modules) and the
 param groups, allocates nothing, and is what `build_units` builds and what
 `planned_host_buffers` sizes the host buffers of before anything is allocated: one reading of
 the model, not two that must agree.
@@ -21,10 +21,10 @@ from enum import Enum
 import torch
 from torch import nn
 
-from ..param_groups import ParamGroup
+from ...param_groups import ParamGroup
 from .frozen_unit import frozen_dtype
 from .quantized_frozen import NO_QUANTIZATION, FrozenQuantization
-from .layout import plan_units
+from ..storage.layout import plan_units
 from .module_plan import ModulePlan, ModuleUnitPlan, frozen_params
 
 

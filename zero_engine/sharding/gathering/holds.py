@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .frozen_unit import FrozenUnit
-from .unit import ShardedFlatUnit
+from ..units.frozen_unit import FrozenUnit
+from ..units.unit import ShardedFlatUnit
 
 
 class HoldReason(Enum):

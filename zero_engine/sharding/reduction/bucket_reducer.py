@@ -5,7 +5,7 @@ Each gradient is copied into its unit's bucket and freed at once; a complete buc
 reduce-scattered and its slice added into the shard, every micro-step. At stage 2 at most two
 buckets are alive (one filling, one reducing; a third waits for the oldest reduction); at
 stage 3 one, sized for its unit, and the shards exist only from the backward to the step.
-Arrival counting and launching in order are the base class's (`zero_engine.sharding.reducer`).
+Arrival counting and launching in order are the base class's (`zero_engine.sharding.reduction.reducer`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..comm import Comm
-from ..comm.handles import TwoPhase
-from ..devices import tensor_bytes
-from .codec import EXACT_GRADS, GradCodec, Reduction
+from ...comm import Comm
+from ...comm.handles import TwoPhase
+from ...devices import tensor_bytes
+from ..storage.codec import EXACT_GRADS, GradCodec, Reduction
 from .reducer import GradReducer
-from .unit import FlatUnit
+from ..units.unit import FlatUnit
 
 
 class _Bucket(NamedTuple):

@@ -14,7 +14,7 @@ The step gradient is one of three kinds, behind one interface (`StepGrad`):
 - `DeviceGrad` (stages 2-3): a tensor of its own that reductions add into; at stage 3 it exists
   only from a backward to its step (``releases``);
 - `HostGrad` (``offload_optimizer``): fp32 in host memory, written by asynchronous copies
-  (`zero_engine.sharding.host_gradient.HostGradient`), ready after the backward's one wait.
+  (`zero_engine.sharding.storage.host_gradient.HostGradient`), ready after the backward's one wait.
 
 The master is one of two kinds, behind one interface (`Master`): on the unit's device, or
 `HostMaster` (``offload_optimizer``). The optimizer step enters `Master.resident` around each
@@ -32,9 +32,9 @@ from typing import Protocol
 
 import torch
 
-from .. import offload
-from ..devices import tensor_bytes
-from ..offload import OffloadPlan
+from ... import offload
+from ...devices import tensor_bytes
+from ...offload import OffloadPlan
 from .host_gradient import HostGradient
 
 
