@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from zero_engine.config import ZeroEngineConfig, DEEPSPEED_SECTIONS, NO_EFFECT, key_reference
 from zero_engine.config.deepspeed_compat import DEFAULTS_THAT_DIFFER
-from zero_engine.features import PARTLY_BUILT, REFUSED_WHEN, REFUSED_WHEN_ON
+from zero_engine.config.refusals import KEY_STATUS, REFUSED_STATUS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "config.md"
@@ -33,12 +33,10 @@ OURS = ("comm", "zero_optimization.shard_group_size", "zero_optimization.stage3_
 
 def status(path: str, default: str) -> str:
     """How a key fares against DeepSpeed's meaning of it."""
-    if path in PARTLY_BUILT:
-        return PARTLY_BUILT[path]
-    if path in REFUSED_WHEN:
-        return REFUSED_WHEN[path]
-    if path.startswith(REFUSED_WHEN_ON):
-        return "refused when on"
+    if path in KEY_STATUS:
+        return KEY_STATUS[path]
+    if path in REFUSED_STATUS:
+        return REFUSED_STATUS[path]
     if path in NO_EFFECT or path in DEEPSPEED_SECTIONS:
         return "no effect (named at initialize)"
     if path.startswith(OURS):

@@ -19,7 +19,7 @@ from zero_engine.config import NO_EFFECT, ZeroEngineConfig, auto_keys, no_effect
 from zero_engine.config.deepspeed_compat import (
     DEPRECATED_OFFLOAD, DEPRECATED_ZERO_KEYS, FILLED_AT_INITIALIZE, STAGE3_SHORT_NAMES, _long_spelling,
 )
-from zero_engine.features import unbuilt_features
+from zero_engine.config.refusals import refused_settings as unbuilt_features
 from zero_engine.values import as_count
 
 CORPUS = sorted((Path(__file__).parent / "data" / "ds_configs").glob("*.json"))

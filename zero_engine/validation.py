@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from .auto_values import fill_auto
 from .config import BatchSizes, ZeroEngineConfig, auto_keys, no_effect_settings
 from .config.deepspeed_compat import AUTO_BATCH_KEYS
-from .features import refuse_unbuilt_features
+from .config.refusals import refuse as refuse_unbuilt_features
 from .optim import check_optimizer_for_stage
 from .precision import Precision
 from .stage import stage_for

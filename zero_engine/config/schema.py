@@ -12,7 +12,7 @@ from .sections import (
     BF16Config, CometConfig, CommConfig, CsvMonitorConfig, FP16Config, OptimizerConfig, SchedulerConfig,
     TensorBoardConfig, WandbConfig, ZeroOptimizationConfig,
 )
-from .types import PositiveCount, Real, _deepspeed_option, _never_when_infinite, _Section
+from .types import PositiveCount, Real, Refused, _deepspeed_option, _never_when_infinite, _Section
 
 
 class BatchSizes(NamedTuple):
@@ -115,6 +115,51 @@ class ZeroEngineConfig(_Section):
     timers: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     datastates_ckpt: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
     expert_parallel: dict[str, Any] | None = Field(None, description="DeepSpeed section.")
+    # What this version cannot run, refused at `initialize` (`zero_engine.config.refusals`).
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        "managed_gradient_accumulation": Refused(
+            lambda c: not c.managed_gradient_accumulation,
+            lambda c: "managed_gradient_accumulation = false (every step() a boundary; "
+            "engine.set_gradient_accumulation_boundary says where a window ends)",
+            "refused when false",
+        ),
+        "gradient_allreduce_op": Refused(
+            lambda c: c.gradient_allreduce_op != "mean",
+            lambda c: f"gradient_allreduce_op = {c.gradient_allreduce_op!r} (gradients are averaged over the ranks)",
+            "refused when 'sum'",
+        ),
+        "expert_parallel": Refused(
+            lambda c: bool((c.expert_parallel or {}).get("enabled")),
+            lambda c: "expert_parallel.enabled = true (expert parallelism; experts are sharded as any module)",
+        ),
+        "sparse_gradients": Refused(
+            lambda c: c.sparse_gradients,
+            lambda c: "sparse_gradients = true (sparse embedding gradients; gradients are dense flat buffers here)",
+        ),
+        "sequence_parallel_size": Refused(
+            lambda c: c.sequence_parallel_size > 1,
+            lambda c: f"sequence_parallel_size = {c.sequence_parallel_size} (sequence parallelism)",
+        ),
+        **{
+            section: Refused(
+                lambda c, section=section: bool((getattr(c, section) or {}).get("enabled")),
+                lambda c, section=section: f"{section}.enabled = true (use bf16 or fp16 instead)",
+            )
+            for section in ("amp", "torch_autocast")
+        },
+        "pipeline": Refused(
+            lambda c: _pipeline_size(c.pipeline) > 1,
+            lambda c: f"pipeline.pipeline_parallel_size = {_pipeline_size(c.pipeline)} (pipeline parallelism)",
+        ),
+        "tensor_parallel": Refused(
+            lambda c: bool(_tensor_parallel_sizes(c.tensor_parallel)),
+            lambda c: "; ".join(
+                f"tensor_parallel.{key} = {size} (tensor parallelism; data parallelism with ZeRO is built)"
+                for key, size in _tensor_parallel_sizes(c.tensor_parallel)
+            ),
+        ),
+    }
+
     # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
     # when set, and in the key table (`zero_engine.config.deepspeed`).
     NO_EFFECT: ClassVar[dict[str, str]] = {
@@ -214,3 +259,19 @@ def resolve_batch_sizes(total: int | None, micro: int | None, accum: int | None,
             "give two of the three and the third is derived"
         )
     return BatchSizes(total, micro, accum)
+
+
+def _pipeline_size(section: dict[str, Any] | None) -> int:
+    size = (section or {}).get("pipeline_parallel_size", 1)
+    return size if isinstance(size, int) else 1
+
+
+def _tensor_parallel_sizes(section: dict[str, Any] | None) -> list[tuple[str, int]]:
+    """DeepSpeed's spellings of the tensor-parallel size above 1 (``autotp_size``, ``tp_size``,
+    ``tp.tp_size``)."""
+    section = section or {}
+    sizes = [(key, section[key]) for key in ("autotp_size", "tp_size") if isinstance(section.get(key), int)]
+    nested = section.get("tp")
+    if isinstance(nested, dict) and isinstance(nested.get("tp_size"), int):
+        sizes.append(("tp.tp_size", nested["tp_size"]))
+    return [(key, size) for key, size in sizes if size > 1]

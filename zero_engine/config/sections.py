@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from ..errors import ConfigError
 from .checks import check_optimizer, check_scheduler
 from .types import (
-    MAX_TIMEOUT_S, BucketSize, Count, Integer, PositiveCount, Real, StageNumber, _deepspeed_option, _Section,
+    MAX_TIMEOUT_S, BucketSize, Count, Integer, PositiveCount, Real, Refused, StageNumber, _deepspeed_option, _Section,
 )
 
 
@@ -61,6 +61,13 @@ class FP16Config(_Section):
             "autocast"
         ),
     }
+    # What this version cannot run, refused at `initialize` (`zero_engine.config.refusals`).
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        "fp16_master_weights_and_grads": Refused(
+            lambda s: s.fp16_master_weights_and_grads,
+            lambda s: "fp16_master_weights_and_grads = true (masters, gradients and optimizer state are fp32 here)",
+        ),
+    }
 
 
 class BF16Config(_Section):
@@ -89,6 +96,14 @@ class BF16Config(_Section):
         "hysteresis": "bf16 needs no loss scaling",
         "min_loss_scale": "bf16 needs no loss scaling",
     }
+    # What this version cannot run, refused at `initialize` (`zero_engine.config.refusals`).
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        key: Refused(
+            lambda s, key=key: getattr(s, key),
+            lambda s, key=key: f"{key} = true (masters, gradients and optimizer state are fp32 here)",
+        )
+        for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+    }
 
 
 class OffloadConfig(_Section):
@@ -108,6 +123,27 @@ class OffloadConfig(_Section):
         1.0, ge=0, le=1, description="Fraction offloaded; below 1.0 (DeepSpeed's partial offload) is refused."
     )
 
+    # What this version cannot run, refused at `initialize` (`zero_engine.config.refusals`): NVMe,
+    # then a partial offload, of an offload that is on.
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        "device": Refused(
+            lambda s: s.device == "nvme",
+            lambda s: "device = 'nvme' (NVMe offload needs asynchronous file I/O, DeepSpeed's aio extension; use "
+            "'cpu')",
+            "honoured ('nvme' refused)",
+        ),
+        "ratio": Refused(
+            lambda s: s.device == "cpu" and s.ratio < 1.0,
+            lambda s: f"ratio = {s.ratio} (partial offload, DeepSpeed's ZeRO-Offload++ twin-flow; offloading all of "
+            "it, ratio 1.0, is built)",
+            "honoured at 1.0 (below: refused)",
+        ),
+    }
+    # Keys whose line in the key table says more than "no effect".
+    KEY_STATUS: ClassVar[dict[str, str]] = {
+        key: "no effect ('nvme' refused)" for key in ("nvme_path", "buffer_count", "fast_init")
+    }
+
 
 class OffloadOptimizerConfig(OffloadConfig):
     """``zero_optimization.offload_optimizer``."""
@@ -123,6 +159,13 @@ class OffloadOptimizerConfig(OffloadConfig):
         "pipeline_read": "no NVMe offload or DeepSpeed CPU optimizer here",
         "pipeline_write": "no NVMe offload or DeepSpeed CPU optimizer here",
         "cpuadam_cores_perc": "no NVMe offload or DeepSpeed CPU optimizer here",
+    }
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        **OffloadConfig.REFUSED,
+        "super_offload": Refused(
+            lambda s: s.device == "cpu" and s.ratio == 1.0 and s.super_offload,
+            lambda s: "super_offload = true (DeepSpeed's SuperOffload)",
+        ),
     }
 
 
@@ -334,6 +377,20 @@ class ZeroOptimizationConfig(_Section):
         "whole module here, and stage3_wrap_modules names them."
     )
     zenflow: dict[str, Any] | None = Field(None, description="DeepSpeed's ZenFlow section; refused when given.")
+
+    # What this version cannot run, refused at `initialize` (`zero_engine.config.refusals`).
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        "zenflow": Refused(
+            lambda s: s.zenflow is not None,
+            lambda s: "zenflow (DeepSpeed's ZenFlow: stale-gradient offloaded updates)",
+            "refused when given",
+        ),
+        "zero_hpz_partition_size": Refused(
+            lambda s: s.zero_hpz_partition_size > 1,
+            lambda s: f"zero_hpz_partition_size = {s.zero_hpz_partition_size} (ZeRO++ hierarchical partitioning; "
+            "zero_optimization.shard_group_size shards parameters within each node instead)",
+        ),
+    }
 
     # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
     # when set, and in the key table (`zero_engine.config.deepspeed`).

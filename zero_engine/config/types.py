@@ -5,6 +5,8 @@ refused)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
@@ -47,6 +49,18 @@ BucketSize = Annotated[int, BeforeValidator(_parse_count), Field(ge=0), AfterVal
 Integer = Annotated[int, BeforeValidator(_not_boolean)]
 Real = Annotated[float, BeforeValidator(_not_boolean)]
 StageNumber = Annotated[int, BeforeValidator(_not_boolean), Field(ge=0, le=3)]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A setting this version cannot run, declared beside its field in its section's ``REFUSED``
+    (as ``NO_EFFECT`` is): where ``when(section)`` holds, `initialize` refuses it with
+    ``says(section)``, the key (relative to the section) and why; ``status`` is its line in the
+    key table of docs/config.md."""
+
+    when: Callable[[Any], bool]
+    says: Callable[[Any], str]
+    status: str = "refused when on"
 
 
 def _deepspeed_option(default: Any) -> Any:
