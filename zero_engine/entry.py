@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from .memory import host_bytes_needed
 from .monitor import check_monitor_packages
 from .offload import offload_plan
 from .optim import check_optimizer_for_stage
-from .param_groups import resolve_param_groups
+from .param_groups import ParamGroup, resolve_param_groups
 from .precision import Precision
 from .sharding.building.build import BuildSettings, planned_host_buffers
 from .sharding.units.module_plan import ModulePlan
@@ -57,21 +57,17 @@ def initialize(
 
     Starts a process group from torchrun's environment if none exists (world size 1 without
     one), broadcasts rank 0's parameters and buffers, and checks everything that could fail
-    later: unbuilt features, the optimizer for the stage, the batch arithmetic.
+    later: unbuilt features, the optimizer for the stage, the batch arithmetic. ``stage: auto``
+    is settled first: the lowest stage (then stage 3 with offload) whose per-rank memory fits
+    the budget (`zero_engine.stage_choice`), logged on rank 0.
 
-    A model built on the meta device is materialized here, one unit at a time at stage 3
-    (`zero_engine.sharding.building.deferred_init`): each module initialized by ``param_init_fn(module)`` or its
-    own ``reset_parameters()``, identically at every stage and world size. ``weights`` (a
-    safetensors file, a Hugging Face directory, a torch state dict file, a checkpoint
-    directory, or a state dict) sets the values it holds, each rank reading only what it
-    keeps (`zero_engine.state.weights`).
-
-    ``zero_optimization.stage: auto`` is settled first: the lowest stage (then stage 3 with
-    offload) whose per-rank memory fits the budget (`zero_engine.stage_choice`), logged on rank 0.
-
-    ``lr_scheduler`` builds a schedule from the engine's optimizer (``lambda optimizer:
-    LambdaLR(optimizer, fn)``), for a config without a ``scheduler`` section; like the config's,
-    it steps on applied optimizer steps only and is saved in checkpoints.
+    A model built on the meta device is materialized here, one unit at a time at stage 3: each
+    module initialized by ``param_init_fn(module)`` or its own ``reset_parameters()``, the same
+    at every stage and world size. ``weights`` (a safetensors file, a Hugging Face directory, a
+    torch state dict file, a checkpoint directory, or a state dict) sets the values it holds,
+    each rank reading only what it keeps (`zero_engine.state.weights`). ``lr_scheduler`` builds
+    a schedule from the engine's optimizer (``lambda optimizer: LambdaLR(optimizer, fn)``) for
+    a config without a ``scheduler`` section; it steps on applied steps only and is saved.
     """
     _check_not_wrapped(model)
     show_by_default()  # the engine's lines on stdout, unless the application configured logging
@@ -98,36 +94,65 @@ def initialize(
         make_data_communicators(comm, device)
         if stage_table is not None and comm.rank == 0:
             logger.info(stage_table)
-        deferred = None
-        if has_meta_tensors(model):
-            base_seed = comm.each_rank(draw_base_seed() if comm.rank == 0 else 0).values()[0]
-            deferred = DeferredInit(model, device, base_seed, param_init_fn, provided=set(file_names))
-        elif param_init_fn is not None and comm.rank == 0:
-            logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
-        batch = config.batch_sizes(comm.mesh.batch)
-        zero = config.zero_optimization
-        placement = offload_plan(zero, stage, batch.gradient_accumulation_steps)
-        settings = BuildSettings.derive(zero, stage, precision.compute_dtype, precision.reduce_dtype, placement)
-        units = UnitPlan.derive(
-            model, plan, groups, stage.shard_parameters, precision.compute_dtype, settings.bucket_numel,
-            settings.frozen_quantization,
-        )  # every unit, planned once: built by the engine, sized for the host check before
-        _check_host_memory(model, units, config, settings, comm)
-        if comm.rank == 0:
-            _log_settings(config, stage)
-            _log_if_nothing_trains(groups, config)
-            _warn_if_one_hardware_queue(stage, comm)
-        engine = Engine(
-            model, config, comm, stage, batch, groups, precision, units, settings, StepSettings.derive(config),
-            device=device, deferred=deferred,
-            lr_scheduler=lr_scheduler,
-        )
+        deferred = _deferred_init(model, comm, device, param_init_fn, set(file_names))
+        settled = Settled(config, stage, precision, groups, plan, device)
+        engine = _build_engine(model, settled, comm, deferred, lr_scheduler)
         if weights_file is not None:
             load_weights(engine.model_state, weights_file, file_names)
     finally:
         if weights_file is not None:
             weights_file.close()
     return engine
+
+
+class Settled(NamedTuple):
+    """What `initialize` settled before the ranks build anything."""
+
+    config: ZeroEngineConfig
+    stage: Stage
+    precision: Precision
+    groups: list[ParamGroup]
+    plan: ModulePlan
+    device: torch.device
+
+
+def _deferred_init(
+    model: nn.Module, comm: Comm, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None,
+    provided: set[str],
+) -> DeferredInit | None:
+    """A model on the meta device is initialized as it is built, under one seed agreed by the
+    ranks; ``provided``: the parameters pretrained weights will set instead."""
+    if has_meta_tensors(model):
+        base_seed = comm.each_rank(draw_base_seed() if comm.rank == 0 else 0).values()[0]
+        return DeferredInit(model, device, base_seed, param_init_fn, provided=provided)
+    if param_init_fn is not None and comm.rank == 0:
+        logger.warning("param_init_fn is not called: the model has no tensors on the meta device")
+    return None
+
+
+def _build_engine(
+    model: nn.Module, settled: Settled, comm: Comm, deferred: DeferredInit | None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
+) -> Engine:
+    """The units planned, the host memory checked against them, the settings logged, the engine built."""
+    config, stage, precision = settled.config, settled.stage, settled.precision
+    batch = config.batch_sizes(comm.mesh.batch)
+    zero = config.zero_optimization
+    placement = offload_plan(zero, stage, batch.gradient_accumulation_steps)
+    settings = BuildSettings.derive(zero, stage, precision.compute_dtype, precision.reduce_dtype, placement)
+    units = UnitPlan.derive(
+        model, settled.plan, settled.groups, stage.shard_parameters, precision.compute_dtype, settings.bucket_numel,
+        settings.frozen_quantization,
+    )  # every unit, planned once: built by the engine, sized for the host check before
+    _check_host_memory(model, units, config, settings, comm)
+    if comm.rank == 0:
+        _log_settings(config, stage)
+        _log_if_nothing_trains(settled.groups, config)
+        _warn_if_one_hardware_queue(stage, comm)
+    return Engine(
+        model, config, comm, stage, batch, settled.groups, precision, units, settings, StepSettings.derive(config),
+        device=settled.device, deferred=deferred, lr_scheduler=lr_scheduler,
+    )
 
 
 def _check_not_wrapped(model: Any) -> None:
