@@ -65,3 +65,14 @@ def test_shardings_sub_packages_import_only_downward():
             upward += [f"{path.name} imports sharding.{other}" for other in _sharding_imports(path) - allowed]
     assert upward == []
     assert sorted(p.name for p in (ROOT / "zero_engine" / "sharding").glob("*.py")) == ["__init__.py"]
+
+
+def test_no_class_over_300_lines_and_initialize_under_60():
+    long = []
+    for path in sorted((ROOT / "zero_engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                long.append(f"{path.name}:{node.name}")
+            if isinstance(node, ast.FunctionDef) and node.name == "initialize" and path.name == "entry.py":
+                assert node.end_lineno - node.lineno + 1 < 60
+    assert long == []

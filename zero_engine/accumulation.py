@@ -8,6 +8,8 @@ the backwards the micro-step has seen (how many, how many without the engine's l
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AccumulationWindow:
     def __init__(self, steps: int) -> None:
@@ -53,3 +55,41 @@ class AccumulationWindow:
         self.in_window = 0
         self.backwards = 0
         self.unscaled_backwards = 0
+
+
+class WindowView:
+    """A mixin of `zero_engine.engine.Engine`: DeepSpeed's engine methods on the batch and the
+    accumulation window, read from ``window`` and ``batch``."""
+
+    window: AccumulationWindow
+    batch: Any  # zero_engine.config.BatchSizes
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch is the last of its accumulation window: every
+        ``gradient_accumulation_steps``-th, unless `set_gradient_accumulation_boundary` said."""
+        return self.window.is_boundary()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say whether the coming micro-step ends its window, as DeepSpeed's engine takes it
+        (Hugging Face's Trainer says so for each one, and ends an epoch's short last window
+        early). Holds until set again; None goes back to counting. Set it before the
+        micro-step's backward (stages 0-1 decide there whether to reduce). Every rank must say
+        the same."""
+        self.window.set_boundary(is_boundary)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples a rank's micro-batch holds (DeepSpeed's engine method: a data loader's batch size)."""
+        return self.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches an optimizer step accumulates (DeepSpeed's engine method)."""
+        return self.batch.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        """Samples an optimizer step takes over every data-parallel rank (DeepSpeed's engine method)."""
+        return self.batch.train_batch_size
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-steps (``step()`` calls) so far."""
+        return self.window.micro_steps

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .accumulation import AccumulationWindow
+from .accumulation import AccumulationWindow, WindowView
 from .comm import Comm
 from .config import BatchSizes, ZeroEngineConfig
 from .errors import ShardedParameterError
+from .loop_guards import LoopGuards
 from .model_access import ModelAccess
 from .monitor import StepLog, build_monitors
 from .param_groups import ParamGroup
@@ -45,7 +46,7 @@ from .tree import iter_tensors, map_tensors
 logger = logging.getLogger("zero_engine")
 
 
-class Engine(ModelAccess, StepView):
+class Engine(ModelAccess, StepView, WindowView):
     """A model wrapped for data-parallel training with ZeRO sharding: the training loop here,
     the model's state out and in (`zero_engine.model_access.ModelAccess`), the optimizer step's
     readings (`zero_engine.step_view.StepView`)."""
@@ -97,8 +98,7 @@ class Engine(ModelAccess, StepView):
         cast_frozen(model, precision.compute_dtype)  # those materialized from the meta device while building
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype, self.frozen_units)
         self.checkpoint_writer: FileWriter = FILES  # where save_checkpoint writes (another storage: its own writer)
-        # requires_grad as built: a change (PEFT's set_adapter, unfreezing a layer) would train wrong
-        self._trainable_as_built = [(name, param, param.requires_grad) for name, param in model.named_parameters()]
+        self.guards = LoopGuards(model)  # what the loop may not do (requires_grad as built, among others)
         # What the model's modules compute, changed in one order: recomputed now (recompute_units),
         # compiled later (compile()); close() puts it all back.
         self.transforms = ModuleTransforms(TransformTarget(model, plan.modules.leaf_modules, comm.mesh))
@@ -158,9 +158,9 @@ class Engine(ModelAccess, StepView):
         short last window included). A plain ``loss.backward()`` reduces the same way, but
         neither divides nor scales."""
         _check_loss(loss)
-        self._check_trains("backward")
+        self.guards.check_trains("backward", bool(self.units))
         if not loss.requires_grad:  # before torch's "element 0 of tensors does not require grad"
-            self._check_requires_grad_unchanged()  # every parameter frozen since initialize: that, by name
+            self.guards.check_requires_grad_unchanged()  # every parameter frozen since initialize: that, by name
             raise RuntimeError(
                 "engine.backward(loss): the loss does not require a gradient: it was computed under "
                 "torch.no_grad() or torch.inference_mode(), or from nothing trainable (call the engine with "
@@ -201,7 +201,7 @@ class Engine(ModelAccess, StepView):
         reducer and queues the end of the backward on the autograd engine (as FSDP2 does)."""
         if self.lifecycle.state.in_backward:
             return
-        self._check_requires_grad_unchanged()
+        self.guards.check_requires_grad_unchanged()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self.window.backwards and not self.reducer.reduces_every_micro_step:
             raise RuntimeError(
@@ -224,8 +224,8 @@ class Engine(ModelAccess, StepView):
     def step(self) -> None:
         """Call after every micro-batch's backward; updates only on accumulation boundaries."""
         self.calls.check_usable()
-        self._check_trains("step")
-        self._check_backwards()
+        self.guards.check_trains("step", bool(self.units))
+        self.guards.check_backwards(self.window, self.loss_scaler is not None)
         if self.is_gradient_accumulation_boundary():
             self._check_no_gathered("step() on an accumulation boundary")
             self.gatherer.check_resharded("step() on an accumulation boundary")
@@ -248,33 +248,6 @@ class Engine(ModelAccess, StepView):
         if line is not None:
             logger.info(line)
 
-    def _check_trains(self, call: str) -> None:
-        """An engine over a model without a trainable parameter (a reference or reward model)
-        serves forwards only."""
-        if not self.units:
-            raise RuntimeError(
-                f"engine.{call}(): this engine has nothing to train: its model has no trainable parameter "
-                "(requires_grad=True) in any param group, so it has no optimizer. Use it for forwards (under "
-                "torch.no_grad() or engine.eval()), or unfreeze parameters before zero_engine.initialize"
-            )
-
-    def _check_requires_grad_unchanged(self) -> None:
-        """Which parameters train was decided at `initialize` (units, optimizer, reductions): a
-        parameter whose ``requires_grad`` changed since would train wrong, silently."""
-        changed = [
-            f"{name!r} ({'frozen' if was else 'unfrozen'} after initialize)"
-            for name, param, was in self._trainable_as_built
-            if param.requires_grad != was
-        ]
-        if changed:
-            raise RuntimeError(
-                f"requires_grad changed after zero_engine.initialize for {len(changed)} parameter(s): "
-                f"{', '.join(changed[:8])}{', ...' if len(changed) > 8 else ''}. The engine decided which parameters "
-                "train when it was built (their units, optimizer state and reductions): set requires_grad before "
-                "initialize (PEFT: call set_adapter or freeze layers first), or build a new engine "
-                "(engine.close(unshard=True), then zero_engine.initialize again)"
-            )
-
     # -- collective calls agreed on, the window's checks -----------------------------------------
 
     def _agree_on_training(self) -> None:
@@ -290,48 +263,6 @@ class Engine(ModelAccess, StepView):
 
     def _agree_on_call(self, call: Call) -> None:
         self.calls.agree(call, self.window.micro_steps)
-
-    def _check_backwards(self) -> None:
-        if self.window.backwards == 0:
-            raise RuntimeError(
-                f"engine.step() without a backward since the last step() (micro-step {self.window.micro_steps}): "
-                "call engine.backward(loss) (or loss.backward()) on the output of engine(...) first"
-            )
-        if self.loss_scaler is not None and self.window.unscaled_backwards:
-            raise RuntimeError(
-                "fp16 loss scaling is on, but a backward did not go through engine.backward(loss) (a plain "
-                "loss.backward() applies no loss scale, so small gradients underflow): use engine.backward(loss)"
-            )
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-batch is the last of its accumulation window: every
-        ``gradient_accumulation_steps``-th, unless `set_gradient_accumulation_boundary` said."""
-        return self.window.is_boundary()
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """Say whether the coming micro-step ends its window, as DeepSpeed's engine takes it
-        (Hugging Face's Trainer says so for each one, and ends an epoch's short last window
-        early). Holds until set again; None goes back to counting. Set it before the
-        micro-step's backward (stages 0-1 decide there whether to reduce). Every rank must say
-        the same."""
-        self.window.set_boundary(is_boundary)
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples a rank's micro-batch holds (DeepSpeed's engine method: a data loader's batch size)."""
-        return self.batch.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-batches an optimizer step accumulates (DeepSpeed's engine method)."""
-        return self.batch.gradient_accumulation_steps
-
-    def train_batch_size(self) -> int:
-        """Samples an optimizer step takes over every data-parallel rank (DeepSpeed's engine method)."""
-        return self.batch.train_batch_size
-
-    @property
-    def micro_steps(self) -> int:
-        """Micro-steps (``step()`` calls) so far."""
-        return self.window.micro_steps
 
     def _to_compute_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.precision.compute_dtype) if tensor.is_floating_point() else tensor

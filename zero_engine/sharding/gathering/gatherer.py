@@ -57,7 +57,7 @@ from ...comm import Comm
 from ...tree import iter_tensors
 from .agreement import WANTS_PER_ROW, CollectiveSchedule, PassKind
 from ..units.frozen_unit import FrozenUnit
-from .holds import GatheredUnits, HoldReason, ModuleCall, signal_post_backward
+from .holds import GatheredUnits, HoldReason, ModuleCall, PassRecord, signal_post_backward
 from ..units.lifecycle import Lifecycle, TrainingState
 from .param_access import ParamReads
 from .prefetch import Prefetcher
@@ -141,12 +141,7 @@ class ParamGatherer(NoGather):
         )
         self.prefetch = Prefetcher(self.units, self.schedule, prefetch_numel, max_live_numel)
         self.reducer: GradReducer | None = None
-        # Units whose modules ran in a forward since the last backward ended: only these can
-        # get gradients in the backwards that follow (several may, of forwards run before them).
-        self._ran: set[int] = set()
-        self._backward_ended = False
-        self._order: list[int] = []  # this forward's units, in first-use order
-        self._recorded: list[int] = []  # the last complete forward's order, for prefetching
+        self.passes = PassRecord()  # which units this forward used, and in what order the last one did
         # What each hooked module needs gathered while it runs (a read served outside the hooks
         # adds to it), the root always among them; the hooked modules running, innermost last.
         self._needs: dict[nn.Module, tuple[int, ...]] = {root: ()}
@@ -155,17 +150,20 @@ class ParamGatherer(NoGather):
         self._calls: list[ModuleCall] = []  # the calls of the hooked modules running, as `_running`
         self._root = root
         self.reads = ParamReads(root, self.units, self._on_read, comm.rank)
-        # The root's outer hooks bracket every forward, whoever calls the model: registered
-        # first (pre) and last (post), so they run around the unit hooks of the root itself.
-        self._handles = [root.register_forward_pre_hook(self._enter_root)]
-        for module in self._needs:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
-        self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
+        self._handles = self._register_hooks(root)
         self._methods = RootMethods(  # its generate, run as one forward of it, every rank as many forwards
             root, lifecycle, (self._enter_root, self._pre_forward), (self._post_forward, self._exit_root),
             synced=comm.mesh.world > 1,
         )
+
+    def _register_hooks(self, root: nn.Module) -> list[Any]:
+        """The root's outer hooks bracket every forward, whoever calls the model: registered
+        first (pre) and last (post), so they run around the unit hooks of the root itself."""
+        handles = [root.register_forward_pre_hook(self._enter_root)]
+        for module in self._needs:
+            handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+        return [*handles, root.register_forward_hook(self._exit_root, always_call=True)]
 
     @property
     def root_units(self) -> tuple[int, ...]:
@@ -211,9 +209,8 @@ class ParamGatherer(NoGather):
         self.schedule.reductions = reducer
 
     def may_wait_for_reduction(self, index: int) -> bool | None:
-        """Whether every rank has launched the reduction of the reducer's unit ``index`` (said
-        so in its rows), so that waiting for it cannot wait for a rank that is waiting for
-        this one; None while rounds that may say so are in flight (`CollectiveSchedule.may_wait_for`)."""
+        """Whether every rank has launched the reduction of the reducer's unit ``index`` (their rows say), so waiting
+        for it cannot wait for a rank waiting for this one; None while rounds that may say so are in flight."""
         return self.schedule.may_wait_for(index)
 
     def check_usable(self) -> None:
@@ -236,9 +233,7 @@ class ParamGatherer(NoGather):
                 self._release_pass_holds()  # a backward raised half-way, or no backward came (a user's hold stays)
             self.reads.begin_forward()
             self.schedule.begin_pass(PassKind.FORWARD)
-            if self._backward_ended:
-                self._ran, self._backward_ended = set(), False
-            self._order = []
+            self.passes.forward_begins()
             self.gathered.begin_peak(forward=True)
 
     def _exit_root(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -246,14 +241,13 @@ class ParamGatherer(NoGather):
         its units by then, so a failed forward leaves nothing gathered."""
         if self.lifecycle.forward_depth == 0:
             self.reads.end_forward()
-            if self._order:
-                self._recorded = self._order
+            self.passes.forward_ends()
             backward_follows = any(t.requires_grad for t in iter_tensors(output))
             if backward_follows:  # the root's units still gathered are kept for the backward, which starts with them
                 for index in self.root_units:
                     self._holds.set(index, BACKWARD, self.units[index].has_full_storage)
             self._end_pass()  # frees what nobody holds (the root's units too, when no backward follows)
-            self.prefetch.propose_next_pass(self._recorded, self.root_units, backward_follows)
+            self.prefetch.propose_next_pass(self.passes.recorded, self.root_units, backward_follows)
 
     def _release_kept(self) -> None:
         """Let the root's units kept for a backward go (they are freed with the next unheld units)."""
@@ -273,14 +267,14 @@ class ParamGatherer(NoGather):
         self.schedule.begin_pass(PassKind.BACKWARD)
         if self.reducer is not None:  # units whose modules did not run get no gradient here
             self.reducer.settle(
-                [unit for index, unit in enumerate(self.units) if index not in self._ran and not unit.frozen]
+                [unit for index, unit in enumerate(self.units) if not self.passes.ran(index) and not unit.frozen]
             )
 
     def end_backward(self) -> None:
         """Before the reducer's end: other ranks may need this rank's drain rows to end their
         backward and launch the reductions this rank will wait for."""
         self._holds.clear((BACKWARD, CALL))
-        self._backward_ended = True
+        self.passes.backward_ends()
         self._end_pass()
 
     def propose_next_pass(self) -> None:
@@ -292,23 +286,10 @@ class ParamGatherer(NoGather):
         forward's units before its step, ahead of the step's norm all-reduce on the same
         communicator, while the others launched them after: a hang without hybrid sharding,
         pre-step shards in a peer's forward with it (GPU review Q1)."""
-        self.prefetch.propose_next_pass(self._recorded, self.root_units, backward_follows=False)
+        self.prefetch.propose_next_pass(self.passes.recorded, self.root_units, backward_follows=False)
 
     def check_resharded(self, call: str) -> None:
-        """Before ``call`` writes the shards (the optimizer step): no unit is gathered that
-        nothing holds, which would be a gather launched between the backward and the step,
-        carrying the shards from before it into the next forward."""
-        stray = [
-            self.gathered.describe(index)
-            for index, full in enumerate(self.gathered.full())
-            if full and not self._holds.held(index)
-        ]
-        if stray:
-            raise RuntimeError(
-                f"engine.{call}: {', '.join(stray)} gathered with nothing holding it, after the backward's end "
-                "freed every unit: a gather was launched between the backward and the step, and would carry "
-                "the parameters from before the step into the next forward (an engine defect: please report it)"
-            )
+        self.gathered.check_resharded(call)  # before the step writes the shards: no stray gather
 
     def unit_complete(self, unit: FlatUnit) -> None:
         """Every parameter of ``unit`` has its gradient: its values are needed no more."""
@@ -337,7 +318,7 @@ class ParamGatherer(NoGather):
         self.gathered.free_served()
         for index in needs:
             self._use_in_forward(index)
-        self.prefetch.after(needs, self._recorded, window=WANTS_PER_ROW)
+        self.prefetch.after(needs, self.passes.recorded, window=WANTS_PER_ROW)
         if call.frozen and torch.is_grad_enabled():
             # a frozen unit gets no gradient to end its backward hold: the call's inputs signal it
             return signal_post_backward(functools.partial(self._post_backward, call), args, kwargs)
@@ -378,7 +359,7 @@ class ParamGatherer(NoGather):
             elif not self._holds.count(index, BACKWARD):
                 self._holds.set(index, BACKWARD, True)
                 self._ensure_gathered(index)
-        if not self.prefetch.after(needs, self._recorded[::-1], window=1):
+        if not self.prefetch.after(needs, self.passes.recorded[::-1], window=1):
             self.schedule.issue()  # still tell the ranks which reductions are launched here
 
     def _post_backward(self, call: ModuleCall) -> None:
@@ -392,24 +373,12 @@ class ParamGatherer(NoGather):
 
     # -- parameters read outside the hooks (see `zero_engine.sharding.gathering.param_access`) -------------
 
-    def _on_read(self, param: nn.Parameter) -> None:
-        """A module's parameter was read during a forward: gather its unit there unless some
-        module running holds it already (the common case: its own module's forward).
-
-        Nothing to do inside a compiled forward (its unit is gathered around it), asked first:
-        dynamo traces this, and a unit's own state read here became a guard of every compiled
-        unit forward, so each unit recompiled the shared code, and past dynamo's limit of 8
-        the rest ran eager (seen on an H200: a recompile per GPT block)."""
-        if torch.compiler.is_compiling():
+    def _on_read(self, index: int, param: nn.Parameter) -> None:
+        """A parameter of unit ``index`` was read in a forward (`ParamReads`): unless a running
+        module holds the unit (its own, commonly), the innermost running hooked module needs it
+        from here on: gathered now, held until that forward ends, and in its later passes."""
+        if self._holds.count(index, FORWARD):
             return
-        index = self.reads.unit_of.get(param)
-        if index is not None and not self._holds.count(index, FORWARD):
-            self._serve_read(index, param)
-
-    def _serve_read(self, index: int, param: nn.Parameter) -> None:
-        """The module running now (the innermost hooked one) needs unit ``index`` from here on:
-        gathered now and held until that module's forward ends, and in every later forward and
-        backward of it, with its other units."""
         holder = self._running[-1] if self._running else self._root
         self.reads.check_thread(param, holder)
         self.check_usable()
@@ -419,11 +388,9 @@ class ParamGatherer(NoGather):
 
     def _use_in_forward(self, index: int) -> None:
         """Unit ``index`` is used in this forward: it ran, it is held, gathered, in the order."""
-        self._ran.add(index)
+        self.passes.used(index)
         self._holds.take(index, FORWARD)
         self._ensure_gathered(index)
-        if index not in self._order:
-            self._order.append(index)
 
     def explain_failed_forward(self, error: BaseException) -> str | None:
         return self.reads.explain_failed_forward(error)

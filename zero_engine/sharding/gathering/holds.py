@@ -135,6 +135,18 @@ class GatheredUnits:
     def full(self) -> list[bool]:
         return [unit.has_full_storage for unit in self.units]
 
+    def check_resharded(self, call: str) -> None:
+        """Before ``call`` writes the shards (the optimizer step): no unit is gathered that
+        nothing holds, which would be a gather launched between the backward and the step,
+        carrying the shards from before it into the next forward."""
+        stray = [self.describe(index) for index, full in enumerate(self.full()) if full and not self.holds.held(index)]
+        if stray:
+            raise RuntimeError(
+                f"engine.{call}: {', '.join(stray)} gathered with nothing holding it, after the backward's end "
+                "freed every unit: a gather was launched between the backward and the step, and would carry "
+                "the parameters from before the step into the next forward (an engine defect: please report it)"
+            )
+
     def describe(self, index: int) -> str:
         if 0 <= index < len(self.units):
             return f"unit {self.units[index].label!r}"
@@ -195,3 +207,36 @@ class PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.on_backward()
         return (None, *grads)
+
+
+class PassRecord:
+    """The units a gatherer's passes used: this forward's, in first-use order; the last complete
+    forward's order, which prefetching follows; and those that ran in a forward since the last
+    backward ended, the only ones that can get gradients in the backwards that follow (several
+    may, of forwards run before them)."""
+
+    def __init__(self) -> None:
+        self._ran: set[int] = set()
+        self._backward_ended = False
+        self._order: list[int] = []
+        self.recorded: list[int] = []
+
+    def forward_begins(self) -> None:
+        if self._backward_ended:
+            self._ran, self._backward_ended = set(), False
+        self._order = []
+
+    def used(self, index: int) -> None:
+        self._ran.add(index)
+        if index not in self._order:
+            self._order.append(index)
+
+    def forward_ends(self) -> None:
+        if self._order:
+            self.recorded = self._order
+
+    def backward_ends(self) -> None:
+        self._backward_ended = True
+
+    def ran(self, index: int) -> bool:
+        return index in self._ran

@@ -12,7 +12,7 @@ DeepSpeed 0.19.8 serves these reads by watching each module's ``_parameters`` (i
 and registers it with the module running. We do the same: `watch_reads` makes the
 ``_parameters`` mapping of every module that registers a sharded parameter a
 `WatchedParameters`, a ``dict`` whose ``__getitem__`` (what ``module.name`` reads) tells the
-gatherer, which gathers the unit where it is read (`ParamGatherer._serve_read`). Outside a
+gatherer, which gathers the unit where it is read (`ParamGatherer._on_read`). Outside a
 forward the watch is off: reading ``module.weight.shape`` between steps gathers nothing.
 `ParamReads` is the gatherer's side of this: the watch, the names, and what to say about a
 read the gatherer cannot serve (from another thread) or could not see (`unserved_reads`).
@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
+import torch
 from torch import nn
 
 from ...errors import ShardedParameterError
@@ -41,25 +42,39 @@ logger = logging.getLogger("zero_engine")
 
 class ParamReads:
     """The reads of one gatherer's sharded parameters: watched while a forward runs (each read
-    goes to ``on_read``), named, and explained where they cannot be served."""
+    goes to ``on_read`` with its unit's index), named, and explained where they cannot be served."""
 
     def __init__(
         self,
         root: nn.Module,
         units: Sequence[ShardedFlatUnit | FrozenUnit],
-        on_read: Callable[[nn.Parameter], None],
+        on_read: Callable[[int, nn.Parameter], None],
         rank: int,
     ) -> None:
         self.root = root
         self.units = units
         self.rank = rank
         self.unit_of = {param: index for index, unit in enumerate(units) for param in unit.params}
-        self.watch = ReadWatch(on_read)
+        self._on_read = on_read
+        self.watch = ReadWatch(self._read)
         self.forward_thread = threading.get_ident()
         self._unwatch = watch_reads(
             [module for module in root.modules() if any(p in self.unit_of for p in module._parameters.values())],
             self.watch,
         )
+
+    def _read(self, param: nn.Parameter) -> None:
+        """A watched parameter was read during a forward: to ``on_read`` with its unit.
+
+        Nothing to do inside a compiled forward (its unit is gathered around it), asked first:
+        dynamo traces this, and a unit's own state read here became a guard of every compiled
+        unit forward, so each unit recompiled the shared code, and past dynamo's limit of 8
+        the rest ran eager (seen on an H200: a recompile per GPT block)."""
+        if torch.compiler.is_compiling():
+            return
+        index = self.unit_of.get(param)
+        if index is not None:
+            self._on_read(index, param)
 
     def begin_forward(self) -> None:
         self.forward_thread = threading.get_ident()
