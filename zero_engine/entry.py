@@ -25,7 +25,7 @@ from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .engine import Engine, is_wrapped, left_sharded
 from .logs import show_by_default
-from .memory import host_bytes_needed
+from .memory import estimate_from_config
 from .monitor import check_monitor_packages
 from .offload import offload_plan
 from .optim import check_optimizer_for_stage
@@ -73,7 +73,7 @@ def initialize(
     show_by_default()  # the engine's lines on stdout, unless the application configured logging
     checked = check_config(load_config(config), model)  # what `zero-engine validate` checks too
     config = checked.config
-    _check_scheduler_factory(lr_scheduler, config)
+    _check_scheduler_factory(lr_scheduler, config.scheduler.type if config.scheduler else None)
     check_monitor_packages(config)
     groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
     device = materialization_device(model)
@@ -144,10 +144,11 @@ def _build_engine(
         model, settled.plan, settled.groups, stage.shard_parameters, precision.compute_dtype, settings.bucket_numel,
         settings.frozen_quantization,
     )  # every unit, planned once: built by the engine, sized for the host check before
-    _check_host_memory(model, units, config, settings, comm)
+    if settings.offload.any:  # the formula's host bytes, before any of them is allocated
+        trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
+        _check_host_memory(estimate_from_config(config, trainable, comm.mesh.batch).host, units, settings, comm)
     if comm.rank == 0:
-        _log_settings(config, stage)
-        _log_if_nothing_trains(settled.groups, config)
+        _log_settings(config, stage, settled.groups)
         _warn_if_one_hardware_queue(stage, comm)
     return Engine(
         model, config, comm, stage, batch, settled.groups, precision, units, settings, StepSettings.derive(config),
@@ -204,10 +205,10 @@ def _check_device(device: torch.device) -> None:
         )
 
 
-def _check_scheduler_factory(factory: Any, config: ZeroEngineConfig) -> None:
+def _check_scheduler_factory(factory: Any, config_scheduler: str | None) -> None:
     """``lr_scheduler=`` is a callable of the optimizer (the engine builds the optimizer over its
     shards, so a schedule made beforehand would drive another one), and not beside a config
-    ``scheduler``."""
+    ``scheduler`` (``config_scheduler``: its type, if given)."""
     if factory is None:
         return
     if hasattr(factory, "state_dict") and hasattr(factory, "step"):
@@ -218,44 +219,34 @@ def _check_scheduler_factory(factory: Any, config: ZeroEngineConfig) -> None:
         )
     if not callable(factory):
         raise TypeError(f"initialize(lr_scheduler=...): expected a function of the optimizer, got {type(factory).__name__}")
-    if config.scheduler:
+    if config_scheduler:
         raise ValueError(
-            f"initialize(lr_scheduler=...) and the config's scheduler section ({config.scheduler.type}) both give a "
+            f"initialize(lr_scheduler=...) and the config's scheduler section ({config_scheduler}) both give a "
             "schedule: keep one"
         )
 
 
-def _check_host_memory(
-    model: nn.Module, plan: UnitPlan, config: ZeroEngineConfig, settings: BuildSettings, comm: Comm
-) -> None:
+def _check_host_memory(formula_bytes: int, plan: UnitPlan, settings: BuildSettings, comm: Comm) -> None:
     """With offload: the host state of every rank on this node must fit the node's available
     memory, checked before any of it is allocated: the formula's bytes, plus what the pinned
     allocator rounds each pinned buffer up by (up to twice its size)."""
-    if not settings.offload.any:
-        return
-    num_params = sum(param.numel() for param in model.parameters() if param.requires_grad)
     pinned = planned_host_buffers(plan, settings, comm.num_shards)
-    needed = host_bytes_needed(config, num_params, comm.mesh.batch) + offload.pinning_overshoot(pinned)
+    needed = formula_bytes + offload.pinning_overshoot(pinned)
     offload.check_host_memory(needed, "zero_optimization.offload_optimizer / offload_param")
 
 
-def _log_settings(config: ZeroEngineConfig, stage: Stage) -> None:
-    """What the config asks for that changes nothing here, and the clipping in effect (rank 0)."""
+def _log_settings(config: ZeroEngineConfig, stage: Stage, groups: list[ParamGroup]) -> None:
+    """What the config asks for that changes nothing here, and the clipping in effect (rank 0).
+    A model without a trainable parameter (a reference or reward model, built with the policy's
+    config as TRL does) gets no optimizer: its optimizer and scheduler sections have no effect."""
     if stage.shard_parameters and not config.zero_optimization.reduce_scatter_each_micro_step:
         logger.warning("zero_optimization.reduce_scatter_each_micro_step: false has no effect at stage 3")
     for message in no_effect_settings(config):
         logger.warning(message)
-    logger.info(_clipping_in_effect(config))
-
-
-def _log_if_nothing_trains(groups: list, config: ZeroEngineConfig) -> None:
-    """A model without a trainable parameter (a reference or reward model, built with the
-    policy's config as TRL does) gets no optimizer: say that its sections have no effect."""
-    if any(group.params for group in groups):
-        return
     given = config.model_fields_set
+    logger.info(_clipping_in_effect(config.gradient_clipping, "gradient_clipping" in given))
     sections = [name for name in ("optimizer", "scheduler") if name in given and getattr(config, name)]
-    if sections:
+    if sections and not any(group.params for group in groups):
         logger.info(
             "the model has no trainable parameter: this engine serves forwards only, and the config's %s "
             "section(s) have no effect (no optimizer is built)", " and ".join(sections)
@@ -275,11 +266,10 @@ def _warn_if_one_hardware_queue(stage: Stage, comm: Comm) -> None:
         )
 
 
-def _clipping_in_effect(config: ZeroEngineConfig) -> str:
+def _clipping_in_effect(max_norm: float, chosen: bool) -> str:
     """The clipping a step applies, and whether the config chose it (left out, it is DeepSpeed's
     default, 1.0: a config written for no clipping must say 0)."""
-    max_norm = config.gradient_clipping
-    given = "" if "gradient_clipping" in config.model_fields_set else " (left out of the config: DeepSpeed's default)"
+    given = "" if chosen else " (left out of the config: DeepSpeed's default)"
     if max_norm == 0:
         return f"gradient clipping: off (gradient_clipping = 0{given})"
     return f"gradient clipping: the global gradient norm to {max_norm:g} (gradient_clipping = {max_norm:g}{given})"

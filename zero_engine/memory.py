@@ -130,18 +130,21 @@ def estimate_from_config(
     plan = offload_plan(config.zero_optimization, stage)
     report = with_offload(report, plan, num_params, shard_group_size, mixed=mixed, stage=stage)
     sharded = stage.shard_parameters and config.zero_optimization.frozen_weights == "shard"
-    frozen = int(frozen_params * frozen_element_bytes(config, stage)) // (shard_group_size if sharded else 1)
+    frozen = int(frozen_params * frozen_element_bytes(
+        stage, mixed=mixed, int8_frozen=config.zero_optimization.zero_quantized_nontrainable_weights
+    )) // (shard_group_size if sharded else 1)
     host = report.host + (frozen if plan.params and sharded else 0)  # offload_param moves frozen shards too
     return report._replace(parameters=report.parameters + frozen, frozen_parameters=frozen, host=host)
 
 
-def frozen_element_bytes(config: ZeroEngineConfig, stage: Stage) -> float:
+def frozen_element_bytes(stage: Stage, *, mixed: bool, int8_frozen: bool) -> float:
     """Bytes a frozen element is stored in: the compute dtype's (2 under fp16/bf16, else 4), or
     int8 and its block's share of an fp32 scale at stage 3 under
-    ``zero_quantized_nontrainable_weights`` (vectors stay exact: too few to count here)."""
-    if stage.shard_parameters and config.zero_optimization.zero_quantized_nontrainable_weights:
+    ``zero_quantized_nontrainable_weights`` (``int8_frozen``; vectors stay exact: too few to
+    count here)."""
+    if stage.shard_parameters and int8_frozen:
         return 1 + 4 / BLOCK
-    return 2 if config.fp16.enabled or config.bf16.enabled else 4
+    return 2 if mixed else 4
 
 
 def with_offload(
@@ -166,11 +169,6 @@ def with_offload(
     if plan.params:
         host += report.parameters
     return report._replace(host=host)
-
-
-def host_bytes_needed(config: ZeroEngineConfig, num_params: int, data_ranks: int) -> int:
-    """What one rank will allocate on the host for offloaded state (formula, no padding)."""
-    return estimate_from_config(config, num_params, data_ranks).host
 
 
 def measure_memory(

@@ -56,7 +56,7 @@ def offload_plan(zero: Any, stage: Stage, accumulation: int = 1) -> OffloadPlan:
     params = stage.shard_parameters and zero.offload_param is not None and zero.offload_param.device == "cpu"
     pin = any(section is not None and section.device == "cpu" and section.pin_memory
               for section in (zero.offload_optimizer, zero.offload_param))
-    staged = optimizer and accumulation > 1 and stage.streams_gradients(zero)
+    staged = optimizer and accumulation > 1 and stage.streams_gradients(zero.reduce_scatter_each_micro_step)
     return OffloadPlan(optimizer, params, pin, staged)
 
 

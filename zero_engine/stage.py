@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .config import ZeroOptimizationConfig
 
 
 class UnitSpec(NamedTuple):
@@ -33,11 +32,12 @@ class Stage:
     shard_parameters: bool  # parameters exist in full only while their unit is gathered
     summary: str
 
-    def streams_gradients(self, zero: ZeroOptimizationConfig) -> bool:
+    def streams_gradients(self, each_micro_step: bool) -> bool:
         """Gradients pass through buckets into the shard every micro-step (stage 2's default,
         always at stage 3, where no full gradient can persist because no full parameter does);
-        otherwise full gradients persist and are reduced once per accumulation window."""
-        return self.shard_parameters or (self.shard_gradients and zero.reduce_scatter_each_micro_step)
+        otherwise full gradients persist and are reduced once per accumulation window.
+        ``each_micro_step``: ``zero_optimization.reduce_scatter_each_micro_step``."""
+        return self.shard_parameters or (self.shard_gradients and each_micro_step)
 
     @property
     def releases_gradients(self) -> bool:
@@ -53,8 +53,8 @@ class Stage:
         previous reduction (see "Stage 3 memory" in ``docs/architecture.md``)."""
         return 1 if self.shard_parameters else 2
 
-    def unit_spec(self, zero: ZeroOptimizationConfig) -> UnitSpec:
-        return UnitSpec(self.shard_optimizer_state, not self.streams_gradients(zero), self.releases_gradients)
+    def unit_spec(self, each_micro_step: bool) -> UnitSpec:
+        return UnitSpec(self.shard_optimizer_state, not self.streams_gradients(each_micro_step), self.releases_gradients)
 
 
 STAGES: dict[int, Stage] = {

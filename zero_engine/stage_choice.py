@@ -121,15 +121,17 @@ def _size(size: int) -> str:
     return f"{size / 2**10:.3f} KiB"
 
 
-def budget_bytes(config: ZeroEngineConfig, device: torch.device, model_bytes_on_device: int = 0) -> int:
+def budget_bytes(
+    budget_gib: float | None, margin_gib: float, device: torch.device, model_bytes_on_device: int = 0
+) -> int:
     """This rank's budget: ``memory_budget_gib``, else the GPU's free memory less the margin,
     plus what the model already holds on that GPU (the driver counts it as used, and every
-    candidate counts it again)."""
-    zero = config.zero_optimization
-    if zero.memory_budget_gib is not None:
-        return int(zero.memory_budget_gib * GIB)
+    candidate counts it again). ``budget_gib``, ``margin_gib``: ``zero_optimization.memory_budget_gib``
+    and ``memory_margin_gib``."""
+    if budget_gib is not None:
+        return int(budget_gib * GIB)
     if device.type == "cuda":
-        return free_cuda_bytes(device) + model_bytes_on_device - int(zero.memory_margin_gib * GIB)
+        return free_cuda_bytes(device) + model_bytes_on_device - int(margin_gib * GIB)
     raise ConfigError(
         "zero_optimization.stage = 'auto' needs zero_optimization.memory_budget_gib (GiB per rank) on "
         f"{device.type}: only a GPU's free memory can stand in for it"
@@ -149,7 +151,8 @@ def resolve_stage(
     num_params = sum(param.numel() for group in groups for param in group.params)
     frozen = sum(param.numel() for param in frozen_params(plan.model))
     table = candidates(config, num_params, comm.mesh.batch, plan.largest_unit_numel(), frozen)
-    own = budget_bytes(config, device, _bytes_on(plan.model, device))
+    zero = config.zero_optimization
+    own = budget_bytes(zero.memory_budget_gib, zero.memory_margin_gib, device, _bytes_on(plan.model, device))
     budgets = comm.each_rank(own).values()
     budget = min(budgets)
     chosen = choose(table, budget)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..config import ZeroEngineConfig, ZeroOptimizationConfig
+from ..config import ZeroEngineConfig
 from ..devices import local_cuda_device
 from ..errors import ConfigError
 from ..stage import Stage
@@ -48,7 +49,7 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     force = config.comm.force_collectives
     world = GroupComm(rank, world_size, backend, data, own_group(timeout, "control", "gloo"), primitives, force)
-    mesh = Mesh.for_world(world_size, _agreed_shard_group_size(config.zero_optimization, world))
+    mesh = Mesh.for_world(world_size, _agreed_shard_group_size(config.zero_optimization.shard_group_size_for, world))
     shard_group, replica_group = _hybrid_groups(timeout, mesh, rank, data)
     shards = GroupComm(rank % mesh.shard, mesh.shard, backend, shard_group, None, primitives, force)
     replicas = GroupComm(rank // mesh.shard, mesh.replicate, backend, replica_group, None, primitives, force)
@@ -90,11 +91,11 @@ def make_data_communicators(comm: Comm, device: torch.device) -> None:
         group.all_reduce_sum(torch.zeros(1, device=device)).wait()
 
 
-def _agreed_shard_group_size(zero: ZeroOptimizationConfig, world: GroupComm) -> int:
+def _agreed_shard_group_size(size_for: Callable[[int, int | None], int], world: GroupComm) -> int:
     """``zero_optimization.shard_group_size`` for this world, the same on every rank ('auto'
     reads each node's LOCAL_WORLD_SIZE, which could differ between nodes)."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    size = zero.shard_group_size_for(world.world_size, int(local) if local else None)
+    size = size_for(world.world_size, int(local) if local else None)
     sizes = world.each_rank(size).values()
     if len(set(sizes)) > 1:
         raise ConfigError(

@@ -74,10 +74,19 @@ class BuildSettings:
         reduce_dtype: torch.dtype,
         offload: OffloadPlan = NO_OFFLOAD,
     ) -> BuildSettings:
+        each = zero.reduce_scatter_each_micro_step
         return cls(
-            stage, stage.unit_spec(zero), stage.streams_gradients(zero), zero.reduce_bucket_size,
+            stage, stage.unit_spec(each), stage.streams_gradients(each), zero.reduce_bucket_size,
             zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, zero.overlap_comm,
-            stage_codecs(stage, zero), compute_dtype, reduce_dtype, offload,
+            # ZeRO++'s quantized communication where the stage has it: weights where stage 3 gathers its
+            # units for compute (below stage 3 parameters are whole, and DeepSpeed ignores the key too),
+            # gradients wherever they are reduce-scattered (stages 1-3; stage 0 all-reduces)
+            choose_codecs(
+                quantize_weights=zero.zero_quantized_weights and stage.shard_parameters,
+                quantize_grads=zero.zero_quantized_gradients and stage.shard_optimizer_state,
+                grad_bits=zero.zero_quantized_gradients_bits,
+            ),
+            compute_dtype, reduce_dtype, offload,
             FrozenQuantization.from_config(zero, stage.shard_parameters),
         )
 
@@ -118,17 +127,6 @@ def build_mechanism(
     )
     gatherer.attach_reducer(reducer)
     return Mechanism(units, frozen_units, gatherer, reducer, calls, settings.codecs)
-
-
-def stage_codecs(stage: Stage, zero: ZeroOptimizationConfig) -> Codecs:
-    """ZeRO++'s quantized communication where the stage has it: weights where stage 3 gathers
-    its units for compute (below stage 3 parameters are whole, and DeepSpeed ignores the key
-    too), gradients wherever they are reduce-scattered (stages 1-3; stage 0 all-reduces)."""
-    return choose_codecs(
-        quantize_weights=zero.zero_quantized_weights and stage.shard_parameters,
-        quantize_grads=zero.zero_quantized_gradients and stage.shard_optimizer_state,
-        grad_bits=zero.zero_quantized_gradients_bits,
-    )
 
 
 def build_units(
