@@ -197,7 +197,7 @@ def test_the_mesh_lays_ranks_out_once():
     assert [list(r) for r in mesh.shard_groups()] == [[0, 1, 2], [3, 4, 5]]
     assert [list(r) for r in mesh.replica_groups()] == [[0, 3], [1, 4], [2, 5]]
     assert list(mesh.shard_group_of(4)) == [3, 4, 5] and list(mesh.replica_group_of(4)) == [1, 4]
-    assert mesh.as_manifest() == {"replicate": 2, "shard": 3}
+    assert mesh.as_manifest() == {"replicate": 2, "shard": 3, "sequence": 1}
     with pytest.raises(ValueError, match="shard group size 4 does not divide the world size 6"):
         Mesh.for_world(6, 4)
     with pytest.raises(ValueError, match="mesh degree shard must be a positive integer, not 0"):
@@ -208,3 +208,16 @@ def test_the_mesh_lays_ranks_out_once():
     assert Comm(*groups).mesh == mesh  # derived from the groups when not given
     with pytest.raises(ValueError, match="does not match groups of 6, 3 and 2 ranks"):
         Comm(*groups, mesh=Mesh(replicate=3, shard=2))
+
+
+def test_sequence_groups_are_consecutive_ranks_inside_shard_groups():
+    """``sequence_parallel_size``: consecutive ranks split a sequence and read the same samples;
+    the batch counts the other ranks, and the gradients' sum over every rank is divided by it."""
+    from zero_engine.comm import Mesh
+
+    mesh = Mesh.for_world(8, 4, sequence=2)
+    assert (mesh.world, mesh.batch, mesh.grad_divisor) == (8, 4, 4)
+    assert [list(r) for r in mesh.sequence_groups()] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [mesh.batch_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="a shard group of 4 ranks does not hold whole sequence groups of 3"):
+        Mesh(replicate=2, shard=4, sequence=3)

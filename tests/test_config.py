@@ -239,7 +239,6 @@ def test_deepspeed_only_sections_are_named_unless_switched_off(caplog: pytest.Lo
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, r"zero_hpz_partition_size = 8 .*shard_group_size"),
         ({"amp": {"enabled": True, "opt_level": "O1"}}, r"amp.enabled = true \(use bf16 or fp16 instead\)"),
         ({"sparse_gradients": True}, r"sparse_gradients = true"),
-        ({"sequence_parallel_size": 2}, r"sequence_parallel_size = 2 \(sequence parallelism\)"),
         ({"expert_parallel": {"enabled": True}}, r"expert_parallel.enabled = true \(expert parallelism"),
         ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, r"bf16.bf16_master_weights_and_grads"),
         ({"bfloat16": {"enabled": True, "bf16_optimizer_states": True}}, r"bf16.bf16_optimizer_states = true"),

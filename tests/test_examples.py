@@ -1,6 +1,6 @@
 """The examples under ``examples/`` (issue 65: the LoRA and TRL guides could not run as written):
 each one's ``main()`` on 2 CPU ranks with torchrun's environment, as its launch line runs it,
-all three in one spawn (importing transformers, datasets and TRL costs seconds per process).
+all four in one spawn (importing transformers, datasets and TRL costs seconds per process).
 Each must train, end with a finite loss and leave its adapters in PEFT's layout."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from harness import run_on_ranks
 pytest.importorskip("trl", reason="the [trl] extra: pip install -e '.[trl]' (the [test] extra includes it)")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NAMES = ("lora_peft", "trl_sft", "trl_dpo")
+NAMES = ("lora_peft", "trl_sft", "trl_dpo", "long_sequences")
+ADAPTERS = ("lora_peft", "trl_sft", "trl_dpo")  # those that leave adapters in PEFT's layout
 
 
 def run_examples(rank: int, world: int, out: str) -> dict[str, float]:
@@ -30,7 +31,7 @@ def test_every_example_runs_on_two_ranks(tmp_path: Path) -> None:
     losses = run_on_ranks(2, run_examples, str(tmp_path), allow_numpy=True, backend=None, timeout=400)
     for rank, per_example in enumerate(losses):
         assert all(math.isfinite(loss) for loss in per_example.values()), (rank, per_example)
-    for name in NAMES:
+    for name in ADAPTERS:
         written = sorted(path.name for path in (tmp_path / name).glob("adapter_*"))
         assert written == ["adapter_config.json", "adapter_model.safetensors"], (name, written)
     for name in NAMES:  # each file says how it is launched, as examples/README.md does

@@ -35,6 +35,7 @@ from .sharding.units.unit_plan import UnitPlan
 from .sharding.gathering.agreement import Call
 from .stage import Stage
 from .sharding.transforms.seam import COMPILE, ModuleTransforms, TransformTarget
+from .sharding.transforms.ulysses import UlyssesAttention
 from .sharding.transforms.unit_forwards import Compile, Recompute
 from .state.gathered import GatheredParameters
 from .state.state_dict import ModelState, cast_frozen
@@ -102,6 +103,8 @@ class Engine(ModelAccess, StepView, WindowView):
         # What the model's modules compute, changed in one order: recomputed now (recompute_units),
         # compiled later (compile()); close() puts it all back.
         self.transforms = ModuleTransforms(TransformTarget(model, plan.modules.leaf_modules, comm.mesh))
+        if comm.mesh.sequence > 1:  # sequence_parallel_size: attention exchanged over the sequence group
+            self.transforms.add(UlyssesAttention(comm.sequence_group))
         if zero.recompute_units:
             self.transforms.add(Recompute())
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
@@ -279,6 +282,17 @@ class Engine(ModelAccess, StepView, WindowView):
             self.comm.reset_report()
             self.codecs.meter.reset()
             self._window_opened = True
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which micro-batches this rank reads: the ranks of a sequence group read the same ones
+        (a sampler's ``rank``; its ``num_replicas`` is `data_parallel_world_size`)."""
+        return self.comm.mesh.batch_rank(self.comm.rank)
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        """The ranks that read different micro-batches: the world size / ``sequence_parallel_size``."""
+        return self.comm.mesh.batch
 
     def compile(self, **options: Any) -> Engine:
         """``torch.compile(**options)`` each unit module's forward: stage 3's leaf units, the same

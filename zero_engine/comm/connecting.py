@@ -37,6 +37,9 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
         data = own_group(timeout, "data", None)
     elif "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         config.zero_optimization.shard_group_size_for(1)  # a group size that needs more ranks fails here too
+        if config.sequence_parallel_size > 1:
+            raise ConfigError(f"sequence_parallel_size = {config.sequence_parallel_size} needs as many ranks: this "
+                              "process runs alone (launch with torchrun)")
         return Comm.alone(primitives)
     else:
         backend = choose_backend(config.comm.backend, device)
@@ -49,11 +52,41 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     force = config.comm.force_collectives
     world = GroupComm(rank, world_size, backend, data, own_group(timeout, "control", "gloo"), primitives, force)
-    mesh = Mesh.for_world(world_size, _agreed_shard_group_size(config.zero_optimization.shard_group_size_for, world))
+    mesh = _mesh(config, world)
     shard_group, replica_group = _hybrid_groups(timeout, mesh, rank, data)
     shards = GroupComm(rank % mesh.shard, mesh.shard, backend, shard_group, None, primitives, force)
     replicas = GroupComm(rank // mesh.shard, mesh.replicate, backend, replica_group, None, primitives, force)
-    return Comm(world, shards, replicas, mesh=mesh)
+    sequence = GroupComm(rank % mesh.sequence, mesh.sequence, backend, _sequence_group(timeout, mesh, rank, data),
+                         None, primitives, force)
+    return Comm(world, shards, replicas, mesh=mesh, sequence_group=sequence)
+
+
+def _mesh(config: ZeroEngineConfig, world: GroupComm) -> Mesh:
+    """The layout: the agreed shard group size and ``sequence_parallel_size``, checked against
+    the world (a `ConfigError` with the numbers)."""
+    sequence = config.sequence_parallel_size
+    if world.world_size % sequence:
+        raise ConfigError(
+            f"sequence_parallel_size = {sequence} does not divide the world size {world.world_size}: the ranks are "
+            f"data-parallel groups of {sequence} consecutive ranks"
+        )
+    size = _agreed_shard_group_size(config.zero_optimization.shard_group_size_for, world)
+    if size % sequence:
+        raise ConfigError(
+            f"sequence_parallel_size = {sequence} does not divide zero_optimization.shard_group_size {size}: a "
+            "sequence group must lie inside one shard group"
+        )
+    return Mesh.for_world(world.world_size, size, sequence)
+
+
+def _sequence_group(timeout_s: float, mesh: Mesh, rank: int, data: Any) -> Any:
+    """This rank's sequence group (every rank makes every group: ``new_group`` is collective)."""
+    if mesh.sequence == 1:
+        return None
+    if mesh.sequence == mesh.world:
+        return data
+    groups = [own_group(timeout_s, "sequence", None, ranks) for ranks in mesh.sequence_groups()]
+    return groups[rank // mesh.sequence]
 
 
 def with_stage_groups(comm: Comm, config: ZeroEngineConfig, stage: Stage) -> Comm:
@@ -67,7 +100,7 @@ def with_stage_groups(comm: Comm, config: ZeroEngineConfig, stage: Stage) -> Com
     reduces = GroupComm(
         comm.shard_rank, size, comm.backend, group, None, config.comm.primitives, config.comm.force_collectives
     )
-    return Comm(comm.world, comm.shard_group, comm.replica_group, reduces, comm.mesh)
+    return Comm(comm.world, comm.shard_group, comm.replica_group, reduces, comm.mesh, comm.sequence_group)
 
 
 def make_data_communicators(comm: Comm, device: torch.device) -> None:

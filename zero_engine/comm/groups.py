@@ -102,13 +102,16 @@ class GroupComm:
         shard = self._shards(flat)[self.rank]
         return Pending((_all_gather_into_tensor(flat, shard, group=self.group, async_op=True),))
 
-    def all_to_all(self, send: torch.Tensor, received: torch.Tensor) -> Pending:
+    def all_to_all(
+        self, send: torch.Tensor, received: torch.Tensor, kind: CollectiveKind = CollectiveKind.REDUCE_SCATTER
+    ) -> Pending:
         """Send shard ``j`` of ``send`` to group rank ``j``, receiving rank ``j``'s shard for
-        this rank into shard ``j`` of ``received`` (a quantized reduce-scatter: each rank's
-        encoded slice for each owner, counted as a reduce-scatter of the encoded bytes)."""
+        this rank into shard ``j`` of ``received``: a quantized reduce-scatter (each rank's
+        encoded slice for each owner, counted as a reduce-scatter of the encoded bytes), or
+        Ulysses' exchange of sequence slices and heads (``kind`` ALL_TO_ALL)."""
         if self.skips_collectives:
             return DONE
-        self._count(CollectiveKind.REDUCE_SCATTER, tensor_bytes(send))
+        self._count(kind, tensor_bytes(send))
         return Pending((dist.all_to_all_single(received, send, group=self.group, async_op=True),))
 
     def _shard_by_shard(self, collective: Any, flat: torch.Tensor, peer: str) -> Pending:
@@ -267,10 +270,13 @@ class Comm:
         replica_group: GroupComm,
         reduce_group: GroupComm | None = None,
         mesh: Mesh | None = None,
+        sequence_group: GroupComm | None = None,
     ) -> None:
         self.world, self.shard_group, self.replica_group = world, shard_group, replica_group
         # The layout and the rank counts by use (batch, gradient divisor, shard, replicate).
         self.mesh = mesh or Mesh(replicate=replica_group.world_size, shard=shard_group.world_size)
+        # The ranks that split one sequence between them (Ulysses; a group of one without it).
+        self.sequence_group = sequence_group or GroupComm(0, 1, world.backend)
         if mesh is not None and (mesh.world, mesh.shard, mesh.replicate) != (
             world.world_size, shard_group.world_size, replica_group.world_size
         ):
@@ -398,6 +404,8 @@ class Comm:
         all-reduces, agreements, broadcasts)."""
         scopes = {"intra_group": self.shard_group, "inter_group": self.replica_group, "all_ranks": self.world}
         per_scope = {name: comm.report() for name, comm in scopes.items()}
+        if self.sequence_group.world_size > 1:  # Ulysses' all-to-alls, inside each sequence group
+            per_scope["sequence_group"] = self.sequence_group.report()
         if self.reduce_group is not self.shard_group:
             per_scope["intra_group"] = _sum_reports(per_scope["intra_group"], self.reduce_group.report())
         report = {
@@ -412,7 +420,8 @@ class Comm:
         return report
 
     def reset_report(self) -> None:
-        for comm in {id(c): c for c in (self.world, self.shard_group, self.replica_group, self.reduce_group)}.values():
+        groups = (self.world, self.shard_group, self.replica_group, self.reduce_group, self.sequence_group)
+        for comm in {id(c): c for c in groups}.values():
             comm.reset_report()
 
 

@@ -27,6 +27,7 @@ class CollectiveKind(str, Enum):
     ALL_GATHER_FROZEN = "all_gather_frozen"  # stage 3's gathers of frozen units, apart from the trainable ones
     BROADCAST = "broadcast"
     GATHER = "gather"
+    ALL_TO_ALL = "all_to_all"  # Ulysses: sequence slices for heads and back
 
 
 class Pending(NamedTuple):

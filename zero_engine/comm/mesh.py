@@ -16,9 +16,14 @@ Code outside `comm/` that needs a count of ranks asks the mesh by use, never the
   shards;
 - ``world``: every rank (agreements, control traffic, a checkpoint's rank files).
 
-A new axis is one more degree here with its place in the layout: ranks that split a sequence
-read the same samples, so they count in ``world`` and not in ``batch`` (torchtitan's
-``ParallelDims`` names its meshes by use the same way: "batch", "loss", "fsdp").
+A third degree, ``sequence`` (Ulysses sequence parallelism, ``sequence_parallel_size``), groups
+``sequence`` consecutive ranks (as DeepSpeed lays them out: the all-to-all is the most
+bandwidth-hungry collective, neighbours share a node) that read the same samples and split each
+sequence between them: they count in ``world`` and not in ``batch``. ZeRO shards over every
+rank, sequence ranks included, as DeepSpeed does; the gradients of a sequence group are summed
+(each rank's loss is its slice's share of the micro-batch's), and the sum over every rank is
+divided by ``batch`` (torchtitan's ``ParallelDims`` names its meshes by use the same way:
+"batch", "loss", "fsdp").
 """
 
 from __future__ import annotations
@@ -34,19 +39,24 @@ class Mesh:
 
     replicate: int = 1
     shard: int = 1
+    sequence: int = 1  # ranks that split one sequence (consecutive); 1: none
 
     def __post_init__(self) -> None:
-        for axis in ("replicate", "shard"):
+        for axis in ("replicate", "shard", "sequence"):
             degree = getattr(self, axis)
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
                 raise ValueError(f"mesh degree {axis} must be a positive integer, not {degree!r}")
+        if self.shard % self.sequence:
+            raise ValueError(f"a shard group of {self.shard} ranks does not hold whole sequence groups of "
+                             f"{self.sequence}")
 
     @classmethod
-    def for_world(cls, world_size: int, shard_group_size: int) -> Mesh:
-        """The mesh of ``world_size`` ranks sharded over groups of ``shard_group_size``."""
+    def for_world(cls, world_size: int, shard_group_size: int, sequence: int = 1) -> Mesh:
+        """The mesh of ``world_size`` ranks sharded over groups of ``shard_group_size``, with
+        sequence groups of ``sequence`` consecutive ranks inside them."""
         if world_size % shard_group_size:
             raise ValueError(f"shard group size {shard_group_size} does not divide the world size {world_size}")
-        return cls(replicate=world_size // shard_group_size, shard=shard_group_size)
+        return cls(replicate=world_size // shard_group_size, shard=shard_group_size, sequence=sequence)
 
     @property
     def world(self) -> int:
@@ -56,7 +66,7 @@ class Mesh:
     @property
     def batch(self) -> int:
         """The ranks that read different samples: the data-parallel degree."""
-        return self.replicate * self.shard
+        return self.replicate * self.shard // self.sequence
 
     @property
     def grad_divisor(self) -> int:
@@ -71,6 +81,14 @@ class Mesh:
         """The global ranks of each replica group (one per place in a shard group)."""
         return [range(place, self.world, self.shard) for place in range(self.shard)]
 
+    def sequence_groups(self) -> list[range]:
+        """The global ranks of each sequence group: ``sequence`` consecutive ranks."""
+        return [range(g * self.sequence, (g + 1) * self.sequence) for g in range(self.world // self.sequence)]
+
+    def batch_rank(self, rank: int) -> int:
+        """Which of the `batch` data-parallel ranks ``rank`` reads the samples of."""
+        return rank // self.sequence
+
     def shard_group_of(self, rank: int) -> range:
         return self.shard_groups()[rank // self.shard]
 
@@ -79,4 +97,4 @@ class Mesh:
 
     def as_manifest(self) -> dict[str, Any]:
         """What a checkpoint's manifest records of the layout that wrote it."""
-        return {"replicate": self.replicate, "shard": self.shard}
+        return {"replicate": self.replicate, "shard": self.shard, "sequence": self.sequence}

@@ -64,8 +64,11 @@ class ZeroEngineConfig(_Section):
     graph_harvesting: bool = _deepspeed_option(False)
     seq_parallel_communication_data_type: str = _deepspeed_option("fp32")
     sparse_gradients: bool = Field(False, description="DeepSpeed option: sparse embedding gradients; refused when on.")
-    sequence_parallel_size: PositiveCount = Field(1, description="DeepSpeed option: Ulysses sequence parallelism; "
-                                                  "refused above 1.")
+    sequence_parallel_size: PositiveCount = Field(
+        1, description="Ulysses sequence parallelism: each sequence split over this many consecutive ranks, which "
+        "read the same micro-batches; attention exchanged over them (Hugging Face models, 'sdpa' or 'eager'). "
+        "train_batch_size counts the data-parallel ranks, world size / this."
+    )
     managed_gradient_accumulation: bool = Field(
         True, description="DeepSpeed: false makes every step() an accumulation boundary; refused when false "
         "(set_gradient_accumulation_boundary says where a window ends)."
@@ -135,10 +138,6 @@ class ZeroEngineConfig(_Section):
         "sparse_gradients": Refused(
             lambda c: c.sparse_gradients,
             lambda c: "sparse_gradients = true (sparse embedding gradients; gradients are dense flat buffers here)",
-        ),
-        "sequence_parallel_size": Refused(
-            lambda c: c.sequence_parallel_size > 1,
-            lambda c: f"sequence_parallel_size = {c.sequence_parallel_size} (sequence parallelism)",
         ),
         **{
             section: Refused(

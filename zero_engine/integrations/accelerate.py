@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 
 from .. import ConfigError, Engine, initialize, load_config
 from ..config import read_config_mapping
-from .config_filling import AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer
+from .config_filling import AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer, refuse_sequence_parallel
 from .engine_model import EngineModel, SteppedByEngine
 
 __all__ = ["Accelerator"]
@@ -139,6 +139,7 @@ class Accelerator(accelerate.Accelerator):
         schedule = self._engine_schedule(scheduler, raw)
         if not any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
             model.to(self.device)  # as Accelerate places a model; a meta one is the engine's to build
+        refuse_sequence_parallel(raw, "Accelerate")
         self.zero_engine = initialize(
             model, load_config(raw), param_groups=groups, lr_scheduler=schedule, weights=self._zero_weights,
             param_init_fn=self._zero_param_init_fn,

@@ -131,3 +131,16 @@ def rebind(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
                 after[key] = before[key]
     scheduler.optimizer = optimizer
     return scheduler
+
+
+def refuse_sequence_parallel(raw: dict[str, Any], framework: str) -> None:
+    """``sequence_parallel_size`` above 1 needs the ranks of a sequence group to read the same
+    micro-batches, which the framework's data loader does not know yet: refused by name, never
+    trained with each rank reading its own batch."""
+    size = raw.get("sequence_parallel_size", 1)
+    if isinstance(size, int) and size > 1:
+        raise NotImplementedError(
+            f"sequence_parallel_size = {size} through {framework} is not wired yet: its data loader would give each "
+            "rank of a sequence group a different batch. Use zero_engine.initialize in your own loop (each rank reads "
+            "the micro-batches of engine.data_parallel_rank of engine.data_parallel_world_size)"
+        )

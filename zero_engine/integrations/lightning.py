@@ -53,7 +53,7 @@ from .. import Engine, ZeroEngineConfig, initialize, load_config
 from ..config import auto_keys, read_config_mapping
 from ..state.consolidate import load_client_state, load_consolidated
 from ..state.storage import write_atomically
-from .config_filling import AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer, with_stand_ins
+from .config_filling import AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer, refuse_sequence_parallel, with_stand_ins
 from .engine_model import EngineModel
 
 __all__ = ["ZeroEngineStrategy", "convert_to_lightning_checkpoint"]
@@ -164,6 +164,7 @@ class ZeroEngineStrategy(DDPStrategy):
             raw["optimizer"], groups = rebuilt_optimizer(optimizers[0])
             if schedules:
                 schedule = self._take_schedule(schedules[0])
+        refuse_sequence_parallel(raw, "Lightning")
         engine = initialize(
             module, load_config(raw), param_groups=groups, lr_scheduler=schedule, weights=self._weights,
             param_init_fn=self._param_init_fn,

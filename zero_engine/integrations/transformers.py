@@ -43,7 +43,7 @@ from transformers import Trainer
 from .. import Engine, initialize, load_config
 from ..config import optimizer_class, optimizer_options, read_config_mapping
 from ..state.adapters import adapter_names, is_peft_model
-from .config_filling import optimizer_section
+from .config_filling import optimizer_section, refuse_sequence_parallel
 from .engine_model import EngineModel, SteppedByEngine
 from .training_arguments import fill_from_arguments, fill_schedule, provisional_schedule
 
@@ -131,6 +131,7 @@ class ZeroEngineTrainer(Trainer):
 
     def _build_engine(self, max_steps: int) -> Engine:
         raw = fill_schedule(self._zero_raw, self.args, max_steps, self._zero_origin)
+        refuse_sequence_parallel(raw, "Hugging Face's Trainer")
         config = load_config(raw)
         schedule = self._trainer_schedule(max_steps) if "scheduler" not in raw else None
         return initialize(

@@ -1,0 +1,195 @@
+"""``sequence_parallel_size``: Ulysses sequence parallelism (`zero_engine.sharding.transforms.ulysses`)
+against the same Hugging Face model trained in one process on the same global batches, in real
+processes on gloo: the per-step loss, gradient norm and every parameter after the steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import zero_engine
+from configs import engine_config
+from harness import run_on_ranks
+
+STEPS, MICRO, ACCUM = 4, 2, 2
+TOL = 2e-5
+
+
+def _llama(attention: str = "sdpa", heads: int = 8, kv_heads: int = 2, **extra: Any) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=4 * heads, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=97, max_position_embeddings=128, attn_implementation=attention,
+        **extra,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _batches(length: int, data_ranks: int) -> list[list[torch.Tensor]]:
+    """Per step, per data-parallel rank: micro-batches of token ids (labels = the ids, some -100)."""
+    generator = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(STEPS):
+        per_rank = []
+        for _ in range(data_ranks):
+            ids = torch.randint(0, 97, (ACCUM, MICRO, length), generator=generator)
+            per_rank.append(ids)
+        steps.append(per_rank)
+    return steps
+
+
+def _labels(ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    labels[:, : ids.shape[1] // 3] = -100  # a prompt without targets: slices differ in valid tokens
+    return labels
+
+
+def _inputs(case: dict[str, Any], ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A micro-batch's arguments: packed (two documents, ``position_ids`` restarting at 0) or
+    right-padded (the first sample's last 3 tokens, labels -100 there), as the case says."""
+    inputs = {"input_ids": ids, "labels": _labels(ids)}
+    length = ids.shape[1]
+    if case.get("packed"):
+        first = length // 2 + 1
+        inputs["position_ids"] = torch.cat([torch.arange(first), torch.arange(length - first)])[None].expand_as(ids)
+    if case.get("padded"):
+        mask = torch.ones_like(ids)
+        mask[0, -3:] = 0
+        inputs["attention_mask"] = mask
+        inputs["labels"] = inputs["labels"].masked_fill(mask == 0, -100)
+    return inputs
+
+
+def reference(case: dict[str, Any]) -> dict[str, Any]:
+    """One process, the whole global batch: the mean over data-parallel ranks of each rank's
+    micro-batch loss (each over its valid tokens), as data parallelism averages them."""
+    model = _llama(case["attention"], case.get("heads", 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    data_ranks = case["world"] // case["k"]
+    losses, norms = [], []
+    for step in _batches(case["length"], data_ranks):
+        optimizer.zero_grad()
+        step_losses = []
+        for ids in step:
+            for micro in range(ACCUM):
+                loss = model(**_inputs(case, ids[micro])).loss
+                (loss / (ACCUM * data_ranks)).backward()
+                step_losses.append(loss.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        optimizer.step()
+        losses.append(step_losses)
+    return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def sequence_parallel(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    results = []
+    for case in cases:
+        config = engine_config(case["stage"], micro=MICRO, accum=ACCUM, lr=1e-3, clip=1.0,
+                               optimizer_params={"weight_decay": 0.0}, recompute_units=case.get("recompute"))
+        config["sequence_parallel_size"] = case["k"]
+        engine = zero_engine.initialize(_llama(case["attention"], case.get("heads", 8)), config)
+        data_rank = engine.data_parallel_rank
+        losses, norms = [], []
+        for step in _batches(case["length"], engine.data_parallel_world_size):
+            ids = step[data_rank]
+            step_losses = []
+            for micro in range(ACCUM):
+                loss = engine(**_inputs(case, ids[micro])).loss
+                engine.backward(loss)
+                step_losses.append(loss.item())
+                engine.step()
+            losses.append(step_losses)
+            norms.append(engine.get_global_grad_norm())
+        results.append({"losses": losses, "norms": norms, "state": engine.full_state_dict(),
+                        "batch": engine.train_batch_size(), "all_to_all": engine.comm_report()["all_to_all"]})
+        engine.close()
+    return results
+
+
+def _check(case: dict[str, Any], per_rank: list[dict[str, Any]]) -> None:
+    expected = reference(case)
+    k = case["k"]
+    for rank, result in enumerate(per_rank):
+        data_rank = rank // k
+        for step in range(STEPS):
+            mine = expected["losses"][step][data_rank * ACCUM : (data_rank + 1) * ACCUM]
+            assert result["losses"][step] == pytest.approx(mine, abs=TOL), (case, rank, step)
+        assert result["norms"] == pytest.approx(expected["norms"], abs=TOL), (case, rank)
+        for name, value in expected["state"].items():
+            diff = (result["state"][name] - value).abs().max().item()
+            assert diff <= TOL, f"{case}, rank {rank}: {name} differs by {diff}"
+        assert result["batch"] == MICRO * ACCUM * case["world"] // k
+        assert result["all_to_all"]["sent"] > 0
+
+
+# 8 query and 2 key/value heads: at k = 4 the key/value heads are repeated; a length k does not
+# divide is padded; labels -100 on the first third: at k = 4 rank 0's slice has no valid label.
+GRIDS = {
+    2: [{"world": 2, "k": 2, "stage": 0, "attention": "sdpa", "length": 16},
+        {"world": 2, "k": 2, "stage": 3, "attention": "eager", "length": 15}],
+    3: [{"world": 3, "k": 3, "stage": 0, "attention": "sdpa", "length": 17, "heads": 6},
+        {"world": 3, "k": 3, "stage": 3, "attention": "sdpa", "length": 16, "heads": 6, "packed": True},
+        {"world": 3, "k": 3, "stage": 0, "attention": "eager", "length": 14, "heads": 6, "padded": True}],
+    4: [{"world": 4, "k": 4, "stage": 3, "attention": "sdpa", "length": 16},
+        # 2 data-parallel x 2 sequence; each decoder layer recomputed in backward (its exchanges too)
+        {"world": 4, "k": 2, "stage": 0, "attention": "eager", "length": 15, "recompute": True}],
+}
+SLOW_GRIDS = {
+    2: [{"world": 2, "k": 2, "stage": stage, "attention": attention, "length": 15}
+        for stage in (1, 2) for attention in ("sdpa", "eager")],
+    4: [{"world": 4, "k": 2, "stage": stage, "attention": "sdpa", "length": 17} for stage in (1, 2, 3)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(GRIDS))
+def test_sequence_parallel_matches_one_process(world: int) -> None:
+    per_rank = run_on_ranks(world, sequence_parallel, GRIDS[world], allow_numpy=True, timeout=400)
+    for index, case in enumerate(GRIDS[world]):
+        _check(case, [result[index] for result in per_rank])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(SLOW_GRIDS))
+def test_sequence_parallel_matches_one_process_at_stages_1_and_2(world: int) -> None:
+    per_rank = run_on_ranks(world, sequence_parallel, SLOW_GRIDS[world], allow_numpy=True, timeout=600)
+    for index, case in enumerate(SLOW_GRIDS[world]):
+        _check(case, [result[index] for result in per_rank])
+
+
+def refusals(rank: int, world_size: int) -> dict[str, str]:
+    torch.set_num_threads(1)
+    found = {}
+    base = engine_config(0, micro=1, lr=1e-3)
+    for name, model, k in (
+        ("window", _llama(sliding_window=8), 2),
+        ("heads", _llama(heads=3, kv_heads=1), 2),
+        ("world", _llama(), 3),
+    ):
+        try:
+            zero_engine.initialize(model, {**base, "sequence_parallel_size": k})
+        except (NotImplementedError, zero_engine.ConfigError) as err:
+            found[name] = str(err)
+    model = _llama()
+    engine = zero_engine.initialize(model, {**base, "sequence_parallel_size": 2})
+    found["routed"] = model.config._attn_implementation
+    ids = torch.randint(0, 97, (1, 8))
+    engine.eval()
+    with torch.no_grad():  # evaluation sees the whole sequence, on every rank
+        found["eval_tokens"] = str(engine(input_ids=ids).logits.shape[1])
+    engine.close()
+    found["closed"] = model.config._attn_implementation  # close() puts the model's own back
+    return found
+
+
+def test_what_sequence_parallelism_cannot_split_is_refused_by_name() -> None:
+    for found in run_on_ranks(2, refusals, allow_numpy=True):
+        assert "sliding-window attention (config.sliding_window = 8)" in found["window"]
+        assert "has 3 attention heads, which do not split over 2 ranks" in found["heads"]
+        assert "sequence_parallel_size = 3 does not divide the world size 2" in found["world"]
+        assert found["eval_tokens"] == "8"
+        assert found["routed"].startswith("zero_engine_ulysses_sdpa_") and found["closed"] == "sdpa"

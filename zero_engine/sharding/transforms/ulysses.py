@@ -1,0 +1,271 @@
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses, arXiv 2309.14509) as a module transform:
+``sequence_parallel_size: k`` splits each sequence over ``k`` consecutive ranks, which read
+the same micro-batch.
+
+Every layer but attention works token by token, so each rank runs it on its slice of the
+sequence (``1/k`` of every activation). Attention needs the whole sequence: before it, an
+all-to-all over the sequence group turns "my slice of the sequence, all heads" into "the whole
+sequence, my heads"; after it, a second one turns the output back. Both are autograd functions
+whose backward is the opposite exchange.
+
+For a Hugging Face model the transform works by config alone, at `initialize`:
+
+- the model's own attention implementation (``sdpa`` or ``eager``) is wrapped and registered in
+  transformers' attention registry under a name of ours, which the model's config points at
+  until `remove`; nothing to register before ``from_pretrained``;
+- a forward pre-hook on the model splits the micro-batch (training forwards only: ``eval()``,
+  ``no_grad`` and ``generate`` see the sequence whole): labels are shifted before the split, so
+  no token loses its target at a slice boundary, ``position_ids`` stay global, and a length that
+  ``k`` does not divide is padded at its end (padding attends to nothing before it and is
+  ignored by the loss);
+- each rank's loss is its slice's sum of token losses over the micro-batch's valid tokens
+  (``num_items_in_batch``, Hugging Face's own argument), so the sequence group's gradients sum to
+  the micro-batch's; a forward post-hook makes the returned loss's value the micro-batch's, as
+  one process computes it, on every rank of the group (its gradient stays the slice's).
+
+Masks are the whole sequence's: causal alone (no mask tensor) unless the batch is padded, when
+the attention gets a mask of the padded keys over the whole sequence, as one process's model
+builds it (`whole_sequence_mask`). Packed documents keep their own ``position_ids``, and attend
+across their boundaries, as the model's ``sdpa`` and ``eager`` attention do in one process.
+Key/value heads fewer than ``k`` (or not divisible by it) are repeated to the query heads
+before the exchange. Refused at `initialize`, naming what: a model that is not a Hugging Face
+model with an attention implementation to route, query heads not divisible by ``k``, sliding
+windows.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ...comm import CollectiveKind, GroupComm
+from .seam import MODEL, TransformTarget
+
+IGNORE_INDEX = -100
+
+
+class _AllToAll(torch.autograd.Function):
+    """``tensor`` cut into ``k`` chunks along ``scatter_dim``, chunk ``j`` sent to group rank ``j``;
+    the chunks received, in rank order, joined along ``gather_dim``. Backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx: Any, group: GroupComm, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return exchange(group, tensor, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        scatter_dim, gather_dim = ctx.dims
+        return None, exchange(ctx.group, grad, gather_dim, scatter_dim), None, None
+
+
+def exchange(group: GroupComm, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """The all-to-all itself, on the sequence group (no autograd)."""
+    k = group.world_size
+    send = torch.stack(tensor.chunk(k, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(send)
+    group.all_to_all(send.view(-1), received.view(-1), CollectiveKind.ALL_TO_ALL).wait()
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+def all_to_all(group: GroupComm, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    return _AllToAll.apply(group, tensor, scatter_dim, gather_dim)
+
+
+class _FewerKeyValueGroups:
+    """The attention module as the wrapped implementation sees it once the key/value heads were
+    repeated to the query heads: one query head per key/value head."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self.num_key_value_groups = 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class UlyssesAttention:
+    """``sequence_parallel_size`` on a Hugging Face model: its attention exchanged over the
+    sequence group, its training micro-batches split along the sequence."""
+
+    ORDER = MODEL
+
+    def __init__(self, group: GroupComm) -> None:
+        self.group = group
+        # Whether the last forward split its batch: its attention exchanges, and so does its
+        # recomputation in backward (recompute_units), until the next forward decides again.
+        self.active = False
+        self._loss_pending = False  # the split forward's loss is still to be made the micro-batch's
+        self._mask: torch.Tensor | None = None  # the split micro-batch's whole attention mask, if not causal alone
+        self._config: Any = None
+        self._registry: Any = None  # transformers' attention registry (`_attention_registry`)
+        self._name = ""
+        self._previous_implementation: str | None = None
+        self._handles: list[RemovableHandle] = []
+
+    def apply(self, target: TransformTarget) -> None:
+        model = target.model
+        self._config = check_model(model, self.group.world_size)
+        self._registry, eager = _attention_registry(model)
+        implementation = self._config._attn_implementation
+        inner = self._registry[implementation] if implementation != "eager" else eager
+        self._name = f"zero_engine_ulysses_{implementation}_{id(self)}"  # one per engine: each has its own group
+        self._registry[self._name] = self._wrap(inner, causal_mask=implementation == "eager")
+        self._previous_implementation = implementation
+        self._config._attn_implementation = self._name
+        self._handles = [
+            model.register_forward_pre_hook(self._split, with_kwargs=True),
+            model.register_forward_hook(self._whole_loss, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._previous_implementation is not None:
+            self._config._attn_implementation = self._previous_implementation
+            self._previous_implementation = None
+            del self._registry[self._name]
+
+    # -- attention ------------------------------------------------------------------------
+
+    def _wrap(self, inner: Any, causal_mask: bool) -> Any:
+        def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+            if not self.active:
+                return inner(module, query, key, value, attention_mask, *args, **kwargs)
+            k = self.group.world_size
+            if key.shape[1] % k:  # fewer key/value heads than ranks: each rank needs its queries' own
+                groups = query.shape[1] // key.shape[1]
+                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+                module = _FewerKeyValueGroups(module)
+            # (batch, heads, tokens/k, dim) -> (batch, heads/k, tokens, dim)
+            query, key, value = (all_to_all(self.group, t, 1, 2) for t in (query, key, value))
+            mask = self._mask  # the whole sequence's, not the slice's: None where causal alone says it
+            if mask is None and causal_mask:
+                mask = torch.ones(query.shape[2], query.shape[2], dtype=torch.bool, device=query.device).tril()
+            if mask is not None and causal_mask:  # eager attention adds its mask
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    ~mask, torch.finfo(query.dtype).min
+                )
+            output, _ = inner(module, query, key, value, mask, *args, **kwargs)
+            # (batch, tokens, heads/k, dim) -> (batch, tokens/k, heads, dim)
+            return all_to_all(self.group, output, 1, 2), None
+
+        return attention
+
+    # -- the batch ------------------------------------------------------------------------
+
+    def _split(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self.active = self._loss_pending = module.training and torch.is_grad_enabled()
+        if not self.active:
+            return None
+        kwargs = dict(kwargs)
+        if args:  # the model's positional order: input_ids first
+            kwargs.setdefault("input_ids", args[0])
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            raise NotImplementedError("sequence_parallel_size: the model must be called with input_ids (not "
+                                      "inputs_embeds) in training")
+        batch, length = input_ids.shape
+        k, rank = self.group.world_size, self.group.rank
+        padded = math.ceil(length / k) * k
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length, device=input_ids.device)
+        positions = positions.expand(batch, length)
+        self._mask = whole_sequence_mask(kwargs.get("attention_mask"), padded)
+        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, padded - length + 1)], dim=1)
+        ids = nn.functional.pad(input_ids, (0, padded - length))
+        labels = kwargs.pop("labels", None)
+        piece = slice(rank * padded // k, (rank + 1) * padded // k)
+        split: dict[str, Any] = {
+            "input_ids": ids[:, piece].contiguous(), "position_ids": positions[:, piece].contiguous(), "use_cache": False,
+        }
+        if labels is not None:
+            shifted = nn.functional.pad(labels[:, 1:], (0, padded - length + 1), value=IGNORE_INDEX)
+            mine = shifted[:, piece].contiguous()
+            split.update(labels=mine, shift_labels=mine,
+                         num_items_in_batch=(shifted != IGNORE_INDEX).sum())
+        kwargs.pop("attention_mask", None)
+        kwargs.pop("position_ids", None)
+        kwargs.update(split)
+        return (), kwargs
+
+    def _whole_loss(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """The loss's value made the micro-batch's on every rank of the group; its gradient
+        stays this rank's slice's (the gradients of the group are summed)."""
+        if not self._loss_pending:
+            return None
+        self._loss_pending = False
+        loss = getattr(output, "loss", None)
+        if loss is None:
+            return None
+        total = loss.detach().clone()
+        self.group.all_reduce_sum(total).wait()
+        output.loss = loss + (total - loss.detach())
+        return output
+
+
+def check_model(model: nn.Module, k: int) -> Any:
+    """The model's config, if it is a model this transform can split; else `NotImplementedError`
+    naming what it is not."""
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        raise NotImplementedError(
+            f"sequence_parallel_size = {k}: {type(model).__name__} is not a Hugging Face model whose attention "
+            f"implementation is 'sdpa' or 'eager' (found {implementation!r}); only those are routed through "
+            "Ulysses' exchange so far"
+        )
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads % k:
+        raise NotImplementedError(
+            f"sequence_parallel_size = {k}: {type(model).__name__} has {heads} attention heads, which do not split "
+            f"over {k} ranks"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) is not False:
+        raise NotImplementedError(
+            f"sequence_parallel_size = {k}: {type(model).__name__} uses sliding-window attention "
+            f"(config.sliding_window = {window}), which is not routed through Ulysses' exchange yet"
+        )
+    return config
+
+
+def whole_sequence_mask(attention_mask: torch.Tensor | None, padded: int) -> torch.Tensor | None:
+    """Which keys each query of the whole (padded) sequence may attend to, as the model's own
+    ``sdpa`` and ``eager`` attention mask them in one process: causal, and not at a padded key
+    (``attention_mask`` zeros). Packed documents (``position_ids`` restarting) attend across
+    their boundaries there too (only flash attention's variable-length kernels separate them),
+    with their own positions. None without padding, when causal alone says it, so that
+    attention needs no mask of tokens x tokens. A query with no key left (left padding) attends
+    to itself: nothing reads its output but its own position; give such tokens labels -100, as
+    collators do."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    valid = nn.functional.pad(attention_mask.bool(), (0, padded - attention_mask.shape[1]), value=False)
+    allowed = torch.ones(padded, padded, dtype=torch.bool, device=valid.device).tril() & valid[:, None, :]
+    allowed |= torch.eye(padded, dtype=torch.bool, device=valid.device)
+    return allowed[:, None]
+
+def _attention_registry(model: nn.Module) -> tuple[Any, Any]:
+    """Transformers' registry of attention implementations and the model's own eager attention,
+    found in the modeling module of the model's attention layers (each Hugging Face model file
+    imports the registry and defines its eager attention), so that nothing here imports
+    transformers."""
+    for module in model.modules():
+        source = sys.modules.get(type(module).__module__)
+        registry = getattr(source, "ALL_ATTENTION_FUNCTIONS", None)
+        eager = getattr(source, "eager_attention_forward", None)
+        if registry is not None and eager is not None:
+            return registry, eager
+    raise NotImplementedError(
+        f"sequence_parallel_size: no Hugging Face modeling module (with ALL_ATTENTION_FUNCTIONS and "
+        f"eager_attention_forward) found among {type(model).__name__}'s modules"
+    )
