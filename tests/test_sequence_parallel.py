@@ -193,3 +193,92 @@ def test_what_sequence_parallelism_cannot_split_is_refused_by_name() -> None:
         assert "sequence_parallel_size = 3 does not divide the world size 2" in found["world"]
         assert found["eval_tokens"] == "8"
         assert found["routed"].startswith("zero_engine_ulysses_sdpa_") and found["closed"] == "sdpa"
+
+
+def activation_peaks(rank: int, world_size: int, lengths: list[int]) -> dict[tuple[int, int], int]:
+    """The most bytes torch allocated at once in a forward and backward (after warm-up steps),
+    the same global sequence split over k = 1 and 2 ranks."""
+    from test_activations import _allocated_during
+
+    torch.set_num_threads(1)
+    peaks = {}
+    for length in lengths:
+        ids = torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(0))
+        for k in (1, 2):
+            config = engine_config(0, micro=1, lr=1e-3)
+            config["sequence_parallel_size"] = k
+            engine = zero_engine.initialize(_llama(heads=8, kv_heads=8), config)
+            for _ in range(2):
+                engine.backward(engine(input_ids=ids, labels=ids).loss)
+                engine.step()
+
+            def step() -> None:
+                out = engine(input_ids=ids, labels=ids)
+                with torch.profiler.record_function("forward done"):
+                    pass
+                engine.backward(out.loss)
+
+            peaks[length, k] = _allocated_during(step, "forward done")[1]
+            engine.close()
+    return peaks
+
+
+def test_each_rank_holds_its_share_of_the_activations() -> None:
+    """At a fixed global length, a rank of a 2-rank sequence group allocates at most 1.25/2 of
+    what a rank holding the whole sequence does in a step (activations, the attention's
+    exchanges and the logits: the model states are allocated before)."""
+    for peaks in run_on_ranks(2, activation_peaks, [1024], allow_numpy=True, timeout=400):
+        assert peaks[1024, 2] <= 1.25 / 2 * peaks[1024, 1], peaks
+
+
+def resumes(rank: int, world_size: int, root: str) -> dict[str, bool]:
+    """Saved at k = 2 (one sequence group), loaded at k = 1 (two data-parallel ranks) and back:
+    the same values and optimizer state; the manifest records the layout that wrote it."""
+    import json
+    from pathlib import Path
+
+    torch.set_num_threads(1)
+    ids = torch.randint(0, 97, (MICRO, 16), generator=torch.Generator().manual_seed(rank // 2))
+    out = {}
+    engines = {}
+    for k in (2, 1):
+        config = engine_config(3, micro=MICRO, lr=1e-3)
+        config["sequence_parallel_size"] = k
+        engines[k] = zero_engine.initialize(_llama(), config)
+    engine = engines[2]
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(root, tag="k2")
+    engines[1].load_checkpoint(root, tag="k2")
+    saved, loaded = engine.full_state_dict(), engines[1].full_state_dict()
+    out["values"] = all(torch.equal(saved[name], loaded[name]) for name in saved)
+    out["step"] = engines[1].global_step == 2
+    manifest = json.loads((Path(root) / "k2" / "manifest.json").read_text())
+    out["mesh"] = manifest["mesh"] == {"replicate": 1, "shard": 2, "sequence": 2}
+    engines[1].backward(engines[1](input_ids=ids, labels=ids).loss)  # trains on at the new shape
+    engines[1].step()
+    for e in engines.values():
+        e.close()
+    return out
+
+
+def test_a_checkpoint_resumes_at_another_sequence_shape(tmp_path) -> None:
+    for found in run_on_ranks(2, resumes, str(tmp_path), allow_numpy=True, timeout=400):
+        assert found == {"values": True, "step": True, "mesh": True}
+
+
+def test_validate_counts_data_parallel_ranks_and_estimate_shards_over_every_rank(capsys) -> None:
+    """train_batch_size = micro x accumulation x (world / k), as initialize resolves it; the
+    model states are still sharded over every rank, sequence ranks included."""
+    from zero_engine import ConfigError, load_config
+    from zero_engine.memory import estimate_from_config
+    from zero_engine.validation import check_config
+
+    config = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                          "sequence_parallel_size": 2, "zero_optimization": {"stage": 3},
+                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert check_config(config, ranks=8).batch.train_batch_size == 2 * 3 * 4
+    with pytest.raises(ConfigError, match="sequence_parallel_size = 2 does not divide the world size 3"):
+        check_config(config, ranks=3)
+    assert estimate_from_config(config, 8_000, 8).optimizer_states == 8_000 * 8 // 8

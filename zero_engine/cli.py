@@ -62,7 +62,7 @@ def _validate(args: argparse.Namespace) -> int:
         source: Any = args.config
         if args.trainer:
             source, filled = trainer_stand_ins(read_config_mapping(args.config)[0])
-        checked = check_config(load_config(source), data_ranks=args.world_size, hidden_size=args.hidden_size)
+        checked = check_config(load_config(source), ranks=args.world_size, hidden_size=args.hidden_size)
     except (ConfigError, NotImplementedError) as err:
         print(f"invalid: {err}", file=sys.stderr)
         if not args.trainer and "TrainingArguments" in str(err):

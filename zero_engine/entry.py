@@ -146,7 +146,7 @@ def _build_engine(
     )  # every unit, planned once: built by the engine, sized for the host check before
     if settings.offload.any:  # the formula's host bytes, before any of them is allocated
         trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
-        _check_host_memory(estimate_from_config(config, trainable, comm.mesh.batch).host, units, settings, comm)
+        _check_host_memory(estimate_from_config(config, trainable, comm.mesh.world).host, units, settings, comm)
     if comm.rank == 0:
         _log_settings(config, stage, settled.groups)
         _warn_if_one_hardware_queue(stage, comm)

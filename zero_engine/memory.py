@@ -102,21 +102,22 @@ def optimizer_bytes_per_param(name: str, params: dict) -> int:
 def estimate_from_config(
     config: ZeroEngineConfig,
     num_params: int,
-    data_ranks: int,
+    ranks: int,
     shard_group_size: int | None = None,
     frozen_params: int = 0,
 ) -> MemoryReport:
     """The formula for a config: its stage, precision, optimizer and offload. States are
-    sharded over the shard group (``shard_group_size``, else the config's for ``data_ranks`` data-parallel ranks),
+    sharded over the shard group (``shard_group_size``, else the config's for ``ranks``: every rank, sequence
+    ranks too),
     not over every rank: with hybrid sharding ``G`` takes the place of ``N``. ``num_params``
     trainable parameters; ``frozen_params`` frozen ones add their storage alone (2 bytes under
     fp16/bf16, else 4; about 1 in int8 at stage 3 under ``zero_quantized_nontrainable_weights``),
     sharded at stage 3 unless ``frozen_weights`` is ``replicate``."""
     mixed = config.fp16.enabled or config.bf16.enabled
     if shard_group_size is None:
-        shard_group_size = config.zero_optimization.shard_group_size_for(data_ranks)
-    elif data_ranks % shard_group_size:
-        raise ValueError(f"shard group size {shard_group_size} does not divide the world size {data_ranks}")
+        shard_group_size = config.zero_optimization.shard_group_size_for(ranks)
+    elif ranks % shard_group_size:
+        raise ValueError(f"shard group size {shard_group_size} does not divide the world size {ranks}")
     stage = stage_for(config.zero_optimization.stage)
     report = formula_bytes(
         num_params,

@@ -65,7 +65,7 @@ class Candidate(NamedTuple):
 
 
 def candidates(
-    config: ZeroEngineConfig, num_params: int, data_ranks: int, largest_unit_numel: int, frozen_params: int = 0
+    config: ZeroEngineConfig, num_params: int, ranks: int, largest_unit_numel: int, frozen_params: int = 0
 ) -> list[Candidate]:
     """Every candidate's figures, in the order they are tried; the largest stage 3 unit counted
     gathered whole in the compute dtype; ``frozen_params`` frozen parameters counted as stored
@@ -81,7 +81,7 @@ def candidates(
     for name, update in CANDIDATES:
         settled = zero.model_copy(update={**update, "memory_budget_gib": None})  # as if set by hand
         chosen = config.model_copy(update={"zero_optimization": settled})
-        report = estimate_from_config(chosen, num_params, data_ranks, frozen_params=frozen_params)
+        report = estimate_from_config(chosen, num_params, ranks, frozen_params=frozen_params)
         gathered = gathered_unit if update["stage"] == 3 else 0
         table.append(Candidate(name, chosen, report.model_states - report.host, gathered, activations, report.host))
     return table
@@ -150,7 +150,7 @@ def resolve_stage(
     assert comm is not None, "stage: auto is agreed between the ranks: connect first"
     num_params = sum(param.numel() for group in groups for param in group.params)
     frozen = sum(param.numel() for param in frozen_params(plan.model))
-    table = candidates(config, num_params, comm.mesh.batch, plan.largest_unit_numel(), frozen)
+    table = candidates(config, num_params, comm.mesh.world, plan.largest_unit_numel(), frozen)  # ZeRO shards over all
     zero = config.zero_optimization
     own = budget_bytes(zero.memory_budget_gib, zero.memory_margin_gib, device, _bytes_on(plan.model, device))
     budgets = comm.each_rank(own).values()
@@ -159,7 +159,7 @@ def resolve_stage(
     smallest = "" if len(set(budgets)) == 1 else f", the smallest of the ranks' (rank {budgets.index(budget)}'s)"
     text = (
         f"zero_optimization.stage = 'auto' chose {chosen.name} for a budget of {_size(budget)} per rank{smallest} "
-        f"({num_params:,} trainable and {frozen:,} frozen parameters, {comm.mesh.batch} rank(s)):\n"
+        f"({num_params:,} trainable and {frozen:,} frozen parameters, {comm.mesh.world} rank(s)):\n"
         f"{format_table(table, budget, chosen)}"
     )
     return chosen.config, text

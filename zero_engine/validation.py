@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from .auto_values import fill_auto
 from .config import BatchSizes, ZeroEngineConfig, auto_keys, no_effect_settings
+from .errors import ConfigError
 from .config.deepspeed_compat import AUTO_BATCH_KEYS
 from .config.refusals import refuse as refuse_unbuilt_features
 from .optim import check_optimizer_for_stage
@@ -59,12 +60,14 @@ class _Model:
         self.config = type("Config", (), {"hidden_size": hidden_size})()
 
 
-def check_config(config: ZeroEngineConfig, model: Any = None, data_ranks: int | None = None, *,
+def check_config(config: ZeroEngineConfig, model: Any = None, ranks: int | None = None, *,
                  hidden_size: int | None = None) -> Checked:
     """`initialize`'s checks of ``config`` that need no process group, in its order (a
     `ConfigError` or `NotImplementedError` naming the keys). ``model``: the model (its hidden
     size fills bucket sizes); without one, ``hidden_size`` stands for it, and bucket sizes left
-    ``"auto"`` with neither are noted, not refused (`initialize` sizes them from the model)."""
+    ``"auto"`` with neither are noted, not refused (`initialize` sizes them from the model).
+    ``ranks``: the ranks it will run on, for the batch arithmetic (over ``ranks /
+    sequence_parallel_size`` data-parallel ranks)."""
     notes = []
     auto = [key for key in auto_keys(config) if key not in AUTO_BATCH_KEYS]
     if model is None:
@@ -83,7 +86,12 @@ def check_config(config: ZeroEngineConfig, model: Any = None, data_ranks: int | 
     if config.zero_optimization.stage != "auto":
         check_optimizer_for_stage(config.optimizer, stage_for(config.zero_optimization.stage))
     Precision.from_config(config)
-    batch = config.batch_sizes(data_ranks) if data_ranks is not None else None
+    batch = None
+    if ranks is not None:
+        if ranks % config.sequence_parallel_size:
+            raise ConfigError(f"sequence_parallel_size = {config.sequence_parallel_size} does not divide the world "
+                              f"size {ranks}")
+        batch = config.batch_sizes(ranks // config.sequence_parallel_size)
     return Checked(config, batch, [*no_effect_settings(config), *notes])
 
 
