@@ -56,6 +56,24 @@ def _allocated_during(run: Any, mark: str) -> tuple[int, int]:
     return (alive if at_mark is None else at_mark), peak
 
 
+def step_allocations(engine: Any, ids: torch.Tensor) -> tuple[int, int]:
+    """`_allocated_during` a training step's forward and backward on ``ids`` (labels the ids),
+    after two steps in which buffers, optimizer state and allocator caches settle; the mark:
+    the forward's end."""
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+    def forward_backward() -> None:
+        out = engine(input_ids=ids, labels=ids)
+        with torch.profiler.record_function("forward done"):
+            pass
+        engine.backward(out.loss)
+        del out
+
+    return _allocated_during(forward_backward, "forward done")
+
+
 def measured_steps(rank: int, world_size: int, cases: list[tuple[int, str, bool]]) -> dict[Any, Any]:
     torch.set_num_threads(1)
     ids = torch.randint(0, SHAPE.vocab, (MICRO, SEQ), generator=torch.Generator().manual_seed(rank))
@@ -64,18 +82,7 @@ def measured_steps(rank: int, world_size: int, cases: list[tuple[int, str, bool]
         torch.manual_seed(0)
         config = engine_config(stage, micro=MICRO, lr=1e-3, dtype=dtype, recompute_units=recompute)
         engine = zero_engine.initialize(_llama(), config)
-        for _ in range(2):  # buffers, optimizer state and allocator caches settle
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
-            engine.step()
-
-        def forward_backward() -> None:
-            out = engine(input_ids=ids, labels=ids)
-            with torch.profiler.record_function("forward done"):
-                pass
-            engine.backward(out.loss)
-            del out
-
-        results[(stage, dtype, recompute)] = _allocated_during(forward_backward, "forward done")
+        results[(stage, dtype, recompute)] = step_allocations(engine, ids)
         engine.close()
     return results
 

@@ -186,8 +186,20 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     return found
 
 
-def test_what_sequence_parallelism_cannot_split_is_refused_by_name() -> None:
-    for found in run_on_ranks(2, refusals, allow_numpy=True):
+def two_rank_checks(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """The refusals, the activation shares and the resume, in one spawn of 2 ranks."""
+    return {"refusals": refusals(rank, world_size), "peaks": activation_peaks(rank, world_size, [1024]),
+            "resumes": resumes(rank, world_size, root)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("sequence_checkpoints")
+    return run_on_ranks(2, two_rank_checks, str(root), allow_numpy=True, timeout=400)
+
+
+def test_what_sequence_parallelism_cannot_split_is_refused_by_name(two_ranks: list[dict[str, Any]]) -> None:
+    for found in (result["refusals"] for result in two_ranks):
         assert "sliding-window attention (config.sliding_window = 8)" in found["window"]
         assert "has 3 attention heads, which do not split over 2 ranks" in found["heads"]
         assert "sequence_parallel_size = 3 does not divide the world size 2" in found["world"]
@@ -198,7 +210,7 @@ def test_what_sequence_parallelism_cannot_split_is_refused_by_name() -> None:
 def activation_peaks(rank: int, world_size: int, lengths: list[int]) -> dict[tuple[int, int], int]:
     """The most bytes torch allocated at once in a forward and backward (after warm-up steps),
     the same global sequence split over k = 1 and 2 ranks."""
-    from test_activations import _allocated_during
+    from test_activations import step_allocations
 
     torch.set_num_threads(1)
     peaks = {}
@@ -208,26 +220,16 @@ def activation_peaks(rank: int, world_size: int, lengths: list[int]) -> dict[tup
             config = engine_config(0, micro=1, lr=1e-3)
             config["sequence_parallel_size"] = k
             engine = zero_engine.initialize(_llama(heads=8, kv_heads=8), config)
-            for _ in range(2):
-                engine.backward(engine(input_ids=ids, labels=ids).loss)
-                engine.step()
-
-            def step() -> None:
-                out = engine(input_ids=ids, labels=ids)
-                with torch.profiler.record_function("forward done"):
-                    pass
-                engine.backward(out.loss)
-
-            peaks[length, k] = _allocated_during(step, "forward done")[1]
+            peaks[length, k] = step_allocations(engine, ids)[1]
             engine.close()
     return peaks
 
 
-def test_each_rank_holds_its_share_of_the_activations() -> None:
+def test_each_rank_holds_its_share_of_the_activations(two_ranks: list[dict[str, Any]]) -> None:
     """At a fixed global length, a rank of a 2-rank sequence group allocates at most 1.25/2 of
     what a rank holding the whole sequence does in a step (activations, the attention's
     exchanges and the logits: the model states are allocated before)."""
-    for peaks in run_on_ranks(2, activation_peaks, [1024], allow_numpy=True, timeout=400):
+    for peaks in (result["peaks"] for result in two_ranks):
         assert peaks[1024, 2] <= 1.25 / 2 * peaks[1024, 1], peaks
 
 
@@ -263,8 +265,8 @@ def resumes(rank: int, world_size: int, root: str) -> dict[str, bool]:
     return out
 
 
-def test_a_checkpoint_resumes_at_another_sequence_shape(tmp_path) -> None:
-    for found in run_on_ranks(2, resumes, str(tmp_path), allow_numpy=True, timeout=400):
+def test_a_checkpoint_resumes_at_another_sequence_shape(two_ranks: list[dict[str, Any]]) -> None:
+    for found in (result["resumes"] for result in two_ranks):
         assert found == {"values": True, "step": True, "mesh": True}
 
 
