@@ -303,6 +303,24 @@ def test_validate_counts_data_parallel_ranks_and_estimate_shards_over_every_rank
     assert estimate_from_config(config, 8_000, 8).optimizer_states == 8_000 * 8 // 8
 
 
+def test_estimate_counts_each_ranks_slice_of_the_activations(tmp_path, capsys) -> None:
+    import json
+
+    from zero_engine.activations import DecoderShape, activation_bytes
+    from zero_engine.cli import main
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 4,
+                                "zero_optimization": {"stage": 3}}))
+    model = tmp_path / "config.json"
+    model.write_text(_llama().config.to_json_string())
+    assert main(["estimate", str(path), "--model-config", str(model), "--seq-len", "1001", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "1 x 1001 tokens, 251 of them on each rank (sequence_parallel_size 4)" in out
+    kept = activation_bytes(DecoderShape.from_file(model), 1, 251, 4, recompute=False).kept
+    assert f"kept for backward {kept / 2**30:8.3f} GiB" in out
+
+
 def test_a_bf16_loss_is_one_process_s_in_bf16(two_ranks: list[dict[str, Any]]) -> None:
     """The loss in bf16, split over 2 ranks, against the same model cast to bf16 in one process
     (its fp32 loss of bf16 logits: within 1e-3, 4e-6 measured)."""

@@ -134,10 +134,13 @@ def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape
     """One micro-batch's activations, with and without recompute_units (`zero_engine.activations`)."""
     compute_bytes = 2 if config.fp16.enabled or config.bf16.enabled else 4
     on = config.zero_optimization.recompute_units
-    print(f"activations of one micro-batch ({args.micro_batch} x {args.seq_len} tokens; a Llama-style decoder of "
-          f"{shape.layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}), not sharded by any stage:")
+    k = config.sequence_parallel_size  # each rank holds its slice of every sequence
+    tokens = -(-args.seq_len // k)
+    split = f", {tokens} of them on each rank (sequence_parallel_size {k})" if k > 1 else ""
+    print(f"activations of one micro-batch ({args.micro_batch} x {args.seq_len} tokens{split}; a Llama-style decoder "
+          f"of {shape.layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}), not sharded by any stage:")
     for recompute in (False, True):
-        counted = activation_bytes(shape, args.micro_batch, args.seq_len, compute_bytes, recompute)
+        counted = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, recompute)
         which = "recompute_units: true " if recompute else "recompute_units: false"
         chosen = "  <- this config" if recompute == on else ""
         print(f"  {which} kept for backward {counted.kept / 2**30:8.3f} GiB, step peak "
