@@ -166,6 +166,11 @@ class UlyssesAttention:
         if not self.active:
             return None
         kwargs = dict(kwargs)
+        if len(args) > 1:
+            raise NotImplementedError(
+                "sequence_parallel_size: call the model with input_ids alone positional, the rest by name "
+                "(labels=, attention_mask=, position_ids=), so that each is split as what it is"
+            )
         if args:  # the model's positional order: input_ids first
             kwargs.setdefault("input_ids", args[0])
         input_ids = kwargs.get("input_ids")
@@ -180,7 +185,8 @@ class UlyssesAttention:
             positions = torch.arange(length, device=input_ids.device)
         positions = positions.expand(batch, length)
         self._mask = whole_sequence_mask(kwargs.get("attention_mask"), padded)
-        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, padded - length + 1)], dim=1)
+        tail = torch.arange(1, padded - length + 1, device=positions.device)  # positions of the padding k needs
+        positions = torch.cat([positions, positions[:, -1:] + tail], dim=1)
         ids = nn.functional.pad(input_ids, (0, padded - length))
         labels = kwargs.pop("labels", None)
         piece = slice(rank * padded // k, (rank + 1) * padded // k)
@@ -190,8 +196,9 @@ class UlyssesAttention:
         if labels is not None:
             shifted = nn.functional.pad(labels[:, 1:], (0, padded - length + 1), value=IGNORE_INDEX)
             mine = shifted[:, piece].contiguous()
-            split.update(labels=mine, shift_labels=mine,
-                         num_items_in_batch=(shifted != IGNORE_INDEX).sum())
+            # A count the caller gives (a window's, as Hugging Face's Trainer gives it) is kept.
+            counted = kwargs.get("num_items_in_batch", (shifted != IGNORE_INDEX).sum())
+            split.update(labels=mine, shift_labels=mine, num_items_in_batch=counted)
         kwargs.pop("attention_mask", None)
         kwargs.pop("position_ids", None)
         kwargs.update(split)
