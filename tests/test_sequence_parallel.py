@@ -4,6 +4,7 @@ processes on gloo: the per-step loss, gradient norm and every parameter after th
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -301,6 +302,13 @@ def test_validate_counts_data_parallel_ranks_and_estimate_shards_over_every_rank
     with pytest.raises(ConfigError, match="sequence_parallel_size = 2 does not divide the world size 3"):
         check_config(config, ranks=3)
     assert estimate_from_config(config, 8_000, 8).optimizer_states == 8_000 * 8 // 8
+    from zero_engine.cli import main
+
+    shipped = str(Path(__file__).resolve().parent.parent / "configs" / "zero3_long_sequences.yaml")
+    assert main(["validate", shipped]) == 0  # one sequence group by default
+    assert "x 1 data-parallel rank(s) (4 ranks, sequences split over 4) = 8 samples" in capsys.readouterr().err
+    assert main(["validate", shipped, "--world-size", "6"]) == 1
+    assert "sequence_parallel_size = 4 does not divide the world size 6" in capsys.readouterr().err
 
 
 def test_estimate_counts_each_ranks_slice_of_the_activations(tmp_path, capsys) -> None:

@@ -62,7 +62,10 @@ def _validate(args: argparse.Namespace) -> int:
         source: Any = args.config
         if args.trainer:
             source, filled = trainer_stand_ins(read_config_mapping(args.config)[0])
-        checked = check_config(load_config(source), ranks=args.world_size, hidden_size=args.hidden_size)
+        loaded = load_config(source)
+        if args.world_size is None:  # one sequence group (a single rank without sequence parallelism)
+            args.world_size = loaded.sequence_parallel_size
+        checked = check_config(loaded, ranks=args.world_size, hidden_size=args.hidden_size)
     except (ConfigError, NotImplementedError) as err:
         print(f"invalid: {err}", file=sys.stderr)
         if not args.trainer and "TrainingArguments" in str(err):
@@ -262,7 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
         "validate", help="check a config as initialize does and print it resolved (a summary and notes on stderr)"
     )
     validate.add_argument("config", help="a .yaml, .yml or .json config file")
-    validate.add_argument("--world-size", type=_positive_count, default=1, help="ranks to resolve the batch sizes for")
+    validate.add_argument(
+        "--world-size", type=_positive_count,
+        help="ranks to resolve the batch sizes for (default: 1, or one sequence group: sequence_parallel_size)",
+    )
     validate.add_argument(
         "--trainer", action="store_true",
         help="a config for Hugging Face's Trainer (ZeroEngineTrainer, TRL): its 'auto' values, which the Trainer fills "

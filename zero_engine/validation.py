@@ -114,18 +114,21 @@ def trainer_stand_ins(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return config, filled
 
 
-def summary(config: ZeroEngineConfig, batch: BatchSizes | None, data_ranks: int | None) -> str:
-    """One line: the stage, precision, batch arithmetic and offload."""
+def summary(config: ZeroEngineConfig, batch: BatchSizes | None, ranks: int | None) -> str:
+    """One line: the stage, precision, batch arithmetic (over ``ranks``) and offload."""
     zero = config.zero_optimization
     precision = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
     parts = [f"stage {zero.stage}", precision, config.optimizer.type]
-    if batch is not None:
+    if batch is not None and ranks:
+        k = config.sequence_parallel_size
+        reading = f"{ranks // k} data-parallel rank(s) ({ranks} ranks, sequences split over {k})" if k > 1 else (
+            f"{ranks} rank(s)")
         parts.append(f"micro {batch.micro_batch_size} x accumulation {batch.gradient_accumulation_steps} x "
-                     f"{data_ranks} rank(s) = {batch.train_batch_size} samples a step")
+                     f"{reading} = {batch.train_batch_size} samples a step")
     offloaded = [f"{name.split('_')[1]} to {section.device}" for name in ("offload_optimizer", "offload_param")
                  if (section := getattr(zero, name)) is not None and section.device != "none"]
     parts.append("offload: " + ", ".join(offloaded) if offloaded else "no offload")
-    if zero.shard_group_size not in (None, "auto") and data_ranks and zero.shard_group_size < data_ranks:
+    if zero.shard_group_size not in (None, "auto") and ranks and zero.shard_group_size < ranks:
         parts.append(f"sharded over groups of {zero.shard_group_size}")
     elif zero.shard_group_size == "auto":
         parts.append("shard groups of each node's ranks (settled at launch)")
