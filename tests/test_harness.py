@@ -16,6 +16,7 @@ def rank_and_size(rank: int, world_size: int) -> tuple[int, int, int]:
 
 
 def fails_on_rank_one(rank: int, world_size: int) -> None:
+    dist.barrier()  # every rank past its group's setup (under load one was still in it when rank 1 raised)
     if rank == 1:
         raise RuntimeError("deliberate failure on rank one")
     dist.barrier()  # rank 0 would wait forever for rank 1
