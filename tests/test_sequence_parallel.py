@@ -190,7 +190,29 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
 def two_rank_checks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """The refusals, the activation shares and the resume, in one spawn of 2 ranks."""
     return {"refusals": refusals(rank, world_size), "peaks": activation_peaks(rank, world_size, [1024]),
-            "resumes": resumes(rank, world_size, root), "bf16_loss": bf16_loss(rank, world_size)}
+            "resumes": resumes(rank, world_size, root), "bf16_loss": bf16_loss(rank, world_size),
+            "diverged": one_rank_saves(rank, world_size, root)}
+
+
+def one_rank_saves(rank: int, world_size: int, root: str) -> str:
+    """Rank 0 starts a training forward (which exchanges over the sequence group) while rank 1
+    saves a checkpoint: their call rows meet, and both raise at once, long before the timeout."""
+    import time
+
+    config = {**engine_config(0, micro=MICRO, lr=1e-3), "sequence_parallel_size": 2, "comm": {"timeout_s": 120}}
+    engine = zero_engine.initialize(_llama(), config)
+    ids = torch.randint(0, 97, (MICRO, 16))
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            engine(input_ids=ids, labels=ids)
+        else:
+            engine.save_checkpoint(f"{root}/diverged")
+    except zero_engine.DivergedRanksError as err:
+        return f"{time.monotonic() - start:.1f} s: {err}"
+    finally:
+        engine.close()
+    return "no error"
 
 
 def _bf16_batch() -> dict[str, torch.Tensor]:
@@ -335,3 +357,10 @@ def test_a_bf16_loss_is_one_process_s_in_bf16(two_ranks: list[dict[str, Any]]) -
     expected = _llama().to(torch.bfloat16)(**_bf16_batch()).loss.item()
     for result in two_ranks:
         assert result["bf16_loss"] == pytest.approx(expected, abs=1e-3)  # 4e-6 measured
+
+
+def test_a_call_on_one_rank_meets_a_split_forward_and_every_rank_raises(two_ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(two_ranks):
+        seconds, message = result["diverged"].split(" s: ", 1)
+        assert float(seconds) < 30, (rank, result["diverged"])
+        assert "training" in message and "save_checkpoint()" in message, (rank, message)

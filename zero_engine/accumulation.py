@@ -59,10 +59,12 @@ class AccumulationWindow:
 
 class WindowView:
     """A mixin of `zero_engine.engine.Engine`: DeepSpeed's engine methods on the batch and the
-    accumulation window, read from ``window`` and ``batch``."""
+    accumulation window, read from ``window`` and ``batch``, and which batches this rank reads
+    (``comm``'s mesh)."""
 
     window: AccumulationWindow
     batch: Any  # zero_engine.config.BatchSizes
+    comm: Any  # zero_engine.comm.Comm
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window: every
@@ -93,3 +95,14 @@ class WindowView:
     def micro_steps(self) -> int:
         """Micro-steps (``step()`` calls) so far."""
         return self.window.micro_steps
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which micro-batches this rank reads: the ranks of a sequence group read the same ones
+        (a sampler's ``rank``; its ``num_replicas`` is `data_parallel_world_size`)."""
+        return self.comm.mesh.batch_rank(self.comm.rank)
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        """The ranks that read different micro-batches: the world size / ``sequence_parallel_size``."""
+        return self.comm.mesh.batch

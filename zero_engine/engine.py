@@ -104,7 +104,7 @@ class Engine(ModelAccess, StepView, WindowView):
         # compiled later (compile()); close() puts it all back.
         self.transforms = ModuleTransforms(TransformTarget(model, plan.modules.leaf_modules, comm.mesh))
         if comm.mesh.sequence > 1:  # sequence_parallel_size: attention exchanged over the sequence group
-            self.transforms.add(UlyssesAttention(comm.sequence_group))
+            self.transforms.add(UlyssesAttention(comm.sequence_group, self._agree_before_exchanges))
         if zero.recompute_units:
             self.transforms.add(Recompute())
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
@@ -264,6 +264,14 @@ class Engine(ModelAccess, StepView, WindowView):
             self._train_row_sent = True
             self._agree_on_call(Call.TRAIN)
 
+    def _agree_before_exchanges(self) -> None:
+        """sequence_parallel_size: a training forward exchanges over its sequence group, so the
+        micro-step's training row is sent and read before the first exchange (stages 0-2): a
+        collective call made on some ranks only meets it, and every rank raises
+        `DivergedRanksError`, instead of one rank waiting in an exchange until the timeout."""
+        self._agree_on_training()
+        self.calls.read()
+
     def _agree_on_call(self, call: Call) -> None:
         self.calls.agree(call, self.window.micro_steps)
 
@@ -282,17 +290,6 @@ class Engine(ModelAccess, StepView, WindowView):
             self.comm.reset_report()
             self.codecs.meter.reset()
             self._window_opened = True
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """Which micro-batches this rank reads: the ranks of a sequence group read the same ones
-        (a sampler's ``rank``; its ``num_replicas`` is `data_parallel_world_size`)."""
-        return self.comm.mesh.batch_rank(self.comm.rank)
-
-    @property
-    def data_parallel_world_size(self) -> int:
-        """The ranks that read different micro-batches: the world size / ``sequence_parallel_size``."""
-        return self.comm.mesh.batch
 
     def compile(self, **options: Any) -> Engine:
         """``torch.compile(**options)`` each unit module's forward: stage 3's leaf units, the same

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,8 +96,10 @@ class UlyssesAttention:
 
     ORDER = MODEL
 
-    def __init__(self, group: GroupComm) -> None:
+    def __init__(self, group: GroupComm, before_exchanges: Callable[[], None] = lambda: None) -> None:
         self.group = group
+        # Called before a split forward's first exchange: the engine's call row, agreed and read.
+        self.before_exchanges = before_exchanges
         # Whether the last forward split its batch: its attention exchanges, and so does its
         # recomputation in backward (recompute_units), until the next forward decides again.
         self.active = False
@@ -202,6 +205,7 @@ class UlyssesAttention:
         kwargs.pop("attention_mask", None)
         kwargs.pop("position_ids", None)
         kwargs.update(split)
+        self.before_exchanges()
         return (), kwargs
 
     def _whole_loss(self, module: nn.Module, args: Any, output: Any) -> Any:
