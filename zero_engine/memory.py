@@ -23,6 +23,7 @@ from .devices import tensor_bytes
 from .config import ZeroEngineConfig
 from .stage import Stage, stage_for
 from .offload import OffloadPlan, offload_plan
+from .optim import state_bytes_per_param
 from .quantize import BLOCK
 from .sharding.reduction.reducer import GradReducer
 from .sharding.units.frozen_unit import FrozenUnit
@@ -62,15 +63,15 @@ def formula_bytes(
     *,
     param_bytes: int = 4,
     grad_bytes: int = 4,
-    optimizer_bytes: int = 8,
+    optimizer_bytes: float = 8,
     master_bytes: int = 0,
 ) -> MemoryReport:
     """Per-rank bytes for ``num_params`` trainable parameters, ignoring padding.
 
     ``optimizer_bytes`` is optimizer state per parameter (fp32 Adam: 8, SGD with momentum: 4).
     """
-    def per_rank(bytes_per_param: int, sharded: bool) -> int:
-        total = num_params * bytes_per_param
+    def per_rank(bytes_per_param: float, sharded: bool) -> int:
+        total = round(num_params * bytes_per_param)
         return total // shards if sharded else total
 
     return MemoryReport(
@@ -83,30 +84,17 @@ def formula_bytes(
     )
 
 
-def optimizer_bytes_per_param(name: str, params: dict) -> int:
-    """fp32 optimizer state per parameter for the common torch optimizers (elementwise state)."""
-    kind = name.lower()
-    if kind in ("adam", "adamw", "adamax", "nadam", "radam", "adadelta"):
-        return 8 + (4 if params.get("amsgrad") else 0)
-    if kind == "sgd":
-        return 4 if params.get("momentum", 0) else 0
-    if kind == "rmsprop":
-        return 4 + (4 if params.get("momentum", 0) else 0) + (4 if params.get("centered") else 0)
-    if kind == "rprop":  # previous gradient and step size
-        return 8
-    if kind in ("adagrad", "asgd"):  # sum of squares; averaged parameter
-        return 4
-    raise ValueError(f"no per-parameter state size known for optimizer {name!r}")
-
-
 def estimate_from_config(
     config: ZeroEngineConfig,
     num_params: int,
     ranks: int,
     shard_group_size: int | None = None,
     frozen_params: int = 0,
+    matrix_params: int = 0,
 ) -> MemoryReport:
-    """The formula for a config: its stage, precision, optimizer and offload. States are
+    """The formula for a config: its stage, precision, optimizer and offload (state bytes from
+    `zero_engine.optim.OPTIMIZERS`; with Muon, ``matrix_params`` of the trainable ones are its
+    matrices, the rest AdamW's). States are
     sharded over the shard group (``shard_group_size``, else the config's for ``ranks``: every rank, sequence
     ranks too),
     not over every rank: with hybrid sharding ``G`` takes the place of ``N``. ``num_params``
@@ -125,7 +113,9 @@ def estimate_from_config(
         shard_group_size,
         param_bytes=2 if mixed else 4,
         grad_bytes=2 if mixed else 4,
-        optimizer_bytes=optimizer_bytes_per_param(config.optimizer.type, config.optimizer.params),
+        optimizer_bytes=state_bytes_per_param(
+            config.optimizer.type, config.optimizer.params, matrix_params / num_params if num_params else 0.0
+        ),
         master_bytes=4 if mixed else 0,
     )
     plan = offload_plan(config.zero_optimization, stage)

@@ -28,7 +28,8 @@ from . import devices
 from .comm import Comm
 from .config import FP16Config, OptimizerConfig, SchedulerConfig, ZeroEngineConfig
 from .offload import OffloadPlan
-from .optim import build_optimizer
+from .matrix_step import matrix_params, plan_exchanges, split_groups
+from .optim import ComputeLayout, build_optimizer, optimizer_kind
 from .param_groups import ParamGroup
 from .precision import build_loss_scaler
 from .schedules import build_scheduler, dry_run
@@ -82,9 +83,14 @@ class OptimizerStep:
         self.comm = comm
         self.reducer = reducer
         self.device = device
-        self.optimizer = build_optimizer(
-            settings.optimizer, stage, _optimizer_groups(groups, units), on_host=offload.optimizer
-        )
+        kind = optimizer_kind(settings.optimizer.type)
+        matrices = matrix_params(units) if kind is not None and kind.layout is ComputeLayout.WHOLE_MATRIX else None
+        torch_groups = _optimizer_groups(groups, units) if matrices is None else split_groups(groups, units, matrices)
+        self.optimizer = build_optimizer(settings.optimizer, stage, torch_groups, on_host=offload.optimizer)
+        if matrices is not None:  # each unit's matrices finish through its exchange (`compute_layout`)
+            self.optimizer.defer_orthogonalisation = plan_exchanges(
+                units, matrices, self.optimizer.param_groups, comm, stage
+            ) > 0
         if settings.scheduler:
             dry_run(settings.scheduler, self.optimizer)
         self.lr_scheduler = build_scheduler(settings.scheduler, self.optimizer) if settings.scheduler else None

@@ -114,6 +114,21 @@ class GroupComm:
         self._count(kind, tensor_bytes(send))
         return Pending((dist.all_to_all_single(received, send, group=self.group, async_op=True),))
 
+    def exchange_pieces(
+        self, send: torch.Tensor, send_sizes: Sequence[int], received: torch.Tensor, received_sizes: Sequence[int]
+    ) -> Pending:
+        """Send ``send``'s ``send_sizes[j]`` elements (consecutive, in group rank order) to group
+        rank ``j``, receiving rank ``j``'s into ``received`` likewise: an all-to-all of pieces
+        of any sizes, zero included (a whole-matrix optimizer's pieces to each matrix's owner
+        and back). Counted as the bytes this rank sends to others."""
+        if self.skips_collectives:
+            return DONE
+        own = send_sizes[self.rank]
+        self._bytes[CollectiveKind.MATRIX_EXCHANGE] += (sum(send_sizes) - own) * send.element_size()
+        return Pending((dist.all_to_all_single(
+            received, send, list(received_sizes), list(send_sizes), group=self.group, async_op=True
+        ),))
+
     def _shard_by_shard(self, collective: Any, flat: torch.Tensor, peer: str) -> Pending:
         """gloo: one rooted collective per shard, rooted at the shard's owner, all in flight."""
         return Pending(tuple(

@@ -28,6 +28,7 @@ class CollectiveKind(str, Enum):
     BROADCAST = "broadcast"
     GATHER = "gather"
     ALL_TO_ALL = "all_to_all"  # Ulysses: sequence slices for heads and back
+    MATRIX_EXCHANGE = "matrix_exchange"  # whole-matrix optimizers (Muon): pieces to a matrix's owner and back
 
 
 class Pending(NamedTuple):

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import suggest
+from ..muon import MuonWithAdamW, check_choices
 from ..schedules import check_schedule_param, check_schedule_params, scheduler_class
 from ..values import check_value_type
 
@@ -23,19 +24,21 @@ class _Section(Protocol):
 
 
 _ENGINE_OWNED_OPTIMIZER_ARGS = {"params", "self"}
-_NON_NEGATIVE = {"lr", "weight_decay", "momentum", "dampening", "lr_decay", "alpha", "lambd", "momentum_decay"}
-_POSITIVE = {"eps"}
+_NON_NEGATIVE = {"lr", "muon_lr", "adam_lr", "weight_decay", "momentum", "dampening", "lr_decay", "alpha", "lambd", "momentum_decay"}
+_POSITIVE = {"eps", "ns_eps"}
 # Switches whose default is None (the implementation picks): true, false or null.
 _OPTIONAL_FLAGS = {"foreach", "fused", "capturable", "differentiable", "maximize"}
 
 
 def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
-    """Every torch.optim optimizer, by lower-case class name."""
-    return {
+    """Every torch.optim optimizer, by lower-case class name; ``muon`` is DeepSpeed's meaning
+    of the name (Muon for the matrices, AdamW for the rest: `zero_engine.muon`)."""
+    classes = {
         name.lower(): cls
         for name, cls in vars(torch.optim).items()
         if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
     }
+    return {**classes, "muon": MuonWithAdamW}
 
 
 # DeepSpeed's own optimizers, and the nearest torch.optim one to use instead.
@@ -93,6 +96,13 @@ def check_optimizer(section: _Section) -> None:
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)
             ):
                 raise ValueError(f"{path} = {value!r}: must be two numbers in [0, 1)")
+    if cls is MuonWithAdamW:
+        params = section.params
+        check_choices(params.get("ns_method", "standard"), params.get("ns_dtype", "fp32"), params.get("adjust_lr_fn"))
+        coefficients = params.get("ns_coefficients", (1, 1, 1))
+        if not (isinstance(coefficients, (list, tuple)) and len(coefficients) == 3
+                and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in coefficients)):
+            raise ValueError(f"optimizer.params.ns_coefficients = {coefficients!r}: must be three numbers")
 
 
 def check_scheduler(section: _Section) -> None:

@@ -429,7 +429,7 @@ class ZeroOptimizationConfig(_Section):
         "pipeline_loading_checkpoint": "there is no pipeline parallelism",
         "override_module_apply": "module.apply runs on the model as it is (stage 3 parameters are empty between uses)",
         "enable_sanity_checks": "the engine's checks always run",
-        "save_muon_momentum_buffer_in_memory": "there is no Muon optimizer here",
+        "save_muon_momentum_buffer_in_memory": "Muon's momentum is optimizer state here, sharded and offloaded with the rest",
         "leaf_module": "every stage 3 unit is a whole module already (stage3_wrap_modules names them)",
     }
 

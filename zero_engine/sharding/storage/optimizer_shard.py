@@ -39,6 +39,7 @@ import torch
 
 from ... import offload
 from ...devices import saved_copy, tensor_bytes
+from .compute_layout import MatrixExchange
 from .layout import UnitLayout
 from .placement import Master, StepGrad
 
@@ -103,6 +104,10 @@ class OptimizerTarget(NamedTuple):
         return self.piece.name
 
     @property
+    def param_index(self) -> int:
+        return self.piece.param_index
+
+    @property
     def param_offset(self) -> int:
         return self.piece.param_offset
 
@@ -129,6 +134,8 @@ class OptimizerShard:
             for p in self._owned_pieces(shaped_pieces)
         ]
         self._cached_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        # The unit's whole-matrix parameters, when the optimizer has some (`compute_layout`).
+        self.matrices: MatrixExchange | None = None
 
     # -- the range ---------------------------------------------------------------------------
 
@@ -312,8 +319,9 @@ def step_shards(
     order, offsets from each unit's ``used_offset``); a parameter no rank used keeps its values
     and its state. The optimizer steps once per shard, so a low-precision gradient's fp32 copy
     and a foreach optimizer's temporaries exist for one shard at a time; torch optimizers update
-    each tensor on its own, so the result is the same. Each shard is published as soon as it
-    stepped: offloaded, its copy to the device (asynchronous from pinned memory) then runs while
+    each tensor on its own, so the result is the same. A unit with whole-matrix parameters
+    then finishes them through its matrix exchange (every rank, every such unit, in order: the
+    exchange is collective). Each shard is published as soon as it stepped: offloaded, its copy to the device (asynchronous from pinned memory) then runs while
     the host steps the next shard. Returns the most fp32 copy bytes alive at once."""
     peak = 0
     for shard in shards:
@@ -323,6 +331,8 @@ def step_shards(
             peak = max(peak, copy_bytes)
             if attached:
                 optimizer.step()
+            if shard.matrices is not None:
+                shard.matrices.finish(optimizer, shard.targets, used[offset : offset + len(shard.unit.names)])
             for target in attached:
                 target.tensor.grad = None
             shard.publish()

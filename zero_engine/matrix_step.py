@@ -1,0 +1,83 @@
+"""A whole-matrix optimizer (Muon) over the units: which parameters it takes as matrices, its
+param groups (each of the user's split in a matrix half and an elementwise half, as DeepSpeed
+splits them), and each unit's `MatrixExchange` with the matrices' owners, chosen once for the
+whole model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .comm import Comm
+from .muon import matrix_shape, takes_muon
+from .param_groups import ParamGroup
+from .sharding.storage.compute_layout import Matrix, MatrixExchange, assign_owners, matrix_cost
+from .sharding.units.unit import FlatUnit
+from .stage import Stage
+
+MatrixParams = set[tuple[int, int]]  # (unit's index, parameter's index in the unit)
+
+
+def matrix_params(units: list[FlatUnit]) -> MatrixParams:
+    """The parameters the whole-matrix optimizer takes (`zero_engine.muon.takes_muon`); a
+    ``use_muon`` set on a parameter of fewer than two dimensions is refused, naming it."""
+    taken = set()
+    for u, unit in enumerate(units):
+        for index, (name, param) in enumerate(zip(unit.names, unit.params)):
+            if takes_muon(name, param, unit.shapes[index]):
+                if len(unit.shapes[index]) < 2:
+                    raise ValueError(
+                        f"parameter {name!r} has use_muon = True but shape {tuple(unit.shapes[index])}: Muon updates "
+                        "matrices (two or more dimensions); leave use_muon unset or False for it"
+                    )
+                taken.add((u, index))
+    return taken
+
+
+def split_groups(groups: list[ParamGroup], units: list[FlatUnit], matrices: MatrixParams) -> list[dict[str, Any]]:
+    """Torch param groups over the units' optimizer targets: per user group, its matrices
+    (``use_muon`` True) then the rest, each half present on every rank (empty where a rank
+    holds none of it), so group indices agree between ranks."""
+    halves: list[list[list[torch.Tensor]]] = [[[], []] for _ in groups]
+    for u, unit in enumerate(units):
+        for target in unit.optimizer_shard.targets:
+            index = target.piece.param_index
+            halves[unit.group_indices[index]][0 if (u, index) in matrices else 1].append(target.tensor)
+    return [
+        dict(group.options, params=tensors, use_muon=use_muon)
+        for group, (matrix_half, rest) in zip(groups, halves)
+        for tensors, use_muon in ((matrix_half, True), (rest, False))
+    ]
+
+
+def plan_exchanges(
+    units: list[FlatUnit], matrices: MatrixParams, param_groups: list[dict[str, Any]], comm: Comm, stage: Stage
+) -> int:
+    """Give every unit with matrices its `MatrixExchange`: over the shard group where optimizer
+    state is sharded (each rank steps its shard's pieces), else over every rank (each steps
+    every matrix whole). Returns the number of matrices."""
+    group, ranks = (comm.shard_group, comm.num_shards) if stage.shard_optimizer_state else (comm.world, comm.mesh.world)
+    found = [
+        (u, index, matrix_shape(units[u].shapes[index])) for u, unit in enumerate(units)
+        for index in range(len(unit.names)) if (u, index) in matrices
+    ]
+    owners = assign_owners([matrix_cost(shape) for _, _, shape in found], ranks)
+    per_unit: dict[int, list[Matrix]] = {}
+    for (u, index, shape), owner in zip(found, owners):
+        unit = units[u]
+        layout = unit.layout
+        torch_group = param_groups[2 * unit.group_indices[index]]  # the matrix half (`split_groups`)
+        per_unit.setdefault(u, []).append(
+            Matrix(index, layout.param_offsets[index], layout.param_numels[index], shape, owner, torch_group)
+        )
+    for u, unit_matrices in per_unit.items():
+        unit = units[u]
+        if stage.shard_optimizer_state:
+            ranges = [unit.layout.shard_range(rank) for rank in range(ranks)]
+        else:
+            ranges = [(0, unit.layout.padded_numel)] * ranks
+        unit.optimizer_shard.matrices = MatrixExchange(
+            unit_matrices, ranges, group, unit.device, replicated=not stage.shard_optimizer_state
+        )
+    return len(found)
