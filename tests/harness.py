@@ -192,7 +192,7 @@ def _worker(
 
 # The torch.distributed functions the engine's groups call, and the flat collectives looked up
 # in `zero_engine.comm.groups` (names differ between torch versions).
-WRAPPED = ("all_reduce", "reduce", "broadcast", "all_gather", "batch_isend_irecv", "barrier")
+WRAPPED = ("all_reduce", "reduce", "broadcast", "all_gather", "batch_isend_irecv", "barrier", "all_to_all_single")
 NATIVE = ("_reduce_scatter_tensor", "_all_gather_into_tensor")
 
 
@@ -220,7 +220,8 @@ def recorded_collectives(calls: list) -> Iterator[None]:
 def recording(calls: list, name: str, function: Callable) -> Callable:
     """``function``, recording the `GroupComm` method that called it, the group it was given and
     the bytes of its largest tensor argument (the whole flat buffer of a native collective, one
-    shard of a per-shard one); point-to-point batches as one call per send or receive."""
+    shard of a per-shard one; an all-to-all's received and sent buffers together); point-to-point
+    batches as one call per send or receive."""
     from zero_engine.comm.groups import GroupComm
 
     def record(*args: Any, **kwargs: Any) -> Any:
@@ -233,6 +234,8 @@ def recording(calls: list, name: str, function: Callable) -> Callable:
             return function(*args, **kwargs)
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         nbytes = max((a.numel() * a.element_size() for a in tensors), default=0)
+        if name == "all_to_all_single":  # pieces of any sizes: what this rank receives and sends
+            nbytes = sum(a.numel() * a.element_size() for a in tensors)
         calls.append((frame.f_code.co_name, name, kwargs.get("group"), nbytes))
         return function(*args, **kwargs)
 

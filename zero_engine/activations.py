@@ -57,6 +57,13 @@ class DecoderShape(NamedTuple):
         layer = attention + 3 * h * self.ffn + 2 * h
         return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
 
+    @property
+    def matrix_params(self) -> int:
+        """Of `num_params`, the layers' weight matrices (what Muon takes; embeddings, head and
+        norms go to its AdamW)."""
+        h = self.hidden
+        return self.layers * (h * (h + 2 * self.kv_width) + h * h + 3 * h * self.ffn)
+
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], where: str = "the model config") -> "DecoderShape":
         """From a Hugging Face ``config.json``'s keys (``hidden_size``, ``num_hidden_layers``,

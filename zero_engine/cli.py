@@ -100,7 +100,10 @@ def _estimate(args: argparse.Namespace) -> int:
                 _print_activations(config, args, shape)
             return code
         group = args.shard_group_size or config.zero_optimization.shard_group_size_for(args.world_size)
-        report = estimate_from_config(config, args.params, args.world_size, group, frozen_params=args.frozen_params)
+        report = estimate_from_config(
+            config, args.params, args.world_size, group, frozen_params=args.frozen_params,
+            matrix_params=args.matrix_params,
+        )
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -113,6 +116,7 @@ def _estimate(args: argparse.Namespace) -> int:
 def _decoder_shape(args: argparse.Namespace, config: ZeroEngineConfig) -> DecoderShape | None:
     """The model's shape from ``--model-config``, which also settles ``--params`` (and the
     micro-batch, from the config, when not given)."""
+    args.matrix_params = 0  # Muon's matrices, known from a model's shape alone
     if args.model_config is None:
         for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
             if value is not None:
@@ -123,6 +127,7 @@ def _decoder_shape(args: argparse.Namespace, config: ZeroEngineConfig) -> Decode
     if args.seq_len is None:
         raise ValueError("--model-config counts activations: give the sequence length, --seq-len S")
     shape = DecoderShape.from_file(args.model_config)
+    args.matrix_params = shape.matrix_params
     if args.params is None:
         args.params = shape.num_params
     if args.micro_batch is None:
@@ -164,6 +169,9 @@ def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int
     if zero.shard_group_size == "auto" and not args.shard_group_size:
         print("  (shard_group_size: auto is settled at launch, one group per node of LOCAL_WORLD_SIZE ranks; "
               f"estimated here for one group of all {args.world_size}: --shard-group-size G for nodes of G ranks)")
+    if config.optimizer.type.lower() == "muon":
+        print(f"  (Muon: {args.matrix_params:,} matrix parameters with 4 bytes of state, the rest AdamW's 8"
+              + ("; --model-config counts the matrices)" if args.model_config is None else ")"))
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
         if key == "parameters" and args.frozen_params:
@@ -185,7 +193,7 @@ def _estimate_auto(config: ZeroEngineConfig, args: argparse.Namespace) -> int:
     if args.shard_group_size:
         config = config.model_copy(update={"zero_optimization": config.zero_optimization.model_copy(
             update={"shard_group_size": args.shard_group_size})})
-    table = candidates(config, args.params, args.world_size, args.largest_unit, args.frozen_params)
+    table = candidates(config, args.params, args.world_size, args.largest_unit, args.frozen_params, args.matrix_params)
     zero = config.zero_optimization
     unit = f"{args.largest_unit:,} parameters" if args.largest_unit else "not given: --largest-unit N"
     print(f"stage auto, {args.params:,} trainable parameters, {args.world_size} rank(s); per rank, on the device "

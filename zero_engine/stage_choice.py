@@ -30,6 +30,7 @@ from .config import OffloadOptimizerConfig, OffloadParamConfig, ZeroEngineConfig
 from .devices import tensor_bytes
 from .errors import ConfigError
 from .memory import estimate_from_config
+from .muon import takes_muon
 from .param_groups import ParamGroup
 from .precision import Precision
 from .sharding.units.module_plan import ModulePlan, frozen_params
@@ -65,11 +66,13 @@ class Candidate(NamedTuple):
 
 
 def candidates(
-    config: ZeroEngineConfig, num_params: int, ranks: int, largest_unit_numel: int, frozen_params: int = 0
+    config: ZeroEngineConfig, num_params: int, ranks: int, largest_unit_numel: int, frozen_params: int = 0,
+    matrix_params: int = 0,
 ) -> list[Candidate]:
     """Every candidate's figures, in the order they are tried; the largest stage 3 unit counted
     gathered whole in the compute dtype; ``frozen_params`` frozen parameters counted as stored
-    (whole below stage 3, sharded at stage 3 unless replicated)."""
+    (whole below stage 3, sharded at stage 3 unless replicated); with Muon, ``matrix_params``
+    of the trainable ones are its matrices."""
     zero = config.zero_optimization
     if zero.offload_optimizer is not None or zero.offload_param is not None:
         raise ConfigError(
@@ -81,7 +84,7 @@ def candidates(
     for name, update in CANDIDATES:
         settled = zero.model_copy(update={**update, "memory_budget_gib": None})  # as if set by hand
         chosen = config.model_copy(update={"zero_optimization": settled})
-        report = estimate_from_config(chosen, num_params, ranks, frozen_params=frozen_params)
+        report = estimate_from_config(chosen, num_params, ranks, frozen_params=frozen_params, matrix_params=matrix_params)
         gathered = gathered_unit if update["stage"] == 3 else 0
         table.append(Candidate(name, chosen, report.model_states - report.host, gathered, activations, report.host))
     return table
@@ -150,7 +153,8 @@ def resolve_stage(
     assert comm is not None, "stage: auto is agreed between the ranks: connect first"
     num_params = sum(param.numel() for group in groups for param in group.params)
     frozen = sum(param.numel() for param in frozen_params(plan.model))
-    table = candidates(config, num_params, comm.mesh.world, plan.largest_unit_numel(), frozen)  # ZeRO shards over all
+    matrices = sum(p.numel() for g in groups for n, p in zip(g.names, g.params) if takes_muon(n, p))
+    table = candidates(config, num_params, comm.mesh.world, plan.largest_unit_numel(), frozen, matrices)  # ZeRO shards over all
     zero = config.zero_optimization
     own = budget_bytes(zero.memory_budget_gib, zero.memory_margin_gib, device, _bytes_on(plan.model, device))
     budgets = comm.each_rank(own).values()
