@@ -200,8 +200,9 @@ def test_every_stage_matches_torch_muon_and_adamw_in_one_process(world: int, gri
 GLOBAL, SAVED_AT, LAST = 6, 3, 6  # 6 samples a step: 3 per rank at 2 ranks, 2 at 3
 
 
-def saved_run(rank: int, world: int, directory: str, stage: int) -> dict[str, Any]:
-    """Train to SAVED_AT, save, train on to LAST (the run that did not stop)."""
+def saved_run(rank: int, world: int, directory: str, stage: int, resaved: str) -> list[dict[str, Any]]:
+    """Train to SAVED_AT, save, train on to LAST (the run that did not stop); then resume from
+    the checkpoint at this world size (`resumed_run`)."""
     case = {"stage": stage}
     engine = zero_engine.initialize(make_gpt(), {**muon_config(case), "train_micro_batch_size_per_gpu": GLOBAL // world})
     train_micro(engine, rank, world, range(SAVED_AT))
@@ -209,7 +210,7 @@ def saved_run(rank: int, world: int, directory: str, stage: int) -> dict[str, An
     train_micro(engine, rank, world, range(SAVED_AT, LAST))
     state = engine.full_state_dict()
     engine.close()
-    return state
+    return [state, resumed_run(rank, world, directory, stage, resaved)]
 
 
 def resumed_run(rank: int, world: int, directory: str, stage: int, resaved: str) -> dict[str, Any]:
@@ -247,8 +248,7 @@ def momentum(directory: str, tag: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_saved_at_two_ranks_resumes_at_three(stage: int, tmp_path: Any) -> None:
     saved = str(tmp_path / "saved")
-    uninterrupted = run_on_ranks(2, saved_run, saved, stage)[0]
-    again_at_two = run_on_ranks(2, resumed_run, saved, stage, str(tmp_path / "two"))[0]
+    uninterrupted, again_at_two = run_on_ranks(2, saved_run, saved, stage, str(tmp_path / "two"))[0]
     at_three = run_on_ranks(3, resumed_run, saved, stage, str(tmp_path / "three"))[0]
     before = momentum(saved, "saved")
     assert all(value is not None and value.abs().sum() > 0 for value in before.values())
@@ -291,10 +291,17 @@ def work_and_traffic(rank: int, world: int, layers: int) -> dict[str, Any]:
             train_engine(engine, rank, world, range(1, 2), 1)
         traffic[optimizer] = sum(call[3] for call in calls)
         engine.close()
-    return {"shapes": shapes, "traffic": traffic}
+    hybrid = muon_config({"stage": 2})  # two shard groups of two: each computes each matrix once
+    hybrid["zero_optimization"]["shard_group_size"] = 2
+    engine = zero_engine.initialize(make_gpt(), hybrid)
+    train_engine(engine, rank, world, range(3), 1)
+    result = {"shapes": shapes, "traffic": traffic, "hybrid": engine.full_state_dict(),
+              "hybrid_orthogonalised": engine.optimizer.orthogonalisations}
+    engine.close()
+    return result
 
 
-def test_each_matrix_once_spread_over_ranks_and_its_traffic_bounded() -> None:
+def test_each_matrix_once_spread_over_ranks_traffic_bounded_and_hybrid_sharding() -> None:
     from zero_engine.sharding.storage.compute_layout import matrix_cost
 
     world, layers = 4, 12
@@ -309,6 +316,12 @@ def test_each_matrix_once_spread_over_ranks_and_its_traffic_bounded() -> None:
     for result in per_rank:
         added = result["traffic"]["Muon"] - result["traffic"]["AdamW"]
         assert 0 < added <= 2 * muon_bytes, (added, muon_bytes)
+    # hybrid sharding: each shard group computes every matrix once; the result is one process's
+    assert sum(r["hybrid_orthogonalised"] for r in per_rank) == 2 * 3 * LAYERS * 4
+    reference = train_reference(3, MICRO * world)
+    for result in per_rank:
+        for name, expected in reference.items():
+            assert (result["hybrid"][name] - expected).abs().max().item() <= TOL, name
 
 
 # -- the config DeepSpeed users write --------------------------------------------------------
