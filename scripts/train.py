@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = zero_engine.load_config(args.config)
     if args.force_collectives:
         config = config.model_copy(update={"comm": config.comm.model_copy(update={"force_collectives": True})})
+    if config.optimizer.type.lower() == "muon":
+        model.position.weight.use_muon = False  # a positional table is an embedding, whatever its name says
     engine = zero_engine.initialize(model, config, param_groups=decay_groups(model))
     rank, world = engine.comm.rank, engine.comm.world_size
     micro, accum = engine.batch.micro_batch_size, engine.batch.gradient_accumulation_steps
