@@ -45,6 +45,7 @@ class MemoryReport(NamedTuple):
     host: int = 0  # of the held-now kinds, what lives in host memory (offload); the rest is on the device
     peak_quantized_buffers: int = 0  # most encoded (ZeRO++ quantized) communication buffers alive at once this step
     frozen_parameters: int = 0  # of `parameters`, the frozen ones (requires_grad False): sharded at stage 3
+    nvme: int = 0  # offload_optimizer on NVMe: masters and optimizer state in the rank's swap file (formula only)
 
     @property
     def model_states(self) -> int:
@@ -157,6 +158,9 @@ def with_offload(
             master_parameters=0 if shared_master else per_rank,
         )
         host = report.master_parameters + per_rank + report.optimizer_states
+        if plan.nvme_path is not None:  # masters and state in the swap file; the step gradient stays on the host
+            report = report._replace(nvme=report.master_parameters + report.optimizer_states)
+            host = per_rank
     if plan.params:
         host += report.parameters
     return report._replace(host=host)

@@ -39,6 +39,10 @@ class OffloadPlan:
     # Several reductions reach a window's step gradient (accumulation over micro-steps at
     # stages 2-3): a staging buffer beside it, allocated with it (`HostGradient`).
     staged_gradients: bool = False
+    # ``offload_optimizer.device: nvme``: masters and optimizer state in a swap file per rank
+    # under this directory, at most ``buffer_count`` shards of them in host memory at once.
+    nvme_path: str | None = None
+    buffer_count: int = 4
 
     @property
     def any(self) -> bool:
@@ -52,12 +56,14 @@ def offload_plan(zero: Any, stage: Stage, accumulation: int = 1) -> OffloadPlan:
     """The plan from a ``zero_optimization`` section (validated: `zero_engine.config`);
     ``offload_param`` counts at stage 3 only (below it parameters are whole, as in DeepSpeed).
     ``accumulation``: micro-steps per optimizer step (stages 2-3 reduce at every one)."""
-    optimizer = zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
+    section = zero.offload_optimizer
+    optimizer = section is not None and section.device in ("cpu", "nvme")
+    nvme = section.nvme_path if optimizer and section.device == "nvme" else None
     params = stage.shard_parameters and zero.offload_param is not None and zero.offload_param.device == "cpu"
     pin = any(section is not None and section.device == "cpu" and section.pin_memory
               for section in (zero.offload_optimizer, zero.offload_param))
     staged = optimizer and accumulation > 1 and stage.streams_gradients(zero.reduce_scatter_each_micro_step)
-    return OffloadPlan(optimizer, params, pin, staged)
+    return OffloadPlan(optimizer, params, pin, staged, nvme, section.buffer_count if nvme else 4)
 
 
 # Host buffers that cross to or from the device in every forward or backward are pinned

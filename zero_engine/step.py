@@ -87,6 +87,8 @@ class OptimizerStep:
         matrices = matrix_params(units) if kind is not None and kind.layout is ComputeLayout.WHOLE_MATRIX else None
         torch_groups = _optimizer_groups(groups, units) if matrices is None else split_groups(groups, units, matrices)
         self.optimizer = build_optimizer(settings.optimizer, stage, torch_groups, on_host=offload.optimizer)
+        for unit in units:
+            unit.optimizer_shard.bind_optimizer(self.optimizer)
         if matrices is not None:  # each unit's matrices finish through its exchange (`compute_layout`)
             self.optimizer.defer_orthogonalisation = plan_exchanges(
                 units, matrices, self.optimizer.param_groups, comm, stage

@@ -35,7 +35,7 @@ DEEPSPEED_SECTIONS: dict[str, str] = {
     "(comm.* keys)",
     "activation_checkpointing": "it configures deepspeed.checkpointing, which a model calls itself; "
     "zero_optimization.recompute_units recomputes each unit instead (or use torch.utils.checkpoint in the model)",
-    "aio": "asynchronous I/O for NVMe offload, which is not built",
+    "aio": "NVMe offload here reads and writes with os.preadv/os.pwrite on one I/O thread per rank, not libaio",
     "compile": "the engine does not compile from the config; apply torch.compile to the model's blocks",
     "data_types": "gradients accumulate in the dtype each stage keeps them in; it is not configurable",
     "checkpoint": "checkpoints here always load at any stage and world size, and their tags are agreed between ranks",

@@ -108,7 +108,8 @@ class BF16Config(_Section):
 
 class OffloadConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = Field(
-        "none", description="'cpu': keep it in host memory (see the Offload guide, docs/guides/offload.md); 'nvme' is refused (not built)."
+        "none", description="'cpu': keep it in host memory (see the Offload guide, docs/guides/offload.md); 'nvme': "
+        "a swap file per rank under nvme_path (offload_optimizer only; refused for offload_param, not built)."
     )
     pin_memory: bool = Field(
         True,
@@ -116,24 +117,20 @@ class OffloadConfig(_Section):
         "host gradients and parameter shards, which cross in every pass, are pinned whatever it says. Pinned buffers "
         "round up to a power of two, which initialize's host check counts.",
     )
-    nvme_path: str | None = Field(None, description="NVMe directory for 'nvme' offload (not built).")
-    buffer_count: PositiveCount = Field(4, description="DeepSpeed's NVMe buffer count; accepted, no effect with 'cpu'.")
+    nvme_path: str | None = Field(None, description="The directory of each rank's swap file with 'nvme' (on a disk, not tmpfs).")
+    buffer_count: PositiveCount = Field(
+        4, description="With 'nvme': how many shards' masters and state may be in host memory at once; no effect with 'cpu'."
+    )
     fast_init: bool = Field(False, description="DeepSpeed's fast-init switch; accepted for compatibility.")
     ratio: Real = Field(
         1.0, ge=0, le=1, description="Fraction offloaded; below 1.0 (DeepSpeed's partial offload) is refused."
     )
 
-    # What this version cannot run, refused at `initialize` (`zero_engine.config.refusals`): NVMe,
-    # then a partial offload, of an offload that is on.
+    # What this version cannot run, refused at `initialize` (`zero_engine.config.refusals`): a
+    # partial offload of an offload that is on.
     REFUSED: ClassVar[dict[str, Refused]] = {
-        "device": Refused(
-            lambda s: s.device == "nvme",
-            lambda s: "device = 'nvme' (NVMe offload needs asynchronous file I/O, DeepSpeed's aio extension; use "
-            "'cpu')",
-            "honoured ('nvme' refused)",
-        ),
         "ratio": Refused(
-            lambda s: s.device == "cpu" and s.ratio < 1.0,
+            lambda s: s.device != "none" and s.ratio < 1.0,
             lambda s: f"ratio = {s.ratio} (partial offload, DeepSpeed's ZeRO-Offload++ twin-flow; offloading all of "
             "it, ratio 1.0, is built)",
             "honoured at 1.0 (below: refused)",
@@ -141,8 +138,14 @@ class OffloadConfig(_Section):
     }
     # Keys whose line in the key table says more than "no effect".
     KEY_STATUS: ClassVar[dict[str, str]] = {
-        key: "no effect ('nvme' refused)" for key in ("nvme_path", "buffer_count", "fast_init")
+        "nvme_path": "honoured with 'nvme'", "buffer_count": "honoured with 'nvme'", "fast_init": "no effect",
     }
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> OffloadConfig:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device = 'nvme' needs nvme_path: the directory of each rank's swap file")
+        return self
 
 
 class OffloadOptimizerConfig(OffloadConfig):
@@ -156,14 +159,14 @@ class OffloadOptimizerConfig(OffloadConfig):
     # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
     # when set, and in the key table (`zero_engine.config.deepspeed`).
     NO_EFFECT: ClassVar[dict[str, str]] = {
-        "pipeline_read": "no NVMe offload or DeepSpeed CPU optimizer here",
-        "pipeline_write": "no NVMe offload or DeepSpeed CPU optimizer here",
-        "cpuadam_cores_perc": "no NVMe offload or DeepSpeed CPU optimizer here",
+        "pipeline_read": "with 'nvme' the next shard is always read ahead while one steps",
+        "pipeline_write": "with 'nvme' each shard is always written behind the next one's step",
+        "cpuadam_cores_perc": "no DeepSpeed CPU optimizer here (torch's fused CPU kernel)",
     }
     REFUSED: ClassVar[dict[str, Refused]] = {
         **OffloadConfig.REFUSED,
         "super_offload": Refused(
-            lambda s: s.device == "cpu" and s.ratio == 1.0 and s.super_offload,
+            lambda s: s.device != "none" and s.ratio == 1.0 and s.super_offload,
             lambda s: "super_offload = true (DeepSpeed's SuperOffload)",
         ),
     }
@@ -179,8 +182,20 @@ class OffloadParamConfig(OffloadConfig):
     # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
     # when set, and in the key table (`zero_engine.config.deepspeed`).
     NO_EFFECT: ClassVar[dict[str, str]] = {
-        "buffer_size": "no NVMe offload here",
-        "max_in_cpu": "no NVMe offload here",
+        "buffer_size": "no NVMe offload of parameters here",
+        "max_in_cpu": "no NVMe offload of parameters here",
+    }
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        **OffloadConfig.REFUSED,
+        "device": Refused(
+            lambda s: s.device == "nvme",
+            lambda s: "device = 'nvme' (NVMe offload of parameter shards is not built; offload_optimizer's is, and "
+            "'cpu' is for parameters)",
+            "honoured ('nvme' refused)",
+        ),
+    }
+    KEY_STATUS: ClassVar[dict[str, str]] = {
+        key: "no effect ('nvme' refused)" for key in ("nvme_path", "buffer_count", "fast_init")
     }
 
 

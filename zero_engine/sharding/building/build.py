@@ -40,6 +40,7 @@ from ..gathering.gatherer import NoGather, ParamGatherer
 from ..units.lifecycle import Lifecycle
 from ..units.frozen_unit import FrozenUnit
 from ..units.quantized_frozen import NO_QUANTIZATION, FrozenQuantization, QuantizedFrozenUnit
+from ..storage.nvme import nvme_masters
 from ..storage.placement import Placement, place
 from ..reduction.bucket_reducer import ShardedGradReducer
 from ..reduction.reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads
@@ -143,7 +144,7 @@ def build_units(
     optimizer state in every unit, parameter shards in the stage 3 units, frozen ones included
     (resident parameters stay whole on the device, as DeepSpeed's persistent ones)."""
     stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
-    placement = place(offload)  # where every unit's optimizer side lives, decided once
+    placement = place(offload, nvme_masters(offload, comm.rank))  # where every unit's optimizer side lives, decided once
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
         if deferred is not None:

@@ -30,7 +30,7 @@ them), `load_state` restores it from saved pieces of any layout, `state_bytes` c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypedDict
@@ -136,6 +136,19 @@ class OptimizerShard:
         self._cached_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         # The unit's whole-matrix parameters, when the optimizer has some (`compute_layout`).
         self.matrices: MatrixExchange | None = None
+        master.settle()  # the targets are views of the master now (on NVMe: out to the file)
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's elementwise state of the targets lives where the master lives (swapped
+        with it on NVMe), keyed by target and state name."""
+
+        def states() -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+            for index, target in enumerate(self.targets):
+                for key, value in optimizer.state.get(target.tensor, {}).items():
+                    if torch.is_tensor(value) and value.dim() > 0 and value.numel() == target.tensor.numel():
+                        yield (index, key), value
+
+        self.master_kind.bind_state(states)
 
     # -- the range ---------------------------------------------------------------------------
 
@@ -324,9 +337,11 @@ def step_shards(
     exchange is collective). Each shard is published as soon as it stepped: offloaded, its copy to the device (asynchronous from pinned memory) then runs while
     the host steps the next shard. Returns the most fp32 copy bytes alive at once."""
     peak = 0
-    for shard in shards:
+    for index, shard in enumerate(shards):
         offset = shard.unit.used_offset
         with shard.resident():
+            if index + 1 < len(shards):  # the next shard's master read ahead while this one steps
+                shards[index + 1].master_kind.prefetch()
             attached, copy_bytes = shard.attach_grads(used[offset : offset + len(shard.unit.names)], multiplier)
             peak = max(peak, copy_bytes)
             if attached:

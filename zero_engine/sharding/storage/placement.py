@@ -25,15 +25,15 @@ A new placement (NVMe, a quantized master) is a new class here, not a branch in 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from ... import offload
-from ...devices import tensor_bytes
+from ...devices import HOST, tensor_bytes
 from ...offload import OffloadPlan
 from .host_gradient import HostGradient
 
@@ -51,8 +51,19 @@ class Master:
 
     @contextmanager
     def resident(self) -> Iterator[torch.Tensor]:
-        """The master's values, present while inside (a step updates them here)."""
+        """The master's values (and its optimizer state: `bind_state`), present while inside (a
+        step updates them here)."""
         yield self.tensor
+
+    def bind_state(self, states: Callable[[], Any]) -> None:
+        """The optimizer state that lives where the master lives (kept in place here; on NVMe
+        swapped with it: `zero_engine.sharding.storage.nvme.NvmeMaster`)."""
+
+    def settle(self) -> None:
+        """After the optimizer's targets were made as views of the master."""
+
+    def prefetch(self) -> None:
+        """Start bringing the master in ahead of its `resident` (the next shard to step)."""
 
     @property
     def is_compute_copy(self) -> bool:
@@ -237,10 +248,14 @@ class Placement:
     offload_params: bool  # stage 3's parameter shards on the host
     pin_memory: bool  # the masters' (what crosses every pass is pinned anyway: `offload.PIN_CROSSING`)
     staged_gradients: bool = False  # host gradients get their staging buffer when made (`HostGradient`)
+    # offload_optimizer on NVMe: makes a master kept in the rank's swap file (`nvme.NvmeMaster`)
+    on_nvme: Callable[[torch.Tensor, torch.Tensor | None], Master] | None = None
 
     def masters(self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int) -> Master:
         """A whole-parameter unit's master of ``[start, end)``, published into ``flat_param``'s
         range unless it is that range (fp32 on the device)."""
+        if self.on_nvme is not None:
+            return self.on_nvme(full_fp32[start:end].to(HOST, copy=True), flat_param[start:end])
         if self.offload_optimizer:
             return HostMaster(offload.host_copy(full_fp32[start:end], self.pin_memory), flat_param[start:end])
         if flat_param.dtype == torch.float32:
@@ -257,6 +272,8 @@ class Placement:
             param_shard = offload.host_copy(flat_param[start:end], offload.PIN_CROSSING)  # cast on the device first; gathered every pass
         else:
             param_shard = flat_param[start:end].clone()
+        if self.on_nvme is not None:
+            return param_shard, self.on_nvme(full_fp32[start:end].to(HOST, copy=True), param_shard)
         kind = HostMaster if self.offload_optimizer else Master
         if flat_param.dtype == torch.float32 and self.offload_params == self.offload_optimizer:
             return param_shard, kind(param_shard, None)
@@ -276,8 +293,8 @@ class Placement:
         return DeviceGrad(numel, dtype, device, releases)
 
 
-def place(plan: OffloadPlan) -> Placement:
-    return Placement(plan.optimizer, plan.params, plan.pin_memory, plan.staged_gradients)
+def place(plan: OffloadPlan, on_nvme: Callable[[torch.Tensor, torch.Tensor | None], Master] | None = None) -> Placement:
+    return Placement(plan.optimizer, plan.params, plan.pin_memory, plan.staged_gradients, on_nvme)
 
 
 ON_DEVICE = Placement(offload_optimizer=False, offload_params=False, pin_memory=False)

@@ -1,0 +1,214 @@
+"""NVMe offload of the optimizer side (``offload_optimizer.device: nvme``): bit for bit what CPU
+offload computes, its swap files per rank, the bytes it moves, the page cache it leaves, bad
+paths refused at `initialize`, and checkpoints that do not care where the state waited.
+
+Swap directories are made under /var/tmp, which is the machine's disk here (/tmp may be tmpfs
+elsewhere: `check_swap_directory` would refuse it, as it refuses /dev/shm below)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zero_engine
+from harness import run_on_ranks
+from test_muon import batch, make_gpt
+
+DISK = "/var/tmp"
+STEPS, MICRO = 20, 2
+
+
+def config(stage: int, device: str, directory: str, *, dtype: str = "fp32", accum: int = 2,
+           offload_param: bool = False, optimizer: str = "AdamW") -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "offload_optimizer": {"device": device, "nvme_path": directory}}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    params = {"lr": 1e-3, "weight_decay": 0.01} if optimizer == "AdamW" else {"lr": 0.02, "adam_lr": 1e-3}
+    result = {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accum, "gradient_clipping": 0.5,
+        "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero,
+    }
+    if dtype == "bf16":
+        result["bf16"] = {"enabled": True}
+    return result
+
+
+def train(engine: Any, rank: int, world: int, steps: range, accum: int) -> None:
+    for step in steps:
+        ids, labels = batch(step, MICRO * accum * world)
+        for micro in range(accum):
+            rows = slice((micro * world + rank) * MICRO, (micro * world + rank + 1) * MICRO)
+            engine.backward(engine(ids[rows], labels[rows]))
+            engine.step()
+
+
+def cached_pages(path: Path) -> int:
+    """Pages of the file in the page cache (``mincore`` on a private mapping of it: a probe that
+    reads nothing, so it starts no read-ahead of its own)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        memory = (ctypes.c_char * size).from_buffer(mapping)
+        pages = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
+        if libc.mincore(ctypes.c_void_p(ctypes.addressof(memory)), ctypes.c_size_t(size), pages) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        del memory
+        return sum(page & 1 for page in pages)
+    finally:
+        mapping.close()
+
+
+def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case trained with CPU offload and with NVMe offload; the NVMe run also reports its
+    files, the bytes its swap moved in the last step (and the process's disk I/O), the state's
+    bytes, and whether the page cache holds any of its file."""
+    results = []
+    for case in cases:
+        states, report = [], {}
+        for device in ("cpu", "nvme"):
+            options = {key: case[key] for key in ("dtype", "accum", "offload_param", "optimizer") if key in case}
+            engine = zero_engine.initialize(make_gpt(), config(case["stage"], device, directory, **options))
+            train(engine, rank, world, range(STEPS - 1), case.get("accum", 2))
+            if device == "nvme":
+                engine.swap.io.submit(lambda: None).result()  # the last step's writes behind it done
+                io_before = _process_io()
+                train(engine, rank, world, range(STEPS - 1, STEPS), case.get("accum", 2))
+                engine.swap.io.submit(lambda: None).result()  # the writes behind the step done
+                io_after = _process_io()
+                swap = engine.swap.file.path
+                report = {
+                    "nvme": engine.comm_report()["nvme"],
+                    "disk": {key: io_after[key] - io_before[key] for key in io_before},
+                    "state_bytes": sum(unit.optimizer_shard.owned_range[1] - unit.optimizer_shard.owned_range[0]
+                                       for unit in engine.units) * 4 * 3,  # master, exp_avg, exp_avg_sq
+                    "file": swap.name, "cached": cached_pages(swap), "regions": engine.swap.file.end,
+                }
+            else:
+                train(engine, rank, world, range(STEPS - 1, STEPS), case.get("accum", 2))
+            states.append(engine.full_state_dict())
+            engine.close()
+            if device == "nvme":
+                report["left"] = swap.exists()
+        results.append({"equal": all(torch.equal(states[0][k], states[1][k]) for k in states[0]), **report})
+    return results
+
+
+def _process_io() -> dict[str, int]:
+    with open("/proc/self/io") as io:
+        fields = dict(line.split(": ") for line in io.read().splitlines())
+    return {"read_bytes": int(fields["read_bytes"]), "write_bytes": int(fields["write_bytes"])}
+
+
+FAST = [
+    {"stage": 1},
+    {"stage": 2, "dtype": "bf16"},
+    {"stage": 3, "offload_param": True},
+    {"stage": 2, "optimizer": "Muon", "accum": 1},
+]
+SLOW = [
+    {"stage": stage, "dtype": dtype, "offload_param": stage == 3}
+    for stage in (1, 2, 3) for dtype in ("fp32", "bf16")
+]
+
+
+@pytest.mark.parametrize("world, grid", [(2, FAST), pytest.param(3, SLOW, marks=pytest.mark.slow)])
+def test_bit_for_bit_cpu_offload_files_per_rank_bytes_and_no_page_cache(world: int, grid: list) -> None:
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
+        per_rank = run_on_ranks(world, against_cpu, directory, grid)
+        assert os.listdir(directory) == []  # every file removed on close
+    for index, case in enumerate(grid):
+        results = [r[index] for r in per_rank]
+        assert all(r["equal"] for r in results), f"{case}: NVMe offload differs from CPU offload"
+        assert len({r["file"] for r in results}) == world  # a file of its own per rank
+        assert not any(r["left"] for r in results)
+        for r in results:
+            assert r["cached"] == 0, f"{case}: the page cache holds {r['cached']} pages of the swap file"
+            if case.get("optimizer", "AdamW") == "AdamW":  # each step reads and writes the state once
+                assert r["nvme"]["read"] == r["nvme"]["written"] == r["state_bytes"], (case, r)
+                # what the process asked of the disk (/proc/self/io): every region once each way, in
+                # whole pages (on this tiny model a page's rounding is a tenth of a region)
+                assert abs(r["disk"]["write_bytes"] - r["regions"]) <= 0.01 * r["regions"], (case, r)
+                assert abs(r["disk"]["read_bytes"] - r["regions"]) <= 0.01 * r["regions"], (case, r)
+
+
+# -- bad paths: refused at initialize, naming the key, nothing written ------------------------------
+
+@pytest.mark.parametrize(
+    "path, fragment",
+    [
+        ("/var/tmp/zero_engine-no-such-directory", "no such directory"),
+        ("/dev/shm", "is on tmpfs, which is memory, not a disk"),
+    ],
+)
+def test_a_bad_swap_directory_is_refused(path: str, fragment: str) -> None:
+    before = set(os.listdir(path)) if os.path.isdir(path) else set()
+    with pytest.raises(zero_engine.ConfigError) as info:
+        zero_engine.initialize(make_gpt(), config(1, "nvme", path))
+    assert "zero_optimization.offload_optimizer.nvme_path" in str(info.value) and fragment in str(info.value)
+    assert (set(os.listdir(path)) if os.path.isdir(path) else set()) == before
+
+
+def test_a_swap_directory_too_small_or_a_file_is_refused(tmp_path: Path) -> None:
+    from zero_engine.sharding.storage.nvme import check_swap_directory
+
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
+        with pytest.raises(zero_engine.ConfigError, match="GiB free, the masters and optimizer state"):
+            check_swap_directory(directory, 1 << 62)
+        check_swap_directory(directory, 1 << 20)
+        a_file = Path(directory) / "file"
+        a_file.write_text("")
+        with pytest.raises(zero_engine.ConfigError, match="no such directory"):
+            check_swap_directory(str(a_file), 1)
+
+
+def test_nvme_needs_a_path() -> None:
+    with pytest.raises(zero_engine.ConfigError, match="device = 'nvme' needs nvme_path"):
+        zero_engine.load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
+
+
+# -- checkpoints: the same as CPU offload's, and either resumes into the other ---------------------
+
+def save_and_cross_resume(rank: int, world: int, root: str) -> dict[str, Any]:
+    saved = {}
+    for device in ("cpu", "nvme"):
+        engine = zero_engine.initialize(make_gpt(), config(2, device, root))
+        train(engine, rank, world, range(3), 2)
+        engine.save_checkpoint(os.path.join(root, device), tag="t")
+        train(engine, rank, world, range(3, 5), 2)
+        saved[device] = engine.full_state_dict()
+        engine.close()
+    resumed = {}
+    for device, source in (("nvme", "cpu"), ("cpu", "nvme")):
+        engine = zero_engine.initialize(make_gpt(), config(2, device, root))
+        engine.load_checkpoint(os.path.join(root, source), tag="t")
+        train(engine, rank, world, range(3, 5), 2)
+        resumed[device] = engine.full_state_dict()
+        engine.close()
+    return {"saved": saved, "resumed": resumed}
+
+
+def test_checkpoints_match_cpu_offload_and_resume_across(tmp_path: Path) -> None:
+    from zero_engine.state.payload import PieceIndex
+    from zero_engine.state.storage import open_checkpoint
+
+    with tempfile.TemporaryDirectory(dir=DISK) as root:
+        result = run_on_ranks(2, save_and_cross_resume, root)[0]
+        indexes = {device: PieceIndex.read(open_checkpoint(os.path.join(root, device), "t")) for device in ("cpu", "nvme")}
+        for name, param in make_gpt().named_parameters():
+            for key in (None, "exp_avg", "exp_avg_sq"):
+                values = [indexes[d].assemble(name, 0, param.numel(), key) for d in ("cpu", "nvme")]
+                assert torch.equal(values[0], values[1]), (name, key)
+    for name, value in result["saved"]["cpu"].items():
+        assert torch.equal(value, result["saved"]["nvme"][name]), name
+        assert torch.equal(value, result["resumed"]["nvme"][name]), f"{name}: CPU checkpoint resumed into NVMe"
+        assert torch.equal(value, result["resumed"]["cpu"][name]), f"{name}: NVMe checkpoint resumed into CPU"

@@ -1,0 +1,301 @@
+"""NVMe offload of the optimizer side (``offload_optimizer.device: nvme``): each unit's fp32
+master and elementwise optimizer state live in this rank's swap file between steps, and in host
+memory only around their shard's step.
+
+- `SwapFile`: one file per rank (made with ``O_EXCL``, so no two ranks or engines share one,
+  removed on close), regions allocated as shards are first written; transfers are ``os.pwrite``
+  and ``os.preadv`` straight from and into the tensors' memory (no compiled op, no copy), each
+  followed by dropping the pages from the page cache (after ``fdatasync`` for a write), so what
+  is offloaded is not kept in RAM by the kernel instead;
+- `SwapSpace`: the file, one I/O thread (reads and writes run in submission order, so a shard is
+  never read before its last write finished) and ``buffer_count`` slots: at most that many
+  shards are in host memory at once (the one stepping, the next one read ahead, the last one
+  being written behind);
+- `NvmeMaster`: the master's kind on NVMe. Between steps its tensors keep their identity (the
+  optimizer's targets are views of the master, its state is keyed by them) but their storage is
+  resized to nothing; `resident()` reads master and state back, and writes them behind after.
+
+The values a step computes are the same as ``device: cpu``'s: the same host tensors, the same
+kernels, only where they wait between steps differs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .placement import HostMaster
+
+ALIGN = 4096  # regions start on page boundaries
+
+
+def _memory_of(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a writable buffer (no numpy, no copy); ``tensor`` is contiguous."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+class SwapFile:
+    """One rank's swap file and the bytes moved through it."""
+
+    def __init__(self, directory: str | Path, rank: int) -> None:
+        self.path = Path(directory) / f"zero_engine-rank{rank}-pid{os.getpid()}-{id(self):x}.swap"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past a region
+        self.end = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def allocate(self, nbytes: int) -> int:
+        offset = self.end
+        self.end += -(-nbytes // ALIGN) * ALIGN
+        return offset
+
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        """Whole pages only: a partial last page is padded (writing part of a page that is not
+        cached makes the kernel read it from the disk first)."""
+        view = _memory_of(tensor)
+        whole = len(view) // ALIGN * ALIGN
+        self._write_all(view[:whole], offset)
+        if whole < len(view):
+            page = bytearray(ALIGN)
+            page[: len(view) - whole] = view[whole:]
+            self._write_all(memoryview(page), offset + whole)
+        os.fdatasync(self.fd)  # dirty pages cannot be dropped
+        self._drop(offset, len(view))
+        self.bytes_written += len(view)
+
+    def _write_all(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def read(self, offset: int, tensor: torch.Tensor) -> None:
+        view, done = _memory_of(tensor), 0
+        while done < len(view):
+            count = os.preadv(self.fd, [view[done:]], offset + done)
+            if count == 0:
+                raise OSError(f"{self.path}: {len(view) - done} bytes missing at offset {offset + done}")
+            done += count
+        self._drop(offset, len(view))
+        self.bytes_read += len(view)
+
+    def _drop(self, offset: int, nbytes: int) -> None:
+        """Out of the page cache: the whole pages of the region (a partial last page would stay)."""
+        os.posix_fadvise(self.fd, offset, -(-nbytes // ALIGN) * ALIGN, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.path.unlink(missing_ok=True)
+
+
+class SwapSpace:
+    """A rank's swap file, its I/O thread, and the slots bounding the shards held in memory."""
+
+    def __init__(self, directory: str | Path, rank: int, buffer_count: int) -> None:
+        self.file = SwapFile(directory, rank)
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme")
+        self.slots = threading.Semaphore(buffer_count)
+        self.buffer_count = buffer_count
+        self.requested = [0, 0]  # bytes asked to be read and written (a write completes behind the step)
+        self._reported = (0, 0)
+
+    def submit(self, work: Callable[[], None]) -> Future:
+        return self.io.submit(work)
+
+    def report(self) -> dict[str, int]:
+        """Bytes read from and written to the swap file since `reset_report`."""
+        read, written = self._reported
+        return {"read": self.requested[0] - read, "written": self.requested[1] - written}
+
+    def reset_report(self) -> None:
+        self._reported = (self.requested[0], self.requested[1])
+
+    def close(self) -> None:
+        self.io.shutdown(wait=True)
+        self.file.close()
+
+
+def _free(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(0)
+
+
+def _restore(tensor: torch.Tensor, nbytes: int) -> None:
+    tensor.untyped_storage().resize_(nbytes)
+
+
+class NvmeMaster(HostMaster):
+    """The master of a unit's owned range, and its elementwise optimizer state, on NVMe between
+    steps (see the module's docstring). ``states`` (`bind_state`) lists the state tensors to
+    swap with it, by a key stable from step to step."""
+
+    def __init__(self, values: torch.Tensor, publish_to: torch.Tensor | None, space: SwapSpace) -> None:
+        super().__init__(values, publish_to)
+        self.space = space
+        self.nbytes_master = values.numel() * values.element_size()
+        self.region = space.file.allocate(self.nbytes_master)
+        self.state_regions: dict[Any, tuple[int, int]] = {}  # key -> (offset, bytes)
+        self.swapped: list[tuple[Any, torch.Tensor]] = []  # the state tensors out with the master
+        self.states: Callable[[], Iterable[tuple[Any, torch.Tensor]]] = lambda: ()
+        self.status = "in"  # in, reading, writing, out
+        self.future: Future | None = None
+        space.slots.acquire()
+
+    def bind_state(self, states: Callable[[], Iterable[tuple[Any, torch.Tensor]]]) -> None:
+        self.states = states
+
+    @property
+    def host_bytes(self) -> int:
+        """What of the master and its state is in host memory now."""
+        held = [self.tensor, *(tensor for _, tensor in self.swapped)] if self.status != "out" else []
+        return sum(tensor.untyped_storage().nbytes() for tensor in held)
+
+    def settle(self) -> None:
+        """After the targets were made (views of the master): out to the file."""
+        self._send_out()
+
+    def prefetch(self) -> None:
+        """Start reading master and state in, if a slot is free (the next shard to step)."""
+        if self.status == "out" and self.space.slots.acquire(blocking=False):
+            self._submit_read()
+
+    @contextmanager
+    def resident(self) -> Iterator[torch.Tensor]:
+        self._bring_in()
+        try:
+            yield self.tensor
+        finally:
+            self._send_out()
+
+    def _bring_in(self) -> None:
+        if self.status == "writing":
+            assert self.future is not None
+            self.future.result()
+            self.status = "out"
+        if self.status == "out":
+            self.space.slots.acquire()
+            self._submit_read()
+        if self.status == "reading":
+            assert self.future is not None
+            self.future.result()
+            self.status = "in"
+
+    def _send_out(self) -> None:
+        swapped = []
+        for key, tensor in self.states():
+            nbytes = tensor.numel() * tensor.element_size()
+            if key not in self.state_regions:
+                self.state_regions[key] = (self.space.file.allocate(nbytes), nbytes)
+            if self.state_regions[key][1] != nbytes:
+                raise RuntimeError(f"optimizer state {key!r} changed size on NVMe offload")
+            swapped.append((key, tensor))
+        self.swapped = swapped
+        self.space.requested[1] += self._bytes()
+        self.status, self.future = "writing", self.space.submit(self._write_all)
+
+    def _submit_read(self) -> None:
+        self.space.requested[0] += self._bytes()
+        self.status, self.future = "reading", self.space.submit(self._read_all)
+
+    def _bytes(self) -> int:
+        return self.nbytes_master + sum(self.state_regions[key][1] for key, _ in self.swapped)
+
+    def _write_all(self) -> None:
+        """On the I/O thread: master and state to the file, then their memory freed."""
+        try:
+            self.space.file.write(self.region, self.tensor)
+            for key, tensor in self.swapped:
+                self.space.file.write(self.state_regions[key][0], tensor.contiguous())
+            _free(self.tensor)
+            for _, tensor in self.swapped:
+                _free(tensor)
+        finally:
+            self.space.slots.release()
+
+    def _read_all(self) -> None:
+        """On the I/O thread: memory back, master and state read into it."""
+        _restore(self.tensor, self.nbytes_master)
+        self.space.file.read(self.region, self.tensor)
+        for key, tensor in self.swapped:
+            offset, nbytes = self.state_regions[key]
+            _restore(tensor, nbytes)
+            self.space.file.read(offset, tensor)
+
+
+class NvmeMasters:
+    """The placement's maker of masters on NVMe (`Placement.on_nvme`), over one rank's swap space."""
+
+    def __init__(self, space: SwapSpace) -> None:
+        self.space = space
+
+    def __call__(self, values: torch.Tensor, publish_to: torch.Tensor | None) -> NvmeMaster:
+        return NvmeMaster(values, publish_to, self.space)
+
+
+def nvme_masters(plan: Any, rank: int) -> NvmeMasters | None:
+    """For an `OffloadPlan` with ``nvme_path``: this rank's swap space (its file made now)."""
+    if plan.nvme_path is None:
+        return None
+    return NvmeMasters(SwapSpace(plan.nvme_path, rank, plan.buffer_count))
+
+
+def swap_space(units: Iterable[Any]) -> SwapSpace | None:
+    """The swap space the units' masters live in, if they are on NVMe."""
+    for unit in units:
+        maker = unit.placement.on_nvme
+        if isinstance(maker, NvmeMasters):
+            return maker.space
+    return None
+
+
+# Filesystems that are memory, not a disk: a swap file there would be host memory after all.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+WHERE = "zero_optimization.offload_optimizer.nvme_path"
+
+
+def check_swap_directory(path: str, needed: int) -> None:
+    """Refuse, at `initialize`, a swap directory that is missing, not writable, in memory, or
+    without room for ``needed`` bytes (the state of every rank on this node)."""
+    from ...errors import ConfigError
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ConfigError(f"{WHERE} = {path!r}: no such directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"{WHERE} = {path!r}: not writable by this process")
+    filesystem = filesystem_of(directory)
+    if filesystem in MEMORY_FILESYSTEMS:
+        raise ConfigError(
+            f"{WHERE} = {path!r} is on {filesystem}, which is memory, not a disk: the swap files would hold the "
+            "optimizer state in RAM after all; give a directory on an NVMe drive"
+        )
+    stats = os.statvfs(directory)
+    free = stats.f_bavail * stats.f_frsize
+    if free < needed:
+        raise ConfigError(
+            f"{WHERE} = {path!r}: {free / 2**30:.2f} GiB free, the masters and optimizer state of this node's "
+            f"ranks need {needed / 2**30:.2f} GiB"
+        )
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (the longest mount point above it)."""
+    real, best, kind = os.path.realpath(path), "", ""
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            point = fields[1].replace("\\040", " ")
+            inside = real == point or real.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, kind = point, fields[2]
+    return kind
