@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,18 +73,27 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
     """Each case trained with CPU offload and with NVMe offload; the NVMe run also reports its
     files, the bytes its swap moved in the last step (and the process's disk I/O), the state's
     bytes, and whether the page cache holds any of its file."""
+    from zero_engine.sharding.storage.nvme import SwapFile
+
     results = []
+    fast_write = SwapFile.write
     for case in cases:
+        if case.get("slow_disk"):  # every write late: the next step's read of its shard must wait for it
+            def slow_write(self: Any, regions: Any) -> None:
+                time.sleep(0.02)
+                fast_write(self, regions)
+
+            SwapFile.write = slow_write
         states, report = [], {}
         for device in ("cpu", "nvme"):
             options = {key: case[key] for key in ("dtype", "accum", "offload_param", "optimizer") if key in case}
             engine = zero_engine.initialize(make_gpt(), config(case["stage"], device, directory, **options))
             train(engine, rank, world, range(STEPS - 1), case.get("accum", 2))
             if device == "nvme":
-                engine.swap.io.submit(lambda: None).result()  # the last step's writes behind it done
+                engine.swap.drain()  # the last step's writes behind it done
                 io_before = _process_io()
                 train(engine, rank, world, range(STEPS - 1, STEPS), case.get("accum", 2))
-                engine.swap.io.submit(lambda: None).result()  # the writes behind the step done
+                engine.swap.drain()  # the writes behind the step done
                 io_after = _process_io()
                 swap = engine.swap.file.path
                 report = {
@@ -99,6 +109,7 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
             engine.close()
             if device == "nvme":
                 report["left"] = swap.exists()
+        SwapFile.write = fast_write
         results.append({"equal": all(torch.equal(states[0][k], states[1][k]) for k in states[0]), **report})
     return results
 
@@ -114,6 +125,7 @@ FAST = [
     {"stage": 2, "dtype": "bf16"},
     {"stage": 3, "offload_param": True},
     {"stage": 2, "optimizer": "Muon", "accum": 1},
+    {"stage": 1, "accum": 1, "slow_disk": True},
 ]
 SLOW = [
     {"stage": stage, "dtype": dtype, "offload_param": stage == 3}

@@ -172,15 +172,21 @@ def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int
     if config.optimizer.type.lower() == "muon":
         print(f"  (Muon: {args.matrix_params:,} matrix parameters with 4 bytes of state, the rest AdamW's 8"
               + ("; --model-config counts the matrices)" if args.model_config is None else ")"))
+    if report.nvme:
+        print(f"  (offload_optimizer on NVMe: masters and optimizer state in the rank's swap file, "
+              f"{report.nvme / 2**30:.3f} GiB; each step reads and writes it once, "
+              f"{report.nvme * 1000 / 1e12:.3f} TB written per 1,000 steps)")
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
         if key == "parameters" and args.frozen_params:
             print(f"  {'  of which frozen':18s} {report.frozen_parameters / 2**30:10.3f} GiB")
     total = report.model_states
     print(f"  {'total':18s} {total / 2**30:10.3f} GiB")
+    if report.nvme:
+        print(f"  {'on NVMe':18s} {report.nvme / 2**30:10.3f} GiB  (in host memory only around its shard's step)")
     if report.host:
         print(f"  {'on the host':18s} {report.host / 2**30:10.3f} GiB  (offload; on the device: "
-              f"{(total - report.host) / 2**30:.3f} GiB)")
+              f"{(total - report.host - report.nvme) / 2**30:.3f} GiB)")
     stage = stage_for(zero.stage)
     if stage.shard_gradients and not stage.shard_parameters:  # stage 2: a bucket filling, one reducing
         print(f"  + during backward up to two gradient buckets: "

@@ -7,10 +7,10 @@ memory only around their shard's step.
   and ``os.preadv`` straight from and into the tensors' memory (no compiled op, no copy), each
   followed by dropping the pages from the page cache (after ``fdatasync`` for a write), so what
   is offloaded is not kept in RAM by the kernel instead;
-- `SwapSpace`: the file, one I/O thread (reads and writes run in submission order, so a shard is
-  never read before its last write finished) and ``buffer_count`` slots: at most that many
-  shards are in host memory at once (the one stepping, the next one read ahead, the last one
-  being written behind);
+- `SwapSpace`: the file, a read thread and a write thread (a shard's read waits for its own last
+  write, never for another shard's) and ``buffer_count`` slots: at most that many shards are in
+  host memory at once (the one stepping, the next one read ahead, the last ones being written
+  behind);
 - `NvmeMaster`: the master's kind on NVMe. Between steps its tensors keep their identity (the
   optimizer's targets are views of the master, its state is keyed by them) but their storage is
   resized to nothing; `resident()` reads master and state back, and writes them behind after.
@@ -59,19 +59,22 @@ class SwapFile:
         self.end += -(-nbytes // ALIGN) * ALIGN
         return offset
 
-    def write(self, offset: int, tensor: torch.Tensor) -> None:
-        """Whole pages only: a partial last page is padded (writing part of a page that is not
-        cached makes the kernel read it from the disk first)."""
-        view = _memory_of(tensor)
-        whole = len(view) // ALIGN * ALIGN
-        self._write_all(view[:whole], offset)
-        if whole < len(view):
-            page = bytearray(ALIGN)
-            page[: len(view) - whole] = view[whole:]
-            self._write_all(memoryview(page), offset + whole)
-        os.fdatasync(self.fd)  # dirty pages cannot be dropped
-        self._drop(offset, len(view))
-        self.bytes_written += len(view)
+    def write(self, regions: list[tuple[int, torch.Tensor]]) -> None:
+        """Each tensor to its region, then one ``fdatasync`` (dirty pages cannot be dropped) and
+        the regions' pages dropped. Whole pages only: a partial last page is padded (writing part
+        of a page that is not cached makes the kernel read it from the disk first)."""
+        for offset, tensor in regions:
+            view = _memory_of(tensor)
+            whole = len(view) // ALIGN * ALIGN
+            self._write_all(view[:whole], offset)
+            if whole < len(view):
+                page = bytearray(ALIGN)
+                page[: len(view) - whole] = view[whole:]
+                self._write_all(memoryview(page), offset + whole)
+            self.bytes_written += len(view)
+        os.fdatasync(self.fd)
+        for offset, tensor in regions:
+            self._drop(offset, tensor.numel() * tensor.element_size())
 
     def _write_all(self, view: memoryview, offset: int) -> None:
         done = 0
@@ -102,14 +105,19 @@ class SwapSpace:
 
     def __init__(self, directory: str | Path, rank: int, buffer_count: int) -> None:
         self.file = SwapFile(directory, rank)
-        self.io = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme")
+        # One thread reads, one writes, so a shard's read-ahead need not queue behind the last
+        # shard's write; a read of a shard still waits for that shard's own write.
+        self.readers = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme-read")
+        self.writers = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme-write")
         self.slots = threading.Semaphore(buffer_count)
         self.buffer_count = buffer_count
         self.requested = [0, 0]  # bytes asked to be read and written (a write completes behind the step)
         self._reported = (0, 0)
 
-    def submit(self, work: Callable[[], None]) -> Future:
-        return self.io.submit(work)
+    def drain(self) -> None:
+        """Wait for every read and write submitted so far."""
+        self.writers.submit(lambda: None).result()
+        self.readers.submit(lambda: None).result()
 
     def report(self) -> dict[str, int]:
         """Bytes read from and written to the swap file since `reset_report`."""
@@ -120,12 +128,26 @@ class SwapSpace:
         self._reported = (self.requested[0], self.requested[1])
 
     def close(self) -> None:
-        self.io.shutdown(wait=True)
+        self.readers.shutdown(wait=True)
+        self.writers.shutdown(wait=True)
         self.file.close()
 
 
 def _free(tensor: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(0)
+
+
+def _give_back_freed_pages() -> None:
+    """Return the freed pages to the system: glibc keeps freed blocks in its heap (its mmap
+    threshold grows after the first large free), where they would still count as resident."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc: its allocator has no malloc_trim
+    _LIBC = None
 
 
 def _restore(tensor: torch.Tensor, nbytes: int) -> None:
@@ -176,10 +198,9 @@ class NvmeMaster(HostMaster):
             self._send_out()
 
     def _bring_in(self) -> None:
-        if self.status == "writing":
-            assert self.future is not None
-            self.future.result()
-            self.status = "out"
+        if self.status == "writing":  # its own write first (the read thread waits for it)
+            self.space.slots.acquire()
+            self._submit_read()
         if self.status == "out":
             self.space.slots.acquire()
             self._submit_read()
@@ -199,29 +220,34 @@ class NvmeMaster(HostMaster):
             swapped.append((key, tensor))
         self.swapped = swapped
         self.space.requested[1] += self._bytes()
-        self.status, self.future = "writing", self.space.submit(self._write_all)
+        self.status, self.future = "writing", self.space.writers.submit(self._write_all)
 
     def _submit_read(self) -> None:
         self.space.requested[0] += self._bytes()
-        self.status, self.future = "reading", self.space.submit(self._read_all)
+        written = self.future if self.status == "writing" else None
+        self.status, self.future = "reading", self.space.readers.submit(self._read_all, written)
 
     def _bytes(self) -> int:
         return self.nbytes_master + sum(self.state_regions[key][1] for key, _ in self.swapped)
 
     def _write_all(self) -> None:
-        """On the I/O thread: master and state to the file, then their memory freed."""
+        """On the write thread: master and state to the file, then their memory freed."""
         try:
-            self.space.file.write(self.region, self.tensor)
-            for key, tensor in self.swapped:
-                self.space.file.write(self.state_regions[key][0], tensor.contiguous())
+            self.space.file.write(
+                [(self.region, self.tensor), *((self.state_regions[key][0], tensor) for key, tensor in self.swapped)]
+            )
             _free(self.tensor)
             for _, tensor in self.swapped:
                 _free(tensor)
+            _give_back_freed_pages()
         finally:
             self.space.slots.release()
 
-    def _read_all(self) -> None:
-        """On the I/O thread: memory back, master and state read into it."""
+    def _read_all(self, written: Future | None = None) -> None:
+        """On the read thread, after the shard's last write (``written``) finished: memory back,
+        master and state read into it."""
+        if written is not None:
+            written.result()
         _restore(self.tensor, self.nbytes_master)
         self.space.file.read(self.region, self.tensor)
         for key, tensor in self.swapped:
