@@ -224,3 +224,54 @@ def test_checkpoints_match_cpu_offload_and_resume_across(tmp_path: Path) -> None
         assert torch.equal(value, result["saved"]["nvme"][name]), name
         assert torch.equal(value, result["resumed"]["nvme"][name]), f"{name}: CPU checkpoint resumed into NVMe"
         assert torch.equal(value, result["resumed"]["cpu"][name]), f"{name}: NVMe checkpoint resumed into CPU"
+
+
+# -- a rank killed mid-step: the last checkpoint resumes, and the dead run's swap files go --------
+
+def killed_after_saving(rank: int, world: int, root: str) -> None:
+    """Save at step 3, then rank 1 is killed (SIGKILL) inside the next step's write."""
+    import signal
+
+    from zero_engine.sharding.storage.nvme import SwapFile
+
+    engine = zero_engine.initialize(make_gpt(), config(2, "nvme", root))
+    train(engine, rank, world, range(3), 2)
+    engine.save_checkpoint(os.path.join(root, "checkpoints"), tag="saved")
+    if rank == 1:
+        SwapFile.write = lambda self, regions: os.kill(os.getpid(), signal.SIGKILL)
+    train(engine, rank, world, range(3, 5), 2)
+
+
+def resumed_after_the_kill(rank: int, world: int, root: str) -> dict[str, Any]:
+    engine = zero_engine.initialize(make_gpt(), config(2, "nvme", root))
+    swap_files = sorted(name for name in os.listdir(root) if name.endswith(".swap"))
+    engine.load_checkpoint(os.path.join(root, "checkpoints"), tag="saved")
+    train(engine, rank, world, range(3, 5), 2)
+    state = engine.full_state_dict()
+    engine.close()
+    return {"state": state, "swap_files": swap_files}
+
+
+def uninterrupted(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
+    engine = zero_engine.initialize(make_gpt(), config(2, "cpu", root))
+    train(engine, rank, world, range(5), 2)
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+def test_a_rank_killed_mid_step_resumes_from_the_last_checkpoint() -> None:
+    from harness import RankFailure
+
+    with tempfile.TemporaryDirectory(dir=DISK) as root:
+        with pytest.raises(RankFailure):  # rank 1 killed; rank 0 fails in its next collective
+            run_on_ranks(2, killed_after_saving, root, timeout=60)
+        left = [name for name in os.listdir(root) if name.endswith(".swap")]
+        assert len(left) >= 1  # a killed process cannot remove its file
+        resumed = run_on_ranks(2, resumed_after_the_kill, root)
+        expected = run_on_ranks(2, uninterrupted, root)[0]
+        for result in resumed:  # the dead run's files removed at initialize, this run's own made
+            assert result["swap_files"] and not set(left) & set(result["swap_files"])
+        assert [name for name in os.listdir(root) if name.endswith(".swap")] == []
+    for name, value in expected.items():
+        assert torch.equal(resumed[0]["state"][name], value), name

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +37,31 @@ import torch
 from .placement import HostMaster
 
 ALIGN = 4096  # regions start on page boundaries
+PREFIX = "zero_engine-"
+
+
+def remove_stale(directory: str | Path) -> list[Path]:
+    """Remove the swap files that processes of this host left when they died (a rank killed
+    mid-step cannot remove its own); returns them. Files of live processes, and of other hosts
+    sharing the directory, are left alone."""
+    pattern = re.compile(re.escape(PREFIX + socket.gethostname()) + r"-rank\d+-pid(\d+)-[0-9a-f]+\.swap$")
+    removed = []
+    for path in Path(directory).iterdir():
+        found = pattern.match(path.name)
+        if found and not _alive(int(found.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _memory_of(tensor: torch.Tensor) -> memoryview:
@@ -47,7 +74,7 @@ class SwapFile:
     """One rank's swap file and the bytes moved through it."""
 
     def __init__(self, directory: str | Path, rank: int) -> None:
-        self.path = Path(directory) / f"zero_engine-rank{rank}-pid{os.getpid()}-{id(self):x}.swap"
+        self.path = Path(directory) / f"{PREFIX}{socket.gethostname()}-rank{rank}-pid{os.getpid()}-{id(self):x}.swap"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past a region
         self.end = 0
@@ -104,6 +131,7 @@ class SwapSpace:
     """A rank's swap file, its I/O thread, and the slots bounding the shards held in memory."""
 
     def __init__(self, directory: str | Path, rank: int, buffer_count: int) -> None:
+        remove_stale(directory)
         self.file = SwapFile(directory, rank)
         # One thread reads, one writes, so a shard's read-ahead need not queue behind the last
         # shard's write; a read of a shard still waits for that shard's own write.
