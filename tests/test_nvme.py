@@ -101,6 +101,7 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
                     "disk": {key: io_after[key] - io_before[key] for key in io_before},
                     "state_bytes": sum(unit.optimizer_shard.owned_range[1] - unit.optimizer_shard.owned_range[0]
                                        for unit in engine.units) * 4 * 3,  # master, exp_avg, exp_avg_sq
+                    "memory": engine.memory_report(),
                     "file": swap.name, "cached": cached_pages(swap), "regions": engine.swap.file.end,
                 }
             else:
@@ -147,6 +148,10 @@ def test_bit_for_bit_cpu_offload_files_per_rank_bytes_and_no_page_cache(world: i
             assert r["cached"] == 0, f"{case}: the page cache holds {r['cached']} pages of the swap file"
             if case.get("optimizer", "AdamW") == "AdamW":  # each step reads and writes the state once
                 assert r["nvme"]["read"] == r["nvme"]["written"] == r["state_bytes"], (case, r)
+                # memory_report between steps: the masters and the state are in the file, not in memory
+                memory = r["memory"]
+                assert (memory["nvme"], memory["master_parameters"]) == (r["state_bytes"], 0), (case, memory)
+                assert memory["optimizer_states"] <= 8 * 64, (case, memory)  # AdamW's step counters alone
                 # what the process asked of the disk (/proc/self/io): every region once each way, in
                 # whole pages (on this tiny model a page's rounding is a tenth of a region)
                 assert abs(r["disk"]["write_bytes"] - r["regions"]) <= 0.01 * r["regions"], (case, r)

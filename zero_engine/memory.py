@@ -45,7 +45,7 @@ class MemoryReport(NamedTuple):
     host: int = 0  # of the held-now kinds, what lives in host memory (offload); the rest is on the device
     peak_quantized_buffers: int = 0  # most encoded (ZeRO++ quantized) communication buffers alive at once this step
     frozen_parameters: int = 0  # of `parameters`, the frozen ones (requires_grad False): sharded at stage 3
-    nvme: int = 0  # offload_optimizer on NVMe: masters and optimizer state in the rank's swap file (formula only)
+    nvme: int = 0  # offload_optimizer on NVMe: masters and optimizer state in the rank's swap file
 
     @property
     def model_states(self) -> int:
@@ -199,4 +199,5 @@ def measure_memory(
         host=sum(unit.host_bytes for unit in [*units, *frozen_units]) + (optimizer_states if optimizer_on_host else 0),
         peak_quantized_buffers=peak_encoded_bytes,
         frozen_parameters=frozen,
+        nvme=sum(unit.optimizer_shard.nvme_bytes for unit in units),
     )

@@ -203,6 +203,16 @@ class NvmeMaster(HostMaster):
         self.states = states
 
     @property
+    def nbytes(self) -> int:
+        """The master's bytes in host memory now (none between steps)."""
+        return self.tensor.untyped_storage().nbytes()
+
+    @property
+    def nvme_bytes(self) -> int:
+        """The master's and its state's bytes in the swap file."""
+        return self.nbytes_master + sum(nbytes for _, nbytes in self.state_regions.values())
+
+    @property
     def host_bytes(self) -> int:
         """What of the master and its state is in host memory now."""
         held = [self.tensor, *(tensor for _, tensor in self.swapped)] if self.status != "out" else []

@@ -258,9 +258,18 @@ class OptimizerShard:
                 optimizer.state[target.tensor] = restored
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """The optimizer state's tensors of the targets, as held."""
+        """The optimizer state's tensors of the targets, as held now (a tensor whose values wait
+        on NVMe holds no memory)."""
         states = [optimizer.state.get(target.tensor, {}) for target in self.targets]
-        return sum(tensor_bytes(value) for state in states for value in state.values() if torch.is_tensor(value))
+        return sum(
+            min(tensor_bytes(value), value.untyped_storage().nbytes())
+            for state in states for value in state.values() if torch.is_tensor(value)
+        )
+
+    @property
+    def nvme_bytes(self) -> int:
+        """The master's and its optimizer state's bytes in a swap file (offload to NVMe)."""
+        return self.master_kind.nvme_bytes
 
     # -- the step gradient (its kind: `zero_engine.sharding.storage.placement`) -----------------------
 

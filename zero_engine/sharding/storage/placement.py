@@ -44,6 +44,7 @@ class Master:
     fp32 training, so nothing is published and nothing is held twice)."""
 
     on_host = False
+    nvme_bytes = 0  # of the master and its state, what waits in a swap file (`nvme.NvmeMaster`)
 
     def __init__(self, tensor: torch.Tensor, publish_to: torch.Tensor | None) -> None:
         self.tensor = tensor
