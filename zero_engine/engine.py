@@ -142,6 +142,8 @@ class Engine(ModelAccess, StepView, WindowView):
         if self.precision.mixed:
             args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
         self.progress.add_inputs(args, kwargs)
+        if self.swap is not None and torch.is_grad_enabled() and self.is_gradient_accumulation_boundary():
+            self.optimizer_step.read_ahead(self.swap.buffer_count - 1)  # NVMe: the first shards read during the pass
         try:
             with self.progress.timed("forward"):
                 output = self.module(*args, **kwargs)

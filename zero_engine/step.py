@@ -125,6 +125,13 @@ class OptimizerStep:
             self.lr_scheduler.step()
         return StepResult(True, self.grad_norm)
 
+    def read_ahead(self, count: int) -> None:
+        """Start bringing in the masters (and state) of the first ``count`` shards the step
+        will update, while the forward and backward run (offload to NVMe: at most
+        ``buffer_count - 1`` of them, so one slot stays free for any other shard's use)."""
+        for unit in self.units[:count]:
+            unit.optimizer_shard.master_kind.prefetch(wait_for_slot=True)
+
     def _agree_on_used_params_and_norm(self) -> tuple[list[bool], float]:
         """One small all-reduce: which parameters got a gradient on any rank, and the squared
         (still scaled) gradient norm summed over every rank's shard, so identical everywhere:

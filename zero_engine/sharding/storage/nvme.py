@@ -222,10 +222,24 @@ class NvmeMaster(HostMaster):
         """After the targets were made (views of the master): out to the file."""
         self._send_out()
 
-    def prefetch(self) -> None:
-        """Start reading master and state in, if a slot is free (the next shard to step)."""
-        if self.status == "out" and self.space.slots.acquire(blocking=False):
+    def prefetch(self, wait_for_slot: bool = False) -> None:
+        """Start reading master and state in (the next shard to step), after the shard's own
+        last write: if a slot is free now, or (``wait_for_slot``: read ahead of the step, while
+        writes behind the last one still hold the slots) as soon as one is, on the read thread."""
+        if self.status not in ("out", "writing"):
+            return
+        if wait_for_slot:
+            written = self.future if self.status == "writing" else None
+            self.space.requested[0] += self._bytes()
+            self.status, self.future = "reading", self.space.readers.submit(self._acquire_and_read, written)
+        elif self.space.slots.acquire(blocking=False):
             self._submit_read()
+
+    def _acquire_and_read(self, written: Future | None) -> None:
+        if written is not None:
+            written.result()
+        self.space.slots.acquire()
+        self._read_all()
 
     @contextmanager
     def resident(self) -> Iterator[torch.Tensor]:

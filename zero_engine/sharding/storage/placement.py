@@ -63,7 +63,7 @@ class Master:
     def settle(self) -> None:
         """After the optimizer's targets were made as views of the master."""
 
-    def prefetch(self) -> None:
+    def prefetch(self, wait_for_slot: bool = False) -> None:
         """Start bringing the master in ahead of its `resident` (the next shard to step)."""
 
     @property
