@@ -182,7 +182,7 @@ def measure_memory(
     are stored; stage 3 units count their shard (gathered copies are transient and reported as
     peaks). ``frozen_parameters`` is the part of ``parameters`` that trains not. ``host``
     counts what offload put in host memory (``optimizer_on_host``: the optimizer's state too)."""
-    optimizer_states = sum(unit.optimizer_shard.state_bytes(optimizer) for unit in units) if optimizer else 0
+    optimizer_states = sum(unit.optimizer_shard.state_bytes() for unit in units) if optimizer else 0
     frozen = sum(tensor_bytes(p) for p in loose_params if not p.requires_grad)
     frozen += sum(unit.param_bytes for unit in frozen_units)
     return MemoryReport(

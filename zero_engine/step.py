@@ -198,7 +198,7 @@ class OptimizerStep:
 
     def state_pieces(self) -> list[SavedPiece]:
         """Every unit's shard with the optimizer state covering it, as a rank file holds them."""
-        return [piece for unit in self.units for piece in unit.optimizer_shard.state_pieces(self.optimizer)]
+        return [piece for unit in self.units for piece in unit.optimizer_shard.state_pieces()]
 
     def extra_state(self) -> dict[str, Any]:
         """What ``extra.pt`` holds of the step: the param groups' options, the schedule, the scaler."""
@@ -231,7 +231,7 @@ class OptimizerStep:
             group.update({key: value for key, value in options.items() if key not in IMPLEMENTATION_OPTIONS})
         self.optimizer.state.clear()
         for unit in self.units:
-            unit.optimizer_shard.load_state(self.optimizer, saved, fitting)
+            unit.optimizer_shard.load_state(saved, fitting)
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         if self.loss_scaler is not None and extra["loss_scaler"] is not None:

@@ -309,13 +309,20 @@ class NvmeMaster(HostMaster):
 
 
 class NvmeMasters:
-    """The placement's maker of masters on NVMe (`Placement.on_nvme`), over one rank's swap space."""
+    """The NVMe tier of masters (`zero_engine.sharding.storage.placement.MasterTier`), over one
+    rank's swap space: a master of its own always (never the parameters' storage)."""
 
     def __init__(self, space: SwapSpace) -> None:
         self.space = space
 
-    def __call__(self, values: torch.Tensor, publish_to: torch.Tensor | None) -> NvmeMaster:
-        return NvmeMaster(values, publish_to, self.space)
+    def shares(self, on_host: bool) -> bool:
+        return False
+
+    def shared(self, tensor: torch.Tensor) -> NvmeMaster:
+        raise AssertionError("a master on NVMe is never the parameters' own storage")
+
+    def separate(self, values: torch.Tensor, publish_to: torch.Tensor) -> NvmeMaster:
+        return NvmeMaster(values.to("cpu", copy=True), publish_to, self.space)
 
 
 def nvme_masters(plan: Any, rank: int) -> NvmeMasters | None:
@@ -328,9 +335,9 @@ def nvme_masters(plan: Any, rank: int) -> NvmeMasters | None:
 def swap_space(units: Iterable[Any]) -> SwapSpace | None:
     """The swap space the units' masters live in, if they are on NVMe."""
     for unit in units:
-        maker = unit.placement.on_nvme
-        if isinstance(maker, NvmeMasters):
-            return maker.space
+        tier = unit.placement.tier
+        if isinstance(tier, NvmeMasters):
+            return tier.space
     return None
 
 

@@ -23,9 +23,11 @@ the optimizer steps the host masters, and `publish` copies them back. The step g
 is an object (`StepGrad`), so nothing here branches on where it lives. Nothing outside this
 module touches them by offset.
 
-The optimizer's state of the targets is read and written here alone: `state_pieces` gives the
-shard as a checkpoint saves it (per parameter segment: master values and the state covering
-them), `load_state` restores it from saved pieces of any layout, `state_bytes` counts it.
+The optimizer's state of the targets is read and written here alone, and lives where the
+master's kind keeps it (`bind_optimizer`: in place, or on NVMe between steps): `state_pieces`
+gives the shard as a checkpoint saves it (per parameter segment: master values and the state
+covering them), `load_state` restores it from saved pieces of any layout, `state_bytes` counts
+it.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ class OptimizerShard:
             for p in self._owned_pieces(shaped_pieces)
         ]
         self._cached_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.optimizer: torch.optim.Optimizer | None = None  # whose state of the targets this shard holds (`bind_optimizer`)
         # The unit's whole-matrix parameters, when the optimizer has some (`compute_layout`).
         self.matrices: MatrixExchange | None = None
         master.settle()  # the targets are views of the master now (on NVMe: out to the file)
@@ -148,6 +151,7 @@ class OptimizerShard:
                     if torch.is_tensor(value) and value.dim() > 0 and value.numel() == target.tensor.numel():
                         yield (index, key), value
 
+        self.optimizer = optimizer
         self.master_kind.bind_state(states)
 
     # -- the range ---------------------------------------------------------------------------
@@ -215,11 +219,11 @@ class OptimizerShard:
 
     # -- the optimizer's state of the targets ------------------------------------------------
 
-    def state_pieces(self, optimizer: torch.optim.Optimizer | None) -> list[SavedPiece]:
+    def state_pieces(self) -> list[SavedPiece]:
         """This rank's shard as a checkpoint saves it: per parameter segment, host copies of its
         fp32 master values and of the optimizer state that covers them (none without an optimizer)."""
-        with self.resident():  # the master present while its values are copied out
-            return self._state_pieces(optimizer)
+        with self.resident():  # the master (and its state) present while their values are copied out
+            return self._state_pieces(self.optimizer)
 
     def _state_pieces(self, optimizer: torch.optim.Optimizer | None) -> list[SavedPiece]:
         unit, pieces = self.unit, []
@@ -234,9 +238,15 @@ class OptimizerShard:
             pieces.append(saved_piece(name, start, numel, saved_copy(master), saved))
         return pieces
 
-    def load_state(self, optimizer: torch.optim.Optimizer, saved: SavedPieces, fitting: set[str]) -> None:
+    def load_state(self, saved: SavedPieces, fitting: set[str]) -> None:
         """The optimizer state of every target whose parameter is in ``fitting``, assembled from
-        ``saved`` (pieces of any layout: another stage, world size, or DeepSpeed's)."""
+        ``saved`` (pieces of any layout: another stage, world size, or DeepSpeed's); placed where
+        the master's kind keeps it (`resident`: on NVMe, written out with the master)."""
+        assert self.optimizer is not None, "bind_optimizer first"
+        with self.resident():
+            self._load_state(self.optimizer, saved, fitting)
+
+    def _load_state(self, optimizer: torch.optim.Optimizer, saved: SavedPieces, fitting: set[str]) -> None:
         group_of = {param: group for group in optimizer.param_groups for param in group["params"]}
         for target in self.targets:
             if target.name not in fitting:
@@ -257,10 +267,12 @@ class OptimizerShard:
             if restored:
                 optimizer.state[target.tensor] = restored
 
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+    def state_bytes(self) -> int:
         """The optimizer state's tensors of the targets, as held now (a tensor whose values wait
         on NVMe holds no memory)."""
-        states = [optimizer.state.get(target.tensor, {}) for target in self.targets]
+        if self.optimizer is None:
+            return 0
+        states = [self.optimizer.state.get(target.tensor, {}) for target in self.targets]
         return sum(
             min(tensor_bytes(value), value.untyped_storage().nbytes())
             for state in states for value in state.values() if torch.is_tensor(value)

@@ -16,11 +16,15 @@ The step gradient is one of three kinds, behind one interface (`StepGrad`):
 - `HostGrad` (``offload_optimizer``): fp32 in host memory, written by asynchronous copies
   (`zero_engine.sharding.storage.host_gradient.HostGradient`), ready after the backward's one wait.
 
-The master is one of two kinds, behind one interface (`Master`): on the unit's device, or
-`HostMaster` (``offload_optimizer``). The optimizer step enters `Master.resident` around each
-shard's update: where a master on NVMe would be read in before and written back after.
+The master is one of three kinds, behind one interface (`Master`): on the unit's device,
+`HostMaster` (``offload_optimizer.device: cpu``), or `NvmeMaster`
+(`zero_engine.sharding.storage.nvme`); a tier (`DeviceTier`, `HostTier`, `nvme.NvmeMasters`),
+picked once by `place`, makes them. The master kind also keeps the optimizer state of its range
+where it keeps the master (`Master.bind_state`), and the optimizer step enters
+`Master.resident` around each shard's update (on NVMe: read in before, written behind after)
+and calls `Master.prefetch` for the next one.
 
-A new placement (NVMe, a quantized master) is a new class here, not a branch in every method.
+A new placement (a quantized master) is a new tier and kind here, not a branch in every method.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from ... import offload
-from ...devices import HOST, tensor_bytes
+from ...devices import tensor_bytes
 from ...offload import OffloadPlan
 from .host_gradient import HostGradient
 
@@ -241,27 +245,67 @@ class HostGrad:
         self.host.clear()
 
 
+class MasterTier(Protocol):
+    """Where masters live, one class per tier (the device, the host, NVMe: `nvme.NvmeMasters`),
+    picked once by `place` from the offload plan."""
+
+    def shares(self, on_host: bool) -> bool:
+        """Whether an fp32 master can be the parameters' own storage there (on the host, or not)."""
+        ...
+
+    def shared(self, tensor: torch.Tensor) -> Master:
+        """A master that is ``tensor`` itself (nothing published)."""
+        ...
+
+    def separate(self, values: torch.Tensor, publish_to: torch.Tensor) -> Master:
+        """A master of its own with ``values`` (fp32), published into ``publish_to``."""
+        ...
+
+
+class DeviceTier:
+    """Masters on the unit's device."""
+
+    def shares(self, on_host: bool) -> bool:
+        return not on_host
+
+    def shared(self, tensor: torch.Tensor) -> Master:
+        return Master(tensor, None)
+
+    def separate(self, values: torch.Tensor, publish_to: torch.Tensor) -> Master:
+        return Master(values.clone(), publish_to)
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """``offload_optimizer.device: cpu``: masters in host memory, pinned where asked."""
+
+    pin_memory: bool
+
+    def shares(self, on_host: bool) -> bool:
+        return on_host
+
+    def shared(self, tensor: torch.Tensor) -> Master:
+        return HostMaster(tensor, None)
+
+    def separate(self, values: torch.Tensor, publish_to: torch.Tensor) -> Master:
+        return HostMaster(offload.host_copy(values, self.pin_memory), publish_to)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where every unit's optimizer side lives (`place`)."""
 
-    offload_optimizer: bool  # masters, step gradients and optimizer state on the host
+    offload_optimizer: bool  # step gradients (and masters and optimizer state: `tier`) off the device
     offload_params: bool  # stage 3's parameter shards on the host
-    pin_memory: bool  # the masters' (what crosses every pass is pinned anyway: `offload.PIN_CROSSING`)
+    tier: MasterTier  # where masters live
     staged_gradients: bool = False  # host gradients get their staging buffer when made (`HostGradient`)
-    # offload_optimizer on NVMe: makes a master kept in the rank's swap file (`nvme.NvmeMaster`)
-    on_nvme: Callable[[torch.Tensor, torch.Tensor | None], Master] | None = None
 
     def masters(self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int) -> Master:
         """A whole-parameter unit's master of ``[start, end)``, published into ``flat_param``'s
         range unless it is that range (fp32 on the device)."""
-        if self.on_nvme is not None:
-            return self.on_nvme(full_fp32[start:end].to(HOST, copy=True), flat_param[start:end])
-        if self.offload_optimizer:
-            return HostMaster(offload.host_copy(full_fp32[start:end], self.pin_memory), flat_param[start:end])
-        if flat_param.dtype == torch.float32:
-            return Master(flat_param[start:end], None)
-        return Master(full_fp32[start:end].clone(), flat_param[start:end])
+        if flat_param.dtype == torch.float32 and self.tier.shares(on_host=False):
+            return self.tier.shared(flat_param[start:end])
+        return self.tier.separate(full_fp32[start:end], flat_param[start:end])
 
     def sharded(
         self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int
@@ -273,14 +317,9 @@ class Placement:
             param_shard = offload.host_copy(flat_param[start:end], offload.PIN_CROSSING)  # cast on the device first; gathered every pass
         else:
             param_shard = flat_param[start:end].clone()
-        if self.on_nvme is not None:
-            return param_shard, self.on_nvme(full_fp32[start:end].to(HOST, copy=True), param_shard)
-        kind = HostMaster if self.offload_optimizer else Master
-        if flat_param.dtype == torch.float32 and self.offload_params == self.offload_optimizer:
-            return param_shard, kind(param_shard, None)
-        if self.offload_optimizer:
-            return param_shard, kind(offload.host_copy(full_fp32[start:end], self.pin_memory), param_shard)
-        return param_shard, kind(full_fp32[start:end].clone(), param_shard)
+        if flat_param.dtype == torch.float32 and self.tier.shares(on_host=self.offload_params):
+            return param_shard, self.tier.shared(param_shard)
+        return param_shard, self.tier.separate(full_fp32[start:end], param_shard)
 
     def step_grad(
         self, numel: int, dtype: torch.dtype, device: torch.device, full_grad: torch.Tensor | None, releases: bool
@@ -294,8 +333,11 @@ class Placement:
         return DeviceGrad(numel, dtype, device, releases)
 
 
-def place(plan: OffloadPlan, on_nvme: Callable[[torch.Tensor, torch.Tensor | None], Master] | None = None) -> Placement:
-    return Placement(plan.optimizer, plan.params, plan.pin_memory, plan.staged_gradients, on_nvme)
+def place(plan: OffloadPlan, nvme: MasterTier | None = None) -> Placement:
+    """The placement of an offload plan: masters on ``nvme`` (the rank's swap space, made by
+    the caller) when given, on the host with ``offload_optimizer``, else on the device."""
+    tier = nvme if nvme is not None else HostTier(plan.pin_memory) if plan.optimizer else DeviceTier()
+    return Placement(plan.optimizer, plan.params, tier, plan.staged_gradients)
 
 
-ON_DEVICE = Placement(offload_optimizer=False, offload_params=False, pin_memory=False)
+ON_DEVICE = Placement(offload_optimizer=False, offload_params=False, tier=DeviceTier())
