@@ -5,7 +5,6 @@ memory records: every allocation and free of the CPU allocator, in order), with 
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from zero_engine.activations import DecoderShape, activation_bytes
+from zero_engine.testing.process_memory import allocated_during
 
 SHAPE = DecoderShape(hidden=128, layers=3, heads=4, kv_heads=2, ffn=352, vocab=1000)
 MICRO, SEQ = 2, 256
@@ -31,33 +31,8 @@ def _llama() -> Any:
     return LlamaForCausalLM(config)
 
 
-def _allocated_during(run: Any, mark: str) -> tuple[int, int]:
-    """Bytes allocated and not freed when ``mark`` is recorded, and at most, while ``run`` runs:
-    from the profiler's memory records, the CPU allocator's own count."""
-    from torch.profiler import ProfilerActivity, profile
-
-    gc.collect()  # a collection inside would free earlier tensors, whose frees the profiler may count
-    gc.disable()
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run()
-    finally:
-        gc.enable()
-    events = list(prof.profiler.kineto_results.events())
-    marked = min(event.start_ns() for event in events if event.name() == mark)
-    records = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
-    alive = peak = 0
-    at_mark = None
-    for when, nbytes in records:
-        if at_mark is None and when >= marked:
-            at_mark = alive
-        alive += nbytes
-        peak = max(peak, alive)
-    return (alive if at_mark is None else at_mark), peak
-
-
 def step_allocations(engine: Any, ids: torch.Tensor) -> tuple[int, int]:
-    """`_allocated_during` a training step's forward and backward on ``ids`` (labels the ids),
+    """`allocated_during` a training step's forward and backward on ``ids`` (labels the ids),
     after two steps in which buffers, optimizer state and allocator caches settle; the mark:
     the forward's end."""
     for _ in range(2):
@@ -71,7 +46,7 @@ def step_allocations(engine: Any, ids: torch.Tensor) -> tuple[int, int]:
         engine.backward(out.loss)
         del out
 
-    return _allocated_during(forward_backward, "forward done")
+    return allocated_during(forward_backward, "forward done")
 
 
 def measured_steps(rank: int, world_size: int, cases: list[tuple[int, str, bool]]) -> dict[Any, Any]:

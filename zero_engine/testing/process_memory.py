@@ -116,3 +116,31 @@ def cuda_max_allocated_bytes(device: torch.device) -> int:
 def reset_cuda_peak(device: torch.device) -> None:
     """CUDA only: start a new allocated-bytes peak on ``device``."""
     torch.cuda.reset_peak_memory_stats(device)
+
+
+def allocated_during(run: Any, mark: str) -> tuple[int, int]:
+    """Bytes allocated and not freed when ``mark`` is recorded (``torch.profiler.record_function``),
+    and at most, while ``run`` runs: from the profiler's memory records, the CPU allocator's own
+    count of every allocation and free, in order."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()  # a collection inside would free earlier tensors, whose frees the profiler may count
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+    finally:
+        gc.enable()
+    events = list(prof.profiler.kineto_results.events())
+    marked = min(event.start_ns() for event in events if event.name() == mark)
+    records = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
+    alive = peak = 0
+    at_mark = None
+    for when, nbytes in records:
+        if at_mark is None and when >= marked:
+            at_mark = alive
+        alive += nbytes
+        peak = max(peak, alive)
+    return (alive if at_mark is None else at_mark), peak
