@@ -355,8 +355,10 @@ def step_shards(
     and a foreach optimizer's temporaries exist for one shard at a time; torch optimizers update
     each tensor on its own, so the result is the same. A unit with whole-matrix parameters
     then finishes them through its matrix exchange (every rank, every such unit, in order: the
-    exchange is collective). Each shard is published as soon as it stepped: offloaded, its copy to the device (asynchronous from pinned memory) then runs while
-    the host steps the next shard. Returns the most fp32 copy bytes alive at once."""
+    exchange is collective). The next shard's master is asked in while one steps (on NVMe: read
+    ahead). Each shard is published as soon as it stepped: offloaded, its copy to the device
+    (asynchronous from pinned memory) then runs while the host steps the next shard. Returns
+    the most fp32 copy bytes alive at once."""
     peak = 0
     for index, shard in enumerate(shards):
         offset = shard.unit.used_offset
