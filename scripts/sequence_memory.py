@@ -6,7 +6,7 @@ A small Hugging Face Llama (needs ``transformers``: the ``hf`` extra), stage 0, 
 micro-batch, the same global sequence at every k; at each k the world is k-rank sequence groups
 (4/k of them). The figure is the most bytes torch's CPU allocator held at once during a
 forward and backward, after two warm-up steps (the profiler's memory records, the model states
-allocated before: `zero_engine.testing.process_memory.allocated_during`), on each rank, and its
+allocated before: `zero_engine.testing.process_memory.step_allocations`), on each rank, and its
 ratio to k = 1. Prints a markdown table on rank 0.
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import zero_engine
-from zero_engine.testing.process_memory import allocated_during
+from zero_engine.testing.process_memory import step_allocations
 
 
 def llama(hidden: int, layers: int, heads: int, vocab: int, length: int) -> torch.nn.Module:
@@ -32,20 +32,6 @@ def llama(hidden: int, layers: int, heads: int, vocab: int, length: int) -> torc
         tie_word_embeddings=False, attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config)
-
-
-def peak(engine: zero_engine.Engine, ids: torch.Tensor) -> int:
-    for _ in range(2):
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-
-    def forward_backward() -> None:
-        out = engine(input_ids=ids, labels=ids)
-        with torch.profiler.record_function("forward done"):
-            pass
-        engine.backward(out.loss)
-
-    return allocated_during(forward_backward, "forward done")[1]
 
 
 def main() -> None:
@@ -71,7 +57,7 @@ def main() -> None:
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
             }
             engine = zero_engine.initialize(llama(args.hidden, args.layers, args.heads, args.vocab, length), config)
-            mine = torch.tensor([peak(engine, ids)], dtype=torch.int64)
+            mine = torch.tensor([step_allocations(engine, ids)[1]], dtype=torch.int64)
             engine.close()
             every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
             dist.all_gather(every, mine)

@@ -14,7 +14,7 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from zero_engine.activations import DecoderShape, activation_bytes
-from zero_engine.testing.process_memory import allocated_during
+from zero_engine.testing.process_memory import step_allocations
 
 SHAPE = DecoderShape(hidden=128, layers=3, heads=4, kv_heads=2, ffn=352, vocab=1000)
 MICRO, SEQ = 2, 256
@@ -29,24 +29,6 @@ def _llama() -> Any:
         max_position_embeddings=SEQ, tie_word_embeddings=False, attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config)
-
-
-def step_allocations(engine: Any, ids: torch.Tensor) -> tuple[int, int]:
-    """`allocated_during` a training step's forward and backward on ``ids`` (labels the ids),
-    after two steps in which buffers, optimizer state and allocator caches settle; the mark:
-    the forward's end."""
-    for _ in range(2):
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-
-    def forward_backward() -> None:
-        out = engine(input_ids=ids, labels=ids)
-        with torch.profiler.record_function("forward done"):
-            pass
-        engine.backward(out.loss)
-        del out
-
-    return allocated_during(forward_backward, "forward done")
 
 
 def measured_steps(rank: int, world_size: int, cases: list[tuple[int, str, bool]]) -> dict[Any, Any]:

@@ -250,7 +250,7 @@ def test_what_sequence_parallelism_cannot_split_is_refused_by_name(two_ranks: li
 def activation_peaks(rank: int, world_size: int, lengths: list[int]) -> dict[tuple[int, int], int]:
     """The most bytes torch allocated at once in a forward and backward (after warm-up steps),
     the same global sequence split over k = 1 and 2 ranks."""
-    from test_activations import step_allocations
+    from zero_engine.testing.process_memory import step_allocations
 
     torch.set_num_threads(1)
     peaks = {}

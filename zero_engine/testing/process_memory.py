@@ -144,3 +144,21 @@ def allocated_during(run: Any, mark: str) -> tuple[int, int]:
         alive += nbytes
         peak = max(peak, alive)
     return (alive if at_mark is None else at_mark), peak
+
+
+def step_allocations(engine: Any, ids: torch.Tensor) -> tuple[int, int]:
+    """`allocated_during` a training step's forward and backward of a causal language model on
+    ``ids`` (labels the ids: ``engine(input_ids=ids, labels=ids).loss``), after two steps in
+    which buffers, optimizer state and allocator caches settle; the mark: the forward's end."""
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+    def forward_backward() -> None:
+        out = engine(input_ids=ids, labels=ids)
+        with torch.profiler.record_function("forward done"):
+            pass
+        engine.backward(out.loss)
+        del out
+
+    return allocated_during(forward_backward, "forward done")
