@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .accumulation import AccumulationWindow, WindowView
-from .comm import Comm
+from .comm import Comm, GroupComm
 from .config import BatchSizes, ZeroEngineConfig
 from .errors import ShardedParameterError
 from .loop_guards import LoopGuards
@@ -36,6 +36,7 @@ from .sharding.units.unit_plan import UnitPlan
 from .sharding.gathering.agreement import Call
 from .stage import Stage
 from .sharding.transforms.seam import COMPILE, ModuleTransforms, TransformTarget
+from .sharding.transforms.tiled_loss import TiledLoss
 from .sharding.transforms.ulysses import UlyssesAttention
 from .sharding.transforms.unit_forwards import Compile, Recompute
 from .state.gathered import GatheredParameters
@@ -102,13 +103,10 @@ class Engine(ModelAccess, StepView, WindowView):
         self.swap = swap_space(self.units)  # offload_optimizer on NVMe: this rank's swap file
         self.checkpoint_writer: FileWriter = FILES  # where save_checkpoint writes (another storage: its own writer)
         self.guards = LoopGuards(model)  # what the loop may not do (requires_grad as built, among others)
-        # What the model's modules compute, changed in one order: recomputed now (recompute_units),
-        # compiled later (compile()); close() puts it all back.
-        self.transforms = ModuleTransforms(TransformTarget(model, plan.modules.leaf_modules, comm.mesh))
-        if comm.mesh.sequence > 1:  # sequence_parallel_size: attention exchanged over the sequence group
-            self.transforms.add(UlyssesAttention(comm.sequence_group, self._agree_before_exchanges))
-        if zero.recompute_units:
-            self.transforms.add(Recompute())
+        self.transforms = model_transforms(  # compiled later (compile()); close() puts it all back
+            TransformTarget(model, plan.modules.leaf_modules, comm.mesh), comm.sequence_group,
+            self._agree_before_exchanges, config.tiled_loss_tokens, zero.recompute_units,
+        )
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
         if self.units:
             self.optimizer_step = OptimizerStep(
@@ -348,6 +346,23 @@ class Engine(ModelAccess, StepView, WindowView):
                     param.data = whole[name].to(device=self.device, dtype=self._dtypes_as_given[name])
         elif self.stage.shard_parameters and (self.units or self.frozen_units):
             _LEFT_SHARDED[self.module] = None
+
+
+def model_transforms(
+    target: TransformTarget, sequence_group: GroupComm, before_exchanges: Callable[[], None], tiled_loss_tokens: int,
+    recompute: bool,
+) -> ModuleTransforms:
+    """What the model's modules compute, changed in one order: attention exchanged over the
+    sequence group (``sequence_parallel_size``), the loss in tiles (``tiled_loss_tokens``),
+    each unit recomputed in backward (``recompute_units``)."""
+    transforms = ModuleTransforms(target)
+    if target.mesh.sequence > 1:
+        transforms.add(UlyssesAttention(sequence_group, before_exchanges))
+    if tiled_loss_tokens:  # never the whole logits
+        transforms.add(TiledLoss(tiled_loss_tokens))
+    if recompute:
+        transforms.add(Recompute())
+    return transforms
 
 
 # Models an engine has hooked (until its close()): a second engine on one would run both

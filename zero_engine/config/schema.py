@@ -12,7 +12,7 @@ from .sections import (
     BF16Config, CometConfig, CommConfig, CsvMonitorConfig, FP16Config, OptimizerConfig, SchedulerConfig,
     TensorBoardConfig, WandbConfig, ZeroOptimizationConfig,
 )
-from .types import PositiveCount, Real, Refused, _deepspeed_option, _never_when_infinite, _Section
+from .types import Count, PositiveCount, Real, Refused, _deepspeed_option, _never_when_infinite, _Section
 
 
 class BatchSizes(NamedTuple):
@@ -68,6 +68,11 @@ class ZeroEngineConfig(_Section):
         1, description="Ulysses sequence parallelism: each sequence split over this many consecutive ranks, which "
         "read the same micro-batches; attention exchanged over them (Hugging Face models, 'sdpa' or 'eager'). "
         "train_batch_size counts the data-parallel ranks, world size / this."
+    )
+    tiled_loss_tokens: Count = Field(
+        0, description="Ours: a Hugging Face causal language model's training loss computed this many tokens at a "
+        "time, so the whole sequence's logits (vocabulary x tokens) never exist at once; 0: off. Training forwards "
+        "with labels then return no logits."
     )
     managed_gradient_accumulation: bool = Field(
         True, description="DeepSpeed: false makes every step() an accumulation boundary; refused when false "

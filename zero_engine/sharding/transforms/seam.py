@@ -63,7 +63,9 @@ class ModuleTransforms:
         self._applied: list[ModuleTransform] = []
 
     def add(self, transform: ModuleTransform) -> None:
-        later = [t for t in self._applied if t.ORDER >= transform.ORDER]
+        # Model transforms may be several (each changes its own part of the model); a second
+        # recomputation or compilation would wrap the first.
+        later = [t for t in self._applied if t.ORDER > transform.ORDER or (t.ORDER == transform.ORDER != MODEL)]
         if later:
             raise RuntimeError(
                 f"{ORDER_NAMES[transform.ORDER]} after {ORDER_NAMES[max(t.ORDER for t in later)]}: it would wrap outside it; "
