@@ -2,8 +2,8 @@
 offload computes, its swap files per rank, the bytes it moves, the page cache it leaves, bad
 paths refused at `initialize`, and checkpoints that do not care where the state waited.
 
-Swap directories are made under /var/tmp, which is the machine's disk here (/tmp may be tmpfs
-elsewhere: `check_swap_directory` would refuse it, as it refuses /dev/shm below)."""
+Swap directories are made on a disk (`_a_disk`: /var/tmp here; /tmp may be tmpfs elsewhere, which
+`check_swap_directory` refuses, as it refuses /dev/shm below)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,26 @@ import zero_engine
 from harness import run_on_ranks
 from test_muon import batch, make_gpt
 
-DISK = "/var/tmp"
+def _a_disk() -> str:
+    """A directory on a disk (a swap file on tmpfs is refused): /var/tmp, the temporary
+    directory, or this checkout."""
+    from zero_engine.sharding.storage.nvme import MEMORY_FILESYSTEMS, filesystem_of
+
+    for candidate in ("/var/tmp", tempfile.gettempdir(), str(Path(__file__).resolve().parent)):
+        if os.path.isdir(candidate) and os.access(candidate, os.W_OK) and \
+                filesystem_of(Path(candidate)) not in MEMORY_FILESYSTEMS:
+            return candidate
+    raise RuntimeError("no writable directory on a disk for the swap files")
+
+
+DISK = _a_disk()
+
+
+def _in_memory() -> str:
+    """A directory on tmpfs (/dev/shm on most machines), from the mount table."""
+    with open("/proc/mounts") as mounts:
+        points = [line.split()[1] for line in mounts if line.split()[2] == "tmpfs"]
+    return next(point for point in ["/dev/shm", *points] if point in points and os.path.isdir(point))
 STEPS, MICRO = 20, 2
 
 
@@ -164,7 +183,7 @@ def test_bit_for_bit_cpu_offload_files_per_rank_bytes_and_no_page_cache(world: i
     "path, fragment",
     [
         ("/var/tmp/zero_engine-no-such-directory", "no such directory"),
-        ("/dev/shm", "is on tmpfs, which is memory, not a disk"),
+        (_in_memory(), "is on tmpfs, which is memory, not a disk"),
     ],
 )
 def test_a_bad_swap_directory_is_refused(path: str, fragment: str) -> None:

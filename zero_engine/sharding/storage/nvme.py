@@ -354,14 +354,14 @@ def check_swap_directory(path: str, needed: int) -> None:
     directory = Path(path)
     if not directory.is_dir():
         raise ConfigError(f"{WHERE} = {path!r}: no such directory")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"{WHERE} = {path!r}: not writable by this process")
     filesystem = filesystem_of(directory)
     if filesystem in MEMORY_FILESYSTEMS:
         raise ConfigError(
             f"{WHERE} = {path!r} is on {filesystem}, which is memory, not a disk: the swap files would hold the "
             "optimizer state in RAM after all; give a directory on an NVMe drive"
         )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"{WHERE} = {path!r}: not writable by this process")
     stats = os.statvfs(directory)
     free = stats.f_bavail * stats.f_frsize
     if free < needed:
