@@ -154,6 +154,9 @@ def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape
         print(f"  {which} kept for backward {counted.kept / 2**30:8.3f} GiB, step peak "
               f"{counted.peak / 2**30:8.3f} GiB{chosen}")
     print(f"  of the peak, the loss's logits and their fp32 log-softmax and gradients: {counted.loss / 2**30:.3f} GiB")
+    if config.tiled_loss_tokens:
+        print(f"  (tiled_loss_tokens = {config.tiled_loss_tokens}: that part is made a tile at a time, so the peaks "
+              "above are upper bounds; the tiled figure is not computed yet)")
     print("  (the peak adds to the model states; stage 3 adds its gathered units; docs/guides/out-of-memory.md)")
 
 
