@@ -150,7 +150,7 @@ def _build_engine(
         formula = estimate_from_config(config, trainable, comm.mesh.world)
         _check_host_memory(formula.host, units, settings, comm)
         if settings.offload.nvme_path is not None:  # every rank of the node writes its file there
-            check_swap_directory(settings.offload.nvme_path, formula.nvme * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            check_swap_directory(settings.offload.nvme_path, formula.nvme * offload.local_ranks())
     if comm.rank == 0:
         _log_settings(config, stage, settled.groups)
         _warn_if_one_hardware_queue(stage, comm)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .offload import OffloadPlan
     from .sharding.gathering.calls import CallGuard, PassCallGuard
     from .sharding.storage.codec import Codecs
+    from .sharding.storage.nvme import SwapSpace
     from .sharding.units.frozen_unit import FrozenUnit
     from .sharding.gathering.gatherer import NoGather
     from .sharding.reduction.reducer import GradReducer
@@ -59,6 +60,7 @@ class ModelAccess:
     stage: Stage
     device: torch.device
     offload: OffloadPlan
+    swap: SwapSpace | None
     checkpoint_writer: FileWriter
     global_step: int
     skipped_steps: int
@@ -159,9 +161,8 @@ class ModelAccess:
         with ``offload_optimizer.device: nvme`` also its swap file's bytes (``"nvme"``: read,
         written, and the written bytes as terabytes per 1,000 such steps, what wears an SSD)."""
         report: dict[str, dict[str, Any]] = dict(self.comm.report())
-        swap = getattr(self, "swap", None)
-        if swap is not None:
-            moved = swap.report()
+        if self.swap is not None:
+            moved = self.swap.report()
             report["nvme"] = {**moved, "tb_written_per_1000_steps": moved["written"] * 1000 / 1e12}
         return report
 

@@ -111,7 +111,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         foreach: bool | None = None,
         fused: bool | None = None,
     ) -> None:
-        check_choices(ns_method, ns_dtype, adjust_lr_fn)
         groups = [dict(group) for group in params]
         for index, group in enumerate(groups):
             if "use_muon" not in group:

@@ -229,17 +229,9 @@ class NvmeMaster(HostMaster):
         if self.status not in ("out", "writing"):
             return
         if wait_for_slot:
-            written = self.future if self.status == "writing" else None
-            self.space.requested[0] += self._bytes()
-            self.status, self.future = "reading", self.space.readers.submit(self._acquire_and_read, written)
+            self._submit_read(acquire_on_read_thread=True)
         elif self.space.slots.acquire(blocking=False):
             self._submit_read()
-
-    def _acquire_and_read(self, written: Future | None) -> None:
-        if written is not None:
-            written.result()
-        self.space.slots.acquire()
-        self._read_all()
 
     @contextmanager
     def resident(self) -> Iterator[torch.Tensor]:
@@ -250,10 +242,7 @@ class NvmeMaster(HostMaster):
             self._send_out()
 
     def _bring_in(self) -> None:
-        if self.status == "writing":  # its own write first (the read thread waits for it)
-            self.space.slots.acquire()
-            self._submit_read()
-        if self.status == "out":
+        if self.status in ("out", "writing"):  # after its own write (the read thread waits for it)
             self.space.slots.acquire()
             self._submit_read()
         if self.status == "reading":
@@ -274,10 +263,12 @@ class NvmeMaster(HostMaster):
         self.space.requested[1] += self._bytes()
         self.status, self.future = "writing", self.space.writers.submit(self._write_all)
 
-    def _submit_read(self) -> None:
+    def _submit_read(self, acquire_on_read_thread: bool = False) -> None:
+        """Queue the read, after the shard's last write; its slot taken already, or (read ahead
+        of the step) by the read thread when one is free."""
         self.space.requested[0] += self._bytes()
         written = self.future if self.status == "writing" else None
-        self.status, self.future = "reading", self.space.readers.submit(self._read_all, written)
+        self.status, self.future = "reading", self.space.readers.submit(self._read_all, written, acquire_on_read_thread)
 
     def _bytes(self) -> int:
         return self.nbytes_master + sum(self.state_regions[key][1] for key, _ in self.swapped)
@@ -295,11 +286,13 @@ class NvmeMaster(HostMaster):
         finally:
             self.space.slots.release()
 
-    def _read_all(self, written: Future | None = None) -> None:
-        """On the read thread, after the shard's last write (``written``) finished: memory back,
-        master and state read into it."""
+    def _read_all(self, written: Future | None, acquire: bool) -> None:
+        """On the read thread, after the shard's last write (``written``) finished (and a slot
+        is free, with ``acquire``): memory back, master and state read into it."""
         if written is not None:
             written.result()
+        if acquire:
+            self.space.slots.acquire()
         _restore(self.tensor, self.nbytes_master)
         self.space.file.read(self.region, self.tensor)
         for key, tensor in self.swapped:

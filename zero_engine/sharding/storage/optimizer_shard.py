@@ -136,7 +136,8 @@ class OptimizerShard:
             for p in self._owned_pieces(shaped_pieces)
         ]
         self._cached_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        self.optimizer: torch.optim.Optimizer | None = None  # whose state of the targets this shard holds (`bind_optimizer`)
+        # The optimizer whose state of the targets this shard holds (`bind_optimizer`).
+        self.optimizer: torch.optim.Optimizer | None = None
         # The unit's whole-matrix parameters, when the optimizer has some (`compute_layout`).
         self.matrices: MatrixExchange | None = None
         master.settle()  # the targets are views of the master now (on NVMe: out to the file)
@@ -361,16 +362,16 @@ def step_shards(
     the most fp32 copy bytes alive at once."""
     peak = 0
     for index, shard in enumerate(shards):
-        offset = shard.unit.used_offset
+        unit_used = used[shard.unit.used_offset : shard.unit.used_offset + len(shard.unit.names)]
         with shard.resident():
             if index + 1 < len(shards):  # the next shard's master read ahead while this one steps
                 shards[index + 1].master_kind.prefetch()
-            attached, copy_bytes = shard.attach_grads(used[offset : offset + len(shard.unit.names)], multiplier)
+            attached, copy_bytes = shard.attach_grads(unit_used, multiplier)
             peak = max(peak, copy_bytes)
             if attached:
                 optimizer.step()
             if shard.matrices is not None:
-                shard.matrices.finish(optimizer, shard.targets, used[offset : offset + len(shard.unit.names)])
+                shard.matrices.finish(optimizer, shard.targets, unit_used)
             for target in attached:
                 target.tensor.grad = None
             shard.publish()
