@@ -84,7 +84,9 @@ def candidates(
     for name, update in CANDIDATES:
         settled = zero.model_copy(update={**update, "memory_budget_gib": None})  # as if set by hand
         chosen = config.model_copy(update={"zero_optimization": settled})
-        report = estimate_from_config(chosen, num_params, ranks, frozen_params=frozen_params, matrix_params=matrix_params)
+        report = estimate_from_config(
+            chosen, num_params, ranks, frozen_params=frozen_params, matrix_params=matrix_params
+        )
         gathered = gathered_unit if update["stage"] == 3 else 0
         table.append(Candidate(name, chosen, report.model_states - report.host, gathered, activations, report.host))
     return table
@@ -154,7 +156,8 @@ def resolve_stage(
     num_params = sum(param.numel() for group in groups for param in group.params)
     frozen = sum(param.numel() for param in frozen_params(plan.model))
     matrices = sum(p.numel() for g in groups for n, p in zip(g.names, g.params) if takes_muon(n, p))
-    table = candidates(config, num_params, comm.mesh.world, plan.largest_unit_numel(), frozen, matrices)  # ZeRO shards over all
+    # ZeRO shards over every rank
+    table = candidates(config, num_params, comm.mesh.world, plan.largest_unit_numel(), frozen, matrices)
     zero = config.zero_optimization
     own = budget_bytes(zero.memory_budget_gib, zero.memory_margin_gib, device, _bytes_on(plan.model, device))
     budgets = comm.each_rank(own).values()

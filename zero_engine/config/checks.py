@@ -24,7 +24,9 @@ class _Section(Protocol):
 
 
 _ENGINE_OWNED_OPTIMIZER_ARGS = {"params", "self"}
-_NON_NEGATIVE = {"lr", "muon_lr", "adam_lr", "weight_decay", "momentum", "dampening", "lr_decay", "alpha", "lambd", "momentum_decay"}
+_NON_NEGATIVE = {
+    "lr", "muon_lr", "adam_lr", "weight_decay", "momentum", "dampening", "lr_decay", "alpha", "lambd", "momentum_decay",
+}
 _POSITIVE = {"eps", "ns_eps"}
 # Switches whose default is None (the implementation picks): true, false or null.
 _OPTIONAL_FLAGS = {"foreach", "fused", "capturable", "differentiable", "maximize"}

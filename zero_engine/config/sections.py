@@ -117,9 +117,12 @@ class OffloadConfig(_Section):
         "host gradients and parameter shards, which cross in every pass, are pinned whatever it says. Pinned buffers "
         "round up to a power of two, which initialize's host check counts.",
     )
-    nvme_path: str | None = Field(None, description="The directory of each rank's swap file with 'nvme' (on a disk, not tmpfs).")
+    nvme_path: str | None = Field(
+        None, description="The directory of each rank's swap file with 'nvme' (on a disk, not tmpfs)."
+    )
     buffer_count: PositiveCount = Field(
-        4, description="With 'nvme': how many shards' masters and state may be in host memory at once; no effect with 'cpu'."
+        4, description="With 'nvme': how many shards' masters and state may be in host memory at once; no effect "
+        "with 'cpu'."
     )
     fast_init: bool = Field(False, description="DeepSpeed's fast-init switch; accepted for compatibility.")
     ratio: Real = Field(
@@ -444,7 +447,8 @@ class ZeroOptimizationConfig(_Section):
         "pipeline_loading_checkpoint": "there is no pipeline parallelism",
         "override_module_apply": "module.apply runs on the model as it is (stage 3 parameters are empty between uses)",
         "enable_sanity_checks": "the engine's checks always run",
-        "save_muon_momentum_buffer_in_memory": "Muon's momentum is optimizer state here, sharded and offloaded with the rest",
+        "save_muon_momentum_buffer_in_memory":
+            "Muon's momentum is optimizer state here, sharded and offloaded with the rest",
         "leaf_module": "every stage 3 unit is a whole module already (stage3_wrap_modules names them)",
     }
 

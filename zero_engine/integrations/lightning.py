@@ -53,7 +53,9 @@ from .. import Engine, ZeroEngineConfig, initialize, load_config
 from ..config import auto_keys, read_config_mapping
 from ..state.consolidate import load_client_state, load_consolidated
 from ..state.storage import write_atomically
-from .config_filling import AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer, refuse_sequence_parallel, with_stand_ins
+from .config_filling import (
+    AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer, refuse_sequence_parallel, with_stand_ins,
+)
 from .engine_model import EngineModel
 
 __all__ = ["ZeroEngineStrategy", "convert_to_lightning_checkpoint"]

@@ -144,7 +144,8 @@ def build_units(
     optimizer state in every unit, parameter shards in the stage 3 units, frozen ones included
     (resident parameters stay whole on the device, as DeepSpeed's persistent ones)."""
     stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
-    placement = place(offload, nvme_masters(offload, comm.rank))  # where every unit's optimizer side lives, decided once
+    # Where every unit's optimizer side lives, decided once.
+    placement = place(offload, nvme_masters(offload, comm.rank))
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
         if deferred is not None:

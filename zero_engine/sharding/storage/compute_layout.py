@@ -127,7 +127,8 @@ class MatrixExchange:
         for m in matrices:
             if m.owner == me:
                 whole = self._assemble(m, updates, received)
-                results[m.param_index] = optimizer.orthogonalise_matrix(whole.view(m.shape), m.group).reshape(-1).float()
+                orthogonal = optimizer.orthogonalise_matrix(whole.view(m.shape), m.group)
+                results[m.param_index] = orthogonal.reshape(-1).float()
         slices = self._from_owners(matrices, results) if moves else None
         cursors = [0] * len(self.ranges)
         for m in matrices:
@@ -159,7 +160,9 @@ class MatrixExchange:
                         sizes[rank] += hi - lo
         return self._exchange(sends, sizes)
 
-    def _assemble(self, m: Matrix, updates: dict[int, torch.Tensor], received: list[torch.Tensor] | None) -> torch.Tensor:
+    def _assemble(
+        self, m: Matrix, updates: dict[int, torch.Tensor], received: list[torch.Tensor] | None
+    ) -> torch.Tensor:
         """The whole update of an owned matrix from its pieces (in the order `_to_owners` sent
         them: matrix order per source rank)."""
         if self.replicated or received is None:

@@ -194,7 +194,9 @@ class UlyssesAttention:
         labels = kwargs.pop("labels", None)
         piece = slice(rank * padded // k, (rank + 1) * padded // k)
         split: dict[str, Any] = {
-            "input_ids": ids[:, piece].contiguous(), "position_ids": positions[:, piece].contiguous(), "use_cache": False,
+            "input_ids": ids[:, piece].contiguous(),
+            "position_ids": positions[:, piece].contiguous(),
+            "use_cache": False,
         }
         if labels is not None:
             shifted = nn.functional.pad(labels[:, 1:], (0, padded - length + 1), value=IGNORE_INDEX)
