@@ -93,6 +93,7 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
     files, the bytes its swap moved in the last step (and the process's disk I/O), the state's
     bytes, and whether the page cache holds any of its file."""
     from zero_engine.sharding.storage.nvme import SwapFile
+    from zero_engine.testing.process_memory import live_tensor_bytes
 
     results = []
     fast_write = SwapFile.write
@@ -103,7 +104,7 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
                 fast_write(self, regions)
 
             SwapFile.write = slow_write
-        states, report = [], {}
+        states, report, live = [], {}, {}
         for device in ("cpu", "nvme"):
             options = {key: case[key] for key in ("dtype", "accum", "offload_param", "optimizer") if key in case}
             engine = zero_engine.initialize(make_gpt(), config(case["stage"], device, directory, **options))
@@ -125,12 +126,16 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
                 }
             else:
                 train(engine, rank, world, range(STEPS - 1, STEPS), case.get("accum", 2))
+            # the storages the process holds, the engine alive (less the last run's state dict)
+            kept = sum(t.untyped_storage().nbytes() for state in states for t in state.values())
+            live[device] = live_tensor_bytes() - kept
             states.append(engine.full_state_dict())
             engine.close()
             if device == "nvme":
                 report["left"] = swap.exists()
         SwapFile.write = fast_write
-        results.append({"equal": all(torch.equal(states[0][k], states[1][k]) for k in states[0]), **report})
+        results.append({"equal": all(torch.equal(states[0][k], states[1][k]) for k in states[0]),
+                        "live_saved": live["cpu"] - live["nvme"], **report})
     return results
 
 
@@ -171,6 +176,8 @@ def test_bit_for_bit_cpu_offload_files_per_rank_bytes_and_no_page_cache(world: i
                 memory = r["memory"]
                 assert (memory["nvme"], memory["master_parameters"]) == (r["state_bytes"], 0), (case, memory)
                 assert memory["optimizer_states"] <= 8 * 64, (case, memory)  # AdamW's step counters alone
+                # and as the process holds it (live storages): exactly the state less than with CPU offload
+                assert r["live_saved"] == r["state_bytes"], (case, r["live_saved"], r["state_bytes"])
                 # what the process asked of the disk (/proc/self/io): every region once each way, in
                 # whole pages (on this tiny model a page's rounding is a tenth of a region)
                 assert abs(r["disk"]["write_bytes"] - r["regions"]) <= 0.01 * r["regions"], (case, r)
