@@ -388,14 +388,20 @@ def test_use_muon_on_a_vector_is_refused_naming_it() -> None:
 
 def test_memory_report_and_estimate_count_muon_state() -> None:
     from zero_engine.memory import estimate_from_config
+    from zero_engine.testing.process_memory import live_tensor_bytes
 
     model = make_gpt(1)
     engine = zero_engine.initialize(model, muon_config({"stage": 0}))
-    train_engine(engine, 0, 1, range(1), 1)
+    ids, labels = batch(0, MICRO)
+    engine.backward(engine(ids, labels))
+    before = live_tensor_bytes()
+    engine.step()  # the first step makes the optimizer state
+    made = live_tensor_bytes() - before  # as the process holds it: the storages that appeared
     matrices = sum(p.numel() for n, p in model.named_parameters() if deepspeed_rule(n, p))
     rest = sum(p.numel() for p in model.parameters()) - matrices
     held = engine.memory_report()["optimizer_states"]
     assert 4 * matrices + 8 * rest <= held <= 4 * matrices + 8 * rest + 64 * 8  # AdamW's step counters
+    assert 4 * matrices + 8 * rest <= made <= held, (made, held)
     config = zero_engine.load_config(muon_config({"stage": 0}))
     estimated = estimate_from_config(config, matrices + rest, 1, matrix_params=matrices).optimizer_states
     assert estimated == 4 * matrices + 8 * rest
