@@ -25,7 +25,7 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch, train_engine
-from precision_cases import MICRO, STEPS, precision_config
+from precision_cases import MICRO, STEPS, precision_config, precision_grid
 from precision_cases import check_precision as _check
 from tower import BATCH, BLOCK_NUMEL, WIDTH, Tower
 from zero_engine.devices import local_cuda_device
@@ -206,10 +206,35 @@ def test_the_hybrid_second_phase_on_a_side_stream_matches_the_reference(synchron
         results = [r[index] for r in per_rank]
         print(f"{case}: losses per rank {[r['losses'] for r in results]}; "
               f"counters {[{k: v for k, v in r['counters'].items() if not k.startswith('_')} for r in results]}")
+    # ZeRO++'s int8 rounding moves a quantized run off the unquantized reference (by 0.2% in the
+    # first losses here, the CPU's own figure): its reference is the same quantized run on the CPU
+    # (the quantizers on the GPU are the CPU's bit for bit). Checked against the unquantized one
+    # with fp32's tolerance, this test failed on the H100 with or without a synchronize after every
+    # wait, and on the H200 (its window losses 0.17% off, as here): the side-stream "failure" of
+    # the first GPU run, whose printed case was cut before its "zero".
+    quantized = [case for case in SIDE_STREAM_CASES if "zero" in case]
+    on_cpu = run_on_ranks(4, precision_grid, quantized)
     for index, case in enumerate(SIDE_STREAM_CASES):
         results = [r[index] for r in per_rank]
         assert all(r["counters"]["before_the_step"] == 0 for r in results), case  # Q1
-        _check(case, 4, results)
+        if case in quantized:
+            _check_against_the_cpu(case, results, [r[quantized.index(case)] for r in on_cpu])
+        else:
+            _check(case, 4, results)
+
+
+def _check_against_the_cpu(case: dict, on_gpu: list[dict], on_cpu: list[dict]) -> None:
+    """Each rank's losses, and the weights, as the CPU's run of the case: near, not bit for bit
+    (CUDA's kernels sum in other orders, which can flip a block's int8 rounding, whose effect on
+    one weight Adam turns into up to a step of lr)."""
+    for rank, (gpu, cpu) in enumerate(zip(on_gpu, on_cpu)):
+        loss_tolerance = 1e-5 if case["dtype"] == "fp32" else 2e-2
+        assert gpu["losses"] == pytest.approx(cpu["losses"], rel=loss_tolerance), (case, rank)
+        distance = sum(((gpu["state"][name].cpu() - value) ** 2).sum() for name, value in cpu["state"].items())
+        norm = sum((value**2).sum() for value in cpu["state"].values())
+        relative = (distance / norm).sqrt().item()
+        print(f"{case}, rank {rank}: weights' distance from the CPU's run, relative to their norm: {relative:.1e}")
+        assert relative <= (1e-3 if case["dtype"] == "fp32" else 1e-2), (case, rank, relative)
 
 
 def backend_as_made(rank: int, world_size: int, made_with: str | None) -> tuple[str, bool]:
@@ -404,6 +429,117 @@ def test_this_turns_paths_on_the_gpu(world_size: int) -> None:
             if out["cpu_losses"]:
                 assert losses == pytest.approx(out["cpu_losses"][frozen], rel=2e-2), (frozen, out["cpu_losses"])
         assert out["streams"]["offloaded"][0] == 0, out["streams"]  # pinned masters: no host sync (Q2)
+
+
+# -- Muon and NVMe offload (issues 68, 69) on the GPU ------------------------------------------------
+
+MUON_CASES = [
+    {"stage": 0}, {"stage": 1}, {"stage": 2, "offload": True}, {"stage": 3}, {"stage": 3, "offload": True},
+]
+NVME_CASES = [{"stage": 2, "dtype": "bf16"}, {"stage": 3}, {"stage": 2, "optimizer": "Muon", "accum": 1}]
+
+
+def muon_and_nvme(rank: int, world_size: int, directory: str) -> dict:
+    """Muon's two all-to-alls and its Newton-Schulz on CUDA tensors (NCCL at one rank with every
+    collective forced; gloo between ranks sharing the GPU), offloaded masters brought to the GPU
+    for the matrix; and NVMe offload of the optimizer side on a CUDA model, against CPU offload."""
+    import test_muon
+    import test_nvme
+
+    device = local_cuda_device()
+    force = {"comm": {"force_collectives": True}} if world_size == 1 else {}
+    muon = []
+    for case in MUON_CASES:
+        engine = zero_engine.initialize(test_muon.make_gpt().to(device), {**test_muon.muon_config(case), **force})
+        for step in range(test_muon.STEPS // 2):
+            ids, labels = test_muon.batch(step, test_muon.MICRO * world_size)
+            rows = slice(rank * test_muon.MICRO, (rank + 1) * test_muon.MICRO)
+            engine.backward(engine(ids[rows].to(device), labels[rows].to(device)))
+            engine.step()
+        muon.append({name: t.cpu() for name, t in engine.full_state_dict().items()})
+        engine.close()
+    nvme = []
+    for case in NVME_CASES:
+        states = []
+        for where in ("cpu", "nvme"):
+            options = {key: case[key] for key in ("dtype", "accum", "optimizer") if key in case}
+            config = {**test_nvme.config(case["stage"], where, directory, **options), **force}
+            engine = zero_engine.initialize(test_muon.make_gpt().to(device), config)
+            accum = case.get("accum", 2)
+            for step in range(6):
+                ids, labels = test_muon.batch(step, test_nvme.MICRO * accum * world_size)
+                for micro in range(accum):
+                    rows = slice((micro * world_size + rank) * test_nvme.MICRO,
+                                 (micro * world_size + rank + 1) * test_nvme.MICRO)
+                    engine.backward(engine(ids[rows].to(device), labels[rows].to(device)))
+                    engine.step()
+            states.append({name: t.cpu() for name, t in engine.full_state_dict().items()})
+            engine.close()
+        nvme.append([name for name in states[0] if not torch.equal(states[0][name], states[1][name])])
+    return {"muon": muon, "nvme": nvme}
+
+
+@pytest.mark.parametrize("world_size", [1, 2], ids=["one rank on NCCL", "two ranks over gloo"])
+def test_muon_and_nvme_offload_on_the_gpu(world_size: int) -> None:
+    import tempfile
+
+    import test_muon
+    import test_nvme
+
+    backend = None if world_size == 1 else "gloo"
+    with tempfile.TemporaryDirectory(dir=test_nvme.DISK) as directory:
+        per_rank = run_on_ranks(world_size, muon_and_nvme, directory, backend=backend, timeout=400)
+    reference = test_muon.train_reference(test_muon.STEPS // 2, test_muon.MICRO * world_size, device="cuda")
+    for rank, out in enumerate(per_rank):
+        for case, state in zip(MUON_CASES, out["muon"]):
+            # CUDA's embedding backward adds in any order; the reference's kernels are the same otherwise
+            worst = max((state[name] - expected).abs().max().item() for name, expected in reference.items())
+            print(f"Muon {case} at {world_size} rank(s), rank {rank}: largest difference {worst:.2e}")
+            assert worst <= 1e-4, (case, worst)
+        for case, differing in zip(NVME_CASES, out["nvme"]):
+            assert not differing, f"{case}: NVMe offload differs from CPU offload on the GPU in {differing}"
+
+
+# -- Ulysses sequence parallelism and the tiled loss (issue 67) on the GPU --------------------------
+
+SP_CASE = {"world": 2, "k": 2, "stage": 3, "attention": "sdpa", "length": 15, "packed": True}
+
+
+def sequence_parallel_on_the_gpu(rank: int, world_size: int, tiles: int) -> dict:
+    """Two ranks sharing the GPU over gloo as one sequence-parallel group: the attention's
+    all-to-alls on CUDA tensors, HF's sdpa on the GPU, a padded length, the loss a tile at a time."""
+    import test_sequence_parallel as sp
+
+    device = local_cuda_device()
+    config = engine_config(3, micro=sp.MICRO, accum=sp.ACCUM, lr=1e-3, clip=1.0, optimizer_params={"weight_decay": 0.0})
+    config.update(sequence_parallel_size=2, tiled_loss_tokens=tiles)
+    engine = zero_engine.initialize(sp._llama("sdpa").to(device), config)
+    losses = []
+    for step in sp._batches(SP_CASE["length"], 1):
+        for micro in range(sp.ACCUM):
+            inputs = {key: t.to(device) for key, t in sp._inputs(SP_CASE, step[0][micro]).items()}
+            loss = engine(**inputs).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    state = {name: t.cpu() for name, t in engine.full_state_dict().items()}
+    engine.close()
+    return {"losses": losses, "state": state}
+
+
+def test_sequence_parallelism_and_the_tiled_loss_on_the_gpu() -> None:
+    pytest.importorskip("transformers")
+    import test_sequence_parallel as sp
+
+    per_rank = run_on_ranks(2, sequence_parallel_on_the_gpu, 4, timeout=300, allow_numpy=True)
+    expected = sp.reference(SP_CASE)  # one process on the CPU: the GPU's kernels sum in other orders
+    for rank, result in enumerate(per_rank):
+        reference_losses = [loss for step in expected["losses"] for loss in step]
+        print(f"rank {rank}: losses {result['losses']} (CPU, one process {reference_losses})")
+        assert result["losses"] == pytest.approx(reference_losses, abs=1e-4), rank
+        worst = max((result["state"][name] - value).abs().max().item() for name, value in expected["state"].items())
+        print(f"rank {rank}: largest parameter difference {worst:.2e}")
+        assert worst <= 1e-4, worst
 
 
 def resume_grid(rank: int, world_size: int, cases: list[dict], directory: str) -> list[dict]:

@@ -120,10 +120,10 @@ def deepspeed_rule(name: str, param: torch.Tensor) -> bool:
 
 
 def train_reference(
-    steps: int, global_size: int, clip: float = 0.0, frozen: tuple[str, ...] = ()
+    steps: int, global_size: int, clip: float = 0.0, frozen: tuple[str, ...] = (), device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """One process: torch's Muon on DeepSpeed's matrices, torch's AdamW on the rest."""
-    model = make_gpt()
+    model = make_gpt().to(device)
     for name, param in model.named_parameters():
         param.requires_grad_(name not in frozen)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -134,14 +134,14 @@ def train_reference(
     with fp32_newton_schulz():
         for step in range(steps):
             ids, labels = batch(step, global_size)
-            model(ids, labels).backward()
+            model(ids.to(device), labels.to(device)).backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             muon.step()
             adamw.step()
             muon.zero_grad()
             adamw.zero_grad()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {name: p.detach().cpu() for name, p in model.named_parameters()}
 
 
 def parity_grid(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
