@@ -112,6 +112,51 @@ def _nbytes(args: tuple) -> int:
     return max((a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)), default=0)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows, numel, given", [(1, 10_001, 10_001), (3, 5_003, 4_000), (2, 700, 700)])
+def test_the_chunked_encode_equals_the_whole_encode_byte_for_byte(
+    monkeypatch: pytest.MonkeyPatch, bits: int, rows: int, numel: int, given: int
+) -> None:
+    """Spans of whole blocks (the last one short, odd lengths, int4's two to a byte, a missing
+    tail counted as zeros) give the integers and scales of one pass over the whole rows."""
+    import zero_engine.quantize as quantize
+
+    quantizer = BlockQuantizer(bits, 512)
+    values = torch.randn(rows, given, generator=torch.Generator().manual_seed(numel)) * torch.logspace(-3, 2, given)
+    _, payload, padded = quantizer._sizes(numel)
+    encoded = {}
+    for chunk in (1 << 30, 2048):
+        monkeypatch.setattr(quantize, "DECODE_CHUNK_CPU", chunk)
+        encoded[chunk] = torch.zeros(rows, quantizer.encoded_bytes(numel), dtype=torch.uint8)
+        quantizer.encode_rows(values.to(torch.bfloat16), encoded[chunk], numel)
+    whole, chunked = encoded[1 << 30], encoded[2048]
+    assert torch.equal(chunked[:, :payload], whole[:, :payload])
+    assert torch.equal(chunked[:, padded:], whole[:, padded:])
+
+
+def test_encoding_a_long_run_widens_one_chunk_at_a_time() -> None:
+    """An int8 frozen shard is encoded at `initialize`: widened whole to fp32 (with its absolute
+    values and its integers beside it) it peaked at 2.5x a LoRA Llama's bytes (the H100 run of
+    2026-11-28); a span of blocks at a time, the fp32 work is one chunk's."""
+    from zero_engine.quantize import encode_chunk
+    from zero_engine.testing.process_memory import allocated_during
+
+    chunk = encode_chunk(torch.device("cpu"))
+    quantizer = BlockQuantizer(8)
+    values = torch.randn(5 * chunk).to(torch.bfloat16)
+    out = torch.empty(quantizer.encoded_bytes(values.numel()), dtype=torch.uint8)
+
+    def encode() -> None:
+        with torch.profiler.record_function("mark"):
+            pass
+        quantizer.encode(values, out)
+
+    _, peak = allocated_during(encode, "mark")
+    # fp32 values, their absolute values, the int8 integers: 9 bytes an element of one chunk
+    # (the whole run at once: 45 MiB)
+    assert 0 < peak <= 10 * chunk, peak
+
+
 @pytest.mark.parametrize("rows, numel", [(2, 10_000), (3, 5_000), (5, 1_000), (1, 3)])
 def test_the_chunked_decode_equals_the_whole_decode_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch, rows: int, numel: int

@@ -22,9 +22,10 @@ import weakref
 import torch
 
 BLOCK = 2048  # elements per scale: DeepSpeed's ZeRO++ default group size for qwZ
-# Elements `BlockQuantizer.decode_rows_into` widens to fp32 at a time: 4 MiB on a CPU, where it
-# runs on one thread and a small buffer stays in cache; 64 MiB elsewhere, where each call is a
-# kernel launch and a 7B model's unit (25M elements a shard at 8 ranks) should take a few.
+# Elements `BlockQuantizer.decode_rows_into` widens to fp32 at a time (`encode_rows`: `encode_chunk`):
+# 4 MiB on a CPU, where it runs on one thread and a small buffer stays in cache; 64 MiB elsewhere,
+# where each call is a kernel launch and a 7B model's unit (25M elements a shard at 8 ranks) should
+# take a few.
 DECODE_CHUNK_CPU = 1 << 20
 DECODE_CHUNK_ACCELERATOR = 1 << 24
 
@@ -59,23 +60,43 @@ class BlockQuantizer:
 
     def encode_rows(self, values: torch.Tensor, out: torch.Tensor, numel: int | None = None) -> None:
         """`encode` each row of ``values`` (2-D, floating) into the same row of ``out`` (uint8,
-        ``encoded_bytes(numel)`` per row), all rows at once."""
+        ``encoded_bytes(numel)`` per row), all rows at once, a span of whole blocks at a time:
+        the fp32 work of one pass is at most `encode_chunk` elements (or one block per row), so
+        encoding a large unit never widens all of it at once (int8 frozen weights at
+        `initialize` peaked at 2.5x the model's bytes on a LoRA Llama when a shard was widened
+        whole, GPU run of 2026-11-28). Blocks are independent: the bytes are the same."""
         rows, given = values.shape
         numel = given if numel is None else numel
-        blocks, payload, padded = self._sizes(numel)
+        blocks, _, padded = self._sizes(numel)
+        scales = out[:, padded : padded + 4 * blocks].view(torch.float32)
+        span = max(1, encode_chunk(values.device) // (max(rows, 1) * self.block)) * self.block
+        for start in range(0, numel, span):
+            end = min(numel, start + span)
+            if self.bits == 8:
+                integers = out[:, start:end]
+            else:  # two to a byte; a span starts at a block boundary, which is even
+                integers = out[:, start // 2 : (end + 1) // 2]
+            self._encode_span(values[:, start : min(end, given)], end - start, integers,
+                              scales[:, start // self.block : -(-end // self.block)])
+
+    def _encode_span(self, values: torch.Tensor, numel: int, integers: torch.Tensor, scales: torch.Tensor) -> None:
+        """Encode rows of ``numel`` values starting at a block boundary (``values`` may be
+        shorter: the missing tail counts as zeros) into their integers and their blocks' scales."""
+        rows, given = values.shape
+        blocks = -(-numel // self.block)
         x = torch.zeros(rows, blocks * self.block, dtype=torch.float32, device=values.device)
         x[:, :given] = values
         x = x.view(rows, blocks, self.block)
         # Times the reciprocal, not divided by qmax: CUDA divides by a scalar that way, the CPU
         # exactly, so ranks on either would disagree by an ulp of a scale (seen on an H200);
         # a multiplication rounds alike on both.
-        scales = x.abs().amax(dim=2).mul_(1.0 / self.qmax)
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block decodes to zeros
-        q = x.div_(scales[..., None]).round_().clamp_(-self.qmax, self.qmax).to(torch.int8).view(rows, -1)[:, :numel]
+        found = x.abs().amax(dim=2).mul_(1.0 / self.qmax)
+        found = torch.where(found > 0, found, torch.ones_like(found))  # an all-zero block decodes to zeros
+        q = x.div_(found[..., None]).round_().clamp_(-self.qmax, self.qmax).to(torch.int8).view(rows, -1)[:, :numel]
         if self.bits == 4:
             q = _pack_nibbles(q)
-        out[:, :payload].copy_(q.view(torch.uint8))
-        out[:, padded:].copy_(scales.view(torch.uint8))
+        integers.copy_(q.view(torch.uint8))
+        scales.copy_(found)
 
     def decode(self, encoded: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The ``numel`` values (fp32) of an encoded run; written into ``out`` (any floating
@@ -151,6 +172,14 @@ class BlockQuantizer:
 def decode_chunk(device: torch.device) -> int:
     """How many elements a decode widens to fp32 at a time on ``device``."""
     return DECODE_CHUNK_CPU if device.type == "cpu" else DECODE_CHUNK_ACCELERATOR
+
+
+def encode_chunk(device: torch.device) -> int:
+    """How many elements an encode widens to fp32 at a time on ``device``: a quarter of a
+    decode's on an accelerator, as an encode holds 9 bytes an element (the fp32 values, their
+    absolute values, the integers) where a decode holds 4, and runs at `initialize` beside the
+    whole model (int8 frozen weights) rather than at every gather."""
+    return DECODE_CHUNK_CPU if device.type == "cpu" else DECODE_CHUNK_ACCELERATOR // 4
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
