@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # A run on a machine with one GPU, inside one 600 s command: what one GPU can check, most telling
 # first, each step under its own timeout (they add up to 580 s), one log per step under $OUT (at
-# most 6 files: the device tool returns 8). The GPU review's order (turn 6, section 6) is two calls:
+# most 6 files: the device tool returns 8). Every step in one call took 385 s on an H100 (2026-11-28),
+# which leaves a task's 15 minutes room for a second, shorter call after a fix; or two calls:
 #
-#   call 1, about 3 minutes:    bash scripts/gpu_check.sh versions sidestream cuda
-#   call 2, about 5.5 minutes:  bash scripts/gpu_check.sh versions gpt300m compile lora
+#   call 1, about 2.5 minutes:  bash scripts/gpu_check.sh versions sidestream cuda
+#   call 2, about 5 minutes:    bash scripts/gpu_check.sh versions gpt300m compile lora
 #
 #   versions   (30 s) the wheels the GPU image lacks (pydantic, hjson, typing-extensions, peft,
 #              accelerate, ...) installed from $WHEELS (.whl, made on your own machine by
 #              scripts/prepare_wheels.sh), their versions, torch's, CUDA's, NCCL's and the driver's;
-#   sidestream (90 s) the hybrid second phase on the side stream, alone on the GPU: as NCCL orders
+#   sidestream (60 s) the hybrid second phase on the side stream, alone on the GPU: as NCCL orders
 #              it, and with a synchronize after every wait (GPU review section 3), per-rank losses
 #              and launch counters printed; the cuda step runs both again under load (-n 6);
 #   cuda      (150 s) tests/test_cuda.py but for its timing tests, several at once (pytest-xdist):
@@ -17,13 +18,14 @@
 #              sharing the GPU over gloo (plain, hybrid, the side stream), save/resume, one host
 #              sync per step, offload, the allocator against memory_report(), the quantizers
 #              against the CPU's bytes (int8 frozen decode too), LoRA with int8 frozen weights,
-#              gathered() write-back, named_full_parameters with its host syncs, generate, Lightning;
-#   gpt300m   (150 s) a 303M-parameter GPT in bf16: DDP, FSDP2 and stage 3 alternating in one job
+#              gathered() write-back, named_full_parameters with its host syncs, generate, Lightning,
+#              Muon against torch's on the GPU, NVMe offload against CPU offload, Ulysses + tiled loss;
+#   gpt300m   (120 s) a 303M-parameter GPT in bf16: DDP, FSDP2 and stage 3 alternating in one job
 #              (step time, tokens/s), then each alone for torch.cuda.max_memory_allocated and,
 #              for the engine, memory_report() (the dry run: the engine alone);
 #   compile    (50 s) scripts/bench.py, engine3 against engine3+compile in one job (inductor's
 #              first compile), with the recompiles logged;
-#   lora      (110 s) scripts/bench_lora.py --device cuda: LoRA memory per process with 2 ranks
+#   lora      (170 s) scripts/bench_lora.py --device cuda: LoRA memory per process with 2 ranks
 #              sharing the GPU (stage 0 against stage 3: exact, int8, replicate), then step time at
 #              one rank beside DDP and FSDP2.
 #
@@ -135,14 +137,14 @@ PY
     "$mode" "$site" "${found[@]}"
 
 if chosen sidestream; then
-    pytest_step sidestream 90 "side_stream" 1
+    pytest_step sidestream 60 "side_stream" 1
 fi
 if chosen cuda; then
     pytest_step cuda 150 "not never_wait and not far_ahead" 6
 fi
 if chosen gpt300m; then
     # Step times in one job, then torch.cuda.max_memory_allocated one system per job (--rss).
-    step gpt300m 150 bash -c '
+    step gpt300m 120 bash -c '
         if [[ $0 == dry ]]; then run="--device cpu --model tiny"; timed="--steps 1 --warmup 1"; alone="engine3"
         else run="--device cuda --model gpt300m"; timed="--steps 6 --warmup 2"; alone="ddp fsdp2 engine3"; fi
         run="torchrun --standalone --nproc_per_node=1 scripts/bench.py $run --force-collectives --dtype bf16 --micro-batch 8"
@@ -161,7 +163,7 @@ if chosen compile; then
 fi
 if chosen lora; then
     # Memory per process (2 ranks sharing the GPU over gloo), then step time at one rank.
-    step lora 110 bash -c '
+    step lora 170 bash -c '
         if [[ $0 == dry ]]; then device=cpu; size="--layers 1"; only="stage 3 int8"; speed="--steps 3 --fsdp2"
             export BENCH_LORA_TINY=1  # a tiny Llama: the plumbing only
         else device=cuda; size="--layers 12"; only="bf16 base"; speed="--steps 10"; fi
