@@ -27,10 +27,15 @@ Masks are the whole sequence's: causal alone (no mask tensor) unless the batch i
 the attention gets a mask of the padded keys over the whole sequence, as one process's model
 builds it (`whole_sequence_mask`). Packed documents keep their own ``position_ids``, and attend
 across their boundaries, as the model's ``sdpa`` and ``eager`` attention do in one process.
-Key/value heads fewer than ``k`` (or not divisible by it) are repeated to the query heads
-before the exchange. Refused at `initialize`, naming what: a model that is not a Hugging Face
-model with an attention implementation to route, query heads not divisible by ``k``, sliding
-windows.
+Sliding windows (Mistral, and the sliding layers of Qwen2/3 and Gemma) are the whole
+sequence's too: a layer whose attention call names its ``sliding_window`` gets the causal band
+of that width over the whole sequence, as the model's own mask builds it in one process (a key
+``j`` visible to query ``i`` when ``i - window < j <= i``). A model whose config asks for windows
+but whose attention calls name none raises at its first split forward, naming the model, rather
+than training full causal attention silently (Accelerate PR 4177's bug). Key/value heads fewer
+than ``k`` (or not divisible by it) are repeated to the query heads before the exchange.
+Refused at `initialize`, naming what: a model that is not a Hugging Face model with an
+attention implementation to route, query heads not divisible by ``k``.
 """
 
 from __future__ import annotations
@@ -105,6 +110,9 @@ class UlyssesAttention:
         self.active = False
         self._loss_pending = False  # the split forward's loss is still to be made the micro-batch's
         self._mask: torch.Tensor | None = None  # the split micro-batch's whole attention mask, if not causal alone
+        self._windows_expected = False  # the config asks for sliding windows (`uses_sliding_windows`)
+        self._windows_seen = False  # a split forward's attention named its window
+        self._window_masks: dict[int, torch.Tensor] = {}  # the split micro-batch's masks by window width
         self._config: Any = None
         self._registry: Any = None  # transformers' attention registry (`_attention_registry`)
         self._name = ""
@@ -114,6 +122,7 @@ class UlyssesAttention:
     def apply(self, target: TransformTarget) -> None:
         model = target.model
         self._config = check_model(model, self.group.world_size)
+        self._windows_expected = uses_sliding_windows(self._config)
         self._registry, eager = _attention_registry(model)
         implementation = self._config._attn_implementation
         inner = self._registry[implementation] if implementation != "eager" else eager
@@ -150,6 +159,12 @@ class UlyssesAttention:
             # (batch, heads, tokens/k, dim) -> (batch, heads/k, tokens, dim)
             query, key, value = (all_to_all(self.group, t, 1, 2) for t in (query, key, value))
             mask = self._mask  # the whole sequence's, not the slice's: None where causal alone says it
+            window = kwargs.get("sliding_window")
+            if window is not None:
+                self._windows_seen = True
+                if window not in self._window_masks:  # one per window width and split forward
+                    self._window_masks[window] = within_window(mask, query.shape[2], window, query.device)
+                mask = self._window_masks[window]
             if mask is None and causal_mask:
                 mask = torch.ones(query.shape[2], query.shape[2], dtype=torch.bool, device=query.device).tril()
             if mask is not None and causal_mask:  # eager attention adds its mask
@@ -168,6 +183,7 @@ class UlyssesAttention:
         self.active = self._loss_pending = module.training and torch.is_grad_enabled()
         if not self.active:
             return None
+        self._windows_seen, self._window_masks = False, {}
         kwargs = dict(kwargs)
         if len(args) > 1:
             raise NotImplementedError(
@@ -216,6 +232,13 @@ class UlyssesAttention:
         if not self._loss_pending:
             return None
         self._loss_pending = False
+        if self._windows_expected and not self._windows_seen:
+            raise NotImplementedError(
+                f"sequence_parallel_size = {self.group.world_size}: {type(module).__name__}'s config asks for "
+                f"sliding windows (sliding_window = {self._config.sliding_window}), but its attention calls name "
+                "no sliding_window, so the exchanged attention cannot apply them: refused rather than trained as "
+                "full causal attention"
+            )
         loss = getattr(output, "loss", None)
         if loss is None:
             return None
@@ -242,13 +265,26 @@ def check_model(model: nn.Module, k: int) -> Any:
             f"sequence_parallel_size = {k}: {type(model).__name__} has {heads} attention heads, which do not split "
             f"over {k} ranks"
         )
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) is not False:
-        raise NotImplementedError(
-            f"sequence_parallel_size = {k}: {type(model).__name__} uses sliding-window attention "
-            f"(config.sliding_window = {window}), which is not routed through Ulysses' exchange yet"
-        )
     return config
+
+
+def uses_sliding_windows(config: Any) -> bool:
+    """Whether the config asks some layer for a sliding window (``sliding_window`` set, not
+    switched off by ``use_sliding_window``, and a sliding layer among ``layer_types`` if listed)."""
+    if getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
+def within_window(mask: torch.Tensor | None, length: int, window: int, device: torch.device) -> torch.Tensor:
+    """``mask`` (`whole_sequence_mask`'s, or None for causal alone) narrowed to the causal band
+    of ``window`` keys over the whole sequence: query ``i`` sees key ``j`` when
+    ``i - window < j <= i``, as Hugging Face's sliding-window mask says it."""
+    queries = torch.arange(length, device=device)[:, None]
+    keys = torch.arange(length, device=device)[None, :]
+    band = (keys <= queries) & (keys > queries - window)
+    return band[None, None] if mask is None else mask & band
 
 
 def whole_sequence_mask(attention_mask: torch.Tensor | None, padded: int) -> torch.Tensor | None:
