@@ -147,16 +147,21 @@ def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape
     split = f", {tokens} of them on each rank (sequence_parallel_size {k})" if k > 1 else ""
     print(f"activations of one micro-batch ({args.micro_batch} x {args.seq_len} tokens{split}; a Llama-style decoder "
           f"of {shape.layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}), not sharded by any stage:")
+    tiles = config.tiled_loss_tokens
     for recompute in (False, True):
-        counted = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, recompute)
+        counted = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, recompute, tiles)
         which = "recompute_units: true " if recompute else "recompute_units: false"
         chosen = "  <- this config" if recompute == on else ""
         print(f"  {which} kept for backward {counted.kept / 2**30:8.3f} GiB, step peak "
               f"{counted.peak / 2**30:8.3f} GiB{chosen}")
-    print(f"  of the peak, the loss's logits and their fp32 log-softmax and gradients: {counted.loss / 2**30:.3f} GiB")
-    if config.tiled_loss_tokens:
-        print(f"  (tiled_loss_tokens = {config.tiled_loss_tokens}: that part is made a tile at a time, so the peaks "
-              "above are upper bounds; the tiled figure is not computed yet)")
+    if tiles:
+        whole = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, on)
+        print(f"  of the peak, the loss's one tile of {tiles} tokens (tiled_loss_tokens): "
+              f"{counted.loss / 2**30:.3f} GiB; untiled, the logits and their fp32 log-softmax and gradients "
+              f"would take {whole.loss / 2**30:.3f} GiB")
+    else:
+        print("  of the peak, the loss's logits and their fp32 log-softmax and gradients: "
+              f"{counted.loss / 2**30:.3f} GiB")
     print("  (the peak adds to the model states; stage 3 adds its gathered units; docs/guides/out-of-memory.md)")
 
 
