@@ -32,9 +32,9 @@ def _kit(tmp_path: Path, wheels: Path, steps: tuple[str, ...] = ()) -> subproces
 ALL_STEPS = ("versions", "sidestream", "cuda", "gpt300m", "compile", "lora")
 
 
-@pytest.mark.parametrize(  # the fast run: the wheels and the LoRA benchmark's plumbing (new this turn); the
-    # CUDA tests' import is the main suite's collection of tests/test_cuda.py
-    "steps", [("lora",), pytest.param((), marks=pytest.mark.slow)], ids=["some", "all"]
+@pytest.mark.parametrize(  # the fast run: the wheels and one pytest step (the benchmarks' plumbing ran on an
+    # H100 on 2026-11-28; the slow run dries every step); the CUDA tests' import is the main suite's collection
+    "steps", [("sidestream",), pytest.param((), marks=pytest.mark.slow)], ids=["some", "all"]
 )
 def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path, steps: tuple[str, ...]) -> None:
     """This interpreter's wheels of the versions installed here, as prepare_wheels.sh fetches
@@ -58,16 +58,18 @@ def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path, steps: t
         cuda = (out / "cuda.log").read_text()
         selected, total = map(int, re.search(r"(\d+)/(\d+) tests collected", cuda).groups())
         assert total - selected == 2 and total >= 18, cuda
-        # the side stream's two variants alone first
-        assert f"2/{total} tests collected" in (out / "sidestream.log").read_text()
     if "gpt300m" in ran:
         runs = (out / "gpt300m.log").read_text()  # the timed job's JSON, then the engine's --rss line
         timed = json.loads(runs.split("\n{", 1)[1].split("\n}", 1)[0].join("{}"))
         assert timed["dtype"] == "bf16" and sorted(timed["systems"]) == ["ddp", "engine3", "fsdp2"], timed
         alone = json.loads(next(line for line in runs.splitlines() if '"system": "engine3"' in line))
         assert alone["memory_report"]["master_parameters"] > 0, alone  # bf16 indeed: fp32 masters beside
-    lora = (out / "lora.log").read_text()  # a memory row, then the step-time table with FSDP2 and int8
-    assert "| stage 3 int8 frozen, bf16 base |" in lora and "| FSDP2 |" in lora and "| stage 3 int8 frozen |" in lora
+    if "sidestream" in ran:  # the side stream's two variants alone
+        assert re.search(r"\b2/\d+ tests collected", (out / "sidestream.log").read_text())
+    if "lora" in ran:
+        lora = (out / "lora.log").read_text()  # a memory row, then the step-time table with FSDP2 and int8
+        assert "| stage 3 int8 frozen, bf16 base |" in lora and "| FSDP2 |" in lora
+        assert "| stage 3 int8 frozen |" in lora
 
 
 def test_the_kits_step_budgets_fit_one_command() -> None:
