@@ -188,7 +188,9 @@ PAIR_CASES = {  # world size, more zero_optimization keys
 }
 
 
-@pytest.mark.parametrize("case", list(PAIR_CASES))  # hybrid too: a shard's place is its shard rank's (N04)
+@pytest.mark.parametrize(  # hybrid too: a shard's place is its shard rank's (N04); plain 2 ranks in the slow run
+    "case", [pytest.param(name, marks=pytest.mark.slow) if name == "2 ranks" else name for name in PAIR_CASES]
+)
 def test_int8_frozen_weights_round_trip_per_block_and_train_as_torch_on_the_decoded_base(case: str, tmp_path) -> None:
     world, extra = PAIR_CASES[case]
     results = run_on_ranks(world, run_pair, str(tmp_path), extra)
