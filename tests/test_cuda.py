@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -451,11 +452,7 @@ def muon_and_nvme(rank: int, world_size: int, directory: str) -> dict:
     muon = []
     for case in MUON_CASES:
         engine = zero_engine.initialize(test_muon.make_gpt().to(device), {**test_muon.muon_config(case), **force})
-        for step in range(test_muon.STEPS // 2):
-            ids, labels = test_muon.batch(step, test_muon.MICRO * world_size)
-            rows = slice(rank * test_muon.MICRO, (rank + 1) * test_muon.MICRO)
-            engine.backward(engine(ids[rows].to(device), labels[rows].to(device)))
-            engine.step()
+        test_muon.train_engine(engine, rank, world_size, range(test_muon.STEPS // 2), 1, device)
         muon.append({name: t.cpu() for name, t in engine.full_state_dict().items()})
         engine.close()
     nvme = []
@@ -465,14 +462,7 @@ def muon_and_nvme(rank: int, world_size: int, directory: str) -> dict:
             options = {key: case[key] for key in ("dtype", "accum", "optimizer") if key in case}
             config = {**test_nvme.config(case["stage"], where, directory, **options), **force}
             engine = zero_engine.initialize(test_muon.make_gpt().to(device), config)
-            accum = case.get("accum", 2)
-            for step in range(6):
-                ids, labels = test_muon.batch(step, test_nvme.MICRO * accum * world_size)
-                for micro in range(accum):
-                    rows = slice((micro * world_size + rank) * test_nvme.MICRO,
-                                 (micro * world_size + rank + 1) * test_nvme.MICRO)
-                    engine.backward(engine(ids[rows].to(device), labels[rows].to(device)))
-                    engine.step()
+            test_muon.train_engine(engine, rank, world_size, range(6), case.get("accum", 2), device)
             states.append({name: t.cpu() for name, t in engine.full_state_dict().items()})
             engine.close()
         nvme.append([name for name in states[0] if not torch.equal(states[0][name], states[1][name])])
@@ -481,8 +471,6 @@ def muon_and_nvme(rank: int, world_size: int, directory: str) -> dict:
 
 @pytest.mark.parametrize("world_size", [1, 2], ids=["one rank on NCCL", "two ranks over gloo"])
 def test_muon_and_nvme_offload_on_the_gpu(world_size: int) -> None:
-    import tempfile
-
     import test_muon
     import test_nvme
 

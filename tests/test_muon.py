@@ -83,13 +83,14 @@ def muon_config(case: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def train_engine(engine: Any, rank: int, world: int, steps: range, accum: int) -> list[float]:
+def train_engine(engine: Any, rank: int, world: int, steps: range, accum: int, device: str = "cpu") -> list[float]:
+    """This rank's micro-batches of each global batch, on ``device``; the losses."""
     losses = []
     for step in steps:
         ids, labels = batch(step, MICRO * accum * world)
         for micro in range(accum):
             rows = slice((micro * world + rank) * MICRO, (micro * world + rank + 1) * MICRO)
-            loss = engine(ids[rows], labels[rows])
+            loss = engine(ids[rows].to(device), labels[rows].to(device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())

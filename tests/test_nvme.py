@@ -18,7 +18,8 @@ import torch
 
 import zero_engine
 from harness import run_on_ranks
-from test_muon import batch, make_gpt
+from test_muon import MICRO, make_gpt
+from test_muon import train_engine as train
 
 def _a_disk() -> str:
     """A directory on a disk (a swap file on tmpfs is refused): /var/tmp, the temporary
@@ -40,7 +41,7 @@ def _in_memory() -> str:
     with open("/proc/mounts") as mounts:
         points = [line.split()[1] for line in mounts if line.split()[2] == "tmpfs"]
     return next(point for point in ["/dev/shm", *points] if point in points and os.path.isdir(point))
-STEPS, MICRO = 20, 2
+STEPS = 20
 
 
 def config(stage: int, device: str, directory: str, *, dtype: str = "fp32", accum: int = 2,
@@ -56,15 +57,6 @@ def config(stage: int, device: str, directory: str, *, dtype: str = "fp32", accu
     if dtype == "bf16":
         result["bf16"] = {"enabled": True}
     return result
-
-
-def train(engine: Any, rank: int, world: int, steps: range, accum: int) -> None:
-    for step in steps:
-        ids, labels = batch(step, MICRO * accum * world)
-        for micro in range(accum):
-            rows = slice((micro * world + rank) * MICRO, (micro * world + rank + 1) * MICRO)
-            engine.backward(engine(ids[rows], labels[rows]))
-            engine.step()
 
 
 def cached_pages(path: Path) -> int:

@@ -111,8 +111,8 @@ class UlyssesAttention:
         self._loss_pending = False  # the split forward's loss is still to be made the micro-batch's
         self._mask: torch.Tensor | None = None  # the split micro-batch's whole attention mask, if not causal alone
         self._windows_expected = False  # the config asks for sliding windows (`uses_sliding_windows`)
-        self._windows_seen = False  # a split forward's attention named its window
-        self._window_masks: dict[int, torch.Tensor] = {}  # the split micro-batch's masks by window width
+        # The split micro-batch's masks by window width: empty while no attention named a window
+        self._window_masks: dict[int, torch.Tensor] = {}
         self._config: Any = None
         self._registry: Any = None  # transformers' attention registry (`_attention_registry`)
         self._name = ""
@@ -161,7 +161,6 @@ class UlyssesAttention:
             mask = self._mask  # the whole sequence's, not the slice's: None where causal alone says it
             window = kwargs.get("sliding_window")
             if window is not None:
-                self._windows_seen = True
                 if window not in self._window_masks:  # one per window width and split forward
                     self._window_masks[window] = within_window(mask, query.shape[2], window, query.device)
                 mask = self._window_masks[window]
@@ -183,7 +182,7 @@ class UlyssesAttention:
         self.active = self._loss_pending = module.training and torch.is_grad_enabled()
         if not self.active:
             return None
-        self._windows_seen, self._window_masks = False, {}
+        self._window_masks = {}
         kwargs = dict(kwargs)
         if len(args) > 1:
             raise NotImplementedError(
@@ -232,7 +231,7 @@ class UlyssesAttention:
         if not self._loss_pending:
             return None
         self._loss_pending = False
-        if self._windows_expected and not self._windows_seen:
+        if self._windows_expected and not self._window_masks:
             raise NotImplementedError(
                 f"sequence_parallel_size = {self.group.world_size}: {type(module).__name__}'s config asks for "
                 f"sliding windows (sliding_window = {self._config.sliding_window}), but its attention calls name "
