@@ -31,45 +31,54 @@ def _llama() -> Any:
     return LlamaForCausalLM(config)
 
 
-def measured_steps(rank: int, world_size: int, cases: list[tuple[int, str, bool, int]]) -> dict[Any, Any]:
+def measured_steps(rank: int, world_size: int, cases: list[tuple[int, str, bool, int, int]]) -> dict[Any, Any]:
     torch.set_num_threads(1)
     ids = torch.randint(0, SHAPE.vocab, (MICRO, SEQ), generator=torch.Generator().manual_seed(rank))
     results = {}
-    for stage, dtype, recompute, tiles in cases:
+    for case in cases:
+        stage, dtype, recompute, loss_tiles, mlp_tiles = case
         torch.manual_seed(0)
         config = engine_config(stage, micro=MICRO, lr=1e-3, dtype=dtype, recompute_units=recompute)
-        config["tiled_loss_tokens"] = tiles
+        config["tiled_loss_tokens"], config["tiled_mlp_tokens"] = loss_tiles, mlp_tiles
         engine = zero_engine.initialize(_llama(), config)
-        results[(stage, dtype, recompute, tiles)] = step_allocations(engine, ids)
+        results[case] = step_allocations(engine, ids)
         engine.close()
     return results
 
 
 # Activations do not depend on the stage; stage 3 adds its gathered units, which memory_report() counts.
-# The tiled loss: tiles of 64 tokens (the micro-batch is 512), with and without recomputation.
-CASES = [(stage, dtype, recompute, 0) for stage in (1, 2) for dtype in ("fp32", "bf16") for recompute in (False, True)]
-CASES += [(1, "fp32", False, 64), (2, "bf16", True, 64)]
+# Cases: stage, dtype, recompute_units, tiled_loss_tokens, tiled_mlp_tokens. The tiled loss and
+# MLPs: tiles of 64 tokens (the micro-batch is 512), with and without recomputation.
+CASES = [
+    (stage, dtype, recompute, 0, 0) for stage in (1, 2) for dtype in ("fp32", "bf16") for recompute in (False, True)
+]
+CASES += [(1, "fp32", False, 64, 0), (2, "bf16", True, 64, 0), (1, "fp32", False, 0, 64), (2, "bf16", True, 64, 64)]
 
 
 def test_the_estimate_is_what_a_step_allocates():
     """After the forward, the activations kept and the logits; at most, the step's peak: each
     within 1% of the allocator's count, on every rank. With recomputation the model's key/value
     cache is off in training (before, it kept every layer's keys and values: 14% more here).
-    With the tiled loss, no logits and one tile's loss at a time."""
+    With the tiled loss, no logits and one tile's loss at a time; with tiled MLPs, no MLP
+    intermediates kept and one tile's in a layer's backward."""
     results = run_on_ranks(2, measured_steps, CASES, allow_numpy=True, timeout=400)
     for case in CASES:
-        stage, dtype, recompute, tiles = case
-        expected = activation_bytes(SHAPE, MICRO, SEQ, 2 if dtype == "bf16" else 4, recompute, tiles)
+        stage, dtype, recompute, loss_tiles, mlp_tiles = case
+        c = 2 if dtype == "bf16" else 4
+        expected = activation_bytes(SHAPE, MICRO, SEQ, c, recompute, loss_tiles, mlp_tiles)
         # tiled: each tile's checkpoint keeps a few small tensors (64 KiB in all here), and where in
         # the tiles' backward the peak falls moves it by up to 2%
-        tolerance = {"rel": 0.02, "abs": 64 * 1024} if tiles else {"rel": 0.01}
+        tolerance = {"rel": 0.02, "abs": 64 * 1024} if loss_tiles or mlp_tiles else {"rel": 0.01}
         for rank_results in results:
             after_forward, peak = rank_results[case]
             assert after_forward == pytest.approx(expected.kept + expected.logits, **tolerance), case
             assert peak == pytest.approx(expected.peak, **tolerance), case
-        if tiles:  # what tiling saves: the logits are gone, and the peak is below the untiled one's
-            untiled = activation_bytes(SHAPE, MICRO, SEQ, 2 if dtype == "bf16" else 4, recompute)
+        untiled = activation_bytes(SHAPE, MICRO, SEQ, c, recompute)
+        if loss_tiles:  # what tiling saves: the logits are gone, and the peak is below the untiled one's
             assert expected.logits == 0 and expected.peak < untiled.peak
+        if mlp_tiles:  # and the MLPs' intermediates: in what the layers keep, or in a recomputed layer
+            mlp_untiled = activation_bytes(SHAPE, MICRO, SEQ, c, recompute, loss_tiles)
+            assert expected.peak < mlp_untiled.peak and (recompute or expected.kept < mlp_untiled.kept)
 
 
 def test_a_decoders_parameters_counted_from_its_shape():
@@ -112,6 +121,14 @@ def test_estimate_prints_a_decoders_activations_with_and_without_recompute(tmp_p
     assert f"step peak {counted.peak / 2**30:8.3f} GiB  <- this config" in out
     assert f"one tile of 512 tokens (tiled_loss_tokens): {counted.loss / 2**30:.3f} GiB" in out
     assert f"would take {whole.loss / 2**30:.3f} GiB" in out and counted.peak < whole.peak
+    mlp = tmp_path / "mlp.json"  # and the MLPs in tiles of 1024 tokens
+    mlp.write_text(tiled.read_text()[:-1] + ', "tiled_mlp_tokens": 1024}')
+    assert main(["estimate", str(mlp), "--model-config", str(model_config), "--seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    both = activation_bytes(SHAPE, 2, 4096, 2, True, 512, 1024)
+    assert f"step peak {both.peak / 2**30:8.3f} GiB  <- this config" in out and both.peak < counted.peak
+    assert (f"the MLPs in tiles of 1024 tokens (tiled_mlp_tokens): step peak {both.peak / 2**30:.3f} GiB; "
+            f"untiled MLPs {counted.peak / 2**30:.3f} GiB") in out
     assert main(["estimate", str(config), "--model-config", str(model_config)]) == 1
     assert "give the sequence length, --seq-len S" in capsys.readouterr().err
 

@@ -22,8 +22,13 @@ keeps them, per token, with ``c`` the compute dtype's bytes (4 in fp32, 2 in bf1
   is one tile's, about ``12 n V`` bytes at once (three fp32-sized copies of its logits in the
   tile's backward), whatever the sequence's length, beside the gradients the loss's backward
   makes for the head's weight (``c V h``) and for its input (``c h`` per token); a recomputed
-  layer comes after, the head's weight gradient still alive. Within 2% of the allocator's
-  count (1% untiled).
+  layer comes after, the head's weight gradient still alive;
+- with ``tiled_mlp_tokens: m`` a layer keeps no MLP intermediates (``4 c f`` a token less:
+  each tile keeps its input, a view of the MLP's, and the CPU generator's state, 5,056 bytes, to
+  recompute it); one tile's MLP backward holds about ``8 c f`` bytes a token of it (its
+  recomputed intermediates and their gradients), counted where a layer's backward is.
+
+Within 2% of the allocator's count (1% untiled).
 
 Checked in tests/test_activations.py against torch's own allocation events (the profiler's
 memory records) around a real step of a Hugging Face Llama through the engine. Other layer
@@ -111,32 +116,42 @@ class Activations(NamedTuple):
     loss: int  # of the peak, the loss's: the logits, their fp32 log-softmax and its two gradients
 
 
-def layer_bytes_per_token(shape: DecoderShape, compute_bytes: int) -> int:
+# What torch's checkpoint keeps per call to replay the same random numbers: the CPU generator's state.
+CHECKPOINT_RNG_BYTES = 5056
+
+
+def layer_bytes_per_token(shape: DecoderShape, compute_bytes: int, tiled_mlp: bool = False) -> int:
     """What one layer keeps for its backward, per token (see the module's docstring)."""
     c, h = compute_bytes, shape.hidden
-    return c * (6 * h + 2 * shape.kv_width + 4 * shape.ffn) + 4 * (2 * h + shape.heads + 2)
+    mlp = 0 if tiled_mlp else 4 * shape.ffn
+    return c * (6 * h + 2 * shape.kv_width + mlp) + 4 * (2 * h + shape.heads + 2)
 
 
 def activation_bytes(shape: DecoderShape, micro_batch: int, seq_len: int, compute_bytes: int,
-                     recompute: bool, tiled_loss_tokens: int = 0) -> Activations:
+                     recompute: bool, tiled_loss_tokens: int = 0, tiled_mlp_tokens: int = 0) -> Activations:
     """Activations of one micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens (the
-    loss ``tiled_loss_tokens`` at a time when given)."""
+    loss ``tiled_loss_tokens`` and each MLP ``tiled_mlp_tokens`` at a time when given)."""
     c, h, vocab = compute_bytes, shape.hidden, shape.vocab
     tokens = micro_batch * seq_len
-    layer = layer_bytes_per_token(shape, c)
+    mlp_tiled = 0 < tiled_mlp_tokens < tokens  # one tile is the MLP as it is
+    layer = layer_bytes_per_token(shape, c, mlp_tiled)
+    # a tile's MLP backward, where a layer's backward is; the tiles' kept generator states
+    mlp_tile = 8 * c * shape.ffn * tiled_mlp_tokens if mlp_tiled else 0
+    mlp_states = shape.layers * -(-tokens // tiled_mlp_tokens) * CHECKPOINT_RNG_BYTES if mlp_tiled else 0
     outside = (4 + 2 * c) * h + c * (h // shape.heads) + 20
     layers_kept = shape.layers * (c * h if recompute else layer)
     if tiled_loss_tokens:
-        kept = tokens * (layers_kept + outside)
+        kept = tokens * (layers_kept + outside) + mlp_states
         tile = min(tiled_loss_tokens, tokens) * 12 * vocab
         head_gradient = c * vocab * h
         loss_backward = tile + head_gradient + tokens * c * h
         recomputed = tokens * (layer + 2 * c * h) + head_gradient if recompute else 0  # after the tiles
-        return Activations(kept=kept, logits=0, peak=kept + max(loss_backward, recomputed), loss=tile)
-    kept = tokens * (layers_kept + outside + 4 * vocab)
+        working = max(loss_backward, recomputed + mlp_tile)
+        return Activations(kept=kept, logits=0, peak=kept + working, loss=tile)
+    kept = tokens * (layers_kept + outside + 4 * vocab) + mlp_states
     logits = tokens * c * vocab
-    working = 8 * vocab  # the loss's backward: two fp32 gradients of the logits
+    working = tokens * 8 * vocab  # the loss's backward: two fp32 gradients of the logits
     if recompute:  # a layer recomputed, once the loss's log-softmax is gone
-        working = max(working, layer - 4 * vocab + 2 * c * h)
+        working = max(working, tokens * (layer - 4 * vocab + 2 * c * h) + mlp_tile)
     loss = logits + tokens * 12 * vocab
-    return Activations(kept=kept, logits=logits, peak=kept + logits + tokens * working, loss=loss)
+    return Activations(kept=kept, logits=logits, peak=kept + logits + working, loss=loss)

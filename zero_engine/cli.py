@@ -147,9 +147,9 @@ def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape
     split = f", {tokens} of them on each rank (sequence_parallel_size {k})" if k > 1 else ""
     print(f"activations of one micro-batch ({args.micro_batch} x {args.seq_len} tokens{split}; a Llama-style decoder "
           f"of {shape.layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}), not sharded by any stage:")
-    tiles = config.tiled_loss_tokens
+    tiles, mlp_tiles = config.tiled_loss_tokens, config.tiled_mlp_tokens
     for recompute in (False, True):
-        counted = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, recompute, tiles)
+        counted = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, recompute, tiles, mlp_tiles)
         which = "recompute_units: true " if recompute else "recompute_units: false"
         chosen = "  <- this config" if recompute == on else ""
         print(f"  {which} kept for backward {counted.kept / 2**30:8.3f} GiB, step peak "
@@ -162,6 +162,11 @@ def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape
     else:
         print("  of the peak, the loss's logits and their fp32 log-softmax and gradients: "
               f"{counted.loss / 2**30:.3f} GiB")
+    if mlp_tiles:
+        mine = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, on, tiles, mlp_tiles)
+        whole = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, on, tiles)
+        print(f"  the MLPs in tiles of {mlp_tiles} tokens (tiled_mlp_tokens): step peak {mine.peak / 2**30:.3f} GiB; "
+              f"untiled MLPs {whole.peak / 2**30:.3f} GiB")
     print("  (the peak adds to the model states; stage 3 adds its gathered units; docs/guides/out-of-memory.md)")
 
 

@@ -37,6 +37,7 @@ from .sharding.gathering.agreement import Call
 from .stage import Stage
 from .sharding.transforms.seam import COMPILE, ModuleTransforms, TransformTarget
 from .sharding.transforms.tiled_loss import TiledLoss
+from .sharding.transforms.tiled_mlp import TiledMLP
 from .sharding.transforms.ulysses import UlyssesAttention
 from .sharding.transforms.unit_forwards import Compile, Recompute
 from .state.gathered import GatheredParameters
@@ -105,7 +106,7 @@ class Engine(ModelAccess, StepView, WindowView):
         self.guards = LoopGuards(model)  # what the loop may not do (requires_grad as built, among others)
         self.transforms = model_transforms(  # compiled later (compile()); close() puts it all back
             TransformTarget(model, plan.modules.leaf_modules, comm.mesh), comm.sequence_group,
-            self._agree_before_exchanges, config.tiled_loss_tokens, zero.recompute_units,
+            self._agree_before_exchanges, config.tiled_loss_tokens, config.tiled_mlp_tokens, zero.recompute_units,
         )
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
         if self.units:
@@ -350,16 +351,19 @@ class Engine(ModelAccess, StepView, WindowView):
 
 def model_transforms(
     target: TransformTarget, sequence_group: GroupComm, before_exchanges: Callable[[], None], tiled_loss_tokens: int,
-    recompute: bool,
+    tiled_mlp_tokens: int, recompute: bool,
 ) -> ModuleTransforms:
     """What the model's modules compute, changed in one order: attention exchanged over the
-    sequence group (``sequence_parallel_size``), the loss in tiles (``tiled_loss_tokens``),
-    each unit recomputed in backward (``recompute_units``)."""
+    sequence group (``sequence_parallel_size``), the loss and the MLPs in tiles
+    (``tiled_loss_tokens``, ``tiled_mlp_tokens``), each unit recomputed in backward
+    (``recompute_units``)."""
     transforms = ModuleTransforms(target)
     if target.mesh.sequence > 1:
         transforms.add(UlyssesAttention(sequence_group, before_exchanges))
     if tiled_loss_tokens:  # never the whole logits
         transforms.add(TiledLoss(tiled_loss_tokens))
+    if tiled_mlp_tokens:  # never an MLP's intermediates for the whole sequence
+        transforms.add(TiledMLP(tiled_mlp_tokens))
     if recompute:
         transforms.add(Recompute())
     return transforms

@@ -74,6 +74,11 @@ class ZeroEngineConfig(_Section):
         "time, so the whole sequence's logits (vocabulary x tokens) never exist at once; 0: off. Training forwards "
         "with labels then return no logits."
     )
+    tiled_mlp_tokens: Count = Field(
+        0, description="Ours: each module named 'mlp' (a Hugging Face decoder layer's MLP) computed this many tokens "
+        "at a time in training forwards, each tile recomputed in backward, so its intermediate activations exist "
+        "for one tile, not the whole sequence; 0: off."
+    )
     managed_gradient_accumulation: bool = Field(
         True, description="DeepSpeed: false makes every step() an accumulation boundary; refused when false "
         "(set_gradient_accumulation_boundary says where a window ends)."
