@@ -27,6 +27,7 @@ ENGINE_MEMBERS = [
     "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "full_state_dict",
     "gathered", "named_full_parameters", "save_pretrained", "memory_report", "comm_report", "save_checkpoint",
     "load_checkpoint", "get_lr", "get_global_grad_norm", "compile", "close",
+    "data_parallel_rank", "data_parallel_world_size", "sequence_slice", "sequence_loss",
 ]
 HEADER = """# API reference
 
@@ -108,6 +109,8 @@ def render() -> str:
               _entry("zero_engine.load_consolidated", zero_engine.load_consolidated)]
     parts += ["## The engine\n", f"### `zero_engine.Engine`\n\n{_text(inspect.getdoc(Engine))}\n"]
     parts += [_engine_member(member) for member in ENGINE_MEMBERS]
+    parts.append("## Sequence parallelism in a plain PyTorch model\n")
+    parts.append(_entry("zero_engine.SequenceParallelAttention", zero_engine.SequenceParallelAttention))
     parts.append("## Errors\n")
     parts += [f"### `zero_engine.{error.__name__}`\n\n{_text(inspect.getdoc(error))}\n"
               for error in (ConfigError, DivergedRanksError, CheckpointError, ShardedParameterError)]

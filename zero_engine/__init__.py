@@ -8,6 +8,7 @@ from .config import ZeroEngineConfig, load_config
 from .engine import Engine
 from .entry import initialize
 from .errors import CheckpointError, ConfigError, DivergedRanksError, ShardedParameterError
+from .sharding.transforms.ulysses import SequenceParallelAttention
 from .state.consolidate import load_consolidated
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "ConfigError",
     "DivergedRanksError",
     "Engine",
+    "SequenceParallelAttention",
     "ShardedParameterError",
     "ZeroEngineConfig",
     "initialize",

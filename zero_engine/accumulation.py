@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from .sharding.transforms.ulysses import sequence_slice, whole_value
+
 
 class AccumulationWindow:
     def __init__(self, steps: int) -> None:
@@ -106,3 +110,17 @@ class WindowView:
     def data_parallel_world_size(self) -> int:
         """The ranks that read different micro-batches: the world size / ``sequence_parallel_size``."""
         return self.comm.mesh.batch
+
+    def sequence_slice(self, tensor: torch.Tensor, dim: int = 1, pad_value: float = 0) -> torch.Tensor:
+        """A plain PyTorch model's loop under ``sequence_parallel_size: k``: this rank's slice of a
+        whole sequence's ``tensor`` along ``dim`` (ids, global positions, labels shifted before:
+        pad them with -100), the sequence padded at its end to a multiple of ``k``; ``tensor``
+        itself at ``k`` = 1. A Hugging Face model's batch is split by the engine instead."""
+        return sequence_slice(self.comm.sequence_group, tensor, dim, pad_value)
+
+    def sequence_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A plain PyTorch model's loop: ``loss``, this rank's slice's share of the micro-batch's
+        loss (its tokens' summed loss over the micro-batch's valid tokens), made the whole
+        micro-batch's in value on every rank of the sequence group, its gradient still the
+        slice's (the group's gradients are summed). ``loss`` itself at ``k`` = 1."""
+        return whole_value(self.comm.sequence_group, loss)

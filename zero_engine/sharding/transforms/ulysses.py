@@ -35,7 +35,15 @@ but whose attention calls name none raises at its first split forward, naming th
 than training full causal attention silently (Accelerate PR 4177's bug). Key/value heads fewer
 than ``k`` (or not divisible by it) are repeated to the query heads before the exchange.
 Refused at `initialize`, naming what: a model that is not a Hugging Face model with an
-attention implementation to route, query heads not divisible by ``k``.
+attention implementation to route, query heads not divisible by ``k``, and a model with a
+sequence mixer that is not attention (a state-space or linear-attention layer, a convolution
+along the sequence: each would mix its slice alone, silently).
+
+A plain PyTorch model wraps its attention core in `SequenceParallelAttention` (one call, where
+the model is built): the engine gives each such module its sequence group at `initialize`, and
+the model's training forwards exchange around the core. Its loop splits the batch itself
+(`sequence_slice`) and makes the loss the micro-batch's (`sequence_loss`), as DeepSpeed's
+``DistributedAttention`` leaves both to the caller.
 """
 
 from __future__ import annotations
@@ -76,7 +84,11 @@ def exchange(group: GroupComm, tensor: torch.Tensor, scatter_dim: int, gather_di
     send = torch.stack(tensor.chunk(k, dim=scatter_dim)).contiguous()
     received = torch.empty_like(send)
     group.all_to_all(send.view(-1), received.view(-1), CollectiveKind.ALL_TO_ALL).wait()
-    return torch.cat(received.unbind(0), dim=gather_dim)
+    # Freed here, before the join, not whenever the collective's own thread lets go of them.
+    send.untyped_storage().resize_(0)
+    joined = torch.cat(received.unbind(0), dim=gather_dim)
+    received.untyped_storage().resize_(0)
+    return joined
 
 
 def all_to_all(group: GroupComm, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -95,9 +107,61 @@ class _FewerKeyValueGroups:
         return getattr(self._module, name)
 
 
+class SequenceParallelAttention(nn.Module):
+    """A plain PyTorch model's attention core (``core(query, key, value, *args, **kwargs)``, the
+    tensors ``(batch, heads, tokens, head_dim)`` as ``torch.nn.functional.scaled_dot_product_attention``
+    takes them; its output in the query's layout), run over the whole sequence when the engine
+    splits it: before the core, an all-to-all over the sequence group turns "my slice of the
+    tokens, all heads" into "all tokens, my heads"; after it, back. Under no engine, with
+    ``sequence_parallel_size`` 1, in evaluation and under ``no_grad``, the core as it is. Masks
+    the core takes are the whole sequence's (``is_causal=True``, or ``tokens x tokens``)."""
+
+    def __init__(self, core: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.core = core
+        self._ulysses: UlyssesAttention | None = None  # the engine's transform, while it holds the model
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                **kwargs: Any) -> torch.Tensor:
+        ulysses = self._ulysses
+        if ulysses is None or not ulysses.active:
+            return self.core(query, key, value, *args, **kwargs)
+        group = ulysses.group
+        if key.shape[1] % group.world_size:  # fewer key/value heads than ranks: repeated to the queries'
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        query, key, value = (all_to_all(group, t, 1, 2) for t in (query, key, value))
+        return all_to_all(group, self.core(query, key, value, *args, **kwargs), 2, 1)
+
+
+def sequence_slice(group: GroupComm, tensor: torch.Tensor, dim: int = 1, pad_value: float = 0) -> torch.Tensor:
+    """This rank's slice of a whole sequence's ``tensor`` along ``dim``, the sequence padded at
+    its end with ``pad_value`` to a multiple of the group's size (labels: pad with -100)."""
+    k = group.world_size
+    if k == 1:
+        return tensor
+    length = tensor.shape[dim]
+    padded = math.ceil(length / k) * k
+    if padded != length:
+        pad = [0, 0] * (tensor.dim() - 1 - dim % tensor.dim()) + [0, padded - length]
+        tensor = nn.functional.pad(tensor, pad, value=pad_value)
+    return tensor.narrow(dim, group.rank * padded // k, padded // k).contiguous()
+
+
+def whole_value(group: GroupComm, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` whose value is summed over the sequence group (the micro-batch's, on every rank)
+    and whose gradient stays this rank's (the group's gradients are summed)."""
+    if group.world_size == 1:
+        return loss
+    total = loss.detach().clone()
+    group.all_reduce_sum(total).wait()
+    return loss + (total - loss.detach())
+
+
 class UlyssesAttention:
     """``sequence_parallel_size`` on a Hugging Face model: its attention exchanged over the
-    sequence group, its training micro-batches split along the sequence."""
+    sequence group, its training micro-batches split along the sequence. On a plain PyTorch
+    model: its `SequenceParallelAttention` modules given the group."""
 
     ORDER = MODEL
 
@@ -118,9 +182,17 @@ class UlyssesAttention:
         self._name = ""
         self._previous_implementation: str | None = None
         self._handles: list[RemovableHandle] = []
+        self._wrappers: list[SequenceParallelAttention] = []  # a plain model's attention cores
 
     def apply(self, target: TransformTarget) -> None:
         model = target.model
+        refuse_sequence_mixers(model, self.group.world_size)
+        self._wrappers = [module for module in model.modules() if isinstance(module, SequenceParallelAttention)]
+        if self._wrappers:  # a plain PyTorch model: its loop splits the batch
+            for wrapper in self._wrappers:
+                wrapper._ulysses = self
+            self._handles = [model.register_forward_pre_hook(self._exchanging)]
+            return
         self._config = check_model(model, self.group.world_size)
         self._windows_expected = uses_sliding_windows(self._config)
         self._registry, eager = _attention_registry(model)
@@ -139,6 +211,9 @@ class UlyssesAttention:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for wrapper in self._wrappers:
+            wrapper._ulysses = None
+        self._wrappers = []
         if self._previous_implementation is not None:
             self._config._attn_implementation = self._previous_implementation
             self._previous_implementation = None
@@ -177,6 +252,13 @@ class UlyssesAttention:
         return attention
 
     # -- the batch ------------------------------------------------------------------------
+
+    def _exchanging(self, module: nn.Module, args: tuple) -> None:
+        """A plain model's forward: its attention cores exchange in training forwards (its loop
+        gave it this rank's slice)."""
+        self.active = module.training and torch.is_grad_enabled()
+        if self.active:
+            self.before_exchanges()
 
     def _split(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self.active = self._loss_pending = module.training and torch.is_grad_enabled()
@@ -241,9 +323,7 @@ class UlyssesAttention:
         loss = getattr(output, "loss", None)
         if loss is None:
             return None
-        total = loss.detach().clone()
-        self.group.all_reduce_sum(total).wait()
-        output.loss = loss + (total - loss.detach())
+        output.loss = whole_value(self.group, loss)
         return output
 
 
@@ -255,8 +335,8 @@ def check_model(model: nn.Module, k: int) -> Any:
     if implementation not in ("sdpa", "eager"):
         raise NotImplementedError(
             f"sequence_parallel_size = {k}: {type(model).__name__} is not a Hugging Face model whose attention "
-            f"implementation is 'sdpa' or 'eager' (found {implementation!r}); only those are routed through "
-            "Ulysses' exchange so far"
+            f"implementation is 'sdpa' or 'eager' (found {implementation!r}), and has no "
+            "zero_engine.SequenceParallelAttention module: wrap a plain PyTorch model's attention core in one"
         )
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int) or heads % k:
@@ -265,6 +345,24 @@ def check_model(model: nn.Module, k: int) -> Any:
             f"over {k} ranks"
         )
     return config
+
+
+# Sequence mixers that are not attention, by class name: state-space layers (Mamba, Mamba2, Jamba's
+# and Falcon-H1's), linear attention and its kin (RWKV, RetNet, Gated DeltaNet), long convolutions.
+NOT_ATTENTION = ("mamba", "ssm", "rwkv", "linearattention", "retention", "deltanet", "hyena", "shortconv")
+
+
+def refuse_sequence_mixers(model: nn.Module, k: int) -> None:
+    """`NotImplementedError` naming the first module that mixes tokens along the sequence other
+    than by attention: split over ``k`` ranks, it would mix each slice alone."""
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if isinstance(module, nn.Conv1d) or any(word in kind.lower() for word in NOT_ATTENTION):
+            raise NotImplementedError(
+                f"sequence_parallel_size = {k}: {name or 'the model'} ({kind}) mixes tokens along the sequence "
+                "other than by attention (a state-space, linear-attention or convolution layer); split over ranks it "
+                "would see only its slice, so it is refused rather than trained wrong"
+            )
 
 
 def uses_sliding_windows(config: Any) -> bool:

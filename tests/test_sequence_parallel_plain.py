@@ -1,0 +1,177 @@
+"""``sequence_parallel_size`` on a plain PyTorch model: its attention core wrapped in
+`zero_engine.SequenceParallelAttention`, its loop splitting the batch with ``engine.sequence_slice``
+and making the loss the micro-batch's with ``engine.sequence_loss``; against the same model
+trained in one process on the same global batches, in real processes on gloo."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zero_engine
+from configs import engine_config
+from harness import run_on_ranks
+
+STEPS, MICRO, ACCUM, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 3, 2, 2, 50, 6, 2, 4
+TOL = 2e-5
+
+
+class Attention(nn.Module):
+    """Causal self-attention with fewer key/value heads than query heads; its core, SDPA, wrapped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        dim = HEADS * HEAD_DIM
+        self.query = nn.Linear(dim, dim)
+        # no bias: a key bias has no gradient but rounding, which Adam would make a step of
+        self.key_value = nn.Linear(dim, 2 * KV_HEADS * HEAD_DIM, bias=False)
+        self.out = nn.Linear(dim, dim)
+        self.core = zero_engine.SequenceParallelAttention(F.scaled_dot_product_attention)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, dim = x.shape
+        query = self.query(x).view(batch, tokens, HEADS, HEAD_DIM).transpose(1, 2)
+        key, value = self.key_value(x).view(batch, tokens, 2 * KV_HEADS, HEAD_DIM).transpose(1, 2).chunk(2, dim=1)
+        attended = self.core(query, key, value, is_causal=True, enable_gqa=True)
+        return self.out(attended.transpose(1, 2).reshape(batch, tokens, dim))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        dim = HEADS * HEAD_DIM
+        self.embed, self.position = nn.Embedding(VOCAB, dim), nn.Embedding(64, dim)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(dim), "attention": Attention(),
+                                                   "mlp": nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(),
+                                                                        nn.Linear(2 * dim, dim))})
+                                    for _ in range(2))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.position(positions)
+        for block in self.blocks:
+            x = x + block["attention"](block["norm"](x))
+            x = x + block["mlp"](x)
+        return self.head(x)
+
+
+def _batches(length: int, data_ranks: int) -> list[torch.Tensor]:
+    """Per step: token ids of every data-parallel rank's micro-batches, (ranks, ACCUM, MICRO, length)."""
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (data_ranks, ACCUM, MICRO, length), generator=generator) for _ in range(STEPS)]
+
+
+def _targets(ids: torch.Tensor) -> torch.Tensor:
+    """Each token's next, shifted before any split; none on a prompt's first third, none at the end."""
+    targets = F.pad(ids[:, 1:], (0, 1), value=-100)
+    targets[:, : ids.shape[1] // 3] = -100
+    return targets
+
+
+def _positions(ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(ids.shape[1]).expand_as(ids)
+
+
+def reference(case: dict[str, Any]) -> dict[str, Any]:
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    data_ranks = case["world"] // case["k"]
+    losses = []
+    for step in _batches(case["length"], data_ranks):
+        optimizer.zero_grad()
+        step_losses = []
+        for rank_ids in step:
+            for ids in rank_ids:
+                logits = model(ids, _positions(ids))
+                loss = F.cross_entropy(logits.flatten(0, 1), _targets(ids).flatten(), ignore_index=-100)
+                (loss / (ACCUM * data_ranks)).backward()
+                step_losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(step_losses)
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def train(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    results = []
+    for case in cases:
+        config = engine_config(case["stage"], micro=MICRO, accum=ACCUM, lr=1e-3, clip=1.0,
+                               optimizer_params={"weight_decay": 0.0})
+        config["sequence_parallel_size"] = case["k"]
+        engine = zero_engine.initialize(TinyGPT(), config)
+        losses = []
+        for step in _batches(case["length"], engine.data_parallel_world_size):
+            step_losses = []
+            for ids in step[engine.data_parallel_rank]:
+                targets = _targets(ids)
+                mine = engine.sequence_slice(targets, pad_value=-100)
+                logits = engine(engine.sequence_slice(ids), engine.sequence_slice(_positions(ids)))
+                summed = F.cross_entropy(logits.flatten(0, 1), mine.flatten(), ignore_index=-100, reduction="sum")
+                loss = engine.sequence_loss(summed / (targets != -100).sum())
+                engine.backward(loss)
+                engine.step()
+                step_losses.append(loss.item())
+            losses.append(step_losses)
+        ids = _batches(case["length"], 1)[0][0, 0]
+        engine.eval()
+        with torch.no_grad():  # evaluation: the whole sequence, the core as it is
+            evaluated = engine(ids, _positions(ids))
+        results.append({"losses": losses, "state": engine.full_state_dict(), "eval": evaluated,
+                        "slice": tuple(engine.sequence_slice(ids).shape)})
+        engine.close()
+    if world == 2:  # refused on every rank, at initialize
+        results.append(refusals())
+    return results
+
+
+def refusals() -> dict[str, str]:
+    """Sequence mixers that are not attention, in a plain model and by a Hugging Face-style name."""
+    found = {}
+
+    class MambaMixer(nn.Module):  # the name of transformers' state-space layer
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+    for name, model in (("conv", nn.Sequential(nn.Conv1d(4, 4, 3))), ("mamba", nn.ModuleDict({"mixer": MambaMixer()}))):
+        try:
+            zero_engine.initialize(model, {**engine_config(0, micro=1, lr=1e-3), "sequence_parallel_size": 2})
+        except NotImplementedError as err:
+            found[name] = str(err)
+    return found
+
+
+GRIDS = {  # a length k does not divide; key/value heads fewer than k (k = 3: repeated)
+    2: [{"world": 2, "k": 2, "stage": 0, "length": 15}, {"world": 2, "k": 2, "stage": 3, "length": 16}],
+    3: [{"world": 3, "k": 3, "stage": 3, "length": 17}],
+}
+
+
+@pytest.mark.parametrize("world", sorted(GRIDS))
+def test_a_plain_models_wrapped_attention_matches_one_process(world: int) -> None:
+    per_rank = run_on_ranks(world, train, GRIDS[world], allow_numpy=True, timeout=300)
+    for index, case in enumerate(GRIDS[world]):
+        expected = reference(case)
+        k = case["k"]
+        for rank, results in enumerate(per_rank):
+            result, data_rank = results[index], rank // k
+            for step in range(STEPS):
+                mine = expected["losses"][step][data_rank * ACCUM : (data_rank + 1) * ACCUM]
+                assert result["losses"][step] == pytest.approx(mine, abs=TOL), (case, rank, step)
+            for name, value in expected["state"].items():
+                assert (result["state"][name] - value).abs().max().item() <= TOL, (case, rank, name)
+            assert result["slice"] == (MICRO, -(-case["length"] // k))  # padded to a multiple of k, then split
+            model = TinyGPT()
+            model.load_state_dict(result["state"])
+            ids = _batches(case["length"], 1)[0][0, 0]
+            with torch.no_grad():
+                assert torch.allclose(result["eval"], model(ids, _positions(ids)), atol=1e-5)
+    for found in (results[-1] for results in per_rank if world == 2):
+        assert "blocks" not in found["conv"] and "0 (Conv1d) mixes tokens along the sequence" in found["conv"]
+        assert "mixer (MambaMixer) mixes tokens along the sequence other than by attention" in found["mamba"]
