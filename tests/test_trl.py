@@ -74,7 +74,7 @@ def datasets(kind: str) -> Any:
     })
 
 
-def trainer(kind: str, engine: bool, directory: str) -> Any:
+def trainer(kind: str, engine: bool, directory: str, zero_config: dict[str, Any] | None = None) -> Any:
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     from zero_engine.integrations.transformers import ZeroEngineTrainer
@@ -93,7 +93,8 @@ def trainer(kind: str, engine: bool, directory: str) -> Any:
     if not engine:
         return cls(**arguments)
     zero = type(f"Zero{cls.__name__}", (ZeroEngineTrainer, cls), {})  # the documented pattern
-    return zero(**arguments, zero_config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    zero_config = zero_config or {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    return zero(**arguments, zero_config=zero_config)
 
 
 def runs(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -180,3 +181,10 @@ def test_saved_adapters_are_peft_layout_and_load_with_from_pretrained(trl_runs: 
     assert set(engine_adapters) <= set(state)
     for name, value in engine_adapters.items():
         assert torch.equal(state[name], value), name
+
+
+def test_sequence_parallelism_through_trl_is_refused_by_name(tmp_path: Path) -> None:
+    """Its loss and metrics read the model's outputs, which would hold a rank's slice of each
+    sequence: refused when the trainer is built, never trained on slices' losses."""
+    with pytest.raises(NotImplementedError, match="sequence_parallel_size = 2 through TRL's trainers"):
+        trainer("sft", True, str(tmp_path), {"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2})

@@ -29,6 +29,10 @@ Accelerate, with the same semantics:
   and world size) beside Accelerate's RNG and dataloader states; ``get_state_dict(model)`` the
   full state on rank 0, one unit at a time; ``unwrap_model`` the user's module; ``save_model``
   the streamed ``save_pretrained`` layout.
+- ``sequence_parallel_size: k``: prepared dataloaders give the ``k`` ranks of a sequence group
+  the same batches (sharded over the data-parallel ranks, rank // k of world / k); the engine
+  splits each along the sequence, and a Hugging Face model's ``outputs.loss`` is the
+  micro-batch's on every rank of the group.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from torch.utils.data import DataLoader
 
 from .. import ConfigError, Engine, initialize, load_config
 from ..config import read_config_mapping
-from .config_filling import AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer, refuse_sequence_parallel
+from .config_filling import AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer, sequence_parallel_size
+from .config_filling import shard_over_data_ranks
 from .engine_model import EngineModel, SteppedByEngine
 
 __all__ = ["Accelerator"]
@@ -84,6 +89,7 @@ class Accelerator(accelerate.Accelerator):
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
         super().__init__(*args, **kwargs)
         self._zero_raw, self._zero_origin = read_config_mapping(zero_config)
+        self._sequence_parallel = sequence_parallel_size(self._zero_raw, self.num_processes)
         self._zero_weights, self._zero_param_init_fn = zero_weights, zero_param_init_fn
         self.zero_engine: Engine | None = None
         self._engine_model: EngineModel | None = None
@@ -116,6 +122,11 @@ class Accelerator(accelerate.Accelerator):
                 prepared.append(SteppedByEngine(self._require_engine().optimizer))
             elif _is_scheduler(arg):
                 prepared.append(SteppedByEngine(arg))
+            elif isinstance(arg, DataLoader):  # a sequence group's ranks read the same batches
+                prepared.append(shard_over_data_ranks(
+                    super().prepare(arg, device_placement=device_placement), self.num_processes, self.process_index,
+                    self._sequence_parallel, "Accelerate",
+                ))
             else:
                 prepared.append(super().prepare(arg, device_placement=device_placement))
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
@@ -139,7 +150,6 @@ class Accelerator(accelerate.Accelerator):
         schedule = self._engine_schedule(scheduler, raw)
         if not any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
             model.to(self.device)  # as Accelerate places a model; a meta one is the engine's to build
-        refuse_sequence_parallel(raw, "Accelerate")
         self.zero_engine = initialize(
             model, load_config(raw), param_groups=groups, lr_scheduler=schedule, weights=self._zero_weights,
             param_init_fn=self._zero_param_init_fn,

@@ -133,6 +133,40 @@ def rebind(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
     return scheduler
 
 
+def sequence_parallel_size(raw: dict[str, Any], world_size: int) -> int:
+    """The config's ``sequence_parallel_size`` (1 unless an integer above 1), a `ConfigError`
+    when it does not divide the world: the data-parallel ranks are world / it."""
+    size = raw.get("sequence_parallel_size", 1)
+    if not isinstance(size, int) or size <= 1:
+        return 1
+    if world_size % size:
+        raise ConfigError(
+            f"sequence_parallel_size = {size} does not divide the world size {world_size}: each sequence group is "
+            f"{size} consecutive ranks"
+        )
+    return size
+
+
+def shard_over_data_ranks(loader: Any, world_size: int, rank: int, k: int, framework: str) -> Any:
+    """An Accelerate-prepared training loader (``BatchSamplerShard``: each rank its share of
+    each batch of indices) sharded over the data-parallel ranks instead of every rank, so that
+    the ``k`` ranks of a sequence group read the same batches (rank // k of world / k), as
+    Accelerate's own loader does under its parallelism config. Other loaders (iterable
+    datasets, dispatched batches) are refused by name."""
+    if k == 1:
+        return loader
+    shard = getattr(loader, "batch_sampler", None)
+    if not (hasattr(shard, "num_processes") and hasattr(shard, "process_index")):
+        raise NotImplementedError(
+            f"sequence_parallel_size = {k} through {framework}: the training loader ({type(loader).__name__}) does "
+            "not shard a map-style dataset's batches over ranks (an iterable dataset, or dispatched batches), so the "
+            "ranks of a sequence group cannot be given the same batches; use a map-style dataset"
+        )
+    shard.num_processes = world_size // k
+    shard.process_index = rank // k
+    return loader
+
+
 def refuse_sequence_parallel(raw: dict[str, Any], framework: str) -> None:
     """``sequence_parallel_size`` above 1 needs the ranks of a sequence group to read the same
     micro-batches, which the framework's data loader does not know yet: refused by name, never
@@ -141,6 +175,7 @@ def refuse_sequence_parallel(raw: dict[str, Any], framework: str) -> None:
     if isinstance(size, int) and size > 1:
         raise NotImplementedError(
             f"sequence_parallel_size = {size} through {framework} is not wired yet: its data loader would give each "
-            "rank of a sequence group a different batch. Use zero_engine.initialize in your own loop (each rank reads "
-            "the micro-batches of engine.data_parallel_rank of engine.data_parallel_world_size)"
+            "rank of a sequence group a different batch. Use Hugging Face's Trainer (ZeroEngineTrainer), zero_engine's "
+            "Accelerator, or zero_engine.initialize in your own loop (each rank reads the micro-batches of "
+            "engine.data_parallel_rank of engine.data_parallel_world_size)"
         )

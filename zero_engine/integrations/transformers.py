@@ -24,6 +24,13 @@ How the Trainer's loop meets the engine, through the Trainer's own overridable m
   the engine is built.
 - ``save_model`` gathers the full state onto rank 0 (`Engine.full_state_dict`) and saves it with
   ``save_pretrained``; evaluation and prediction run through the engine at every stage.
+- ``sequence_parallel_size: k``: the ranks of a sequence group (``k`` consecutive ranks) read the
+  same training batches (the prepared loader shards over the data-parallel ranks, rank // k of
+  world / k, as Accelerate's own loader does for its parallelism config), and the engine splits
+  each along the sequence. The Trainer's token count, gathered over every rank, counts each
+  group's batch ``k`` times, and its loss is scaled by the world size where the engine averages
+  over data-parallel ranks: both are divided by ``k``, so the logged losses are those of ``k``
+  = 1 on world / k ranks. Evaluation reads batches over every rank, sequences whole.
 
 A model too large for one rank is built on the meta device and materialized by the engine
 (``zero_weights=`` a Hugging Face directory or safetensors file, ``zero_param_init_fn=`` for
@@ -43,7 +50,7 @@ from transformers import Trainer
 from .. import Engine, initialize, load_config
 from ..config import optimizer_class, optimizer_options, read_config_mapping
 from ..state.adapters import adapter_names, is_peft_model
-from .config_filling import optimizer_section, refuse_sequence_parallel
+from .config_filling import optimizer_section, refuse_sequence_parallel, sequence_parallel_size, shard_over_data_ranks
 from .engine_model import EngineModel, SteppedByEngine
 from .training_arguments import fill_from_arguments, fill_schedule, provisional_schedule
 
@@ -71,7 +78,11 @@ class ZeroEngineTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self._refuse_unsupported_arguments()
         raw, self._zero_origin = read_config_mapping(zero_config)
-        raw = fill_from_arguments(raw, self.args, self.args.world_size, self._zero_origin)
+        if any(cls.__module__.startswith("trl.") for cls in type(self).__mro__):
+            refuse_sequence_parallel(raw, "TRL's trainers (their loss and metrics read the model's outputs, a rank's "
+                                          "slice of the sequence)")
+        self._sequence_parallel = sequence_parallel_size(raw, self.args.world_size)
+        raw = fill_from_arguments(raw, self.args, self.args.world_size // self._sequence_parallel, self._zero_origin)
         self._decay_options: dict[str, Any] = {}  # the decayed group's options
         if "optimizer" not in raw:  # the Trainer's optimizer, its weight decay on the decayed group
             raw["optimizer"] = self._trainer_optimizer_section()
@@ -131,7 +142,6 @@ class ZeroEngineTrainer(Trainer):
 
     def _build_engine(self, max_steps: int) -> Engine:
         raw = fill_schedule(self._zero_raw, self.args, max_steps, self._zero_origin)
-        refuse_sequence_parallel(raw, "Hugging Face's Trainer")
         config = load_config(raw)
         schedule = self._trainer_schedule(max_steps) if "scheduler" not in raw else None
         return initialize(
@@ -165,6 +175,35 @@ class ZeroEngineTrainer(Trainer):
             return self.create_scheduler(max_steps, optimizer=optimizer)
 
         return build
+
+    # -- sequence parallelism: a group's ranks read the same batches ---------------------------------
+
+    def get_train_dataloader(self) -> Any:
+        return shard_over_data_ranks(super().get_train_dataloader(), self.args.world_size, self.args.process_index,
+                                     self._sequence_parallel, "Hugging Face's Trainer")
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        return super().get_total_train_batch_size(args) // self._sequence_parallel
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        counted = super()._get_num_items_in_batch(batch_samples, device)
+        if counted is not None and self._sequence_parallel > 1 and self.args.average_tokens_across_devices:
+            counted = counted / self._sequence_parallel  # each group's batch was gathered k times
+        return counted
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        scaled = (self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func)
+                  and num_items_in_batch is not None)
+        if self._sequence_parallel == 1 or not scaled:
+            return result
+        # scaled by the world size where the engine averages over the data-parallel ranks
+        if return_outputs:
+            loss, outputs = result
+            return loss / self._sequence_parallel, outputs
+        return result / self._sequence_parallel
 
     # -- the training step -----------------------------------------------------------------------
 

@@ -1,0 +1,147 @@
+"""``sequence_parallel_size`` through Hugging Face's Trainer (`ZeroEngineTrainer`) and Accelerate's
+own loop (zero_engine's `Accelerator`) with a PEFT LoRA model: the same config with
+``sequence_parallel_size: 2`` logs the losses, gradient norms and rates of its run with k = 1 on
+half the ranks (the same global batches), within 1e-4, and trains the same adapters. Fast: k = 2
+on 2 ranks against 1 rank; slow: k = 2 on 4 ranks against 2. Both frameworks share a spawn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import run_on_ranks
+
+pytest.importorskip("transformers", reason="the [hf] extra: pip install -e '.[hf]'")  # CI installs it
+
+SEQ, VOCAB, SAMPLES = 15, 64, 24  # a length 2 does not divide; 24 rows: 6 steps of 2 x 2 at one data rank
+TOLERANCE = 1e-4
+
+
+def _lora_llama() -> Any:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+                         attn_implementation="sdpa")
+    return get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+class _Tokens:
+    """Fixed random rows, labels the inputs but a prompt of 5 tokens without targets."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        labels = self.ids[index].clone()
+        labels[:5] = -100
+        return {"input_ids": self.ids[index], "labels": labels}
+
+
+def trained(rank: int, world: int, root: str, k: int) -> dict[str, Any]:
+    return {"trainer": trainer_run(world, root, k), "accelerate": accelerate_run(k)}
+
+
+def accelerate_run(k: int) -> dict[str, Any]:
+    """A plain Accelerate loop: micro-batches of 2, accumulation 2, clipping 0.5, 6 steps."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from zero_engine.integrations.accelerate import Accelerator
+
+    config = {"zero_optimization": {"stage": 3}, "sequence_parallel_size": k, "gradient_clipping": 0.5,
+              "steps_per_print": 10**9}
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, zero_config=config)
+    model = _lora_llama()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    rows = _Tokens()
+    loader = DataLoader(range(SAMPLES), batch_size=2,  # sharded over the data-parallel ranks by prepare
+                        collate_fn=lambda indices: {key: torch.stack([rows[i][key] for i in indices])
+                                                    for key in ("input_ids", "labels")})
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, norms = [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    adapters = {name: value.detach().clone() for name, value in accelerator.zero_engine.named_full_parameters()
+                if "lora_" in name}
+    accelerator.free_memory()
+    return {"losses": losses, "norms": norms, "adapters": adapters}
+
+
+def trainer_run(world: int, root: str, k: int) -> dict[str, Any]:
+    import torch
+    from transformers import TrainingArguments
+
+    from zero_engine.integrations.transformers import ZeroEngineTrainer
+
+    torch.set_num_threads(1)
+    data_ranks = world // k
+    args = TrainingArguments(
+        output_dir=f"{root}/k{k}", per_device_train_batch_size=2, gradient_accumulation_steps=2 // data_ranks,
+        learning_rate=3e-3, max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1, num_train_epochs=1,
+        logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    config = {"zero_optimization": {"stage": 3}, "sequence_parallel_size": k, "steps_per_print": 10**9}
+    trainer = ZeroEngineTrainer(model=_lora_llama(), args=args, train_dataset=_Tokens(), zero_config=config)
+    trainer.train()
+    logs = [{key: entry[key] for key in ("loss", "grad_norm", "learning_rate")}
+            for entry in trainer.state.log_history if "loss" in entry]
+    adapters = {name: value.detach().clone() for name, value in trainer.zero_engine.named_full_parameters()
+                if "lora_" in name}
+    return {"logs": logs, "adapters": adapters, "batch": trainer.zero_engine.train_batch_size()}
+
+
+def _compare(plain_ranks: list[dict[str, Any]], split_runs: list[dict[str, Any]]) -> None:
+    """Rank r of the split run against rank r // 2 of the plain one (the Trainer logs means over
+    ranks; an Accelerate loop's losses are its rank's)."""
+    plain, split = plain_ranks[0]["trainer"], [runs["trainer"] for runs in split_runs]
+    assert len(plain["logs"]) == 6
+    for result in split:
+        assert result["batch"] == plain["batch"] == 4
+        assert len(result["logs"]) == len(plain["logs"])
+        for mine, theirs in zip(result["logs"], plain["logs"]):
+            for key in ("loss", "grad_norm", "learning_rate"):
+                assert mine[key] == pytest.approx(theirs[key], abs=TOLERANCE), (key, mine, theirs)
+        for name, value in plain["adapters"].items():
+            assert (result["adapters"][name] - value).abs().max().item() <= TOLERANCE, name
+    for rank, runs in enumerate(split_runs):
+        plain, result = plain_ranks[rank // 2]["accelerate"], runs["accelerate"]
+        assert len(plain["losses"]) == 2 * len(plain["norms"]) >= 6  # every micro-step, every boundary
+        assert result["losses"] == pytest.approx(plain["losses"], abs=TOLERANCE)
+        assert result["norms"] == pytest.approx(plain["norms"], abs=TOLERANCE)
+        for name, value in plain["adapters"].items():
+            assert (result["adapters"][name] - value).abs().max().item() <= TOLERANCE, name
+    if len(plain_ranks) > 1:  # data-parallel ranks read different batches: the comparison above tells them apart
+        assert plain_ranks[1]["accelerate"]["losses"] != plain_ranks[0]["accelerate"]["losses"]
+
+
+def test_the_trainer_at_k2_logs_what_it_logs_at_k1_on_half_the_ranks(tmp_path: Path) -> None:
+    plain = run_on_ranks(1, trained, str(tmp_path), 1, allow_numpy=True, backend=None, timeout=300)
+    split = run_on_ranks(2, trained, str(tmp_path), 2, allow_numpy=True, backend=None, timeout=300)
+    _compare(plain, split)
+
+
+@pytest.mark.slow
+def test_the_trainer_at_k2_on_4_ranks_logs_what_it_logs_at_k1_on_2(tmp_path: Path) -> None:
+    plain = run_on_ranks(2, trained, str(tmp_path), 1, allow_numpy=True, backend=None, timeout=600)
+    split = run_on_ranks(4, trained, str(tmp_path), 2, allow_numpy=True, backend=None, timeout=600)
+    assert plain[0]["trainer"]["logs"] == plain[1]["trainer"]["logs"]
+    _compare(plain, split)
