@@ -178,7 +178,9 @@ INIT_CASES = [
 HYBRID_INIT_CASES = [{"stage": 3, "dtype": "bf16", "group": 2}]
 
 
-@pytest.mark.parametrize("world_size, cases", [(2, INIT_CASES), (4, HYBRID_INIT_CASES)])
+@pytest.mark.parametrize(  # the fast run: 2 ranks; hybrid groups' start in the slow run (and in test_hybrid's runs)
+    "world_size, cases", [(2, INIT_CASES), pytest.param(4, HYBRID_INIT_CASES, marks=pytest.mark.slow)]
+)
 def test_ranks_that_draw_different_values_start_and_stay_equal(world_size: int, cases: list[dict]) -> None:
     """What every rank keeps whole (the model below stage 3; buffers, frozen and small
     parameters at stage 3) takes rank 0's meta-device values, and a shard its copy's in the

@@ -219,11 +219,12 @@ def _check_grid(world_size: int, groups: list[int], per_rank: list[dict]) -> Non
             check_skipped_everywhere(rank, overflow)
 
 
+@pytest.mark.slow  # the fast run trains 2 groups of 2 in test_resume_from_hybrid_to_plain_and_back and the quantized hop
 def test_hybrid_2x2_matches_single_process() -> None:
     _check_grid(4, [2], run_on_ranks(4, hybrid_grid, [2], [1, 3], timeout=300))
 
 
-@pytest.mark.slow  # 6 ranks; the fast run keeps 2x2
+@pytest.mark.slow  # 6 ranks
 def test_hybrid_3x2_and_2x3_match_single_process() -> None:
     _check_grid(6, [2, 3], run_on_ranks(6, hybrid_grid, [2, 3], [2], timeout=400))
 

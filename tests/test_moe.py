@@ -141,9 +141,10 @@ def _grid() -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize(  # the fast run: 3 ranks (odd) and 4 (hybrid); 2 ranks' cases in the slow run
+@pytest.mark.parametrize(  # the fast run: 3 ranks (odd); 2 ranks' cases and 4 (hybrid) in the slow run
     "world_size, cases",
-    [pytest.param(2, FAST_TWO_RANKS, marks=pytest.mark.slow), (3, FAST_THREE_RANKS), (4, HYBRID)],
+    [pytest.param(2, FAST_TWO_RANKS, marks=pytest.mark.slow), (3, FAST_THREE_RANKS),
+     pytest.param(4, HYBRID, marks=pytest.mark.slow)],
 )
 def test_idle_experts_train_as_one_process_with_the_same_collectives_on_every_rank(
     world_size: int, cases: list[dict]

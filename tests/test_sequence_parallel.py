@@ -19,14 +19,20 @@ TOL = 2e-5
 
 
 def _llama(
-    attention: str = "sdpa", heads: int = 8, kv_heads: int = 2, window: int | None = None, **extra: Any
+    attention: str = "sdpa", heads: int = 8, kv_heads: int = 2, window: int | None = None, qwen3: bool = False,
+    **extra: Any,
 ) -> Any:
-    """A tiny Llama; with ``window``, its Mistral twin (sliding-window attention of that width)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    """A tiny Llama; with ``window``, its Mistral twin (sliding-window attention of that width);
+    with ``qwen3``, its Qwen3 twin (an RMSNorm on each head's queries and keys)."""
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(0)
     if window is not None:
         Config, Model, extra = MistralConfig, MistralForCausalLM, {**extra, "sliding_window": window}
+    elif qwen3:
+        Config, Model, extra = Qwen3Config, Qwen3ForCausalLM, {**extra, "head_dim": 4}
     else:
         Config, Model = LlamaConfig, LlamaForCausalLM
     config = Config(
@@ -35,6 +41,10 @@ def _llama(
         **extra,
     )
     return Model(config)
+
+
+def _model(case: dict[str, Any]) -> Any:
+    return _llama(case["attention"], case.get("heads", 8), window=case.get("window"), qwen3=case.get("qwen3", False))
 
 
 def _batches(length: int, data_ranks: int) -> list[list[torch.Tensor]]:
@@ -75,7 +85,7 @@ def _inputs(case: dict[str, Any], ids: torch.Tensor) -> dict[str, torch.Tensor]:
 def reference(case: dict[str, Any]) -> dict[str, Any]:
     """One process, the whole global batch: the mean over data-parallel ranks of each rank's
     micro-batch loss (each over its valid tokens), as data parallelism averages them."""
-    model = _llama(case["attention"], case.get("heads", 8), window=case.get("window"))
+    model = _model(case)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     data_ranks = case["world"] // case["k"]
     losses, norms = [], []
@@ -100,7 +110,7 @@ def sequence_parallel(rank: int, world_size: int, cases: list[dict[str, Any]]) -
         config = engine_config(case["stage"], micro=MICRO, accum=ACCUM, lr=1e-3, clip=1.0,
                                optimizer_params={"weight_decay": 0.0}, recompute_units=case.get("recompute"))
         config["sequence_parallel_size"] = case["k"]
-        model = _llama(case["attention"], case.get("heads", 8), window=case.get("window"))
+        model = _model(case)
         engine = zero_engine.initialize(model, config)
         data_rank = engine.data_parallel_rank
         losses, norms = [], []
@@ -139,11 +149,11 @@ def _check(case: dict[str, Any], per_rank: list[dict[str, Any]]) -> None:
 # 8 query and 2 key/value heads: at k = 4 the key/value heads are repeated; a length k does not
 # divide is padded; labels -100 on the first third: at k = 4 rank 0's slice has no valid label.
 GRIDS = {
-    2: [{"world": 2, "k": 2, "stage": 3, "attention": "eager", "length": 15},
+    # the Qwen3 twin: each head's queries and keys normalized before the exchange
+    2: [{"world": 2, "k": 2, "stage": 3, "attention": "eager", "length": 15, "qwen3": True},
         # the Mistral twin: a window of 5 keys over the whole sequence, not over a rank's slice
         {"world": 2, "k": 2, "stage": 3, "attention": "sdpa", "length": 16, "window": 5, "packed": True}],
-    3: [{"world": 3, "k": 3, "stage": 0, "attention": "sdpa", "length": 17, "heads": 6},
-        {"world": 3, "k": 3, "stage": 3, "attention": "sdpa", "length": 16, "heads": 6, "packed": True},
+    3: [{"world": 3, "k": 3, "stage": 3, "attention": "sdpa", "length": 16, "heads": 6, "packed": True},
         {"world": 3, "k": 3, "stage": 0, "attention": "eager", "length": 14, "heads": 6, "padded": True,
          "window": 4}],
     4: [{"world": 4, "k": 4, "stage": 3, "attention": "sdpa", "length": 16},
@@ -154,6 +164,7 @@ SLOW_GRIDS = {
     2: [{"world": 2, "k": 2, "stage": stage, "attention": attention, "length": 15}
         for stage in (1, 2) for attention in ("sdpa", "eager")]
     + [{"world": 2, "k": 2, "stage": 0, "attention": "sdpa", "length": 16}],
+    3: [{"world": 3, "k": 3, "stage": 0, "attention": "sdpa", "length": 17, "heads": 6}],
     4: [{"world": 4, "k": 2, "stage": stage, "attention": "sdpa", "length": 17} for stage in (1, 2, 3)]
     + [{"world": 4, "k": 4, "stage": 3, "attention": "eager", "length": 18, "window": 6}],
 }
