@@ -333,7 +333,7 @@ def test_what_the_engine_cannot_honour_is_refused_when_the_trainer_is_built(tmp_
         _build(tmp_path, {"gradient_clipping": 2.0, "zero_optimization": {"stage": 1}})
     with pytest.raises(ConfigError, match="zero_optimisation: unknown key"):
         _build(tmp_path, {"zero_optimisation": {"stage": 1}})
-    with pytest.raises(ConfigError, match="sequence_parallel_size = 2 does not divide the world size 1"):
+    with pytest.raises(ConfigError, match="sequence_parallel_size = 2 does not divide the number of processes, 1"):
         _build(tmp_path, {"zero_optimization": {"stage": 1}, "sequence_parallel_size": 2})
     trainer = _build(tmp_path)  # the Trainer's AdamW, as a config section
     assert trainer._zero_raw["optimizer"]["type"] == "AdamW"

@@ -1,8 +1,9 @@
-"""``sequence_parallel_size`` through Hugging Face's Trainer (`ZeroEngineTrainer`) and Accelerate's
-own loop (zero_engine's `Accelerator`) with a PEFT LoRA model: the same config with
-``sequence_parallel_size: 2`` logs the losses, gradient norms and rates of its run with k = 1 on
-half the ranks (the same global batches), within 1e-4, and trains the same adapters. Fast: k = 2
-on 2 ranks against 1 rank; slow: k = 2 on 4 ranks against 2. Both frameworks share a spawn."""
+"""``sequence_parallel_size`` through Hugging Face's Trainer (`ZeroEngineTrainer`), TRL's
+``SFTTrainer`` on it and Accelerate's own loop (zero_engine's `Accelerator`), with a PEFT LoRA
+model: the same config with ``sequence_parallel_size: 2`` logs the losses, gradient norms and
+rates (SFT: token accuracy, entropy and token count too) of its run with k = 1 on half the
+ranks (the same global batches), within 1e-4, and trains the same adapters. Fast: k = 2 on 2
+ranks against 1 rank; slow: k = 2 on 4 ranks against 2. The three share a spawn."""
 
 from __future__ import annotations
 
@@ -49,7 +50,29 @@ class _Tokens:
 
 
 def trained(rank: int, world: int, root: str, k: int) -> dict[str, Any]:
-    return {"trainer": trainer_run(world, root, k), "accelerate": accelerate_run(k)}
+    return {"trainer": trainer_run(world, root, k), "accelerate": accelerate_run(k), "sft": sft_run(world, root, k)}
+
+
+def sft_run(world: int, root: str, k: int) -> dict[str, Any]:
+    """TRL's SFTTrainer as `test_trl` runs it (its loss and metrics computed from the model's
+    outputs: at k = 2 a rank's slice's, made the micro-batch's by the engine's trainer)."""
+    from trl import SFTConfig, SFTTrainer
+
+    from test_trl import base_model, datasets, lora, tokenizer
+    from zero_engine.integrations.transformers import ZeroEngineTrainer
+
+    args = SFTConfig(
+        output_dir=f"{root}/sft{k}", per_device_train_batch_size=2, gradient_accumulation_steps=2 * k // world,
+        learning_rate=3e-3, num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, bf16=False, max_length=16,
+    )
+    trainer = type("ZeroSFTTrainer", (ZeroEngineTrainer, SFTTrainer), {})(
+        model=base_model(), args=args, train_dataset=datasets("sft"), processing_class=tokenizer(), peft_config=lora(),
+        zero_config={"zero_optimization": {"stage": 3}, "sequence_parallel_size": k, "steps_per_print": 10**9},
+    )
+    trainer.train()
+    keys = ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy", "num_tokens")
+    return {"logs": [{key: entry[key] for key in keys} for entry in trainer.state.log_history if "loss" in entry]}
 
 
 def accelerate_run(k: int) -> dict[str, Any]:
@@ -129,6 +152,12 @@ def _compare(plain_ranks: list[dict[str, Any]], split_runs: list[dict[str, Any]]
         assert result["norms"] == pytest.approx(plain["norms"], abs=TOLERANCE)
         for name, value in plain["adapters"].items():
             assert (result["adapters"][name] - value).abs().max().item() <= TOLERANCE, name
+    plain = plain_ranks[0]["sft"]
+    assert len(plain["logs"]) == 6
+    for runs in split_runs:
+        assert len(runs["sft"]["logs"]) == len(plain["logs"])
+        for mine, theirs in zip(runs["sft"]["logs"], plain["logs"]):
+            assert mine == pytest.approx(theirs, abs=TOLERANCE), (mine, theirs)
     if len(plain_ranks) > 1:  # data-parallel ranks read different batches: the comparison above tells them apart
         assert plain_ranks[1]["accelerate"]["losses"] != plain_ranks[0]["accelerate"]["losses"]
 

@@ -183,8 +183,9 @@ def test_saved_adapters_are_peft_layout_and_load_with_from_pretrained(trl_runs: 
         assert torch.equal(state[name], value), name
 
 
-def test_sequence_parallelism_through_trl_is_refused_by_name(tmp_path: Path) -> None:
-    """Its loss and metrics read the model's outputs, which would hold a rank's slice of each
-    sequence: refused when the trainer is built, never trained on slices' losses."""
-    with pytest.raises(NotImplementedError, match="sequence_parallel_size = 2 through TRL's trainers"):
-        trainer("sft", True, str(tmp_path), {"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2})
+def test_sequence_parallelism_through_dpo_is_refused_by_name(tmp_path: Path) -> None:
+    """DPO's loss takes each sequence's whole log-probability through a sigmoid: summed from
+    slices after it, it would be another loss. Refused when the trainer is built (SFT's, a sum of
+    token losses, trains: tests/test_hf_trainer_sequence.py)."""
+    with pytest.raises(NotImplementedError, match="sequence_parallel_size = 2 through DPOTrainer"):
+        trainer("dpo", True, str(tmp_path), {"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2})

@@ -133,21 +133,21 @@ def rebind(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
     return scheduler
 
 
-def sequence_parallel_size(raw: dict[str, Any], world_size: int) -> int:
+def sequence_parallel_size(raw: dict[str, Any], processes: int) -> int:
     """The config's ``sequence_parallel_size`` (1 unless an integer above 1), a `ConfigError`
-    when it does not divide the world: the data-parallel ranks are world / it."""
+    when it does not divide the framework's processes: the data-parallel ranks are processes / it."""
     size = raw.get("sequence_parallel_size", 1)
     if not isinstance(size, int) or size <= 1:
         return 1
-    if world_size % size:
+    if processes % size:
         raise ConfigError(
-            f"sequence_parallel_size = {size} does not divide the world size {world_size}: each sequence group is "
-            f"{size} consecutive ranks"
+            f"sequence_parallel_size = {size} does not divide the number of processes, {processes}: each sequence "
+            f"group is {size} consecutive ranks"
         )
     return size
 
 
-def shard_over_data_ranks(loader: Any, world_size: int, rank: int, k: int, framework: str) -> Any:
+def shard_over_data_ranks(loader: Any, processes: int, rank: int, k: int, framework: str) -> Any:
     """An Accelerate-prepared training loader (``BatchSamplerShard``: each rank its share of
     each batch of indices) sharded over the data-parallel ranks instead of every rank, so that
     the ``k`` ranks of a sequence group read the same batches (rank // k of world / k), as
@@ -162,7 +162,7 @@ def shard_over_data_ranks(loader: Any, world_size: int, rank: int, k: int, frame
             "not shard a map-style dataset's batches over ranks (an iterable dataset, or dispatched batches), so the "
             "ranks of a sequence group cannot be given the same batches; use a map-style dataset"
         )
-    shard.num_processes = world_size // k
+    shard.num_processes = processes // k
     shard.process_index = rank // k
     return loader
 

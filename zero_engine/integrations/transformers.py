@@ -30,7 +30,9 @@ How the Trainer's loop meets the engine, through the Trainer's own overridable m
   each along the sequence. The Trainer's token count, gathered over every rank, counts each
   group's batch ``k`` times, and its loss is scaled by the world size where the engine averages
   over data-parallel ranks: both are divided by ``k``, so the logged losses are those of ``k``
-  = 1 on world / k ranks. Evaluation reads batches over every rank, sequences whole.
+  = 1 on world / k ranks. Evaluation reads batches over every rank, sequences whole. TRL's
+  SFT loss, computed from the outputs' token log-probabilities (a rank's slice's), is made the
+  micro-batch's; TRL's other losses (whole sequences' log-probabilities) are refused.
 
 A model too large for one rank is built on the meta device and materialized by the engine
 (``zero_weights=`` a Hugging Face directory or safetensors file, ``zero_param_init_fn=`` for
@@ -50,6 +52,8 @@ from transformers import Trainer
 from .. import Engine, initialize, load_config
 from ..config import optimizer_class, optimizer_options, read_config_mapping
 from ..state.adapters import adapter_names, is_peft_model
+from ..sharding.transforms.seam import MODEL
+from ..sharding.transforms.ulysses import UlyssesAttention
 from .config_filling import optimizer_section, refuse_sequence_parallel, sequence_parallel_size, shard_over_data_ranks
 from .engine_model import EngineModel, SteppedByEngine
 from .training_arguments import fill_from_arguments, fill_schedule, provisional_schedule
@@ -78,9 +82,7 @@ class ZeroEngineTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self._refuse_unsupported_arguments()
         raw, self._zero_origin = read_config_mapping(zero_config)
-        if any(cls.__module__.startswith("trl.") for cls in type(self).__mro__):
-            refuse_sequence_parallel(raw, "TRL's trainers (their loss and metrics read the model's outputs, a rank's "
-                                          "slice of the sequence)")
+        self._loss_from_outputs = self._refuse_sequence_parallel_losses(raw)
         self._sequence_parallel = sequence_parallel_size(raw, self.args.world_size)
         raw = fill_from_arguments(raw, self.args, self.args.world_size // self._sequence_parallel, self._zero_origin)
         self._decay_options: dict[str, Any] = {}  # the decayed group's options
@@ -94,6 +96,20 @@ class ZeroEngineTrainer(Trainer):
         self.zero_engine: Engine | None = None
         self._engine_model: EngineModel | None = None
         self._step_lr: float | None = None  # the rate the last optimizer step used
+
+    def _refuse_sequence_parallel_losses(self, raw: dict[str, Any]) -> bool:
+        """Whether the loss is TRL's SFT loss, a sum of token losses computed from the outputs (a
+        rank's slice's at ``sequence_parallel_size`` above 1, made the micro-batch's in
+        `compute_loss`). TRL's other trainers (a sequence's log-probability inside a nonlinear
+        loss: DPO's, GRPO's) and losses read from the logits are refused then."""
+        trl = [cls for cls in type(self).__mro__ if cls.__module__.startswith("trl.")]
+        if not trl or raw.get("sequence_parallel_size", 1) in (1, None):
+            return bool(trl)
+        reads_logits = self.compute_loss_func is not None or self.args.label_smoothing_factor
+        if "SFTTrainer" not in {cls.__name__ for cls in trl} or reads_logits:
+            refuse_sequence_parallel(raw, f"{trl[0].__name__} (a loss of whole sequences' log-probabilities, or read "
+                                          "from the logits, which hold a rank's slice of each sequence)")
+        return True
 
     def _refuse_unsupported_arguments(self) -> None:
         args = self.args
@@ -193,17 +209,23 @@ class ZeroEngineTrainer(Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        k = self._sequence_parallel
+        tokens_before = getattr(self, "_total_train_tokens", None)  # TRL's count of the tokens trained on
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
-        scaled = (self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func)
-                  and num_items_in_batch is not None)
-        if self._sequence_parallel == 1 or not scaled:
+        if k == 1:
             return result
-        # scaled by the world size where the engine averages over the data-parallel ranks
-        if return_outputs:
-            loss, outputs = result
-            return loss / self._sequence_parallel, outputs
-        return result / self._sequence_parallel
+        loss, outputs = result if return_outputs else (result, None)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss / k  # scaled by the world size where the engine averages over the data-parallel ranks
+        split = [t for t in self._require_engine().transforms.of_order(MODEL) if isinstance(t, UlyssesAttention)]
+        if self._loss_from_outputs and split and split[0].active:
+            # TRL's SFT loss, summed from the outputs' token log-probabilities: each rank's slice's
+            loss = self._require_engine().sequence_loss(loss)
+            if tokens_before is not None:  # TRL gathered each group's batch k times
+                self._total_train_tokens = tokens_before + (self._total_train_tokens - tokens_before) // k
+                self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return (loss, outputs) if return_outputs else loss
 
     # -- the training step -----------------------------------------------------------------------
 
