@@ -167,15 +167,18 @@ def shard_over_data_ranks(loader: Any, processes: int, rank: int, k: int, framew
     return loader
 
 
-def refuse_sequence_parallel(raw: dict[str, Any], framework: str) -> None:
-    """``sequence_parallel_size`` above 1 needs the ranks of a sequence group to read the same
-    micro-batches, which the framework's data loader does not know yet: refused by name, never
-    trained with each rank reading its own batch."""
+LOADER_REASON = "its data loader would give each rank of a sequence group a different batch"
+
+
+def refuse_sequence_parallel(raw: dict[str, Any], framework: str, reason: str = LOADER_REASON) -> None:
+    """``sequence_parallel_size`` above 1 where the framework cannot honour it yet (by default:
+    its data loader does not know that the ranks of a sequence group read the same
+    micro-batches): refused by name, never trained otherwise."""
     size = raw.get("sequence_parallel_size", 1)
     if isinstance(size, int) and size > 1:
         raise NotImplementedError(
-            f"sequence_parallel_size = {size} through {framework} is not wired yet: its data loader would give each "
-            "rank of a sequence group a different batch. Use Hugging Face's Trainer (ZeroEngineTrainer), zero_engine's "
-            "Accelerator, or zero_engine.initialize in your own loop (each rank reads the micro-batches of "
-            "engine.data_parallel_rank of engine.data_parallel_world_size)"
+            f"sequence_parallel_size = {size} through {framework} is not wired yet: {reason}. Use Hugging Face's "
+            "Trainer (ZeroEngineTrainer, TRL's SFTTrainer on it), zero_engine's Accelerator, or zero_engine.initialize "
+            "in your own loop (each rank reads the micro-batches of engine.data_parallel_rank of "
+            "engine.data_parallel_world_size)"
         )

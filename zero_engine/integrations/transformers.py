@@ -107,8 +107,8 @@ class ZeroEngineTrainer(Trainer):
             return bool(trl)
         reads_logits = self.compute_loss_func is not None or self.args.label_smoothing_factor
         if "SFTTrainer" not in {cls.__name__ for cls in trl} or reads_logits:
-            refuse_sequence_parallel(raw, f"{trl[0].__name__} (a loss of whole sequences' log-probabilities, or read "
-                                          "from the logits, which hold a rank's slice of each sequence)")
+            refuse_sequence_parallel(raw, trl[0].__name__, "its loss takes whole sequences' log-probabilities, or "
+                                     "reads the logits, and a rank holds a slice of each sequence")
         return True
 
     def _refuse_unsupported_arguments(self) -> None:
