@@ -148,8 +148,10 @@ def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape
     print(f"activations of one micro-batch ({args.micro_batch} x {args.seq_len} tokens{split}; a Llama-style decoder "
           f"of {shape.layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}), not sharded by any stage:")
     tiles, mlp_tiles = config.tiled_loss_tokens, config.tiled_mlp_tokens
-    for recompute in (False, True):
-        counted = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, recompute, tiles, mlp_tiles)
+    counts = {recompute: activation_bytes(shape, args.micro_batch, tokens, compute_bytes, recompute, tiles, mlp_tiles)
+              for recompute in (False, True)}
+    mine = counts[on]
+    for recompute, counted in counts.items():
         which = "recompute_units: true " if recompute else "recompute_units: false"
         chosen = "  <- this config" if recompute == on else ""
         print(f"  {which} kept for backward {counted.kept / 2**30:8.3f} GiB, step peak "
@@ -157,13 +159,12 @@ def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape
     if tiles:
         whole = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, on)
         print(f"  of the peak, the loss's one tile of {tiles} tokens (tiled_loss_tokens): "
-              f"{counted.loss / 2**30:.3f} GiB; untiled, the logits and their fp32 log-softmax and gradients "
+              f"{mine.loss / 2**30:.3f} GiB; untiled, the logits and their fp32 log-softmax and gradients "
               f"would take {whole.loss / 2**30:.3f} GiB")
     else:
         print("  of the peak, the loss's logits and their fp32 log-softmax and gradients: "
-              f"{counted.loss / 2**30:.3f} GiB")
+              f"{mine.loss / 2**30:.3f} GiB")
     if mlp_tiles:
-        mine = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, on, tiles, mlp_tiles)
         whole = activation_bytes(shape, args.micro_batch, tokens, compute_bytes, on, tiles)
         print(f"  the MLPs in tiles of {mlp_tiles} tokens (tiled_mlp_tokens): step peak {mine.peak / 2**30:.3f} GiB; "
               f"untiled MLPs {whole.peak / 2**30:.3f} GiB")

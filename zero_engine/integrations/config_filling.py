@@ -133,12 +133,17 @@ def rebind(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
     return scheduler
 
 
+def _asked_sequence_parallel(raw: dict[str, Any]) -> int:
+    """The raw config's ``sequence_parallel_size`` when an integer above 1, else 1 (the
+    config's own check names a bad value)."""
+    size = raw.get("sequence_parallel_size", 1)
+    return size if isinstance(size, int) and size > 1 else 1
+
+
 def sequence_parallel_size(raw: dict[str, Any], processes: int) -> int:
     """The config's ``sequence_parallel_size`` (1 unless an integer above 1), a `ConfigError`
     when it does not divide the framework's processes: the data-parallel ranks are processes / it."""
-    size = raw.get("sequence_parallel_size", 1)
-    if not isinstance(size, int) or size <= 1:
-        return 1
+    size = _asked_sequence_parallel(raw)
     if processes % size:
         raise ConfigError(
             f"sequence_parallel_size = {size} does not divide the number of processes, {processes}: each sequence "
@@ -174,8 +179,8 @@ def refuse_sequence_parallel(raw: dict[str, Any], framework: str, reason: str = 
     """``sequence_parallel_size`` above 1 where the framework cannot honour it yet (by default:
     its data loader does not know that the ranks of a sequence group read the same
     micro-batches): refused by name, never trained otherwise."""
-    size = raw.get("sequence_parallel_size", 1)
-    if isinstance(size, int) and size > 1:
+    size = _asked_sequence_parallel(raw)
+    if size > 1:
         raise NotImplementedError(
             f"sequence_parallel_size = {size} through {framework} is not wired yet: {reason}. Use Hugging Face's "
             "Trainer (ZeroEngineTrainer, TRL's SFTTrainer on it), zero_engine's Accelerator, or zero_engine.initialize "

@@ -103,10 +103,10 @@ class ZeroEngineTrainer(Trainer):
         `compute_loss`). TRL's other trainers (a sequence's log-probability inside a nonlinear
         loss: DPO's, GRPO's) and losses read from the logits are refused then."""
         trl = [cls for cls in type(self).__mro__ if cls.__module__.startswith("trl.")]
-        if not trl or raw.get("sequence_parallel_size", 1) in (1, None):
-            return bool(trl)
+        if not trl:
+            return False
         reads_logits = self.compute_loss_func is not None or self.args.label_smoothing_factor
-        if "SFTTrainer" not in {cls.__name__ for cls in trl} or reads_logits:
+        if "SFTTrainer" not in {cls.__name__ for cls in trl} or reads_logits:  # refused at k > 1 only
             refuse_sequence_parallel(raw, trl[0].__name__, "its loss takes whole sequences' log-probabilities, or "
                                      "reads the logits, and a rank holds a slice of each sequence")
         return True

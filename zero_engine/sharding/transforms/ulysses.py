@@ -95,6 +95,20 @@ def all_to_all(group: GroupComm, tensor: torch.Tensor, scatter_dim: int, gather_
     return _AllToAll.apply(group, tensor, scatter_dim, gather_dim)
 
 
+def whole_sequence_heads(group: GroupComm, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """Each of ``(batch, heads, tokens/k, dim)`` exchanged into ``(batch, heads/k, tokens, dim)``:
+    the whole sequence, this rank's heads. Key/value heads that ``k`` does not divide (fewer than
+    ``k``) are first repeated to the query heads, so that each rank has its queries' own; the
+    last value says whether they were."""
+    repeated = bool(key.shape[1] % group.world_size)
+    if repeated:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    query, key, value = (all_to_all(group, t, 1, 2) for t in (query, key, value))
+    return query, key, value, repeated
+
+
 class _FewerKeyValueGroups:
     """The attention module as the wrapped implementation sees it once the key/value heads were
     repeated to the query heads: one query head per key/value head."""
@@ -126,12 +140,8 @@ class SequenceParallelAttention(nn.Module):
         ulysses = self._ulysses
         if ulysses is None or not ulysses.active:
             return self.core(query, key, value, *args, **kwargs)
-        group = ulysses.group
-        if key.shape[1] % group.world_size:  # fewer key/value heads than ranks: repeated to the queries'
-            groups = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        query, key, value = (all_to_all(group, t, 1, 2) for t in (query, key, value))
-        return all_to_all(group, self.core(query, key, value, *args, **kwargs), 2, 1)
+        query, key, value, _ = whole_sequence_heads(ulysses.group, query, key, value)
+        return all_to_all(ulysses.group, self.core(query, key, value, *args, **kwargs), 2, 1)
 
 
 def sequence_slice(group: GroupComm, tensor: torch.Tensor, dim: int = 1, pad_value: float = 0) -> torch.Tensor:
@@ -226,13 +236,9 @@ class UlyssesAttention:
                       attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
             if not self.active:
                 return inner(module, query, key, value, attention_mask, *args, **kwargs)
-            k = self.group.world_size
-            if key.shape[1] % k:  # fewer key/value heads than ranks: each rank needs its queries' own
-                groups = query.shape[1] // key.shape[1]
-                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+            query, key, value, repeated = whole_sequence_heads(self.group, query, key, value)
+            if repeated:
                 module = _FewerKeyValueGroups(module)
-            # (batch, heads, tokens/k, dim) -> (batch, heads/k, tokens, dim)
-            query, key, value = (all_to_all(self.group, t, 1, 2) for t in (query, key, value))
             mask = self._mask  # the whole sequence's, not the slice's: None where causal alone says it
             window = kwargs.get("sliding_window")
             if window is not None:
