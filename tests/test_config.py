@@ -13,6 +13,7 @@ import zero_engine
 from zero_engine import ConfigError, load_config
 from zero_engine.cli import main as cli_main
 from zero_engine.config import auto_keys, no_effect_settings, resolve_batch_sizes
+from test_nvme import DISK
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*"))
 
@@ -488,7 +489,7 @@ AGREEMENT = {  # name: (config, passes)
     "a Trainer's auto": (_TRAINER_AUTO, False),
     "nvme without a path": ({**_BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, False),
     "nvme parameters": ({**_BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
-                                                                                      "nvme_path": "/tmp"}}}, False),
+                                                                                      "nvme_path": DISK}}}, True),
     "not elementwise at stage 1": ({**_BASE, "optimizer": {"type": "Adafactor", "params": {"lr": 1e-3}}}, False),
     "both precisions": ({**_BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, False),
     "batch against one rank": ({**_BASE, "train_batch_size": 6, "train_micro_batch_size_per_gpu": 4}, False),

@@ -185,11 +185,15 @@ def test_bit_for_bit_cpu_offload_files_per_rank_bytes_and_no_page_cache(world: i
         (_in_memory(), "is on tmpfs, which is memory, not a disk"),
     ],
 )
-def test_a_bad_swap_directory_is_refused(path: str, fragment: str) -> None:
+@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
+def test_a_bad_swap_directory_is_refused(path: str, fragment: str, section: str) -> None:
     before = set(os.listdir(path)) if os.path.isdir(path) else set()
+    settings = config(1, "nvme", path)
+    if section == "offload_param":  # parameter shards on NVMe, the optimizer side on the host
+        settings = param_config(config(3, "cpu", DISK), "nvme", "cpu", path)
     with pytest.raises(zero_engine.ConfigError) as info:
-        zero_engine.initialize(make_gpt(), config(1, "nvme", path))
-    assert "zero_optimization.offload_optimizer.nvme_path" in str(info.value) and fragment in str(info.value)
+        zero_engine.initialize(make_gpt(), settings)
+    assert f"zero_optimization.{section}.nvme_path" in str(info.value) and fragment in str(info.value)
     assert (set(os.listdir(path)) if os.path.isdir(path) else set()) == before
 
 
@@ -197,7 +201,7 @@ def test_a_swap_directory_too_small_or_a_file_is_refused(tmp_path: Path) -> None
     from zero_engine.sharding.storage.nvme import check_swap_directory
 
     with tempfile.TemporaryDirectory(dir=DISK) as directory:
-        with pytest.raises(zero_engine.ConfigError, match="GiB free, the masters and optimizer state"):
+        with pytest.raises(zero_engine.ConfigError, match="GiB free, what this node.s ranks offload there needs"):
             check_swap_directory(directory, 1 << 62)
         check_swap_directory(directory, 1 << 20)
         a_file = Path(directory) / "file"
@@ -295,3 +299,169 @@ def test_a_rank_killed_mid_step_resumes_from_the_last_checkpoint() -> None:
         assert [name for name in os.listdir(root) if name.endswith(".swap")] == []
     for name, value in expected.items():
         assert torch.equal(resumed[0]["state"][name], value), name
+
+
+# -- parameter shards on NVMe (offload_param.device: nvme), frozen ones included -------------------
+
+def param_config(stage_config: dict[str, Any], params: str, optimizer: str, directory: str) -> dict[str, Any]:
+    """``stage_config`` (a stage 3 config, every parameter sharded) with the parameter shards on
+    ``params`` and the optimizer side on ``optimizer`` (each 'cpu' or 'nvme')."""
+    zero = {**stage_config["zero_optimization"], "stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": params, "nvme_path": directory}}
+    if "offload_optimizer" in zero or stage_config.get("optimizer"):
+        zero["offload_optimizer"] = {"device": optimizer, "nvme_path": directory}
+    return {**stage_config, "zero_optimization": zero}
+
+
+def lora_case(int8: bool) -> tuple[Any, dict[str, Any], Any]:
+    """A PEFT LoRA Llama whose bf16 base is frozen (kept in int8 with ``int8``), its config and
+    its training step."""
+    import test_peft
+
+    zero = {"zero_quantized_nontrainable_weights": True} if int8 else {}
+    model = test_peft.lora_llama(torch.bfloat16)
+    config = test_peft.config(3, "bf16", **zero)
+
+    def train_lora(engine: Any, rank: int, world: int, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            ids = test_peft.tokens(step, rank, world)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    return model, config, train_lora
+
+
+def params_against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case trained with parameter shards (and the optimizer side: ``optimizer``) in host
+    memory, then on NVMe: the states, the losses, the swap file's traffic in the last step
+    against the shards' bytes, the page cache it leaves, the live storages it saves, and how
+    many gathers found their shard read ahead."""
+    from zero_engine.sharding.storage.nvme import NvmeShard, SwapFile
+    from zero_engine.testing.process_memory import live_tensor_bytes
+
+    taken = NvmeShard._take
+    served: list[bool] = []
+
+    def counting_take(self: NvmeShard) -> torch.Tensor:
+        served.append(self.buffer is not None)
+        return taken(self)
+
+    NvmeShard._take = counting_take
+    fast_write = SwapFile.write
+    results = []
+    for case in cases:
+        if case.get("slow_disk"):
+            def slow_write(self: Any, regions: Any) -> None:
+                time.sleep(0.02)
+                fast_write(self, regions)
+
+            SwapFile.write = slow_write
+        runs = {}
+        for params in ("cpu", "nvme"):
+            if case.get("lora"):
+                model, base, step_fn = lora_case(case.get("int8", False))
+                run = lambda engine, steps: step_fn(engine, rank, world, steps)  # noqa: E731
+            else:
+                model, base = make_gpt(), config(3, "cpu", directory, dtype=case.get("dtype", "fp32"))
+                run = lambda engine, steps: train(engine, rank, world, steps, 2)  # noqa: E731
+            optimizer = case.get("optimizer", "cpu") if params == "nvme" else "cpu"
+            settings = param_config(base, params, optimizer, directory)
+            settings["zero_optimization"]["offload_param"]["buffer_count"] = case.get("buffer_count", 5)
+            engine = zero_engine.initialize(model, settings)
+            losses = run(engine, range(STEPS - 1))
+            served.clear()
+            result: dict[str, Any] = {}
+            if params == "nvme":
+                for swap in engine.swaps:
+                    swap.drain()
+                io_before = _process_io()
+                result["file"] = engine.param_swap.file.path
+                result["regions"] = 4 * sum(1 for unit in [*engine.units, *engine.frozen_units] if unit.shard.nvme_bytes)
+                result["regions"] += sum(  # the optimizer side's regions, when on NVMe: the master's and its state's
+                    1 + len(getattr(unit.optimizer_shard.master_kind, "state_regions", [None])) for unit in engine.units
+                ) if optimizer == "nvme" else 0
+                result["shard_bytes"] = sum(unit.shard.nvme_bytes for unit in [*engine.units, *engine.frozen_units])
+                result["trained"] = sum(unit.shard.nvme_bytes for unit in engine.units)
+                result["largest"] = max(unit.shard.nvme_bytes for unit in [*engine.units, *engine.frozen_units])
+            losses += run(engine, range(STEPS - 1, STEPS))
+            if params == "nvme":
+                for swap in engine.swaps:
+                    swap.drain()
+                io_after = _process_io()
+                result.update(
+                    disk={key: io_after[key] - io_before[key] for key in io_before},
+                    report=engine.comm_report()["nvme"], memory=engine.memory_report(), served=list(served),
+                    cached=cached_pages(result["file"]),
+                )
+            others = sum(t.untyped_storage().nbytes() for run in runs.values() for t in run["state"].values())
+            result.update(live=live_tensor_bytes() - others, host=engine.memory_report()["host"])
+            result.update(losses=losses, state=engine.full_state_dict())
+            engine.close()
+            result["left"] = result["file"].exists() if "file" in result else False
+            runs[params] = result
+        cpu, nvme = runs["cpu"], runs.pop("nvme")
+        nvme["equal"] = nvme["losses"] == cpu["losses"] and all(
+            torch.equal(cpu["state"][key], nvme["state"][key]) for key in cpu["state"]
+        )
+        nvme["live_saved"] = cpu["live"] - nvme["live"]
+        nvme["host_saved"] = cpu["host"] - nvme["memory"]["host"]
+        nvme["file"] = nvme["file"].name
+        del nvme["state"], nvme["losses"]
+        results.append(nvme)
+        SwapFile.write = fast_write
+    NvmeShard._take = taken
+    return results
+
+
+PARAM_FAST = [
+    {"dtype": "fp32", "slow_disk": True, "buffer_count": 2},  # each write late: a read must wait for it
+    {"dtype": "bf16", "optimizer": "nvme"},
+    {"lora": True},
+    {"lora": True, "int8": True},
+]
+PARAM_SLOW = [{"dtype": dtype, "optimizer": optimizer} for dtype in ("fp32", "bf16") for optimizer in ("cpu", "nvme")]
+
+
+@pytest.mark.parametrize("world, grid", [(2, PARAM_FAST), pytest.param(3, PARAM_SLOW, marks=pytest.mark.slow)])
+def test_parameter_shards_on_nvme_bit_for_bit_read_ahead_and_out_of_memory(world: int, grid: list) -> None:
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
+        per_rank = run_on_ranks(world, params_against_cpu, directory, grid, allow_numpy=True)  # transformers needs it
+        assert os.listdir(directory) == []  # every file removed on close
+    for index, case in enumerate(grid):
+        results = [r[index] for r in per_rank]
+        assert all(r["equal"] for r in results), f"{case}: parameter shards on NVMe train differently than on the host"
+        assert len({r["file"] for r in results}) == world and not any(r["left"] for r in results)
+        for r in results:
+            shards = r["shard_bytes"]
+            optimizer = r["memory"]["nvme"] - shards  # the optimizer side's bytes, when it is on NVMe too
+            assert (optimizer == 0) == (case.get("optimizer", "cpu") == "cpu"), (case, r["memory"])
+            # each gather (forward and backward of each of 2 micro-batches) reads every shard once; the
+            # step writes the trained ones once (frozen ones never): the optimizer side's own bytes besides
+            trained = r["trained"]  # the trainable units' shards (frozen ones are never written)
+            assert r["report"]["written"] - optimizer == trained, (case, r["report"], shards)
+            # at most one read a gather (forward and backward of each micro-batch: 2 of the GPT's, 1 of the
+            # LoRA model's): the root's units are kept from forward to backward, and what the step
+            # publishes into a shard read ahead for the next forward is what that gather takes, unread
+            gathers = 2 if case.get("lora") else 4
+            assert 0 < r["report"]["read"] - optimizer <= gathers * shards, (case, r["report"], shards)
+            # what the process asked of the disk (/proc/self/io): what the report says, in whole pages (a
+            # page more at most for each region moved: up to 4 reads of a shard, each optimizer state once)
+            for key, moved in (("read_bytes", r["report"]["read"]), ("write_bytes", r["report"]["written"])):
+                assert moved <= r["disk"][key] <= moved + 4096 * r["regions"], (case, key, r["disk"], moved)
+            assert r["cached"] == 0, f"{case}: the page cache holds {r['cached']} pages of the shards' file"
+            # between steps no shard is in memory but those read ahead for the next forward (at most
+            # buffer_count, 5 unless the case says): here the whole tiny model is one window
+            read_ahead = case.get("buffer_count", 5) * r["largest"]
+            assert r["memory"]["parameters"] <= min(shards, read_ahead), (case, r["memory"], r["largest"])
+            # as the process holds it (live storages): what moved out of host memory, as the reports say;
+            # in fp32 with the optimizer side on the host its master is the parameters' values (CPU offload
+            # keeps one tensor for both), so there NVMe adds a file and saves no memory
+            assert r["live_saved"] == r["host_saved"], (case, r["live_saved"], r["host_saved"])
+            fp32_host_master = case.get("dtype") == "fp32" and case.get("optimizer", "cpu") == "cpu"
+            assert fp32_host_master or r["host_saved"] >= max(1, shards - r["memory"]["parameters"]), (case, r)
+            # the prefetch window reads ahead: all but the first gathers of a pass find their shard in
+            assert sum(r["served"]) >= len(r["served"]) / 2, (case, sum(r["served"]), len(r["served"]))

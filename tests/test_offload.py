@@ -305,8 +305,6 @@ def _plain(stage: int, **zero) -> dict:
 @pytest.mark.parametrize(
     "zero, error, fragment",
     [
-        ({"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, NotImplementedError,
-         "offload_param.device = 'nvme' (NVMe offload of parameter shards is not built"),
         ({"offload_optimizer": {"device": "cpu", "ratio": 0.3}}, NotImplementedError,
          "offload_optimizer.ratio = 0.3"),
     ],

@@ -30,6 +30,7 @@ from .config import ZeroEngineConfig, load_config, read_config_mapping
 from .errors import ConfigError
 from .activations import DecoderShape, activation_bytes
 from .memory import estimate_from_config
+from .offload import offload_plan
 from .stage import stage_for
 from .stage_choice import candidates, choose, format_table
 from .state.consolidate import load_consolidated, write_state_dict
@@ -187,9 +188,7 @@ def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int
         print(f"  (Muon: {args.matrix_params:,} matrix parameters with 4 bytes of state, the rest AdamW's 8"
               + ("; --model-config counts the matrices)" if args.model_config is None else ")"))
     if report.nvme:
-        print(f"  (offload_optimizer on NVMe: masters and optimizer state in the rank's swap file, "
-              f"{report.nvme / 2**30:.3f} GiB; each step reads and writes it once, "
-              f"{report.nvme * 1000 / 1e12:.3f} TB written per 1,000 steps)")
+        _print_nvme(config, report)
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
         if key == "parameters" and args.frozen_params:
@@ -197,7 +196,7 @@ def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int
     total = report.model_states
     print(f"  {'total':18s} {total / 2**30:10.3f} GiB")
     if report.nvme:
-        print(f"  {'on NVMe':18s} {report.nvme / 2**30:10.3f} GiB  (in host memory only around its shard's step)")
+        print(f"  {'on NVMe':18s} {report.nvme / 2**30:10.3f} GiB  (in host memory only around its use: a step, a gather)")
     if report.host:
         print(f"  {'on the host':18s} {report.host / 2**30:10.3f} GiB  (offload; on the device: "
               f"{(total - report.host - report.nvme) / 2**30:.3f} GiB)")
@@ -205,6 +204,22 @@ def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int
     if stage.shard_gradients and not stage.shard_parameters:  # stage 2: a bucket filling, one reducing
         print(f"  + during backward up to two gradient buckets: "
               f"{2 * zero.reduce_bucket_size * 4 / 2**30:.3f} GiB (reduce_bucket_size)")
+
+
+def _print_nvme(config: ZeroEngineConfig, report: Any) -> None:
+    """What NVMe offload keeps in each rank's swap files and moves through them per step: the
+    optimizer side read and written once; parameter shards read at each gather (a forward and a
+    backward per micro-batch) and the trainable ones written once (frozen ones never)."""
+    plan = offload_plan(config.zero_optimization, stage_for(config.zero_optimization.stage))
+    optimizer = report.master_parameters + report.optimizer_states if plan.nvme_path is not None else 0
+    shards = report.nvme - optimizer
+    written = optimizer + shards - (report.frozen_parameters if shards else 0)
+    parts = [f"masters and optimizer state {optimizer / 2**30:.3f} GiB"] if optimizer else []
+    parts += [f"parameter shards {shards / 2**30:.3f} GiB"] if shards else []
+    reads = f"reads {optimizer / 2**30:.3f} GiB" if optimizer else "reads"
+    reads += f"{' +' if optimizer else ''} {2 * shards / 2**30:.3f} GiB a micro-batch" if shards else ""
+    print(f"  (NVMe offload, in each rank's swap files: {', '.join(parts)}; a step {reads} and writes "
+          f"{written / 2**30:.3f} GiB, {written * 1000 / 1e12:.3f} TB written per 1,000 steps)")
 
 
 def _estimate_auto(config: ZeroEngineConfig, args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from .precision import Precision
 from .progress import Progress
 from .sharding.building.build import BuildSettings, build_mechanism
 from .sharding.building.deferred_init import DeferredInit
-from .sharding.storage.nvme import swap_space
+from .sharding.storage.nvme import shard_swap_space, swap_space
 from .sharding.units.lifecycle import Lifecycle
 from .sharding.units.unit_plan import UnitPlan
 from .sharding.gathering.agreement import Call
@@ -102,6 +102,7 @@ class Engine(ModelAccess, StepView, WindowView):
         cast_frozen(model, precision.compute_dtype)  # those materialized from the meta device while building
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype, self.frozen_units)
         self.swap = swap_space(self.units)  # offload_optimizer on NVMe: this rank's swap file
+        self.param_swap = shard_swap_space([*self.units, *self.frozen_units])  # offload_param on NVMe: another
         self.checkpoint_writer: FileWriter = FILES  # where save_checkpoint writes (another storage: its own writer)
         self.guards = LoopGuards(model)  # what the loop may not do (requires_grad as built, among others)
         self.transforms = model_transforms(  # compiled later (compile()); close() puts it all back
@@ -291,8 +292,8 @@ class Engine(ModelAccess, StepView, WindowView):
         """The communication report covers one optimizer step, from its first micro-batch."""
         if not self._window_opened:
             self.comm.reset_report()
-            if self.swap is not None:
-                self.swap.reset_report()
+            for swap in self.swaps:
+                swap.reset_report()
             self.codecs.meter.reset()
             self._window_opened = True
 
@@ -338,8 +339,8 @@ class Engine(ModelAccess, StepView, WindowView):
         self.transforms.remove()
         self.lifecycle.remove_hooks()
         self.step_log.close()
-        if self.swap is not None:  # its file removed
-            self.swap.close()
+        for swap in self.swaps:  # their files removed
+            swap.close()
         _WRAPPED.pop(self.module, None)
         if whole is not None:
             with torch.no_grad():

@@ -26,7 +26,7 @@ from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer
 from .engine import Engine, is_wrapped, left_sharded
 from .logs import show_by_default
 from .memory import estimate_from_config
-from .sharding.storage.nvme import check_swap_directory
+from .sharding.storage.nvme import check_swap_directories
 from .monitor import check_monitor_packages
 from .offload import offload_plan
 from .optim import check_optimizer_for_stage
@@ -149,8 +149,7 @@ def _build_engine(
         trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
         formula = estimate_from_config(config, trainable, comm.mesh.world)
         _check_host_memory(formula.host, units, settings, comm)
-        if settings.offload.nvme_path is not None:  # every rank of the node writes its file there
-            check_swap_directory(settings.offload.nvme_path, formula.nvme * offload.local_ranks())
+        check_swap_directories(settings.offload, formula, offload.local_ranks())  # NVMe: each rank's files
     if comm.rank == 0:
         _log_settings(config, stage, settled.groups)
         _warn_if_one_hardware_queue(stage, comm)

@@ -125,8 +125,10 @@ def estimate_from_config(
     frozen = int(frozen_params * frozen_element_bytes(
         stage, mixed=mixed, int8_frozen=config.zero_optimization.zero_quantized_nontrainable_weights
     )) // (shard_group_size if sharded else 1)
-    host = report.host + (frozen if plan.params and sharded else 0)  # offload_param moves frozen shards too
-    return report._replace(parameters=report.parameters + frozen, frozen_parameters=frozen, host=host)
+    moved = frozen if plan.params and sharded else 0  # offload_param moves frozen shards too
+    host = report.host + (moved if plan.params_on_host else 0)
+    nvme = report.nvme + (0 if plan.params_on_host else moved)
+    return report._replace(parameters=report.parameters + frozen, frozen_parameters=frozen, host=host, nvme=nvme)
 
 
 def frozen_element_bytes(stage: Stage, *, mixed: bool, int8_frozen: bool) -> float:
@@ -152,7 +154,7 @@ def with_offload(
     host = 0
     if plan.optimizer:
         device_grads = 0 if stage.shard_gradients else report.gradients  # stage 1 keeps full gradients for backward
-        shared_master = plan.params and not mixed
+        shared_master = plan.params_on_host and not mixed
         report = report._replace(
             gradients=device_grads + per_rank, peak_gradients=device_grads + per_rank,
             master_parameters=0 if shared_master else per_rank,
@@ -161,8 +163,10 @@ def with_offload(
         if plan.nvme_path is not None:  # masters and state in the swap file; the step gradient stays on the host
             report = report._replace(nvme=report.master_parameters + report.optimizer_states)
             host = per_rank
-    if plan.params:
+    if plan.params_on_host:
         host += report.parameters
+    elif plan.params:  # offload_param on NVMe: the shards in the swap file
+        report = report._replace(nvme=report.nvme + report.parameters)
     return report._replace(host=host)
 
 
@@ -199,5 +203,5 @@ def measure_memory(
         host=sum(unit.host_bytes for unit in [*units, *frozen_units]) + (optimizer_states if optimizer_on_host else 0),
         peak_quantized_buffers=peak_encoded_bytes,
         frozen_parameters=frozen,
-        nvme=sum(unit.optimizer_shard.nvme_bytes for unit in units),
+        nvme=sum(unit.nvme_bytes for unit in [*units, *frozen_units]),
     )

@@ -61,6 +61,7 @@ class ModelAccess:
     device: torch.device
     offload: OffloadPlan
     swap: SwapSpace | None
+    param_swap: SwapSpace | None
     checkpoint_writer: FileWriter
     global_step: int
     skipped_steps: int
@@ -158,13 +159,18 @@ class ModelAccess:
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank sent and received per collective kind in the current optimizer step;
-        with ``offload_optimizer.device: nvme`` also its swap file's bytes (``"nvme"``: read,
-        written, and the written bytes as terabytes per 1,000 such steps, what wears an SSD)."""
+        with ``device: nvme`` offload also its swap files' bytes (``"nvme"``: read, written, and
+        the written bytes as terabytes per 1,000 such steps, what wears an SSD)."""
         report: dict[str, dict[str, Any]] = dict(self.comm.report())
-        if self.swap is not None:
-            moved = self.swap.report()
+        if self.swaps:
+            moved = {key: sum(swap.report()[key] for swap in self.swaps) for key in ("read", "written")}
             report["nvme"] = {**moved, "tb_written_per_1000_steps": moved["written"] * 1000 / 1e12}
         return report
+
+    @property
+    def swaps(self) -> list[SwapSpace]:
+        """This rank's swap spaces (NVMe offload of the optimizer side, of parameter shards)."""
+        return [swap for swap in (self.swap, self.param_swap) if swap is not None]
 
     def save_checkpoint(
         self,

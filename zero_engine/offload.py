@@ -34,7 +34,7 @@ class OffloadPlan:
     """What a rank keeps on the host instead of the device."""
 
     optimizer: bool = False  # fp32 master, fp32 step gradient and optimizer state of the shard
-    params: bool = False  # stage 3: the parameter shard (in the compute dtype)
+    params: bool = False  # stage 3: the parameter shard (in the compute dtype), on the host or NVMe
     pin_memory: bool = False  # host buffers page-locked (only where CUDA exists)
     # Several reductions reach a window's step gradient (accumulation over micro-steps at
     # stages 2-3): a staging buffer beside it, allocated with it (`HostGradient`).
@@ -43,6 +43,15 @@ class OffloadPlan:
     # under this directory, at most ``buffer_count`` shards of them in host memory at once.
     nvme_path: str | None = None
     buffer_count: int = 4
+    # ``offload_param.device: nvme``: stage 3's parameter shards in a swap file per rank under
+    # this directory, at most ``param_buffer_count`` of them read ahead or written behind at once.
+    param_nvme_path: str | None = None
+    param_buffer_count: int = 5
+
+    @property
+    def params_on_host(self) -> bool:
+        """Stage 3's parameter shards in host memory (``offload_param.device: cpu``)."""
+        return self.params and self.param_nvme_path is None
 
     @property
     def any(self) -> bool:
@@ -59,11 +68,16 @@ def offload_plan(zero: Any, stage: Stage, accumulation: int = 1) -> OffloadPlan:
     section = zero.offload_optimizer
     optimizer = section is not None and section.device in ("cpu", "nvme")
     nvme = section.nvme_path if optimizer and section.device == "nvme" else None
-    params = stage.shard_parameters and zero.offload_param is not None and zero.offload_param.device == "cpu"
+    param_section = zero.offload_param
+    params = stage.shard_parameters and param_section is not None and param_section.device in ("cpu", "nvme")
+    param_nvme = param_section.nvme_path if params and param_section.device == "nvme" else None
     pin = any(section is not None and section.device == "cpu" and section.pin_memory
               for section in (zero.offload_optimizer, zero.offload_param))
     staged = optimizer and accumulation > 1 and stage.streams_gradients(zero.reduce_scatter_each_micro_step)
-    return OffloadPlan(optimizer, params, pin, staged, nvme, section.buffer_count if nvme else 4)
+    return OffloadPlan(
+        optimizer, params, pin, staged, nvme, section.buffer_count if nvme else 4,
+        param_nvme, param_section.buffer_count if param_nvme else 5,
+    )
 
 
 # Host buffers that cross to or from the device in every forward or backward are pinned

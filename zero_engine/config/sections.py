@@ -109,7 +109,7 @@ class BF16Config(_Section):
 class OffloadConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = Field(
         "none", description="'cpu': keep it in host memory (see the Offload guide, docs/guides/offload.md); 'nvme': "
-        "a swap file per rank under nvme_path (offload_optimizer only; refused for offload_param, not built)."
+        "a swap file per rank under nvme_path."
     )
     pin_memory: bool = Field(
         True,
@@ -178,27 +178,18 @@ class OffloadOptimizerConfig(OffloadConfig):
 class OffloadParamConfig(OffloadConfig):
     """``zero_optimization.offload_param``."""
 
-    buffer_count: PositiveCount = Field(5, description="DeepSpeed's NVMe buffer count; accepted, no effect with 'cpu'.")
+    buffer_count: PositiveCount = Field(
+        5, description="With 'nvme': how many parameter shards may be read ahead of their gathers or written behind "
+        "at once (host memory: that many shards); no effect with 'cpu'."
+    )
     buffer_size: PositiveCount = Field(100_000_000, description="DeepSpeed's NVMe buffer size; accepted, no effect.")
     max_in_cpu: Count = Field(1_000_000_000, description="DeepSpeed's NVMe option; accepted, no effect.")
 
     # DeepSpeed's keys of this section that change nothing here, and why: named at `initialize`
     # when set, and in the key table (`zero_engine.config.deepspeed`).
     NO_EFFECT: ClassVar[dict[str, str]] = {
-        "buffer_size": "no NVMe offload of parameters here",
-        "max_in_cpu": "no NVMe offload of parameters here",
-    }
-    REFUSED: ClassVar[dict[str, Refused]] = {
-        **OffloadConfig.REFUSED,
-        "device": Refused(
-            lambda s: s.device == "nvme",
-            lambda s: "device = 'nvme' (NVMe offload of parameter shards is not built; offload_optimizer's is, and "
-            "'cpu' is for parameters)",
-            "honoured ('nvme' refused)",
-        ),
-    }
-    KEY_STATUS: ClassVar[dict[str, str]] = {
-        key: "no effect ('nvme' refused)" for key in ("nvme_path", "buffer_count", "fast_init")
+        "buffer_size": "with 'nvme' each shard is read and written whole, into a buffer of its own size",
+        "max_in_cpu": "with 'nvme' no shard is kept in host memory beyond its read ahead (buffer_count bounds them)",
     }
 
 

@@ -40,7 +40,8 @@ from ..gathering.gatherer import NoGather, ParamGatherer
 from ..units.lifecycle import Lifecycle
 from ..units.frozen_unit import FrozenUnit
 from ..units.quantized_frozen import NO_QUANTIZATION, FrozenQuantization, QuantizedFrozenUnit
-from ..storage.nvme import nvme_masters
+from ..storage.nvme import nvme_masters, nvme_shards
+from ..storage.param_shard import DEVICE_SHARDS, ShardTier
 from ..storage.placement import Placement, place
 from ..reduction.bucket_reducer import ShardedGradReducer
 from ..reduction.reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads
@@ -145,7 +146,7 @@ def build_units(
     (resident parameters stay whole on the device, as DeepSpeed's persistent ones)."""
     stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
     # Where every unit's optimizer side lives, decided once.
-    placement = place(offload, nvme_masters(offload, comm.rank))
+    placement = place(offload, nvme_masters(offload, comm.rank), nvme_shards(offload, comm.rank))
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
         if deferred is not None:
@@ -162,7 +163,9 @@ def build_units(
         for planned in plan.sharded
     ]
     quantizer = BlockQuantizer(8)  # one for every int8 frozen unit: its decode buffer is shared
-    frozen = [_frozen_unit(planned, comm, settings, device, deferred, quantizer) for planned in plan.frozen]
+    frozen = [
+        _frozen_unit(planned, comm, settings, device, deferred, quantizer, placement.shards) for planned in plan.frozen
+    ]
     if deferred is not None:  # what no sharded unit took: buffers, small parameters
         deferred.materialize_all()
         _agree_on_drawn_values(model, [*sharded, *frozen], comm)
@@ -189,7 +192,7 @@ def _agree_on_drawn_values(
     shard group (hybrid replicas; nothing to do without them)."""
     in_units = {param for unit in sharded for param in unit.params}
     whole = [tensor.detach() for tensor in (*model.parameters(), *model.buffers()) if tensor not in in_units]
-    whole += [unit.param_shard for unit in sharded if unit.replicated]  # int8 frozen units kept whole
+    whole += [unit.kept() for unit in sharded if unit.replicated]  # int8 frozen units kept whole (on the device)
     sharded = [unit for unit in sharded if not unit.replicated]
     comm.broadcast(whole, src=0)
     if sharded and comm.num_replicas > 1:
@@ -199,14 +202,14 @@ def _agree_on_drawn_values(
             with unit.optimizer_shard.resident() as master:
                 staged.append(master.to(unit.device))  # offloaded masters cross on the device
         frozen = [unit for unit in sharded if unit.optimizer_shard is None]
-        frozen_staged = [unit.param_shard.to(unit.device) for unit in frozen]
+        frozen_staged = [unit.kept().to(unit.device) for unit in frozen]
         comm.broadcast_across_groups(staged + frozen_staged)
         for unit, values in zip(trained, staged):
             with unit.optimizer_shard.resident() as master:
                 master.copy_(values)
                 unit.optimizer_shard.publish()
         for unit, values in zip(frozen, frozen_staged):
-            unit.param_shard.copy_(values)
+            unit.keep(values)
 
 
 def _frozen_unit(
@@ -216,14 +219,16 @@ def _frozen_unit(
     device: torch.device,
     deferred: DeferredInit | None,
     quantizer: BlockQuantizer,
+    shard_tier: ShardTier,
 ) -> FrozenUnit:
     """A stage 3 frozen unit: exact, or kept and gathered in int8 (`QuantizedFrozenUnit`),
-    sharded or, with ``frozen_weights: replicate``, whole on every rank."""
+    sharded (its shard where ``shard_tier`` keeps the trainable ones) or, with ``frozen_weights:
+    replicate``, whole on every rank's device."""
     rank, shards = (0, 1) if planned.replicated else (comm.shard_rank, comm.num_shards)  # whole: a shard of one
     args = (planned.tensors, planned.names, rank, shards)
     kwargs: dict = dict(
         label=planned.label, device=device, dtype=planned.dtype, materialize=_materializer(deferred, planned.tensors),
-        on_host=settings.offload.params and not planned.replicated,
+        shards=DEVICE_SHARDS if planned.replicated else shard_tier,
     )
     if planned.quantized:
         return QuantizedFrozenUnit(

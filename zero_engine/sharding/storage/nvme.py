@@ -1,6 +1,7 @@
-"""NVMe offload of the optimizer side (``offload_optimizer.device: nvme``): each unit's fp32
+"""NVMe offload (``device: nvme``) of the optimizer side (``offload_optimizer``: each unit's fp32
 master and elementwise optimizer state live in this rank's swap file between steps, and in host
-memory only around their shard's step.
+memory only around their shard's step) and of stage 3's parameter shards (``offload_param``: in
+a swap file of their own, in host memory only from a read ahead of their gather to its use).
 
 - `SwapFile`: one file per rank (made with ``O_EXCL``, so no two ranks or engines share one,
   removed on close), regions allocated as shards are first written; transfers are ``os.pwrite``
@@ -13,7 +14,8 @@ memory only around their shard's step.
   behind);
 - `NvmeMaster`: the master's kind on NVMe. Between steps its tensors keep their identity (the
   optimizer's targets are views of the master, its state is keyed by them) but their storage is
-  resized to nothing; `resident()` reads master and state back, and writes them behind after.
+  resized to nothing; `resident()` reads master and state back, and writes them behind after;
+- `NvmeShard`: the parameter shard's kind on NVMe (`zero_engine.sharding.storage.param_shard`).
 
 The values a step computes are the same as ``device: cpu``'s: the same host tensors, the same
 kernels, only where they wait between steps differs.
@@ -26,7 +28,7 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ... import offload
 from .placement import HostMaster
 
 ALIGN = 4096  # regions start on page boundaries
@@ -301,6 +304,128 @@ class NvmeMaster(HostMaster):
             self.space.file.read(offset, tensor)
 
 
+class NvmeShard:
+    """``offload_param.device: nvme``: a stage 3 parameter shard in the rank's swap file
+    (`zero_engine.sharding.storage.param_shard`). It is in host memory only from a read (ahead
+    of its gather: `prefetch`; or when asked) to the use that takes it, and from a write until
+    the write is done. Reads ahead and writes behind each take one of the space's slots (at
+    most ``buffer_count`` shards in host memory for them); when none is free the read or write
+    is done there and then instead, so nothing ever waits for a slot. A read waits for the
+    shard's own last write; a write lets a read in flight finish first."""
+
+    on_host = True  # its bytes cross from host memory in every gather
+    tensor = None  # no tensor between uses: never an fp32 master's storage
+
+    def __init__(self, values: torch.Tensor, space: SwapSpace) -> None:
+        self.space = space
+        self.numel, self.dtype = values.numel(), values.dtype
+        self.nvme_bytes = self.numel * values.element_size()
+        self.region = space.file.allocate(self.nvme_bytes)
+        self.future: Future | None = None  # the last read or write submitted
+        self.buffer: torch.Tensor | None = None  # a read's destination, from its submission to its use
+        self.holds_slot = False  # the read in ``buffer`` took a slot
+        self._write(values.detach().to("cpu", copy=True).reshape(-1))
+
+    @property
+    def nbytes(self) -> int:
+        """In memory between uses: a read ahead's buffer, if one is in."""
+        return 0 if self.buffer is None else self.nvme_bytes
+
+    host_bytes = nbytes
+
+    def prefetch(self) -> None:
+        """Start reading the shard for a gather to come, if a slot is free (else the gather reads it)."""
+        if self.buffer is None and self.space.slots.acquire(blocking=False):
+            self.space.requested[0] += self.nvme_bytes
+            self.buffer, self.holds_slot = torch.empty(self.numel, dtype=self.dtype), True
+            self.future = self.space.readers.submit(self._read_into, self.buffer, self.future)
+
+    def _read_into(self, buffer: torch.Tensor, written: Future | None) -> None:
+        if written is not None:
+            written.result()
+        self.space.file.read(self.region, buffer)
+
+    def _take(self) -> torch.Tensor:
+        """The values in a host buffer that is now the caller's: the read ahead, or one read now."""
+        if self.buffer is None:
+            self.space.requested[0] += self.nvme_bytes
+            buffer = torch.empty(self.numel, dtype=self.dtype)
+            self._read_into(buffer, self.future)
+        else:
+            assert self.future is not None
+            self.future.result()
+            buffer, self.buffer = self.buffer, None
+            if self.holds_slot:
+                self.space.slots.release()
+                self.holds_slot = False
+        self.future = None
+        return buffer
+
+    def _write(self, host: torch.Tensor) -> None:
+        """``host`` (the shard's values, a buffer nobody else holds) to the file: behind, on the
+        write thread, if a slot is free; else now."""
+        if self.buffer is not None:
+            self._take()  # a read in flight finishes first (into a buffer then dropped)
+        self.space.requested[1] += self.nvme_bytes
+        if self.space.slots.acquire(blocking=False):  # the write thread runs writes in order
+            self.future = self.space.writers.submit(self._write_from, host, True)
+        else:
+            if self.future is not None:
+                self.future.result()
+            self._write_from(host, False)
+            self.future = None
+
+    def _write_from(self, host: torch.Tensor, holds_slot: bool) -> None:
+        try:
+            self.space.file.write([(self.region, host)])
+        finally:
+            if holds_slot:
+                self.space.slots.release()
+
+    def values(self) -> torch.Tensor:
+        return self._take()
+
+    @contextmanager
+    def writing(self) -> Iterator[torch.Tensor]:
+        values = self._take()
+        yield values
+        self._write(values)
+
+    def assign(self, values: torch.Tensor) -> None:
+        """The whole shard from ``values`` (a master published), cast on the host as CPU
+        offload's host shard casts it. A shard read ahead (for the next forward, asked before
+        the step) keeps the new values as what was read: they are written behind from that
+        buffer, in its slot, and the gather takes them without reading the file again."""
+        host = torch.empty(self.numel, dtype=self.dtype)
+        host.copy_(values.reshape(-1))
+        if self.buffer is None:
+            self._write(host)
+            return
+        assert self.future is not None
+        self.future.result()  # the read ahead done: its values are replaced
+        self.buffer = host
+        self.space.requested[1] += self.nvme_bytes
+        self.future = self.space.writers.submit(self._write_from, host, False)
+
+    def fill(self, into: torch.Tensor) -> None:
+        offload.copy_across(into, self._take())  # from pageable memory: done when it returns
+
+    def wait(self) -> None:
+        """The last read or write done."""
+        if self.future is not None:
+            self.future.result()
+
+
+class NvmeShards:
+    """The NVMe tier of parameter shards (`zero_engine.sharding.storage.param_shard.ShardTier`)."""
+
+    def __init__(self, space: SwapSpace) -> None:
+        self.space = space
+
+    def make(self, values: torch.Tensor) -> NvmeShard:
+        return NvmeShard(values, self.space)
+
+
 class NvmeMasters:
     """The NVMe tier of masters (`zero_engine.sharding.storage.placement.MasterTier`), over one
     rank's swap space: a master of its own always (never the parameters' storage)."""
@@ -325,6 +450,14 @@ def nvme_masters(plan: Any, rank: int) -> NvmeMasters | None:
     return NvmeMasters(SwapSpace(plan.nvme_path, rank, plan.buffer_count))
 
 
+def nvme_shards(plan: Any, rank: int) -> NvmeShards | None:
+    """For an `OffloadPlan` with ``param_nvme_path``: this rank's swap space of parameter
+    shards (a file of its own, beside the masters' one)."""
+    if plan.param_nvme_path is None:
+        return None
+    return NvmeShards(SwapSpace(plan.param_nvme_path, rank, plan.param_buffer_count))
+
+
 def swap_space(units: Iterable[Any]) -> SwapSpace | None:
     """The swap space the units' masters live in, if they are on NVMe."""
     for unit in units:
@@ -334,33 +467,61 @@ def swap_space(units: Iterable[Any]) -> SwapSpace | None:
     return None
 
 
+def shard_swap_space(units: Iterable[Any]) -> SwapSpace | None:
+    """The swap space the units' parameter shards live in, if they are on NVMe."""
+    for unit in units:
+        tier = unit.placement.shards if hasattr(unit, "placement") else unit.shards
+        if isinstance(tier, NvmeShards):
+            return tier.space
+    return None
+
+
 # Filesystems that are memory, not a disk: a swap file there would be host memory after all.
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
-WHERE = "zero_optimization.offload_optimizer.nvme_path"
+OPTIMIZER_KEY = "zero_optimization.offload_optimizer.nvme_path"
+PARAM_KEY = "zero_optimization.offload_param.nvme_path"
 
 
-def check_swap_directory(path: str, needed: int) -> None:
+def check_swap_directories(plan: Any, formula: Any, local_ranks: int) -> None:
+    """Each NVMe offload's directory (`check_swap_directory`), with room for what every rank of
+    this node puts there (``formula``: `zero_engine.memory.MemoryReport`; both offloads' bytes
+    where they share a directory)."""
+    optimizer = formula.master_parameters + formula.optimizer_states if plan.nvme_path is not None else 0
+    needs: dict[str, tuple[str, list[str], int]] = {}
+    for key, path, nbytes in (
+        (OPTIMIZER_KEY, plan.nvme_path, optimizer), (PARAM_KEY, plan.param_nvme_path, formula.nvme - optimizer)
+    ):
+        if path is not None:
+            _, keys, total = needs.get(os.path.realpath(path), (path, [], 0))
+            needs[os.path.realpath(path)] = (path, [*keys, key], total + nbytes * local_ranks)
+    for path, keys, total in needs.values():
+        check_swap_directory(path, total, keys)
+
+
+def check_swap_directory(path: str, needed: int, keys: Sequence[str] = (OPTIMIZER_KEY,)) -> None:
     """Refuse, at `initialize`, a swap directory that is missing, not writable, in memory, or
-    without room for ``needed`` bytes (the state of every rank on this node)."""
+    without room for ``needed`` bytes (what every rank on this node offloads there), naming the
+    ``keys`` that gave it."""
     from ...errors import ConfigError
 
+    where = " and ".join(f"{key} = {path!r}" for key in keys)
     directory = Path(path)
     if not directory.is_dir():
-        raise ConfigError(f"{WHERE} = {path!r}: no such directory")
+        raise ConfigError(f"{where}: no such directory")
     filesystem = filesystem_of(directory)
     if filesystem in MEMORY_FILESYSTEMS:
         raise ConfigError(
-            f"{WHERE} = {path!r} is on {filesystem}, which is memory, not a disk: the swap files would hold the "
-            "optimizer state in RAM after all; give a directory on an NVMe drive"
+            f"{where} is on {filesystem}, which is memory, not a disk: the swap files would hold what is "
+            "offloaded in RAM after all; give a directory on an NVMe drive"
         )
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"{WHERE} = {path!r}: not writable by this process")
+        raise ConfigError(f"{where}: not writable by this process")
     stats = os.statvfs(directory)
     free = stats.f_bavail * stats.f_frsize
     if free < needed:
         raise ConfigError(
-            f"{WHERE} = {path!r}: {free / 2**30:.2f} GiB free, the masters and optimizer state of this node's "
-            f"ranks need {needed / 2**30:.2f} GiB"
+            f"{where}: {free / 2**30:.2f} GiB free, what this node's ranks offload there needs "
+            f"{needed / 2**30:.2f} GiB"
         )
 
 

@@ -216,7 +216,8 @@ class OptimizerShard:
             master[owned_offset : owned_offset + numel].copy_(piece)
         publish_to = self.master_kind.publish_to  # the compute copy of the range; None when the master is it
         if publish_to is not None:
-            offload.copy_across(publish_to[owned_offset : owned_offset + numel], piece)
+            with publish_to.writing() as compute:
+                offload.copy_across(compute[owned_offset : owned_offset + numel], piece)
 
     # -- the optimizer's state of the targets ------------------------------------------------
 

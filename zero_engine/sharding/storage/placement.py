@@ -24,6 +24,10 @@ where it keeps the master (`Master.bind_state`), and the optimizer step enters
 `Master.resident` around each shard's update (on NVMe: read in before, written behind after)
 and calls `Master.prefetch` for the next one.
 
+A stage 3 parameter shard is one of the kinds of `zero_engine.sharding.storage.param_shard`
+(device, host, NVMe), made by the shard tier `place` picks; a master publishes into its shard
+(below stage 3: a `DeviceShard` over its range of the unit's flat buffer).
+
 A new placement (a quantized master) is a new tier and kind here, not a branch in every method.
 """
 
@@ -40,6 +44,7 @@ from ... import offload
 from ...devices import tensor_bytes
 from ...offload import OffloadPlan
 from .host_gradient import HostGradient
+from .param_shard import DEVICE_SHARDS, DeviceShard, HostShards, ParamShard, ShardTier
 
 
 class Master:
@@ -50,7 +55,7 @@ class Master:
     on_host = False
     nvme_bytes = 0  # of the master and its state, what waits in a swap file (`nvme.NvmeMaster`)
 
-    def __init__(self, tensor: torch.Tensor, publish_to: torch.Tensor | None) -> None:
+    def __init__(self, tensor: torch.Tensor, publish_to: ParamShard | None) -> None:
         self.tensor = tensor
         self.publish_to = publish_to
 
@@ -87,7 +92,7 @@ class Master:
         """Cast the updated master into the compute copy (mixed precision), or copy it to the
         device (offloaded): the cast happens where the compute copy lives."""
         if self.publish_to is not None:
-            offload.copy_across(self.publish_to, self.tensor)
+            self.publish_to.assign(self.tensor)
 
 
 class HostMaster(Master):
@@ -257,7 +262,7 @@ class MasterTier(Protocol):
         """A master that is ``tensor`` itself (nothing published)."""
         ...
 
-    def separate(self, values: torch.Tensor, publish_to: torch.Tensor) -> Master:
+    def separate(self, values: torch.Tensor, publish_to: ParamShard) -> Master:
         """A master of its own with ``values`` (fp32), published into ``publish_to``."""
         ...
 
@@ -271,7 +276,7 @@ class DeviceTier:
     def shared(self, tensor: torch.Tensor) -> Master:
         return Master(tensor, None)
 
-    def separate(self, values: torch.Tensor, publish_to: torch.Tensor) -> Master:
+    def separate(self, values: torch.Tensor, publish_to: ParamShard) -> Master:
         return Master(values.clone(), publish_to)
 
 
@@ -287,7 +292,7 @@ class HostTier:
     def shared(self, tensor: torch.Tensor) -> Master:
         return HostMaster(tensor, None)
 
-    def separate(self, values: torch.Tensor, publish_to: torch.Tensor) -> Master:
+    def separate(self, values: torch.Tensor, publish_to: ParamShard) -> Master:
         return HostMaster(offload.host_copy(values, self.pin_memory), publish_to)
 
 
@@ -296,8 +301,8 @@ class Placement:
     """Where every unit's optimizer side lives (`place`)."""
 
     offload_optimizer: bool  # step gradients (and masters and optimizer state: `tier`) off the device
-    offload_params: bool  # stage 3's parameter shards on the host
     tier: MasterTier  # where masters live
+    shards: ShardTier = DEVICE_SHARDS  # where stage 3's parameter shards live (`param_shard`)
     staged_gradients: bool = False  # host gradients get their staging buffer when made (`HostGradient`)
 
     def masters(self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int) -> Master:
@@ -305,21 +310,18 @@ class Placement:
         range unless it is that range (fp32 on the device)."""
         if flat_param.dtype == torch.float32 and self.tier.shares(on_host=False):
             return self.tier.shared(flat_param[start:end])
-        return self.tier.separate(full_fp32[start:end], flat_param[start:end])
+        return self.tier.separate(full_fp32[start:end], DeviceShard(flat_param[start:end]))
 
     def sharded(
         self, flat_param: torch.Tensor, full_fp32: torch.Tensor, start: int, end: int
-    ) -> tuple[torch.Tensor, Master]:
-        """A stage 3 unit's parameter shard (compute dtype, kept between uses), master, and the
-        copy to publish the master into: in fp32 the shard is the master where both live in one
-        place (no second copy)."""
-        if self.offload_params:
-            param_shard = offload.host_copy(flat_param[start:end], offload.PIN_CROSSING)  # cast on the device first; gathered every pass
-        else:
-            param_shard = flat_param[start:end].clone()
-        if flat_param.dtype == torch.float32 and self.tier.shares(on_host=self.offload_params):
-            return param_shard, self.tier.shared(param_shard)
-        return param_shard, self.tier.separate(full_fp32[start:end], param_shard)
+    ) -> tuple[ParamShard, Master]:
+        """A stage 3 unit's parameter shard (compute dtype, kept between uses) and its master,
+        published into the shard: in fp32 the shard's tensor is the master where both live in
+        one place (no second copy; never on NVMe, where the shard is no tensor)."""
+        shard = self.shards.make(flat_param[start:end])
+        if flat_param.dtype == torch.float32 and shard.tensor is not None and self.tier.shares(on_host=shard.on_host):
+            return shard, self.tier.shared(shard.tensor)
+        return shard, self.tier.separate(full_fp32[start:end], shard)
 
     def step_grad(
         self, numel: int, dtype: torch.dtype, device: torch.device, full_grad: torch.Tensor | None, releases: bool
@@ -333,11 +335,14 @@ class Placement:
         return DeviceGrad(numel, dtype, device, releases)
 
 
-def place(plan: OffloadPlan, nvme: MasterTier | None = None) -> Placement:
+def place(plan: OffloadPlan, nvme: MasterTier | None = None, nvme_shards: ShardTier | None = None) -> Placement:
     """The placement of an offload plan: masters on ``nvme`` (the rank's swap space, made by
-    the caller) when given, on the host with ``offload_optimizer``, else on the device."""
+    the caller) when given, on the host with ``offload_optimizer``, else on the device;
+    parameter shards on ``nvme_shards`` when given, on the host with ``offload_param``, else on
+    the device."""
     tier = nvme if nvme is not None else HostTier(plan.pin_memory) if plan.optimizer else DeviceTier()
-    return Placement(plan.optimizer, plan.params, tier, plan.staged_gradients)
+    shards = nvme_shards if nvme_shards is not None else HostShards() if plan.params else DEVICE_SHARDS
+    return Placement(plan.optimizer, tier, shards, plan.staged_gradients)
 
 
-ON_DEVICE = Placement(offload_optimizer=False, offload_params=False, tier=DeviceTier())
+ON_DEVICE = Placement(offload_optimizer=False, tier=DeviceTier())

@@ -1,7 +1,7 @@
 """A frozen unit: parameters that train not (a LoRA base, a frozen tower, a reference model),
 sharded at stage 3 as trainable units are, but with nothing beside the shard.
 
-A `FrozenUnit` keeps only ``param_shard``, its 1/N of the flat buffer in the parameters' own
+A `FrozenUnit` keeps only ``shard``, its 1/N of the flat buffer in the parameters' own
 dtype (the compute dtype under mixed precision: `zero_engine.state.state_dict.cast_frozen`
 rounds frozen weights to it once, as DeepSpeed's ``module.bfloat16()`` does), and is gathered
 and freed around its modules exactly as a trainable unit (`GatheredStorage`). It has no fp32
@@ -22,9 +22,9 @@ from torch import nn
 from ... import offload
 from ...comm import Comm
 from ...comm.handles import CollectiveKind
-from ...devices import tensor_bytes
 from ..storage.codec import Gathering
 from ..storage.layout import UnitLayout
+from ..storage.param_shard import DEVICE_SHARDS, ShardTier
 from .unit import FlatUnit, GatheredStorage, _point_meta_param
 
 
@@ -54,7 +54,7 @@ class FrozenUnit(GatheredStorage):
         device: torch.device,
         dtype: torch.dtype,
         materialize: Callable[[], None] | None = None,
-        on_host: bool = False,
+        shards: ShardTier = DEVICE_SHARDS,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -83,24 +83,29 @@ class FrozenUnit(GatheredStorage):
         del staged
         start, end = self.layout.shard_range(rank)
         self._segments = {segment.param_index: segment for segment in self.layout.segments(rank)}  # what it keeps
-        self.on_host = on_host  # offload_param: the shard lives in host memory, crosses before each gather
+        self.shards = shards  # where the shard lives (offload_param: host memory or NVMe)
         self._keep(self.flat_param[start:end])
         for index, param in enumerate(self.params):
             param.data = self.param_view(index)  # then emptied, with the buffer's storage freed
         self._start_sharded(label)
 
-    def _keep(self, shard: torch.Tensor) -> None:
-        """Keep this rank's shard (a view of the full buffer, about to be freed): a copy, on the
-        host with ``offload_param``. `QuantizedFrozenUnit` keeps it encoded."""
-        self.param_shard = offload.host_copy(shard, offload.PIN_CROSSING) if self.on_host else shard.clone()
+    def _keep(self, values: torch.Tensor) -> None:
+        """Keep this rank's shard (a view of the full buffer, about to be freed) where the
+        tier says. `QuantizedFrozenUnit` keeps it encoded."""
+        self.shard = self.shards.make(values)
 
     def shard_values(self) -> torch.Tensor:
         """This rank's shard's values, in the unit's dtype, to read (exports, checkpoints)."""
-        return self.param_shard
+        return self.shard.values()
 
-    def _writable_shard(self) -> torch.Tensor:
-        """This rank's shard's values, to write in place (loads, ``gathered()``'s write-back)."""
-        return self.param_shard
+    def kept(self) -> torch.Tensor:
+        """What this rank keeps, as it keeps it (encoded for `QuantizedFrozenUnit`): to copy
+        between ranks' shards (`keep`)."""
+        return self.shard.values()
+
+    def keep(self, kept: torch.Tensor) -> None:
+        """Replace what this rank keeps by another rank's `kept` (the same form)."""
+        self.shard.assign(kept)
 
     def gather(self, comm: Comm) -> Gathering:
         """The all-gather of the unit's values, in their own dtype, counted apart in the
@@ -112,12 +117,16 @@ class FrozenUnit(GatheredStorage):
 
     @property
     def param_bytes(self) -> int:
-        """What this rank keeps: its shard."""
-        return tensor_bytes(self.param_shard)
+        """What this rank keeps in memory: its shard (nothing when it is on NVMe)."""
+        return self.shard.nbytes
 
     @property
     def host_bytes(self) -> int:
-        return offload.held_bytes(self.param_shard) if self.on_host else 0
+        return self.shard.host_bytes
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.shard.nvme_bytes
 
     @property
     def grad_bytes(self) -> int:
@@ -136,7 +145,8 @@ class FrozenUnit(GatheredStorage):
             return
         if self.has_full_storage:
             raise RuntimeError(f"unit {self.label}: loading a shard while the unit is gathered (mid-step?)")
-        self._writable_shard()[segment.shard_offset : segment.shard_offset + segment.numel].copy_(values.reshape(-1))
+        with self.shard.writing() as shard:
+            shard[segment.shard_offset : segment.shard_offset + segment.numel].copy_(values.reshape(-1))
 
     def write_kept(self, index: int, values: torch.Tensor) -> None:
         """Set this rank's shard of parameter ``index`` from its full flattened ``values``,
@@ -145,8 +155,8 @@ class FrozenUnit(GatheredStorage):
         segment = self._segments.get(index)
         if segment is not None:
             piece = values[segment.param_offset : segment.param_offset + segment.numel]
-            shard = self._writable_shard()
-            offload.copy_across(shard[segment.shard_offset : segment.shard_offset + segment.numel], piece)
+            with self.shard.writing() as shard:
+                offload.copy_across(shard[segment.shard_offset : segment.shard_offset + segment.numel], piece)
 
     def shard_pieces(self) -> list[tuple[int, int, int, torch.Tensor]]:
         """This rank's pieces: ``(param index, start in the parameter, numel, values)``."""

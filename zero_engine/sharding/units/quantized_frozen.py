@@ -35,12 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import offload
 from ...comm import Comm
 from ...comm.handles import DONE, CollectiveKind
 from ...errors import ConfigError
 from ...quantize import BlockQuantizer, BufferMeter
 from ..storage.codec import Gathering
+from ..storage.param_shard import EncodedShard
 from .frozen_unit import FrozenUnit
 
 EXACT_KEY = "zero_optimization.zero_quantized_nontrainable_exact"
@@ -104,35 +104,28 @@ class QuantizedFrozenUnit(FrozenUnit):
         self.quantizer = quantizer
         self.meter = meter  # the encoded gather buffers, for memory_report's quantized peak
         self.replicated = replicated
-        self._staged: torch.Tensor | None = None  # decoded shard being written, encoded at the next read
         super().__init__(*args, **kwargs)
 
-    def _keep(self, shard: torch.Tensor) -> None:
-        encoded = torch.empty(self.quantizer.encoded_bytes(shard.numel()), dtype=torch.uint8, device=shard.device)
-        self.quantizer.encode(shard, encoded)
-        self._encoded = offload.host_copy(encoded, offload.PIN_CROSSING) if self.on_host else encoded
+    shard: EncodedShard
+
+    def _keep(self, values: torch.Tensor) -> None:
+        """The shard encoded (`EncodedShard`), its bytes kept where the tier says. Its values
+        read back as a gather decodes them, a staged write encoded first: a load or a write reads
+        back as the next forward computes with it, never the exact values it was given
+        (reliability review D13)."""
+        self.shard = EncodedShard(values, self.shards, self.quantizer, self.dtype)
 
     @property
     def param_shard(self) -> torch.Tensor:
         """What this rank keeps: its shard, encoded (any staged write encoded first)."""
-        if self._staged is not None:
-            encoded = torch.empty(self._encoded.numel(), dtype=torch.uint8, device=self.device)
-            self.quantizer.encode(self._staged, encoded)
-            offload.copy_across(self._encoded, encoded)
-            self._staged = None
-        return self._encoded
+        return self.shard.encoded()
 
-    def shard_values(self) -> torch.Tensor:
-        """The shard's values as a gather decodes them: a staged write is encoded first, so a
-        load or a write reads back as the next forward computes with it, never the exact values
-        it was given (reliability review D13)."""
-        encoded = self.param_shard.to(self.device)
-        return self.quantizer.decode(encoded, self.layout.shard_numel).to(self.dtype)
+    def kept(self) -> torch.Tensor:
+        return self.shard.encoded()
 
-    def _writable_shard(self) -> torch.Tensor:
-        if self._staged is None:
-            self._staged = self.shard_values()
-        return self._staged
+    def keep(self, kept: torch.Tensor) -> None:
+        self.shard.encoded()
+        self.shard.kept.assign(kept)
 
     def _fill_own_shard(self) -> None:
         """Nothing: the gather decodes the own shard too, so every rank holds the same values."""
@@ -140,15 +133,17 @@ class QuantizedFrozenUnit(FrozenUnit):
     def gather(self, comm: Comm) -> Gathering:
         """All-gather the encoded shards (counted as ``all_gather_frozen``) and decode every one
         into the full buffer once they are in."""
-        numel, kept = self.layout.shard_numel, self.param_shard
+        numel = self.layout.shard_numel
         if self.replicated:  # the whole unit is here: decoding is the gather
+            kept = self.shard.encoded()
             return Gathering(
                 DONE, lambda: self.quantizer.decode_rows_into(kept.view(1, -1), numel, self.flat_param[None])
             )
         num_shards, own = comm.num_shards, comm.shard_rank
-        encoded = self.meter.hold(torch.empty(num_shards * kept.numel(), dtype=torch.uint8, device=self.device))
+        encoded_numel = self.quantizer.encoded_bytes(numel)
+        encoded = self.meter.hold(torch.empty(num_shards * encoded_numel, dtype=torch.uint8, device=self.device))
         segments = encoded.view(num_shards, -1)
-        offload.copy_across(segments[own], kept)
+        self.shard.fill_encoded(segments[own])
         pending = comm.all_gather(encoded, kind=CollectiveKind.ALL_GATHER_FROZEN) if num_shards > 1 else DONE
 
         def decode_every_shard() -> None:

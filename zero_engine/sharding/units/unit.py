@@ -26,12 +26,12 @@ from enum import Enum
 import torch
 from torch import nn
 
-from ... import offload
 from ...comm import Comm
 from ...devices import tensor_bytes
 from ...stage import UnitSpec
 from ..storage.codec import IDENTITY, GatherCodec, Gathering
 from ..storage.layout import UnitLayout
+from ..storage.param_shard import ParamShard
 from ..storage.placement import ON_DEVICE, Placement
 from ..storage.optimizer_shard import OptimizerShard
 
@@ -159,6 +159,11 @@ class FlatUnit:
         """What of the unit's persistent state lives on the host (offload)."""
         return self.optimizer_shard.host_bytes
 
+    @property
+    def nvme_bytes(self) -> int:
+        """What of the unit's persistent state waits in a swap file (NVMe offload)."""
+        return self.optimizer_shard.nvme_bytes
+
     def kept_range(self, index: int) -> tuple[int, int] | None:
         """The elements of parameter ``index`` (flattened) that this rank keeps, as
         ``(start, numel)``: the whole parameter below stage 3, None when it keeps none."""
@@ -193,7 +198,8 @@ class ShardedState(Enum):
 class GatheredStorage:
     """Stage 3's storage of a unit: its shard between uses, the full buffer while gathered.
 
-    Between uses the rank holds ``param_shard``. The full buffer ``flat_param`` is one tensor
+    Between uses the rank holds ``shard`` (`zero_engine.sharding.storage.param_shard`: on the
+    device, on the host, on NVMe, encoded), never asking where it lives. The full buffer ``flat_param`` is one tensor
     for the unit's whole life; resharding frees its *storage* (``resize_(0)``) and gathering
     allocates it again in place. That matters because autograd saves the weights a forward
     used (or views of them, as ``F.linear`` saves ``weight.t()``) for the backward: those saved
@@ -210,7 +216,7 @@ class GatheredStorage:
     replicated = False  # each rank keeps a shard (an int8 frozen unit may be kept whole: `QuantizedFrozenUnit`)
     params: list[nn.Parameter]
     flat_param: torch.Tensor
-    param_shard: torch.Tensor
+    shard: ParamShard
     layout: UnitLayout
     rank: int
 
@@ -245,7 +251,12 @@ class GatheredStorage:
     def _fill_own_shard(self) -> None:
         """Put this rank's shard into the full buffer before the gather fills the others'."""
         start, end = self.layout.shard_range(self.rank)
-        offload.copy_across(self.flat_param[start:end], self.param_shard)  # from the host with offload_param
+        self.shard.fill(self.flat_param[start:end])
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        """This rank's shard's values, to read (a copy of them where the shard is no tensor)."""
+        return self.shard.values()
 
     def wait_for_unshard(self, wait: bool = True) -> None:
         """Wait for the gather in flight, if any (``wait=False`` after ranks diverged, when the
@@ -276,8 +287,8 @@ class GatheredStorage:
 
 class ShardedFlatUnit(GatheredStorage, FlatUnit):
     """Stage 3: a trainable unit's parameters exist in full only while it is gathered
-    (`GatheredStorage`). Between uses the rank holds ``param_shard`` (its shard in the
-    compute dtype; in fp32 the master itself) and its optimizer shard."""
+    (`GatheredStorage`). Between uses the rank holds ``shard`` (in the compute dtype; in fp32
+    its tensor is the master itself where both live in one place) and its optimizer shard."""
 
     def __init__(
         self,
@@ -303,23 +314,25 @@ class ShardedFlatUnit(GatheredStorage, FlatUnit):
     def _make_optimizer_shard(
         self, full_fp32: torch.Tensor, owned_range: tuple[int, int], releases_grad: bool
     ) -> OptimizerShard:
-        """The unit keeps ``param_shard``, its shard in the compute dtype, made here beside the
-        master: in fp32 they are one tensor when they live in one place (no second copy), else
-        the master is published into it after each update. ``offload_param`` puts the shard on
-        the host (cast on the device first), ``offload_optimizer`` the master."""
+        """The unit keeps ``shard``, its shard in the compute dtype, made here beside the
+        master (`Placement.sharded`): in fp32 one tensor when they live in one place (no second
+        copy), else the master is published into it after each update."""
         start, end = owned_range
-        self.param_shard, master = self.placement.sharded(self.flat_param, full_fp32, start, end)
+        self.shard, master = self.placement.sharded(self.flat_param, full_fp32, start, end)
         grad = self.placement.step_grad(end - start, self.compute_dtype, self.device, None, releases_grad)
         return OptimizerShard(self, owned_range, master, grad, shaped_pieces=False)
 
     @property
     def param_bytes(self) -> int:
-        return tensor_bytes(self.param_shard)
+        return self.shard.nbytes
 
     @property
     def host_bytes(self) -> int:
-        shard = offload.held_bytes(self.param_shard) if self.placement.offload_params else 0
-        return shard + self.optimizer_shard.host_bytes
+        return self.shard.host_bytes + self.optimizer_shard.host_bytes
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.shard.nvme_bytes + self.optimizer_shard.nvme_bytes
 
     def kept_range(self, index: int) -> tuple[int, int] | None:
         owned = self.optimizer_shard.owned_part(index)
