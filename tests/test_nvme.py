@@ -217,10 +217,18 @@ def test_nvme_needs_a_path() -> None:
 
 # -- checkpoints: the same as CPU offload's, and either resumes into the other ---------------------
 
-def save_and_cross_resume(rank: int, world: int, root: str) -> dict[str, Any]:
+def layout_config(layout: str, device: str, root: str) -> dict[str, Any]:
+    """``optimizer``: stage 2, the optimizer side on ``device``; ``params``: stage 3, bf16, the
+    parameter shards and the optimizer side on ``device``."""
+    if layout == "optimizer":
+        return config(2, device, root)
+    return param_config(config(3, "cpu", root, dtype="bf16"), device, device, root)
+
+
+def save_and_cross_resume(rank: int, world: int, root: str, layout: str) -> dict[str, Any]:
     saved = {}
     for device in ("cpu", "nvme"):
-        engine = zero_engine.initialize(make_gpt(), config(2, device, root))
+        engine = zero_engine.initialize(make_gpt(), layout_config(layout, device, root))
         train(engine, rank, world, range(3), 2)
         engine.save_checkpoint(os.path.join(root, device), tag="t")
         train(engine, rank, world, range(3, 5), 2)
@@ -228,7 +236,7 @@ def save_and_cross_resume(rank: int, world: int, root: str) -> dict[str, Any]:
         engine.close()
     resumed = {}
     for device, source in (("nvme", "cpu"), ("cpu", "nvme")):
-        engine = zero_engine.initialize(make_gpt(), config(2, device, root))
+        engine = zero_engine.initialize(make_gpt(), layout_config(layout, device, root))
         engine.load_checkpoint(os.path.join(root, source), tag="t")
         train(engine, rank, world, range(3, 5), 2)
         resumed[device] = engine.full_state_dict()
@@ -236,12 +244,16 @@ def save_and_cross_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"saved": saved, "resumed": resumed}
 
 
-def test_checkpoints_match_cpu_offload_and_resume_across(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["optimizer", "params"])
+def test_checkpoints_match_cpu_offload_and_resume_across(layout: str) -> None:
+    """Saved from NVMe offload, the same checkpoint as CPU offload's; either resumes into the
+    other: the optimizer side on NVMe at stage 2, and at stage 3 the parameter shards too (a
+    resume into NVMe writes every shard's file anew)."""
     from zero_engine.state.payload import PieceIndex
     from zero_engine.state.storage import open_checkpoint
 
     with tempfile.TemporaryDirectory(dir=DISK) as root:
-        result = run_on_ranks(2, save_and_cross_resume, root)[0]
+        result = run_on_ranks(2, save_and_cross_resume, root, layout)[0]
         indexes = {device: PieceIndex.read(open_checkpoint(os.path.join(root, device), "t")) for device in ("cpu", "nvme")}
         for name, param in make_gpt().named_parameters():
             for key in (None, "exp_avg", "exp_avg_sq"):
