@@ -165,6 +165,11 @@ class EncodedShard:
         self._encode_staged()
         return self.kept.values()
 
+    def replace_encoded(self, encoded: torch.Tensor) -> None:
+        """Keep ``encoded`` (another rank's encoded shard) instead; a staged write is dropped."""
+        self._staged = None
+        self.kept.assign(encoded)
+
     def fill_encoded(self, into: torch.Tensor) -> None:
         """The encoded bytes into ``into`` (a gather moves them encoded)."""
         self._encode_staged()

@@ -115,17 +115,14 @@ class QuantizedFrozenUnit(FrozenUnit):
         (reliability review D13)."""
         self.shard = EncodedShard(values, self.shards, self.quantizer, self.dtype)
 
-    @property
-    def param_shard(self) -> torch.Tensor:
+    def kept(self) -> torch.Tensor:
         """What this rank keeps: its shard, encoded (any staged write encoded first)."""
         return self.shard.encoded()
 
-    def kept(self) -> torch.Tensor:
-        return self.shard.encoded()
+    param_shard = property(kept)
 
     def keep(self, kept: torch.Tensor) -> None:
-        self.shard.encoded()
-        self.shard.kept.assign(kept)
+        self.shard.replace_encoded(kept)
 
     def _fill_own_shard(self) -> None:
         """Nothing: the gather decodes the own shard too, so every rank holds the same values."""
