@@ -72,21 +72,8 @@ def initialize(
     """
     _check_not_wrapped(model)
     show_by_default()  # the engine's lines on stdout, unless the application configured logging
-    checked = check_config(load_config(config), model)  # what `zero-engine validate` checks too
-    config = checked.config
-    _check_scheduler_factory(lr_scheduler, config.scheduler.type if config.scheduler else None)
-    check_monitor_packages(config)
-    groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
-    device = materialization_device(model)
-    plan = ModulePlan(model, groups, config.zero_optimization)  # decided once, for everything that asks
-    _make_current(device)
-    # stage: auto is agreed between the ranks, so they connect first; a set stage is checked first
-    comm = connect(config, device) if config.zero_optimization.stage == "auto" else None
-    config, stage_table = resolve_stage(config, plan, groups, device, comm)
-    stage = stage_for(config.zero_optimization.stage)
-    check_optimizer_for_stage(config.optimizer, stage)  # again: stage: auto is settled only now
-    precision = Precision.from_config(config)
-    _check_params(model, precision)
+    settled, comm, stage_table = _settle(model, config, param_groups, lr_scheduler)
+    config, stage, device = settled.config, settled.stage, settled.device
     weights_file = open_weights(weights) if weights is not None else None
     try:
         file_names = match_weights(model, weights_file) if weights_file is not None else {}
@@ -96,7 +83,6 @@ def initialize(
         if stage_table is not None and comm.rank == 0:
             logger.info(stage_table)
         deferred = _deferred_init(model, comm, device, param_init_fn, set(file_names))
-        settled = Settled(config, stage, precision, groups, plan, device)
         engine = _build_engine(model, settled, comm, deferred, lr_scheduler)
         if weights_file is not None:
             load_weights(engine.model_state, weights_file, file_names)
@@ -115,6 +101,31 @@ class Settled(NamedTuple):
     groups: list[ParamGroup]
     plan: ModulePlan
     device: torch.device
+
+
+def _settle(
+    model: nn.Module,
+    config: str | Path | dict[str, Any] | ZeroEngineConfig,
+    param_groups: Iterable[Any] | None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
+) -> tuple[Settled, Comm | None, str | None]:
+    """The config checked (what `zero-engine validate` checks too), the parameter groups and the
+    module plan decided once, the stage settled: ``stage: auto`` is agreed between the ranks, so
+    they connect first (the connection is returned, with the table of the stages weighed)."""
+    config = check_config(load_config(config), model).config
+    _check_scheduler_factory(lr_scheduler, config.scheduler.type if config.scheduler else None)
+    check_monitor_packages(config)
+    groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
+    device = materialization_device(model)
+    plan = ModulePlan(model, groups, config.zero_optimization)  # decided once, for everything that asks
+    _make_current(device)
+    comm = connect(config, device) if config.zero_optimization.stage == "auto" else None
+    config, stage_table = resolve_stage(config, plan, groups, device, comm)
+    stage = stage_for(config.zero_optimization.stage)
+    check_optimizer_for_stage(config.optimizer, stage)  # again: stage: auto is settled only now
+    precision = Precision.from_config(config)
+    _check_params(model, precision)
+    return Settled(config, stage, precision, groups, plan, device), comm, stage_table
 
 
 def _deferred_init(

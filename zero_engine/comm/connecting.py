@@ -52,7 +52,7 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     force = config.comm.force_collectives
     world = GroupComm(rank, world_size, backend, data, own_group(timeout, "control", "gloo"), primitives, force)
-    mesh = _mesh(config, world)
+    mesh = _mesh(config.sequence_parallel_size, config.zero_optimization.shard_group_size_for, world)
     shard_group, replica_group = _hybrid_groups(timeout, mesh, rank, data)
     shards = GroupComm(rank % mesh.shard, mesh.shard, backend, shard_group, None, primitives, force)
     replicas = GroupComm(rank // mesh.shard, mesh.replicate, backend, replica_group, None, primitives, force)
@@ -61,16 +61,16 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     return Comm(world, shards, replicas, mesh=mesh, sequence_group=sequence)
 
 
-def _mesh(config: ZeroEngineConfig, world: GroupComm) -> Mesh:
-    """The layout: the agreed shard group size and ``sequence_parallel_size``, checked against
-    the world (a `ConfigError` with the numbers)."""
-    sequence = config.sequence_parallel_size
+def _mesh(sequence: int, shard_group_size_for: Callable[[int], int], world: GroupComm) -> Mesh:
+    """The layout: the shard group size the ranks agree on (``shard_group_size_for`` the world
+    size, from the config) and ``sequence_parallel_size``, checked against the world (a
+    `ConfigError` with the numbers)."""
     if world.world_size % sequence:
         raise ConfigError(
             f"sequence_parallel_size = {sequence} does not divide the world size {world.world_size}: the ranks are "
             f"data-parallel groups of {sequence} consecutive ranks"
         )
-    size = _agreed_shard_group_size(config.zero_optimization.shard_group_size_for, world)
+    size = _agreed_shard_group_size(shard_group_size_for, world)
     if size % sequence:
         raise ConfigError(
             f"sequence_parallel_size = {sequence} does not divide zero_optimization.shard_group_size {size}: a "
