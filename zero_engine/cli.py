@@ -211,7 +211,7 @@ def _print_nvme(config: ZeroEngineConfig, report: Any) -> None:
     optimizer side read and written once; parameter shards read at each gather (a forward and a
     backward per micro-batch) and the trainable ones written once (frozen ones never)."""
     plan = offload_plan(config.zero_optimization, stage_for(config.zero_optimization.stage))
-    optimizer = report.master_parameters + report.optimizer_states if plan.nvme_path is not None else 0
+    optimizer = report.master_parameters + report.optimizer_states if plan.state.on_nvme else 0
     shards = report.nvme - optimizer
     written = optimizer + shards - (report.frozen_parameters if shards else 0)
     parts = [f"masters and optimizer state {optimizer / 2**30:.3f} GiB"] if optimizer else []

@@ -160,7 +160,7 @@ def with_offload(
             master_parameters=0 if shared_master else per_rank,
         )
         host = report.master_parameters + per_rank + report.optimizer_states
-        if plan.nvme_path is not None:  # masters and state in the swap file; the step gradient stays on the host
+        if plan.state.on_nvme:  # masters and state in the swap file; the step gradient stays on the host
             report = report._replace(nvme=report.master_parameters + report.optimizer_states)
             host = per_rank
     if plan.params_on_host:

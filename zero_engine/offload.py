@@ -1,8 +1,9 @@
-"""CPU offload: where the optimizer's state and the parameter shards live, and how bytes cross.
+"""Offload: where the optimizer's state and the parameter shards live, and how bytes cross.
 
-`OffloadPlan` says what lives on the host (``offload_optimizer``: the fp32 master, the fp32
-step gradient and the optimizer's state of this rank's shard; ``offload_param``, stage 3: the
-parameter shard too). The rest of this module is the few operations that cross between the
+`OffloadPlan` names a tier (`Tier`: device, host, NVMe) per kind of state: the optimizer side
+(``offload_optimizer``: the fp32 master and the optimizer's state of this rank's shard; off the
+device its fp32 step gradient is on the host) and stage 3's parameter shards (``offload_param``);
+`zero_engine.sharding.storage.placement.place` maps each to its tier class. The rest of this module is the few operations that cross between the
 device and the host, kept here so the CUDA-only lines (pinned memory, stream waits) are in
 small named functions:
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -29,29 +31,66 @@ from .devices import HOST
 from .stage import Stage
 
 
+class Tier(Enum):
+    """Where a kind of state lives."""
+
+    DEVICE = "device"
+    HOST = "host"  # ``device: cpu``
+    NVME = "nvme"  # a swap file per rank
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One kind of state's tier, and on NVMe its directory and how many shards of it may be in
+    host memory at once (``buffer_count``)."""
+
+    tier: Tier = Tier.DEVICE
+    nvme_path: str | None = None
+    buffer_count: int = 4
+
+    @classmethod
+    def from_section(cls, section: Any, applies: bool = True) -> Placed:
+        """From an ``offload_optimizer`` / ``offload_param`` section (None or device none: the device)."""
+        if not applies or section is None or section.device not in ("cpu", "nvme"):
+            return cls()
+        if section.device == "cpu":
+            return cls(Tier.HOST)
+        return cls(Tier.NVME, section.nvme_path, section.buffer_count)
+
+    @property
+    def on_nvme(self) -> bool:
+        return self.tier is Tier.NVME
+
+
+ON_DEVICE = Placed()
+
+
 @dataclass(frozen=True)
 class OffloadPlan:
-    """What a rank keeps on the host instead of the device."""
+    """Where a rank keeps what offload moves off the device: a tier per kind of state."""
 
-    optimizer: bool = False  # fp32 master, fp32 step gradient and optimizer state of the shard
-    params: bool = False  # stage 3: the parameter shard (in the compute dtype), on the host or NVMe
+    # fp32 masters and the optimizer state of the shard; off the device, the fp32 step gradient
+    # goes to the host with them (it stays there on NVMe too: not built in a swap file).
+    state: Placed = ON_DEVICE
+    param_shards: Placed = ON_DEVICE  # stage 3's parameter shards (compute dtype), frozen ones too
     pin_memory: bool = False  # host buffers page-locked (only where CUDA exists)
     # Several reductions reach a window's step gradient (accumulation over micro-steps at
     # stages 2-3): a staging buffer beside it, allocated with it (`HostGradient`).
     staged_gradients: bool = False
-    # ``offload_optimizer.device: nvme``: masters and optimizer state in a swap file per rank
-    # under this directory, at most ``buffer_count`` shards of them in host memory at once.
-    nvme_path: str | None = None
-    buffer_count: int = 4
-    # ``offload_param.device: nvme``: stage 3's parameter shards in a swap file per rank under
-    # this directory, at most ``param_buffer_count`` of them read ahead or written behind at once.
-    param_nvme_path: str | None = None
-    param_buffer_count: int = 5
+
+    @property
+    def optimizer(self) -> bool:
+        """The optimizer side off the device (``offload_optimizer``)."""
+        return self.state.tier is not Tier.DEVICE
+
+    @property
+    def params(self) -> bool:
+        """Stage 3's parameter shards off the device (``offload_param``)."""
+        return self.param_shards.tier is not Tier.DEVICE
 
     @property
     def params_on_host(self) -> bool:
-        """Stage 3's parameter shards in host memory (``offload_param.device: cpu``)."""
-        return self.params and self.param_nvme_path is None
+        return self.param_shards.tier is Tier.HOST
 
     @property
     def any(self) -> bool:
@@ -65,19 +104,13 @@ def offload_plan(zero: Any, stage: Stage, accumulation: int = 1) -> OffloadPlan:
     """The plan from a ``zero_optimization`` section (validated: `zero_engine.config`);
     ``offload_param`` counts at stage 3 only (below it parameters are whole, as in DeepSpeed).
     ``accumulation``: micro-steps per optimizer step (stages 2-3 reduce at every one)."""
-    section = zero.offload_optimizer
-    optimizer = section is not None and section.device in ("cpu", "nvme")
-    nvme = section.nvme_path if optimizer and section.device == "nvme" else None
-    param_section = zero.offload_param
-    params = stage.shard_parameters and param_section is not None and param_section.device in ("cpu", "nvme")
-    param_nvme = param_section.nvme_path if params and param_section.device == "nvme" else None
+    state = Placed.from_section(zero.offload_optimizer)
+    param_shards = Placed.from_section(zero.offload_param, applies=stage.shard_parameters)
     pin = any(section is not None and section.device == "cpu" and section.pin_memory
               for section in (zero.offload_optimizer, zero.offload_param))
+    optimizer = state.tier is not Tier.DEVICE
     staged = optimizer and accumulation > 1 and stage.streams_gradients(zero.reduce_scatter_each_micro_step)
-    return OffloadPlan(
-        optimizer, params, pin, staged, nvme, section.buffer_count if nvme else 4,
-        param_nvme, param_section.buffer_count if param_nvme else 5,
-    )
+    return OffloadPlan(state, param_shards, pin, staged)
 
 
 # Host buffers that cross to or from the device in every forward or backward are pinned

@@ -146,7 +146,9 @@ def build_units(
     (resident parameters stay whole on the device, as DeepSpeed's persistent ones)."""
     stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
     # Where every unit's optimizer side lives, decided once.
-    placement = place(offload, nvme_masters(offload, comm.rank), nvme_shards(offload, comm.rank))
+    placement = place(
+        offload, lambda placed: nvme_masters(placed, comm.rank), lambda placed: nvme_shards(placed, comm.rank)
+    )
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
         if deferred is not None:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ... import offload
+from ...offload import Placed
 from .placement import HostMaster
 
 ALIGN = 4096  # regions start on page boundaries
@@ -443,19 +444,15 @@ class NvmeMasters:
         return NvmeMaster(values.to("cpu", copy=True), publish_to, self.space)
 
 
-def nvme_masters(plan: Any, rank: int) -> NvmeMasters | None:
-    """For an `OffloadPlan` with ``nvme_path``: this rank's swap space (its file made now)."""
-    if plan.nvme_path is None:
-        return None
-    return NvmeMasters(SwapSpace(plan.nvme_path, rank, plan.buffer_count))
+def nvme_masters(placed: Placed, rank: int) -> NvmeMasters:
+    """The masters' NVMe tier: this rank's swap space (its file made now)."""
+    return NvmeMasters(SwapSpace(placed.nvme_path, rank, placed.buffer_count))
 
 
-def nvme_shards(plan: Any, rank: int) -> NvmeShards | None:
-    """For an `OffloadPlan` with ``param_nvme_path``: this rank's swap space of parameter
-    shards (a file of its own, beside the masters' one)."""
-    if plan.param_nvme_path is None:
-        return None
-    return NvmeShards(SwapSpace(plan.param_nvme_path, rank, plan.param_buffer_count))
+def nvme_shards(placed: Placed, rank: int) -> NvmeShards:
+    """The parameter shards' NVMe tier: this rank's swap space of parameter shards (a file of
+    its own, beside the masters' one)."""
+    return NvmeShards(SwapSpace(placed.nvme_path, rank, placed.buffer_count))
 
 
 def swap_space(units: Iterable[Any]) -> SwapSpace | None:
@@ -486,12 +483,13 @@ def check_swap_directories(plan: Any, formula: Any, local_ranks: int) -> None:
     """Each NVMe offload's directory (`check_swap_directory`), with room for what every rank of
     this node puts there (``formula``: `zero_engine.memory.MemoryReport`; both offloads' bytes
     where they share a directory)."""
-    optimizer = formula.master_parameters + formula.optimizer_states if plan.nvme_path is not None else 0
+    optimizer = formula.master_parameters + formula.optimizer_states if plan.state.on_nvme else 0
     needs: dict[str, tuple[str, list[str], int]] = {}
-    for key, path, nbytes in (
-        (OPTIMIZER_KEY, plan.nvme_path, optimizer), (PARAM_KEY, plan.param_nvme_path, formula.nvme - optimizer)
+    for key, placed, nbytes in (
+        (OPTIMIZER_KEY, plan.state, optimizer), (PARAM_KEY, plan.param_shards, formula.nvme - optimizer)
     ):
-        if path is not None:
+        path = placed.nvme_path
+        if placed.on_nvme and path is not None:
             _, keys, total = needs.get(os.path.realpath(path), (path, [], 0))
             needs[os.path.realpath(path)] = (path, [*keys, key], total + nbytes * local_ranks)
     for path, keys, total in needs.values():

@@ -42,7 +42,7 @@ import torch
 
 from ... import offload
 from ...devices import tensor_bytes
-from ...offload import OffloadPlan
+from ...offload import OffloadPlan, Placed, Tier
 from .host_gradient import HostGradient
 from .param_shard import DEVICE_SHARDS, DeviceShard, HostShards, ParamShard, ShardTier
 
@@ -335,14 +335,26 @@ class Placement:
         return DeviceGrad(numel, dtype, device, releases)
 
 
-def place(plan: OffloadPlan, nvme: MasterTier | None = None, nvme_shards: ShardTier | None = None) -> Placement:
-    """The placement of an offload plan: masters on ``nvme`` (the rank's swap space, made by
-    the caller) when given, on the host with ``offload_optimizer``, else on the device;
-    parameter shards on ``nvme_shards`` when given, on the host with ``offload_param``, else on
-    the device."""
-    tier = nvme if nvme is not None else HostTier(plan.pin_memory) if plan.optimizer else DeviceTier()
-    shards = nvme_shards if nvme_shards is not None else HostShards() if plan.params else DEVICE_SHARDS
-    return Placement(plan.optimizer, tier, shards, plan.staged_gradients)
+def place(
+    plan: OffloadPlan,
+    nvme_masters: Callable[[Placed], MasterTier] | None = None,
+    nvme_shards: Callable[[Placed], ShardTier] | None = None,
+) -> Placement:
+    """The placement of an offload plan: each kind of state's tier class, picked from a table by
+    the plan's tier for it. NVMe's tiers are made by the caller's ``nvme_masters`` and
+    ``nvme_shards`` (each opens the rank's swap space: `zero_engine.sharding.storage.nvme`)."""
+    masters: dict[Tier, Callable[[Placed], MasterTier]] = {
+        Tier.DEVICE: lambda placed: DeviceTier(), Tier.HOST: lambda placed: HostTier(plan.pin_memory),
+    }
+    shards: dict[Tier, Callable[[Placed], ShardTier]] = {
+        Tier.DEVICE: lambda placed: DEVICE_SHARDS, Tier.HOST: lambda placed: HostShards(),
+    }
+    if nvme_masters is not None:
+        masters[Tier.NVME] = nvme_masters
+    if nvme_shards is not None:
+        shards[Tier.NVME] = nvme_shards
+    tier = masters[plan.state.tier](plan.state)
+    return Placement(plan.optimizer, tier, shards[plan.param_shards.tier](plan.param_shards), plan.staged_gradients)
 
 
 ON_DEVICE = Placement(offload_optimizer=False, tier=DeviceTier())
