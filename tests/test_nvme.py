@@ -432,10 +432,10 @@ def params_against_cpu(rank: int, world: int, directory: str, cases: list[dict[s
 PARAM_FAST = [
     {"dtype": "fp32", "slow_disk": True, "buffer_count": 2},  # each write late: a read must wait for it
     {"dtype": "bf16", "optimizer": "nvme"},
-    {"lora": True},
-    {"lora": True, "int8": True},
+    {"lora": True, "int8": True},  # its base's exact vectors and int8 matrices (EncodedShard over NvmeShard)
 ]
 PARAM_SLOW = [{"dtype": dtype, "optimizer": optimizer} for dtype in ("fp32", "bf16") for optimizer in ("cpu", "nvme")]
+PARAM_SLOW.append({"lora": True})
 
 
 @pytest.mark.parametrize("world, grid", [(2, PARAM_FAST), pytest.param(3, PARAM_SLOW, marks=pytest.mark.slow)])
