@@ -437,13 +437,17 @@ def test_this_turns_paths_on_the_gpu(world_size: int) -> None:
 MUON_CASES = [
     {"stage": 0}, {"stage": 1}, {"stage": 2, "offload": True}, {"stage": 3}, {"stage": 3, "offload": True},
 ]
-NVME_CASES = [{"stage": 2, "dtype": "bf16"}, {"stage": 3}, {"stage": 2, "optimizer": "Muon", "accum": 1}]
+NVME_CASES = [
+    {"stage": 2, "dtype": "bf16"}, {"stage": 3}, {"stage": 2, "optimizer": "Muon", "accum": 1},
+    {"stage": 3, "dtype": "bf16", "params": True},  # the parameter shards on NVMe too, filled into CUDA buffers
+]
 
 
 def muon_and_nvme(rank: int, world_size: int, directory: str) -> dict:
     """Muon's two all-to-alls and its Newton-Schulz on CUDA tensors (NCCL at one rank with every
     collective forced; gloo between ranks sharing the GPU), offloaded masters brought to the GPU
-    for the matrix; and NVMe offload of the optimizer side on a CUDA model, against CPU offload."""
+    for the matrix; and NVMe offload of the optimizer side (and of parameter shards) on a CUDA
+    model, against CPU offload."""
     import test_muon
     import test_nvme
 
@@ -461,6 +465,8 @@ def muon_and_nvme(rank: int, world_size: int, directory: str) -> dict:
         for where in ("cpu", "nvme"):
             options = {key: case[key] for key in ("dtype", "accum", "optimizer") if key in case}
             config = {**test_nvme.config(case["stage"], where, directory, **options), **force}
+            if case.get("params"):
+                config = test_nvme.param_config(config, where, where, directory)
             engine = zero_engine.initialize(test_muon.make_gpt().to(device), config)
             test_muon.train_engine(engine, rank, world_size, range(6), case.get("accum", 2), device)
             states.append({name: t.cpu() for name, t in engine.full_state_dict().items()})
