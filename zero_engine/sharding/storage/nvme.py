@@ -411,11 +411,6 @@ class NvmeShard:
     def fill(self, into: torch.Tensor) -> None:
         offload.copy_across(into, self._take())  # from pageable memory: done when it returns
 
-    def wait(self) -> None:
-        """The last read or write done."""
-        if self.future is not None:
-            self.future.result()
-
 
 class NvmeShards:
     """The NVMe tier of parameter shards (`zero_engine.sharding.storage.param_shard.ShardTier`)."""
