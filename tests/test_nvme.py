@@ -477,3 +477,27 @@ def test_parameter_shards_on_nvme_bit_for_bit_read_ahead_and_out_of_memory(world
             assert fp32_host_master or r["host_saved"] >= max(1, shards - r["memory"]["parameters"]), (case, r)
             # the prefetch window reads ahead: all but the first gathers of a pass find their shard in
             assert sum(r["served"]) >= len(r["served"]) / 2, (case, sum(r["served"]), len(r["served"]))
+
+
+def test_estimate_counts_parameter_shards_on_nvme_and_their_traffic(tmp_path: Path, capsys: Any) -> None:
+    """Stage 3, bf16, AdamW, 1e9 trainable and 1e8 frozen parameters over 4 ranks, everything on
+    NVMe: the swap files hold the masters and Adam state (12 bytes / 4) and the bf16 shards, frozen
+    too (2 bytes / 4); a micro-batch reads the shards twice (forward, backward), a step writes the
+    optimizer side and the trainable shards (never the frozen ones); the host keeps the fp32 step
+    gradient alone (4 bytes / 4)."""
+    from zero_engine.cli import main as cli_main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "bf16: {enabled: true}\nzero_optimization: {stage: 3, offload_optimizer: {device: nvme, nvme_path: /d}, "
+        "offload_param: {device: nvme, nvme_path: /d}}\n"
+    )
+    assert cli_main(["estimate", str(config), "--params", "1e9", "--frozen-params", "1e8", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    gib = 2**30
+    optimizer, shards, frozen = 12e9 / 4, 2 * 1.1e9 / 4, 2 * 1e8 / 4
+    assert f"masters and optimizer state {optimizer / gib:.3f} GiB, parameter shards {shards / gib:.3f} GiB" in out
+    assert f"a step reads {optimizer / gib:.3f} GiB + {2 * shards / gib:.3f} GiB a micro-batch" in out
+    assert f"writes {(optimizer + shards - frozen) / gib:.3f} GiB" in out
+    assert float(out.split("on NVMe")[1].split()[0]) == pytest.approx((optimizer + shards) / gib, abs=1e-3)
+    assert float(out.split("on the host")[1].split()[0]) == pytest.approx(4e9 / 4 / gib, abs=1e-3)
