@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ... import offload
+from ...devices import HOST
 from ...offload import Placed
 from .placement import HostMaster
 
@@ -325,7 +326,7 @@ class NvmeShard:
         self.future: Future | None = None  # the last read or write submitted
         self.buffer: torch.Tensor | None = None  # a read's destination, from its submission to its use
         self.holds_slot = False  # the read in ``buffer`` took a slot
-        self._write(values.detach().to("cpu", copy=True).reshape(-1))
+        self._write(values.detach().to(HOST, copy=True).reshape(-1))
 
     @property
     def nbytes(self) -> int:
@@ -338,8 +339,13 @@ class NvmeShard:
         """Start reading the shard for a gather to come, if a slot is free (else the gather reads it)."""
         if self.buffer is None and self.space.slots.acquire(blocking=False):
             self.space.requested[0] += self.nvme_bytes
-            self.buffer, self.holds_slot = torch.empty(self.numel, dtype=self.dtype), True
+            self.buffer, self.holds_slot = self._host_buffer(), True
             self.future = self.space.readers.submit(self._read_into, self.buffer, self.future)
+
+    def _host_buffer(self) -> torch.Tensor:
+        """A host buffer of the shard's size (on the host whatever default device the user set:
+        its memory is handed to ``os.preadv``/``os.pwrite``)."""
+        return torch.empty(self.numel, dtype=self.dtype, device=HOST)
 
     def _read_into(self, buffer: torch.Tensor, written: Future | None) -> None:
         if written is not None:
@@ -350,7 +356,7 @@ class NvmeShard:
         """The values in a host buffer that is now the caller's: the read ahead, or one read now."""
         if self.buffer is None:
             self.space.requested[0] += self.nvme_bytes
-            buffer = torch.empty(self.numel, dtype=self.dtype)
+            buffer = self._host_buffer()
             self._read_into(buffer, self.future)
         else:
             assert self.future is not None
@@ -397,7 +403,7 @@ class NvmeShard:
         offload's host shard casts it. A shard read ahead (for the next forward, asked before
         the step) keeps the new values as what was read: they are written behind from that
         buffer, in its slot, and the gather takes them without reading the file again."""
-        host = torch.empty(self.numel, dtype=self.dtype)
+        host = self._host_buffer()
         host.copy_(values.reshape(-1))
         if self.buffer is None:
             self._write(host)
