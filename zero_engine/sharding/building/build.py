@@ -194,7 +194,7 @@ def _agree_on_drawn_values(
     shard group (hybrid replicas; nothing to do without them)."""
     in_units = {param for unit in sharded for param in unit.params}
     whole = [tensor.detach() for tensor in (*model.parameters(), *model.buffers()) if tensor not in in_units]
-    whole += [unit.kept() for unit in sharded if unit.replicated]  # int8 frozen units kept whole (on the device)
+    whole += [unit.param_shard for unit in sharded if unit.replicated]  # int8 frozen units kept whole (on the device)
     sharded = [unit for unit in sharded if not unit.replicated]
     comm.broadcast(whole, src=0)
     if sharded and comm.num_replicas > 1:
@@ -204,7 +204,7 @@ def _agree_on_drawn_values(
             with unit.optimizer_shard.resident() as master:
                 staged.append(master.to(unit.device))  # offloaded masters cross on the device
         frozen = [unit for unit in sharded if unit.optimizer_shard is None]
-        frozen_staged = [unit.kept().to(unit.device) for unit in frozen]
+        frozen_staged = [unit.param_shard.to(unit.device) for unit in frozen]
         comm.broadcast_across_groups(staged + frozen_staged)
         for unit, values in zip(trained, staged):
             with unit.optimizer_shard.resident() as master:

@@ -146,18 +146,19 @@ class EncodedShard:
         self, values: torch.Tensor, tier: ShardTier, quantizer: BlockQuantizer, dtype: torch.dtype
     ) -> None:
         self.quantizer, self.dtype, self.numel, self.device = quantizer, dtype, values.numel(), values.device
-        encoded = torch.empty(quantizer.encoded_bytes(self.numel), dtype=torch.uint8, device=values.device)
-        quantizer.encode(values, encoded)
-        self.kept = tier.make(encoded)
+        self.kept = tier.make(self._encode(values))
         self.on_host = self.kept.on_host
         self.tensor = None  # never the values themselves
         self._staged: torch.Tensor | None = None
 
+    def _encode(self, values: torch.Tensor) -> torch.Tensor:
+        encoded = torch.empty(self.quantizer.encoded_bytes(self.numel), dtype=torch.uint8, device=self.device)
+        self.quantizer.encode(values, encoded)
+        return encoded
+
     def _encode_staged(self) -> None:
         if self._staged is not None:
-            encoded = torch.empty(self.quantizer.encoded_bytes(self.numel), dtype=torch.uint8, device=self.device)
-            self.quantizer.encode(self._staged, encoded)
-            self.kept.assign(encoded)
+            self.kept.assign(self._encode(self._staged))
             self._staged = None
 
     def encoded(self) -> torch.Tensor:

@@ -98,13 +98,8 @@ class FrozenUnit(GatheredStorage):
         """This rank's shard's values, in the unit's dtype, to read (exports, checkpoints)."""
         return self.shard.values()
 
-    def kept(self) -> torch.Tensor:
-        """What this rank keeps, as it keeps it (encoded for `QuantizedFrozenUnit`): to copy
-        between ranks' shards (`keep`)."""
-        return self.shard.values()
-
     def keep(self, kept: torch.Tensor) -> None:
-        """Replace what this rank keeps by another rank's `kept` (the same form)."""
+        """Replace what this rank keeps by another rank's ``param_shard`` (the same form)."""
         self.shard.assign(kept)
 
     def gather(self, comm: Comm) -> Gathering:

@@ -115,11 +115,10 @@ class QuantizedFrozenUnit(FrozenUnit):
         (reliability review D13)."""
         self.shard = EncodedShard(values, self.shards, self.quantizer, self.dtype)
 
-    def kept(self) -> torch.Tensor:
+    @property
+    def param_shard(self) -> torch.Tensor:
         """What this rank keeps: its shard, encoded (any staged write encoded first)."""
         return self.shard.encoded()
-
-    param_shard = property(kept)
 
     def keep(self, kept: torch.Tensor) -> None:
         self.shard.replace_encoded(kept)

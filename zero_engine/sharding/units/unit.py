@@ -255,7 +255,8 @@ class GatheredStorage:
 
     @property
     def param_shard(self) -> torch.Tensor:
-        """This rank's shard's values, to read (a copy of them where the shard is no tensor)."""
+        """What this rank keeps, as it keeps it, to read: its shard's values (a copy of them where
+        the shard is no tensor; encoded for `QuantizedFrozenUnit`)."""
         return self.shard.values()
 
     def wait_for_unshard(self, wait: bool = True) -> None:
