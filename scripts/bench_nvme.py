@@ -106,7 +106,8 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     io_seconds = moved["written"] / write_bw + moved["read"] / read_bw
     medians = {device: statistics.median(values) for device, values in times.items()}
     return {
-        "model": args.model, "layout": args.layout, "params": sum(p.numel() for p in GPT(PRESETS[args.model]).parameters()),
+        "model": args.model, "layout": args.layout,
+        "params": sum(p.numel() for p in GPT(PRESETS[args.model]).parameters()),
         "cpu_ms": 1000 * medians["cpu"], "nvme_ms": 1000 * medians["nvme"], "ratio": medians["nvme"] / medians["cpu"],
         "state_bytes_per_step": moved["written"], "write_MBps": write_bw / 1e6, "read_MBps": read_bw / 1e6,
         "io_ms": 1000 * io_seconds,
@@ -139,7 +140,8 @@ def one_rss(args: argparse.Namespace) -> dict[str, Any]:
     high = _status("VmHWM")
     largest = max(unit.optimizer_shard.owned_range[1] - unit.optimizer_shard.owned_range[0] for unit in engine.units)
     engine.close()
-    return {"model": args.model, "layout": args.layout, "device": args.device, "params": params, "state_bytes": params * 12,
+    return {"model": args.model, "layout": args.layout, "device": args.device, "params": params,
+            "state_bytes": params * 12,
             "largest_shard_state": largest * 12, "after_initialize_above_start": built - before,
             "steps_high_water_above_initialize": high - built}
 

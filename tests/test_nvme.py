@@ -394,7 +394,9 @@ def params_against_cpu(rank: int, world: int, directory: str, cases: list[dict[s
                     swap.drain()
                 io_before = _process_io()
                 result["file"] = engine.param_swap.file.path
-                result["regions"] = 4 * sum(1 for unit in [*engine.units, *engine.frozen_units] if unit.shard.nvme_bytes)
+                result["regions"] = 4 * sum(  # no local keeps the units alive into the next case's live count
+                    1 for unit in [*engine.units, *engine.frozen_units] if unit.shard.nvme_bytes
+                )
                 result["regions"] += sum(  # the optimizer side's regions, when on NVMe: the master's and its state's
                     1 + len(getattr(unit.optimizer_shard.master_kind, "state_regions", [None])) for unit in engine.units
                 ) if optimizer == "nvme" else 0

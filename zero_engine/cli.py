@@ -29,7 +29,7 @@ from . import __version__
 from .config import ZeroEngineConfig, load_config, read_config_mapping
 from .errors import ConfigError
 from .activations import DecoderShape, activation_bytes
-from .memory import estimate_from_config
+from .memory import estimate_from_config, nvme_parts
 from .offload import offload_plan
 from .stage import stage_for
 from .stage_choice import candidates, choose, format_table
@@ -196,7 +196,8 @@ def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int
     total = report.model_states
     print(f"  {'total':18s} {total / 2**30:10.3f} GiB")
     if report.nvme:
-        print(f"  {'on NVMe':18s} {report.nvme / 2**30:10.3f} GiB  (in host memory only around its use: a step, a gather)")
+        print(f"  {'on NVMe':18s} {report.nvme / 2**30:10.3f} GiB  "
+              "(in host memory only around its use: a step, a gather)")
     if report.host:
         print(f"  {'on the host':18s} {report.host / 2**30:10.3f} GiB  (offload; on the device: "
               f"{(total - report.host - report.nvme) / 2**30:.3f} GiB)")
@@ -210,9 +211,8 @@ def _print_nvme(config: ZeroEngineConfig, report: Any) -> None:
     """What NVMe offload keeps in each rank's swap files and moves through them per step: the
     optimizer side read and written once; parameter shards read at each gather (a forward and a
     backward per micro-batch) and the trainable ones written once (frozen ones never)."""
-    plan = offload_plan(config.zero_optimization, stage_for(config.zero_optimization.stage))
-    optimizer = report.master_parameters + report.optimizer_states if plan.state.on_nvme else 0
-    shards = report.nvme - optimizer
+    zero = config.zero_optimization
+    optimizer, shards = nvme_parts(report, offload_plan(zero, stage_for(zero.stage)))
     written = optimizer + shards - (report.frozen_parameters if shards else 0)
     parts = [f"masters and optimizer state {optimizer / 2**30:.3f} GiB"] if optimizer else []
     parts += [f"parameter shards {shards / 2**30:.3f} GiB"] if shards else []

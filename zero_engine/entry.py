@@ -25,7 +25,7 @@ from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .engine import Engine, is_wrapped, left_sharded
 from .logs import show_by_default
-from .memory import estimate_from_config
+from .memory import estimate_from_config, nvme_parts
 from .sharding.storage.nvme import check_swap_directories
 from .monitor import check_monitor_packages
 from .offload import offload_plan
@@ -160,7 +160,9 @@ def _build_engine(
         trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
         formula = estimate_from_config(config, trainable, comm.mesh.world)
         _check_host_memory(formula.host, units, settings, comm)
-        check_swap_directories(settings.offload, formula, offload.local_ranks())  # NVMe: each rank's files
+        check_swap_directories(  # NVMe: each rank's files
+            settings.offload, *nvme_parts(formula, settings.offload), offload.local_ranks()
+        )
     if comm.rank == 0:
         _log_settings(config, stage, settled.groups)
         _warn_if_one_hardware_queue(stage, comm)

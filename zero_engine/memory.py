@@ -141,6 +141,13 @@ def frozen_element_bytes(stage: Stage, *, mixed: bool, int8_frozen: bool) -> flo
     return 2 if mixed else 4
 
 
+def nvme_parts(report: MemoryReport, plan: OffloadPlan) -> tuple[int, int]:
+    """A formula's NVMe bytes (`with_offload`) as the two swap files hold them: the optimizer
+    side's (masters and optimizer state) and the parameter shards' (frozen ones too)."""
+    optimizer = report.master_parameters + report.optimizer_states if plan.state.on_nvme else 0
+    return optimizer, report.nvme - optimizer
+
+
 def with_offload(
     report: MemoryReport, plan: OffloadPlan, num_params: int, shards: int, *, mixed: bool, stage: Stage
 ) -> MemoryReport:

@@ -480,15 +480,12 @@ OPTIMIZER_KEY = "zero_optimization.offload_optimizer.nvme_path"
 PARAM_KEY = "zero_optimization.offload_param.nvme_path"
 
 
-def check_swap_directories(plan: Any, formula: Any, local_ranks: int) -> None:
+def check_swap_directories(plan: Any, optimizer: int, shards: int, local_ranks: int) -> None:
     """Each NVMe offload's directory (`check_swap_directory`), with room for what every rank of
-    this node puts there (``formula``: `zero_engine.memory.MemoryReport`; both offloads' bytes
-    where they share a directory)."""
-    optimizer = formula.master_parameters + formula.optimizer_states if plan.state.on_nvme else 0
+    this node puts there (a rank's ``optimizer`` and ``shards`` bytes: `zero_engine.memory.nvme_parts`;
+    both offloads' where they share a directory)."""
     needs: dict[str, tuple[str, list[str], int]] = {}
-    for key, placed, nbytes in (
-        (OPTIMIZER_KEY, plan.state, optimizer), (PARAM_KEY, plan.param_shards, formula.nvme - optimizer)
-    ):
+    for key, placed, nbytes in ((OPTIMIZER_KEY, plan.state, optimizer), (PARAM_KEY, plan.param_shards, shards)):
         path = placed.nvme_path
         if placed.on_nvme and path is not None:
             _, keys, total = needs.get(os.path.realpath(path), (path, [], 0))
