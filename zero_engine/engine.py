@@ -20,11 +20,12 @@ from torch import nn
 
 from .accumulation import AccumulationWindow, WindowView
 from .comm import Comm, GroupComm
-from .config import BatchSizes, ZeroEngineConfig
+from .config import BatchSizes
+from .engine_settings import EngineSettings, TransformSettings
 from .errors import ShardedParameterError
 from .loop_guards import LoopGuards
 from .model_access import ModelAccess
-from .monitor import StepLog, build_monitors
+from .monitor import StepLog
 from .param_groups import ParamGroup
 from .precision import Precision
 from .progress import Progress
@@ -43,7 +44,7 @@ from .sharding.transforms.unit_forwards import Compile, Recompute
 from .state.gathered import GatheredParameters
 from .state.state_dict import ModelState, cast_frozen
 from .state.storage import FILES, FileWriter
-from .step import NoOptimizerStep, OptimizerStep, StepSettings
+from .step import NoOptimizerStep, OptimizerStep
 from .step_view import StepView
 from .tree import iter_tensors, map_tensors
 
@@ -58,15 +59,14 @@ class Engine(ModelAccess, StepView, WindowView):
     def __init__(
         self,
         model: nn.Module,
-        config: ZeroEngineConfig,
+        settings: EngineSettings,
         comm: Comm,
         stage: Stage,
         batch: BatchSizes,
         groups: list[ParamGroup],
         precision: Precision,
         plan: UnitPlan,
-        settings: BuildSettings,
-        step_settings: StepSettings,
+        build: BuildSettings,
         *,
         device: torch.device | None = None,
         deferred: DeferredInit | None = None,
@@ -78,7 +78,7 @@ class Engine(ModelAccess, StepView, WindowView):
         # each parameter's dtype as given (the engine may keep it in the compute dtype): close(unshard=True)
         # gives the parameters back in it
         self._dtypes_as_given = {name: param.dtype for name, param in model.named_parameters(remove_duplicate=False)}
-        self.config = config
+        self.settings = settings
         self.comm = comm
         self.stage = stage
         self.batch = batch
@@ -89,15 +89,14 @@ class Engine(ModelAccess, StepView, WindowView):
         self._train_row_sent = False  # this micro-step's call row (`_agree_on_training`)
         self._scaling_backward = False  # inside engine.backward
         self._open_gathered: list[GatheredParameters] = []  # engine.gathered() contexts open (no step inside one)
-        zero = config.zero_optimization
         self._sync_from_rank0()
         self.device = device or _model_device(model)  # where parameters, gradients and state live
-        self.offload = settings.offload  # what lives in host memory instead
+        self.offload = build.offload  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
         cast_frozen(model, precision.compute_dtype)  # before any unit takes their values: no fp32 copy, ever
         self.units, self.frozen_units, self.gatherer, self.reducer, self.calls, self.codecs = build_mechanism(
-            model, plan, comm, settings, self.device, self.lifecycle, self._begin_backward, deferred
+            model, plan, comm, build, self.device, self.lifecycle, self._begin_backward, deferred
         )
         cast_frozen(model, precision.compute_dtype)  # those materialized from the meta device while building
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype, self.frozen_units)
@@ -107,18 +106,18 @@ class Engine(ModelAccess, StepView, WindowView):
         self.guards = LoopGuards(model)  # what the loop may not do (requires_grad as built, among others)
         self.transforms = model_transforms(  # compiled later (compile()); close() puts it all back
             TransformTarget(model, plan.modules.leaf_modules, comm.mesh), comm.sequence_group,
-            self._agree_before_exchanges, config.tiled_loss_tokens, config.tiled_mlp_tokens, zero.recompute_units,
+            self._agree_before_exchanges, settings.transforms,
         )
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
         if self.units:
             self.optimizer_step = OptimizerStep(
-                step_settings, stage, self.units, groups, comm, self.reducer, self.device, self.offload,
+                settings.step, stage, self.units, groups, comm, self.reducer, self.device, self.offload,
                 lr_scheduler,
             )
-        self.step_log = StepLog(build_monitors(config) if comm.rank == 0 else [])  # DeepSpeed's monitor sections
+        self.step_log = StepLog(settings.monitors.writers() if comm.rank == 0 else [])  # DeepSpeed's monitor sections
         self.progress = Progress(  # rank 0's line every steps_per_print steps
-            config.steps_per_print, config.wall_clock_breakdown, batch.train_batch_size, comm.mesh.batch, self.device,
-            printing=comm.rank == 0,
+            settings.print_interval, settings.wall_clock_breakdown, batch.train_batch_size, comm.mesh.batch,
+            self.device, printing=comm.rank == 0,
         )
 
     # -- construction --------------------------------------------------------------------------
@@ -351,8 +350,8 @@ class Engine(ModelAccess, StepView, WindowView):
 
 
 def model_transforms(
-    target: TransformTarget, sequence_group: GroupComm, before_exchanges: Callable[[], None], tiled_loss_tokens: int,
-    tiled_mlp_tokens: int, recompute: bool,
+    target: TransformTarget, sequence_group: GroupComm, before_exchanges: Callable[[], None],
+    settings: TransformSettings,
 ) -> ModuleTransforms:
     """What the model's modules compute, changed in one order: attention exchanged over the
     sequence group (``sequence_parallel_size``), the loss and the MLPs in tiles
@@ -361,11 +360,11 @@ def model_transforms(
     transforms = ModuleTransforms(target)
     if target.mesh.sequence > 1:
         transforms.add(UlyssesAttention(sequence_group, before_exchanges))
-    if tiled_loss_tokens:  # never the whole logits
-        transforms.add(TiledLoss(tiled_loss_tokens))
-    if tiled_mlp_tokens:  # never an MLP's intermediates for the whole sequence
-        transforms.add(TiledMLP(tiled_mlp_tokens))
-    if recompute:
+    if settings.tiled_loss_tokens:  # never the whole logits
+        transforms.add(TiledLoss(settings.tiled_loss_tokens))
+    if settings.tiled_mlp_tokens:  # never an MLP's intermediates for the whole sequence
+        transforms.add(TiledMLP(settings.tiled_mlp_tokens))
+    if settings.recompute:
         transforms.add(Recompute())
     return transforms
 

@@ -24,10 +24,10 @@ from .comm import Comm, connect, make_data_communicators, with_stage_groups
 from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .engine import Engine, is_wrapped, left_sharded
+from .engine_settings import EngineSettings
 from .logs import show_by_default
 from .memory import estimate_from_config, nvme_parts
 from .sharding.storage.nvme import check_swap_directories
-from .monitor import check_monitor_packages
 from .offload import offload_plan
 from .optim import check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
@@ -39,7 +39,6 @@ from .sharding.building.deferred_init import DeferredInit, draw_base_seed, has_m
 from .stage import Stage, stage_for
 from .stage_choice import resolve_stage
 from .state.weights import WeightsSource, load_weights, match_weights, open_weights
-from .step import StepSettings
 from .validation import check_config
 
 logger = logging.getLogger("zero_engine")
@@ -78,7 +77,7 @@ def initialize(
     try:
         file_names = match_weights(model, weights_file) if weights_file is not None else {}
         _check_device(device)
-        comm = with_stage_groups(comm or connect(config, device), config, stage)
+        comm = with_stage_groups(comm or connect(config, device), stage)
         make_data_communicators(comm, device)
         if stage_table is not None and comm.rank == 0:
             logger.info(stage_table)
@@ -101,6 +100,7 @@ class Settled(NamedTuple):
     groups: list[ParamGroup]
     plan: ModulePlan
     device: torch.device
+    engine: EngineSettings
 
 
 def _settle(
@@ -114,7 +114,6 @@ def _settle(
     they connect first (the connection is returned, with the table of the stages weighed)."""
     config = check_config(load_config(config), model).config
     _check_scheduler_factory(lr_scheduler, config.scheduler.type if config.scheduler else None)
-    check_monitor_packages(config)
     groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
     device = materialization_device(model)
     plan = ModulePlan(model, groups, config.zero_optimization)  # decided once, for everything that asks
@@ -125,7 +124,8 @@ def _settle(
     check_optimizer_for_stage(config.optimizer, stage)  # again: stage: auto is settled only now
     precision = Precision.from_config(config)
     _check_params(model, precision)
-    return Settled(config, stage, precision, groups, plan, device), comm, stage_table
+    engine = EngineSettings.derive(config)  # a monitor without its package fails here
+    return Settled(config, stage, precision, groups, plan, device, engine), comm, stage_table
 
 
 def _deferred_init(
@@ -167,8 +167,8 @@ def _build_engine(
         _log_settings(config, stage, settled.groups)
         _warn_if_one_hardware_queue(stage, comm)
     return Engine(
-        model, config, comm, stage, batch, settled.groups, precision, units, settings, StepSettings.derive(config),
-        device=settled.device, deferred=deferred, lr_scheduler=lr_scheduler,
+        model, settled.engine, comm, stage, batch, settled.groups, precision, units, settings, device=settled.device,
+        deferred=deferred, lr_scheduler=lr_scheduler,
     )
 
 

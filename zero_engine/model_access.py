@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .accumulation import AccumulationWindow
     from .comm import Comm
     from .config import BatchSizes, ZeroEngineConfig
+    from .engine_settings import EngineSettings
     from .offload import OffloadPlan
     from .sharding.gathering.calls import CallGuard, PassCallGuard
     from .sharding.storage.codec import Codecs
@@ -56,7 +57,7 @@ class ModelAccess:
     optimizer: torch.optim.Optimizer | None
     window: AccumulationWindow
     batch: BatchSizes
-    config: ZeroEngineConfig
+    settings: EngineSettings
     stage: Stage
     device: torch.device
     offload: OffloadPlan
@@ -67,6 +68,12 @@ class ModelAccess:
     skipped_steps: int
     _open_gathered: list[GatheredParameters]
     _agree_on_call: Callable[[Call], None]
+
+    @property
+    def config(self) -> ZeroEngineConfig:
+        """The resolved config (``stage: auto`` settled, ``"auto"`` values filled), as each
+        checkpoint's manifest records it."""
+        return self.settings.config
 
     def gathered(
         self, params: nn.Parameter | str | Any = None, *, modifier_rank: int | None = None
@@ -246,7 +253,7 @@ class ModelAccess:
 
     def _resumable(self, exclude_frozen: bool = False) -> checkpoint.Resumable:
         return checkpoint.Resumable(
-            self.model_state, self.optimizer_step, self.config, self.stage.level, self.device, exclude_frozen
+            self.model_state, self.optimizer_step, self.settings.config, self.stage.level, self.device, exclude_frozen
         )
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import csv
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .config import ZeroEngineConfig
+from .config import CometConfig, CsvMonitorConfig, TensorBoardConfig, WandbConfig, ZeroEngineConfig
 from .errors import ConfigError
 
 Event = tuple[str, float, int]  # name, value, samples seen
@@ -30,6 +31,8 @@ _PACKAGES = {
     "tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
     "comet": ("comet_ml", "comet_ml"),
 }
+
+_COMET_START = ("project", "workspace", "api_key", "experiment_key", "online", "mode")  # comet_ml.start's
 
 
 class MonitorWriter(Protocol):
@@ -74,9 +77,9 @@ class TensorBoardWriter:
 
 
 class WandbWriter:
-    def __init__(self, section: Any) -> None:
+    def __init__(self, project: str | None, group: str | None, entity: str | None) -> None:
         self.wandb = _import("wandb")
-        self.wandb.init(project=section.project, group=section.group, entity=section.team)
+        self.wandb.init(project=project, group=group, entity=entity)
 
     def write(self, events: list[Event]) -> None:
         for name, value, samples in events:
@@ -87,17 +90,12 @@ class WandbWriter:
 
 
 class CometWriter:
-    def __init__(self, section: Any) -> None:
+    def __init__(self, options: dict[str, Any], experiment_name: str | None, samples_log_interval: int) -> None:
         comet_ml = _import("comet")
-        options = {
-            key: getattr(section, key)
-            for key in ("project", "workspace", "api_key", "experiment_key", "online", "mode")
-            if getattr(section, key) is not None
-        }
         self.experiment = comet_ml.start(**options)
-        if section.experiment_name:
-            self.experiment.set_name(section.experiment_name)
-        self.interval = section.samples_log_interval
+        if experiment_name:
+            self.experiment.set_name(experiment_name)
+        self.interval = samples_log_interval
         self._next = 0
 
     def write(self, events: list[Event]) -> None:
@@ -112,29 +110,41 @@ class CometWriter:
         self.experiment.end()
 
 
-def check_monitor_packages(config: ZeroEngineConfig) -> None:
-    """Fail at initialize, on every rank, when a monitor is on and its package is missing."""
-    for section in _PACKAGES:
-        value = getattr(config, section)
-        if value is not None and value.enabled:
-            _import(section)
+MonitorSection = TensorBoardConfig | CsvMonitorConfig | WandbConfig | CometConfig
 
 
-def build_monitors(config: ZeroEngineConfig) -> list[MonitorWriter]:
-    """The writers the config switches on (call on rank 0 only)."""
-    writers: list[MonitorWriter] = []
-    for section, default_base, make in (
-        ("csv_monitor", "csv_monitor", CsvWriter), ("tensorboard", "tensorboard", TensorBoardWriter),
-    ):
-        value = getattr(config, section)
-        if value is not None and value.enabled:
-            base = Path(value.output_path) if value.output_path else Path.home() / default_base
-            writers.append(make(base / value.job_name))
-    if config.wandb is not None and config.wandb.enabled:
-        writers.append(WandbWriter(config.wandb))
-    if config.comet is not None and config.comet.enabled:
-        writers.append(CometWriter(config.comet))
-    return writers
+@dataclass(frozen=True)
+class Monitors:
+    """The monitor sections switched on, by name, in the order their writers are made."""
+
+    sections: tuple[tuple[str, MonitorSection], ...] = ()
+
+    @classmethod
+    def from_config(cls, config: ZeroEngineConfig) -> Monitors:
+        """The sections on, each package checked here: at initialize, on every rank, a section
+        switched on without its package fails (`ConfigError`)."""
+        names = ("csv_monitor", "tensorboard", "wandb", "comet")
+        sections = tuple(
+            (name, section) for name in names if (section := getattr(config, name)) is not None and section.enabled
+        )
+        for name, _ in sections:
+            if name in _PACKAGES:
+                _import(name)
+        return cls(sections)
+
+    def writers(self) -> list[MonitorWriter]:
+        """The sections' writers (call on rank 0 only)."""
+        writers: list[MonitorWriter] = []
+        for name, section in self.sections:
+            if isinstance(section, (CsvMonitorConfig, TensorBoardConfig)):
+                base = Path(section.output_path) if section.output_path else Path.home() / name
+                writers.append((CsvWriter if name == "csv_monitor" else TensorBoardWriter)(base / section.job_name))
+            elif isinstance(section, WandbConfig):
+                writers.append(WandbWriter(section.project, section.group, section.team))
+            else:
+                options = {key: getattr(section, key) for key in _COMET_START if getattr(section, key) is not None}
+                writers.append(CometWriter(options, section.experiment_name, section.samples_log_interval))
+        return writers
 
 
 class StepLog:

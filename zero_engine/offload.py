@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 import torch
 
+from .config import OffloadConfig, ZeroOptimizationConfig
 from .devices import HOST
 from .stage import Stage
 
@@ -47,15 +47,6 @@ class Placed:
     tier: Tier = Tier.DEVICE
     nvme_path: str | None = None
     buffer_count: int = 4
-
-    @classmethod
-    def from_section(cls, section: Any, applies: bool = True) -> Placed:
-        """From an ``offload_optimizer`` / ``offload_param`` section (None or device none: the device)."""
-        if not applies or section is None or section.device not in ("cpu", "nvme"):
-            return cls()
-        if section.device == "cpu":
-            return cls(Tier.HOST)
-        return cls(Tier.NVME, section.nvme_path, section.buffer_count)
 
     @property
     def on_nvme(self) -> bool:
@@ -100,17 +91,26 @@ class OffloadPlan:
 NO_OFFLOAD = OffloadPlan()
 
 
-def offload_plan(zero: Any, stage: Stage, accumulation: int = 1) -> OffloadPlan:
+def offload_plan(zero: ZeroOptimizationConfig, stage: Stage, accumulation: int = 1) -> OffloadPlan:
     """The plan from a ``zero_optimization`` section (validated: `zero_engine.config`);
     ``offload_param`` counts at stage 3 only (below it parameters are whole, as in DeepSpeed).
     ``accumulation``: micro-steps per optimizer step (stages 2-3 reduce at every one)."""
-    state = Placed.from_section(zero.offload_optimizer)
-    param_shards = Placed.from_section(zero.offload_param, applies=stage.shard_parameters)
+    state = _placed(zero.offload_optimizer)
+    param_shards = _placed(zero.offload_param) if stage.shard_parameters else ON_DEVICE
     pin = any(section is not None and section.device == "cpu" and section.pin_memory
               for section in (zero.offload_optimizer, zero.offload_param))
     optimizer = state.tier is not Tier.DEVICE
     staged = optimizer and accumulation > 1 and stage.streams_gradients(zero.reduce_scatter_each_micro_step)
     return OffloadPlan(state, param_shards, pin, staged)
+
+
+def _placed(section: OffloadConfig | None) -> Placed:
+    """An ``offload_optimizer`` / ``offload_param`` section's tier (None or device none: the device)."""
+    if section is None or section.device not in ("cpu", "nvme"):
+        return ON_DEVICE
+    if section.device == "cpu":
+        return Placed(Tier.HOST)
+    return Placed(Tier.NVME, section.nvme_path, section.buffer_count)
 
 
 # Host buffers that cross to or from the device in every forward or backward are pinned

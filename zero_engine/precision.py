@@ -11,10 +11,11 @@ same small all-reduce that carries the gradient norm).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from .config import FP16Config, ZeroEngineConfig
+from .config import ZeroEngineConfig
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -97,15 +98,12 @@ class LossScaler:
         self.last_overflow = int(state["last_overflow"])
 
 
-def build_loss_scaler(fp16: FP16Config) -> LossScaler | None:
-    """A scaler for fp16; None (a scale of 1, never skipping) otherwise."""
-    if not fp16.enabled:
-        return None
-    return LossScaler(
-        fp16.loss_scale,
-        fp16.initial_scale_power,
-        fp16.loss_scale_window,
-        fp16.hysteresis,
-        fp16.min_loss_scale,
-        fp16.consecutive_hysteresis,
-    )
+class LossScaling(NamedTuple):
+    """fp16's loss scaling as configured (`LossScaler`'s arguments, in its order)."""
+
+    static_scale: float
+    initial_scale_power: int
+    window: int
+    hysteresis: int
+    min_scale: float
+    consecutive_hysteresis: bool

@@ -180,8 +180,9 @@ def scheduler_class(name: str) -> type:
     raise ValueError(f"scheduler.type = {name!r} is not a supported schedule{extra}{suggest(name, sorted(known))}")
 
 
-def build_scheduler(section: Any, optimizer: torch.optim.Optimizer) -> Any:
-    return scheduler_class(section.type)(optimizer, **section.params)
+def build_scheduler(name: str, params: dict[str, Any], optimizer: torch.optim.Optimizer) -> Any:
+    """The schedule ``scheduler.type`` names, with ``scheduler.params``, over ``optimizer``."""
+    return scheduler_class(name)(optimizer, **params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,16 +237,16 @@ def check_schedule_params(name: str, params: dict[str, Any]) -> None:
             )
 
 
-def dry_run(section: Any, optimizer: torch.optim.Optimizer) -> None:
+def dry_run(name: str, params: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
     """Run the schedule ahead on a stand-in optimizer with the same groups: a rate that is not a
     finite non-negative number, or an error from the schedule (``StepLR`` with ``step_size`` 0
     divides by zero at its first step), fails `initialize` naming the schedule, not step 1000."""
     stand_in = torch.optim.SGD([{"params": [torch.zeros(1, device="cpu")], "lr": g["lr"]} for g in optimizer.param_groups])
-    label = f"scheduler {section.type} with params {section.params}"
+    label = f"scheduler {name} with params {params}"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            schedule = build_scheduler(section, stand_in)
+            schedule = build_scheduler(name, params, stand_in)
             for step in range(DRY_RUN_STEPS):
                 _check_rates(label, step, [group["lr"] for group in stand_in.param_groups])
                 stand_in.step()

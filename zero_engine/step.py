@@ -26,12 +26,12 @@ import torch
 
 from . import devices
 from .comm import Comm
-from .config import FP16Config, OptimizerConfig, SchedulerConfig, ZeroEngineConfig
+from .config import OptimizerConfig, SchedulerConfig
 from .offload import OffloadPlan
 from .matrix_step import matrix_params, plan_exchanges, split_groups
 from .optim import ComputeLayout, build_optimizer, optimizer_kind
 from .param_groups import ParamGroup
-from .precision import build_loss_scaler
+from .precision import LossScaler, LossScaling
 from .schedules import build_scheduler, dry_run
 from .errors import CheckpointError
 from .sharding.storage.optimizer_shard import SavedPiece, SavedPieces, step_shards
@@ -44,17 +44,14 @@ logger = logging.getLogger("zero_engine")
 
 @dataclass(frozen=True)
 class StepSettings:
-    """What the optimizer step reads of the config, derived once (`derive`): the optimizer, its
-    schedule, the clipping, and fp16's loss scaling."""
+    """What the optimizer step reads of the config, derived once with the engine's other
+    settings (`zero_engine.engine_settings`): the optimizer, its schedule, the clipping, and
+    fp16's loss scaling."""
 
     optimizer: OptimizerConfig
     scheduler: SchedulerConfig | None
     gradient_clipping: float  # max global norm; 0: off
-    fp16: FP16Config  # loss scaling when enabled
-
-    @classmethod
-    def derive(cls, config: ZeroEngineConfig) -> StepSettings:
-        return cls(config.optimizer, config.scheduler or None, config.gradient_clipping, config.fp16)
+    loss_scaling: LossScaling | None  # fp16's; None: a scale of 1, never skipping
 
 
 class StepResult(NamedTuple):
@@ -93,12 +90,14 @@ class OptimizerStep:
             self.optimizer.defer_orthogonalisation = plan_exchanges(
                 units, matrices, self.optimizer.param_groups, comm, stage
             ) > 0
+        self.lr_scheduler: Any = None
         if settings.scheduler:
-            dry_run(settings.scheduler, self.optimizer)
-        self.lr_scheduler = build_scheduler(settings.scheduler, self.optimizer) if settings.scheduler else None
+            schedule = settings.scheduler.type, settings.scheduler.params
+            dry_run(*schedule, self.optimizer)
+            self.lr_scheduler = build_scheduler(*schedule, self.optimizer)
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer)
-        self.loss_scaler = build_loss_scaler(settings.fp16)
+        self.loss_scaler = LossScaler(*settings.loss_scaling) if settings.loss_scaling else None
         self.skipped_steps = 0
         self.grad_norm: float | None = None  # the last step's
         self.applied = False  # whether the last step updated the parameters

@@ -58,7 +58,7 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     replicas = GroupComm(rank // mesh.shard, mesh.replicate, backend, replica_group, None, primitives, force)
     sequence = GroupComm(rank % mesh.sequence, mesh.sequence, backend, _sequence_group(timeout, mesh, rank, data),
                          None, primitives, force)
-    return Comm(world, shards, replicas, mesh=mesh, sequence_group=sequence)
+    return Comm(world, shards, replicas, mesh=mesh, sequence_group=sequence, timeout_s=timeout)
 
 
 def _mesh(sequence: int, shard_group_size_for: Callable[[int], int], world: GroupComm) -> Mesh:
@@ -89,18 +89,21 @@ def _sequence_group(timeout_s: float, mesh: Mesh, rank: int, data: Any) -> Any:
     return groups[rank // mesh.sequence]
 
 
-def with_stage_groups(comm: Comm, config: ZeroEngineConfig, stage: Stage) -> Comm:
+def with_stage_groups(comm: Comm, stage: Stage) -> Comm:
     """``comm`` with what ``stage`` needs besides: at stage 3, reduce-scatters on a group of
-    their own (`_reduce_group`). Every rank calls it at the same point (``new_group`` is
-    collective)."""
+    their own (`_reduce_group`), made as ``comm``'s groups were (timeout, primitives). Every rank
+    calls it at the same point (``new_group`` is collective)."""
     size = comm.num_shards
     if not (stage.shard_parameters and size > 1):
         return comm
-    group = _reduce_group(config.comm.timeout_s, comm.mesh, comm.rank)
+    assert comm.timeout_s is not None  # groups of more than one rank come from `connect`
+    group = _reduce_group(comm.timeout_s, comm.mesh, comm.rank)
     reduces = GroupComm(
-        comm.shard_rank, size, comm.backend, group, None, config.comm.primitives, config.comm.force_collectives
+        comm.shard_rank, size, comm.backend, group, None, comm.world.primitives, comm.world.force_collectives
     )
-    return Comm(comm.world, comm.shard_group, comm.replica_group, reduces, comm.mesh, comm.sequence_group)
+    return Comm(
+        comm.world, comm.shard_group, comm.replica_group, reduces, comm.mesh, comm.sequence_group, comm.timeout_s
+    )
 
 
 def make_data_communicators(comm: Comm, device: torch.device) -> None:

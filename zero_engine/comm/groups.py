@@ -70,6 +70,7 @@ class GroupComm:
         # Agreements between ranks (`each_rank`, `all_gather_json`) go through a gloo group of
         # their own: CPU tensors, never behind the data collectives in flight on ``group``.
         self.control_group = control_group
+        self.primitives, self.force_collectives = primitives, force_collectives  # as given: groups made later copy them
         self.per_shard = primitives == "per_shard" or (primitives == "auto" and backend == "gloo")
         self._bytes = {kind: 0 for kind in CollectiveKind}
 
@@ -286,8 +287,10 @@ class Comm:
         reduce_group: GroupComm | None = None,
         mesh: Mesh | None = None,
         sequence_group: GroupComm | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.world, self.shard_group, self.replica_group = world, shard_group, replica_group
+        self.timeout_s = timeout_s  # the engine's groups' (``comm.timeout_s``): groups made later take it too
         # The layout and the rank counts by use (batch, gradient divisor, shard, replicate).
         self.mesh = mesh or Mesh(replicate=replica_group.world_size, shard=shard_group.world_size)
         # The ranks that split one sequence between them (Ulysses; a group of one without it).

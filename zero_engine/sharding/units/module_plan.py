@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 
+from ...config import ZeroOptimizationConfig
 from ...param_groups import ParamGroup
 from .quantized_frozen import FrozenQuantization
 
@@ -208,7 +208,7 @@ class ModulePlan:
     for the leaf units), and handed to everything that needs it: `stage: auto`'s largest unit,
     stage 3's units, the modules recomputed and compiled."""
 
-    def __init__(self, model: nn.Module, groups: Sequence[ParamGroup], zero: Any) -> None:
+    def __init__(self, model: nn.Module, groups: Sequence[ParamGroup], zero: ZeroOptimizationConfig) -> None:
         self.model = model
         int8 = FrozenQuantization.from_config(zero, shards_parameters=True)  # where units are built: stage 3
         self._args = (

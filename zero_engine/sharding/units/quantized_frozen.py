@@ -37,6 +37,7 @@ from torch import nn
 
 from ...comm import Comm
 from ...comm.handles import DONE, CollectiveKind
+from ...config import ZeroOptimizationConfig
 from ...errors import ConfigError
 from ...quantize import BlockQuantizer, BufferMeter
 from ..storage.codec import Gathering
@@ -57,7 +58,7 @@ class FrozenQuantization:
     replicated: bool = False
 
     @classmethod
-    def from_config(cls, zero: Any, shards_parameters: bool) -> FrozenQuantization:
+    def from_config(cls, zero: ZeroOptimizationConfig, shards_parameters: bool) -> FrozenQuantization:
         """``zero_quantized_nontrainable_weights`` where stage 3 holds frozen weights in units
         (``shards_parameters``); below stage 3 they stay whole and exact (said at initialize)."""
         return cls(

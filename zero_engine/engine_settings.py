@@ -1,0 +1,54 @@
+"""What the engine itself reads of the config, derived once at `initialize` (`EngineSettings.derive`).
+
+The engine's parts each get the settings they act on, never the config: the optimizer step its
+`StepSettings`, the module transforms theirs, rank 0's progress line its interval, the monitors
+their sections. The resolved config rides along for what shows it whole: ``engine.config`` and
+each checkpoint's manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .config import ZeroEngineConfig
+from .monitor import Monitors
+from .precision import LossScaling
+from .step import StepSettings
+
+
+class TransformSettings(NamedTuple):
+    """The module transforms the config asks for besides sequence parallelism (the mesh's)."""
+
+    tiled_loss_tokens: int  # 0: the loss whole
+    tiled_mlp_tokens: int  # 0: each MLP whole
+    recompute: bool  # each unit recomputed in backward (``recompute_units``)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine's settings: the step's, the transforms', the progress line's, the monitors'."""
+
+    step: StepSettings
+    transforms: TransformSettings
+    print_interval: int | None  # ``steps_per_print``: rank 0's progress line; None: never
+    wall_clock_breakdown: bool  # the line's phase times
+    monitors: Monitors
+    config: ZeroEngineConfig  # resolved (``stage: auto`` settled): ``engine.config`` and the manifest's
+
+    @classmethod
+    def derive(cls, config: ZeroEngineConfig) -> EngineSettings:
+        """From the resolved config; a monitor switched on without its package fails here
+        (`Monitors.from_config`), on every rank."""
+        fp16 = config.fp16
+        scaling = LossScaling(
+            fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis, fp16.min_loss_scale,
+            fp16.consecutive_hysteresis,
+        ) if fp16.enabled else None
+        return cls(
+            StepSettings(config.optimizer, config.scheduler or None, config.gradient_clipping, scaling),
+            TransformSettings(
+                config.tiled_loss_tokens, config.tiled_mlp_tokens, config.zero_optimization.recompute_units
+            ),
+            config.steps_per_print, config.wall_clock_breakdown, Monitors.from_config(config), config,
+        )
