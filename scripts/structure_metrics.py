@@ -2,7 +2,7 @@
 
 Prints the longest classes and modules (lines), the builders' argument counts, the modules that
 name the config's types (``ZeroEngineConfig`` or one of its section classes), the functions
-that take one as an argument, and the world size read outside ``comm/`` (a ``world_size``
+that take one as an argument (or an argument named as a section and typed ``Any``), and the world size read outside ``comm/`` (a ``world_size``
 name or argument, or ``comm.world_size``: counts of ranks are asked of the mesh by use there). Counted with ``ast`` over ``zero_engine/`` (integrations, the
 config package itself, the CLI and ``testing/`` left out: they are the config's readers by
 trade). Run from the repository root::
@@ -52,6 +52,32 @@ def _world_size_reads(tree: ast.AST) -> list[int]:
     return sorted(set(lines))
 
 
+# Parameter names that hold a section, whatever their annotation says: typed ``Any`` (or not
+# at all), a section would slip past the count.
+SECTION_NAMES = {"config", "zero", "section"}
+
+
+def config_takers(tree: ast.AST, config_types: set[str]) -> list[str]:
+    """The functions in ``tree`` that take the config or a section: an argument annotated with
+    one of ``config_types``, or named as a section (`SECTION_NAMES`) and annotated ``Any`` or
+    not at all."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+        annotations = [arg.annotation for arg in arguments if arg.annotation]
+        named = {n.id for a in annotations for n in ast.walk(a) if isinstance(n, ast.Name)}
+        named |= {a.value for a in annotations if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+        untyped = any(
+            arg.arg in SECTION_NAMES and (arg.annotation is None or ast.unparse(arg.annotation) in ("Any", "'Any'"))
+            for arg in arguments
+        )
+        if named & config_types or untyped:
+            found.append(node.name)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=5)
@@ -77,13 +103,7 @@ def main() -> None:
             names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
             if names & config_types:
                 reached.append(relative)
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    annotations = [arg.annotation for arg in [*node.args.args, *node.args.kwonlyargs] if arg.annotation]
-                    named = {n.id for a in annotations for n in ast.walk(a) if isinstance(n, ast.Name)}
-                    named |= {a.value for a in annotations if isinstance(a, ast.Constant) and isinstance(a.value, str)}
-                    if named & config_types:
-                        takers.append(f"{relative}:{node.name}")
+            takers += [f"{relative}:{name}" for name in config_takers(tree, config_types)]
     print("longest classes (lines, methods):")
     for lines, name, methods in sorted(classes, reverse=True)[: args.top]:
         print(f"  {lines:5d} {methods:3d}  {name}")

@@ -37,6 +37,27 @@ def test_the_check_sees_each_kind_of_read():
     assert reads == [1, 2, 3, 4]  # a group's own size (line 5) is its size, not a degree
 
 
+def test_at_most_twenty_functions_take_the_config_or_a_section():
+    """The config reaches the package through few doors (the structure issue's item 6): each
+    part gets settings derived once, not the config."""
+    metrics = _metrics()
+    config_types = metrics._config_types()
+    takers = []
+    for path in sorted((ROOT / "zero_engine").rglob("*.py")):
+        relative = path.relative_to(ROOT / "zero_engine").as_posix()
+        if not relative.startswith(metrics.NOT_COUNTED_FOR_REACH):
+            takers += [f"{relative}:{name}" for name in metrics.config_takers(ast.parse(path.read_text()), config_types)]
+    assert 0 < len(takers) <= 20, takers
+
+
+def test_a_section_typed_any_is_still_counted():
+    found = _metrics().config_takers(ast.parse(
+        "def a(zero: Any): ...\ndef b(section): ...\ndef c(config: ZeroEngineConfig): ...\n"
+        "def d(x: OffloadConfig | None): ...\ndef e(model_config: Any): ...\ndef f(zero: Stage): ...\n"
+    ), {"ZeroEngineConfig", "OffloadConfig"})
+    assert found == ["a", "b", "c", "d"]
+
+
 # sharding/'s sub-packages, bottom first: each may import those before it, never one after.
 SHARDING_ORDER = ["storage", "units", "reduction", "gathering", "transforms", "building"]
 
