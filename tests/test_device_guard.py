@@ -130,7 +130,7 @@ def test_hybrid_sharding_neither_mixes_nor_syncs_more(tmp_path: Path) -> None:
 
 def _mask_concatenated_on_the_host(self: OptimizerStep) -> tuple[list[bool], float]:
     """The used-mask agreement as it was: the mask stays a host tensor."""
-    squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units], self.device)
+    squares = _sum_of_squares([self._shard_norm(unit) for unit in self.units], self.device)
     packed = torch.cat([self.reducer.used_mask(), squares.view(1)])
     self.comm.all_reduce_sum(packed).wait()
     *used, total = packed.tolist()

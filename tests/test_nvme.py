@@ -45,8 +45,10 @@ STEPS = 20
 
 
 def config(stage: int, device: str, directory: str, *, dtype: str = "fp32", accum: int = 2,
-           offload_param: bool = False, optimizer: str = "AdamW") -> dict[str, Any]:
+           offload_param: bool = False, optimizer: str = "AdamW", shard_group_size: int = 0) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage, "offload_optimizer": {"device": device, "nvme_path": directory}}
+    if shard_group_size:  # hybrid: a window's gradient carried across groups once (read back from NVMe)
+        zero["shard_group_size"] = shard_group_size
     if offload_param:
         zero["offload_param"] = {"device": "cpu"}
     params = {"lr": 1e-3, "weight_decay": 0.01} if optimizer == "AdamW" else {"lr": 0.02, "adam_lr": 1e-3}
@@ -98,7 +100,8 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
             SwapFile.write = slow_write
         states, report, live = [], {}, {}
         for device in ("cpu", "nvme"):
-            options = {key: case[key] for key in ("dtype", "accum", "offload_param", "optimizer") if key in case}
+            options = {key: case[key] for key in ("dtype", "accum", "offload_param", "optimizer", "shard_group_size")
+                       if key in case}
             engine = zero_engine.initialize(make_gpt(), config(case["stage"], device, directory, **options))
             train(engine, rank, world, range(STEPS - 1), case.get("accum", 2))
             if device == "nvme":
@@ -113,11 +116,16 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
                     "disk": {key: io_after[key] - io_before[key] for key in io_before},
                     "state_bytes": sum(unit.optimizer_shard.owned_range[1] - unit.optimizer_shard.owned_range[0]
                                        for unit in engine.units) * 4 * 3,  # master, exp_avg, exp_avg_sq
+                    "grad_bytes": sum(unit.optimizer_shard.grad.nvme_bytes for unit in engine.units),  # fp32
+                    "grad_pages": sum(-(-unit.optimizer_shard.grad.nvme_bytes // 4096) * 4096 for unit in engine.units),
+                    "grad_buffers": engine.swap.grad_buffers.nbytes,  # host buffers gradients cross in
+                    "grad_norms": 4 * len(engine.units),  # each gradient's fp32 norm, kept from its write
                     "memory": engine.memory_report(),
                     "file": swap.name, "cached": cached_pages(swap), "regions": engine.swap.file.end,
                 }
             else:
                 train(engine, rank, world, range(STEPS - 1, STEPS), case.get("accum", 2))
+                host_grads = sum(unit.optimizer_shard.grad.nbytes for unit in engine.units)  # fp32 (+ staging)
             # the storages the process holds, the engine alive (less the last run's state dict)
             kept = sum(t.untyped_storage().nbytes() for state in states for t in state.values())
             live[device] = live_tensor_bytes() - kept
@@ -127,7 +135,7 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
                 report["left"] = swap.exists()
         SwapFile.write = fast_write
         results.append({"equal": all(torch.equal(states[0][k], states[1][k]) for k in states[0]),
-                        "live_saved": live["cpu"] - live["nvme"], **report})
+                        "live_saved": live["cpu"] - live["nvme"], "cpu_grad_bytes": host_grads, **report})
     return results
 
 
@@ -142,6 +150,8 @@ FAST = [  # stage 3 with the optimizer side on NVMe: the parameter shards' test 
     {"stage": 2, "dtype": "bf16"},
     {"stage": 2, "optimizer": "Muon", "accum": 1},
     {"stage": 1, "accum": 1, "slow_disk": True},
+    # 2 groups of 1: a window crosses once, on its boundary, read back from the file while a write is late
+    {"stage": 2, "shard_group_size": 1, "accum": 3, "slow_disk": True},
 ]
 SLOW = [
     {"stage": stage, "dtype": dtype, "offload_param": stage == 3}
@@ -161,18 +171,28 @@ def test_bit_for_bit_cpu_offload_files_per_rank_bytes_and_no_page_cache(world: i
         assert not any(r["left"] for r in results)
         for r in results:
             assert r["cached"] == 0, f"{case}: the page cache holds {r['cached']} pages of the swap file"
-            if case.get("optimizer", "AdamW") == "AdamW":  # each step reads and writes the state once
-                assert r["nvme"]["read"] == r["nvme"]["written"] == r["state_bytes"], (case, r)
-                # memory_report between steps: the masters and the state are in the file, not in memory
+            if case.get("optimizer", "AdamW") == "AdamW":
+                # each step reads and writes the state once; the gradient is written by every
+                # reduction (stage 1: one a window; stages 2-3: one a micro-step), read back to add
+                # each later one, and read once by the step
+                reductions = 1 if case["stage"] == 1 else case.get("accum", 2)
+                moved = r["state_bytes"] + reductions * r["grad_bytes"]
+                assert r["nvme"]["read"] == r["nvme"]["written"] == moved, (case, r)
+                # memory_report between steps: masters, state and gradient are in the file, not in memory
                 memory = r["memory"]
-                assert (memory["nvme"], memory["master_parameters"]) == (r["state_bytes"], 0), (case, memory)
+                assert (memory["nvme"], memory["master_parameters"]) == (r["state_bytes"] + r["grad_bytes"], 0), \
+                    (case, memory)
                 assert memory["optimizer_states"] <= 8 * 64, (case, memory)  # AdamW's step counters alone
-                # and as the process holds it (live storages): exactly the state less than with CPU offload
-                assert r["live_saved"] == r["state_bytes"], (case, r["live_saved"], r["state_bytes"])
-                # what the process asked of the disk (/proc/self/io): every region once each way, in
-                # whole pages (on this tiny model a page's rounding is a tenth of a region)
-                assert abs(r["disk"]["write_bytes"] - r["regions"]) <= 0.01 * r["regions"], (case, r)
-                assert abs(r["disk"]["read_bytes"] - r["regions"]) <= 0.01 * r["regions"], (case, r)
+                # and as the process holds it (live storages): exactly the state and CPU offload's host
+                # gradient less, the few buffers gradients cross in (and their norms) more
+                saved = r["state_bytes"] + r["cpu_grad_bytes"] - r["grad_buffers"] - r["grad_norms"]
+                assert r["live_saved"] == saved, (case, r["live_saved"], saved)
+                # what the process asked of the disk (/proc/self/io): every region once each way, and the
+                # gradient's once more per later reduction, in whole pages (on this tiny model a page's
+                # rounding is a tenth of a region)
+                disk = r["regions"] + (reductions - 1) * r["grad_pages"]
+                assert abs(r["disk"]["write_bytes"] - disk) <= 0.01 * disk, (case, r)
+                assert abs(r["disk"]["read_bytes"] - disk) <= 0.01 * disk, (case, r)
 
 
 # -- bad paths: refused at initialize, naming the key, nothing written ------------------------------
@@ -397,9 +417,11 @@ def params_against_cpu(rank: int, world: int, directory: str, cases: list[dict[s
                 result["regions"] = 4 * sum(  # no local keeps the units alive into the next case's live count
                     1 for unit in [*engine.units, *engine.frozen_units] if unit.shard.nvme_bytes
                 )
-                result["regions"] += sum(  # the optimizer side's regions, when on NVMe: the master's and its state's
-                    1 + len(getattr(unit.optimizer_shard.master_kind, "state_regions", [None])) for unit in engine.units
+                result["regions"] += sum(  # the optimizer side's regions, when on NVMe: the master's and its
+                    # state's, and the gradient's (moved twice each way: a micro-step's read back to add the next)
+                    3 + len(getattr(unit.optimizer_shard.master_kind, "state_regions", [None])) for unit in engine.units
                 ) if optimizer == "nvme" else 0
+                result["grad_bytes"] = sum(unit.optimizer_shard.grad.nvme_bytes for unit in engine.units)
                 result["shard_bytes"] = sum(unit.shard.nvme_bytes for unit in [*engine.units, *engine.frozen_units])
                 result["trained"] = sum(unit.shard.nvme_bytes for unit in engine.units)
                 result["largest"] = max(unit.shard.nvme_bytes for unit in [*engine.units, *engine.frozen_units])
@@ -455,6 +477,7 @@ def test_parameter_shards_on_nvme_bit_for_bit_read_ahead_and_out_of_memory(world
             shards = r["shard_bytes"]
             optimizer = r["memory"]["nvme"] - shards  # the optimizer side's bytes, when it is on NVMe too
             assert (optimizer == 0) == (case.get("optimizer", "cpu") == "cpu"), (case, r["memory"])
+            optimizer += r["grad_bytes"]  # its gradient moves once more each way: 2 micro-steps add into it
             # each gather (forward and backward of each of 2 micro-batches) reads every shard once; the
             # step writes the trained ones once (frozen ones never): the optimizer side's own bytes besides
             trained = r["trained"]  # the trainable units' shards (frozen ones are never written)
@@ -490,10 +513,11 @@ def test_parameter_shards_on_nvme_bit_for_bit_read_ahead_and_out_of_memory(world
 
 def test_estimate_counts_parameter_shards_on_nvme_and_their_traffic(tmp_path: Path, capsys: Any) -> None:
     """Stage 3, bf16, AdamW, 1e9 trainable and 1e8 frozen parameters over 4 ranks, everything on
-    NVMe: the swap files hold the masters and Adam state (12 bytes / 4) and the bf16 shards, frozen
-    too (2 bytes / 4); a micro-batch reads the shards twice (forward, backward), a step writes the
-    optimizer side and the trainable shards (never the frozen ones); the host keeps the fp32 step
-    gradient alone (4 bytes / 4)."""
+    NVMe: the swap files hold the masters, Adam state and fp32 step gradient (16 bytes / 4) and the
+    bf16 shards, frozen too (2 bytes / 4); a micro-batch reads the shards twice (forward,
+    backward), a step writes the optimizer side and the trainable shards (never the frozen ones),
+    and each further micro-step's reduction moves the gradient once more each way; nothing of the
+    model's size is left on the host."""
     from zero_engine.cli import main as cli_main
 
     config = tmp_path / "c.yaml"
@@ -504,9 +528,11 @@ def test_estimate_counts_parameter_shards_on_nvme_and_their_traffic(tmp_path: Pa
     assert cli_main(["estimate", str(config), "--params", "1e9", "--frozen-params", "1e8", "--world-size", "4"]) == 0
     out = capsys.readouterr().out
     gib = 2**30
-    optimizer, shards, frozen = 12e9 / 4, 2 * 1.1e9 / 4, 2 * 1e8 / 4
-    assert f"masters and optimizer state {optimizer / gib:.3f} GiB, parameter shards {shards / gib:.3f} GiB" in out
+    optimizer, shards, frozen = 16e9 / 4, 2 * 1.1e9 / 4, 2 * 1e8 / 4
+    assert f"masters, optimizer state and step gradient {optimizer / gib:.3f} GiB, parameter shards " \
+        f"{shards / gib:.3f} GiB" in out
     assert f"a step reads {optimizer / gib:.3f} GiB + {2 * shards / gib:.3f} GiB a micro-batch" in out
     assert f"writes {(optimizer + shards - frozen) / gib:.3f} GiB" in out
     assert float(out.split("on NVMe")[1].split()[0]) == pytest.approx((optimizer + shards) / gib, abs=1e-3)
-    assert float(out.split("on the host")[1].split()[0]) == pytest.approx(4e9 / 4 / gib, abs=1e-3)
+    assert f"reads and writes the gradient once more, {4e9 / 4 / gib:.3f} GiB" in out
+    assert "on the host" not in out  # no line for host memory: nothing of the model's size is there

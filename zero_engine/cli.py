@@ -209,17 +209,22 @@ def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int
 
 def _print_nvme(config: ZeroEngineConfig, report: Any) -> None:
     """What NVMe offload keeps in each rank's swap files and moves through them per step: the
-    optimizer side read and written once; parameter shards read at each gather (a forward and a
-    backward per micro-batch) and the trainable ones written once (frozen ones never)."""
+    optimizer side (masters, state, step gradient) read and written once, the gradient once more
+    each way for each further reduction into a window (stages 2-3: a micro-step); parameter
+    shards read at each gather (a forward and a backward per micro-batch) and the trainable ones
+    written once (frozen ones never)."""
     zero = config.zero_optimization
     optimizer, shards = nvme_parts(report, offload_plan(zero, stage_for(zero.stage)))
+    gradient = optimizer - report.master_parameters - report.optimizer_states if optimizer else 0
     written = optimizer + shards - (report.frozen_parameters if shards else 0)
-    parts = [f"masters and optimizer state {optimizer / 2**30:.3f} GiB"] if optimizer else []
+    parts = [f"masters, optimizer state and step gradient {optimizer / 2**30:.3f} GiB"] if optimizer else []
     parts += [f"parameter shards {shards / 2**30:.3f} GiB"] if shards else []
     reads = f"reads {optimizer / 2**30:.3f} GiB" if optimizer else "reads"
     reads += f"{' +' if optimizer else ''} {2 * shards / 2**30:.3f} GiB a micro-batch" if shards else ""
+    further = (f"; each further micro-step reducing into a window reads and writes the gradient once more, "
+               f"{gradient / 2**30:.3f} GiB" if gradient and zero.stage in (2, 3) else "")
     print(f"  (NVMe offload, in each rank's swap files: {', '.join(parts)}; a step {reads} and writes "
-          f"{written / 2**30:.3f} GiB, {written * 1000 / 1e12:.3f} TB written per 1,000 steps)")
+          f"{written / 2**30:.3f} GiB, {written * 1000 / 1e12:.3f} TB written per 1,000 steps{further})")
 
 
 def _estimate_auto(config: ZeroEngineConfig, args: argparse.Namespace) -> int:

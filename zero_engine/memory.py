@@ -143,9 +143,10 @@ def frozen_element_bytes(stage: Stage, *, mixed: bool, int8_frozen: bool) -> flo
 
 def nvme_parts(report: MemoryReport, plan: OffloadPlan) -> tuple[int, int]:
     """A formula's NVMe bytes (`with_offload`) as the two swap files hold them: the optimizer
-    side's (masters and optimizer state) and the parameter shards' (frozen ones too)."""
-    optimizer = report.master_parameters + report.optimizer_states if plan.state.on_nvme else 0
-    return optimizer, report.nvme - optimizer
+    side's (masters, optimizer state and step gradient) and the parameter shards' (frozen ones
+    too)."""
+    shards = report.parameters if plan.param_shards.on_nvme else 0  # frozen shards among them
+    return report.nvme - shards, shards
 
 
 def with_offload(
@@ -154,7 +155,8 @@ def with_offload(
     """The formula with `OffloadPlan` applied: offloaded, the shard's master is a separate fp32
     host copy (also in fp32 training, except when the parameter shard is on the host too), its
     gradient an fp32 host tensor (4 bytes, whatever the compute dtype; at stage 1 beside the
-    device's full gradients), and the optimizer state host memory."""
+    device's full gradients), and the optimizer state host memory; on NVMe all three are in the
+    swap file (host memory keeps a few buffers in flight, bounded by ``buffer_count``, not counted)."""
     if not plan.any:
         return report
     per_rank = num_params * 4 // shards
@@ -167,9 +169,9 @@ def with_offload(
             master_parameters=0 if shared_master else per_rank,
         )
         host = report.master_parameters + per_rank + report.optimizer_states
-        if plan.state.on_nvme:  # masters and state in the swap file; the step gradient stays on the host
-            report = report._replace(nvme=report.master_parameters + report.optimizer_states)
-            host = per_rank
+        if plan.state.on_nvme:  # masters, state and the step gradient in the swap file
+            report = report._replace(nvme=report.master_parameters + report.optimizer_states + per_rank)
+            host = 0
     if plan.params_on_host:
         host += report.parameters
     elif plan.params:  # offload_param on NVMe: the shards in the swap file

@@ -162,7 +162,8 @@ class ModelAccess:
             optimizer_on_host=self.offload.optimizer,
             peak_encoded_bytes=self.codecs.meter.peak,
         )
-        return report._asdict()
+        crossing = sum(swap.grad_buffers.nbytes for swap in self.swaps)  # NVMe: what gradients cross in
+        return report._replace(host=report.host + crossing)._asdict()
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank sent and received per collective kind in the current optimizer step;

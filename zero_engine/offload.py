@@ -1,8 +1,8 @@
 """Offload: where the optimizer's state and the parameter shards live, and how bytes cross.
 
 `OffloadPlan` names a tier (`Tier`: device, host, NVMe) per kind of state: the optimizer side
-(``offload_optimizer``: the fp32 master and the optimizer's state of this rank's shard; off the
-device its fp32 step gradient is on the host) and stage 3's parameter shards (``offload_param``);
+(``offload_optimizer``: the fp32 master and the optimizer's state of this rank's shard, and off
+the device its fp32 step gradient with them) and stage 3's parameter shards (``offload_param``);
 `zero_engine.sharding.storage.placement.place` maps each to its tier class. The rest of this
 module is the few operations that cross between the device and the host, kept here so the
 CUDA-only lines (pinned memory, stream waits) are in small named functions:
@@ -21,6 +21,7 @@ On a CPU-only torch there is no pinned memory (``pin_memory()`` raises) and copi
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -61,7 +62,7 @@ class OffloadPlan:
     """Where a rank keeps what offload moves off the device: a tier per kind of state."""
 
     # fp32 masters and the optimizer state of the shard; off the device, the fp32 step gradient
-    # goes to the host with them (it stays there on NVMe too: not built in a swap file).
+    # goes with them (host memory, or the swap file).
     state: Placed = ON_DEVICE
     param_shards: Placed = ON_DEVICE  # stage 3's parameter shards (compute dtype), frozen ones too
     pin_memory: bool = False  # host buffers page-locked (only where CUDA exists)
@@ -178,6 +179,25 @@ def copy_across(destination: torch.Tensor, values: torch.Tensor) -> None:
         destination.copy_(values, non_blocking=values.is_pinned())
     else:
         destination.copy_(values.to(destination.device, non_blocking=values.is_pinned()))
+
+
+def copies_done(device: torch.device) -> Callable[[], None]:
+    """A wait for the copies the device has queued so far (its copies to the host among them),
+    for any thread to call: CUDA's event recorded now; nothing to wait for elsewhere (a CPU
+    copy is done when it returns)."""
+    if device.type == "cuda":
+        return _cuda_event_now(device)
+    return _done
+
+
+def _done() -> None:
+    pass
+
+
+def _cuda_event_now(device: torch.device) -> Callable[[], None]:
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event.synchronize
 
 
 def wait_for_host_copies(device: torch.device) -> None:

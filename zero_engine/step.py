@@ -137,7 +137,7 @@ class OptimizerStep:
         non-finite on every rank when any rank's gradients overflowed. Packed on the device
         (the norm is computed there; the used-mask is kept on the host by the hooks) and read
         back to the host once, as Python values: the one host sync of a step."""
-        squares = _sum_of_squares([self.reducer.grad_shard(unit) for unit in self.units], self.device)
+        squares = _sum_of_squares([self._shard_norm(unit) for unit in self.units], self.device)
         if self.comm.replica_rank:  # every shard is counted once: by its copy in the first shard group
             squares = torch.where(squares.isfinite(), 0.0, squares)
         # non_blocking: a pageable host-to-device copy need not stall the host (sync debug mode)
@@ -145,6 +145,14 @@ class OptimizerStep:
         self.comm.all_reduce_sum(packed).wait()
         *used, total = devices.host_values(packed)
         return [count > 0 for count in used], total
+
+    def _shard_norm(self, unit: FlatUnit) -> torch.Tensor:
+        """The fp32 norm of this rank's shard of ``unit``'s step gradient, where it lives (on
+        NVMe: taken as it was written, not read again)."""
+        kept = unit.optimizer_shard.grad.kept_norm()
+        if kept is not None:
+            return kept
+        return torch.linalg.vector_norm(self.reducer.grad_shard(unit), dtype=torch.float32)
 
     def _gradient_multiplier(self) -> float:
         """Unscale, then clip as ``torch.nn.utils.clip_grad_norm_`` does: by
@@ -253,17 +261,16 @@ def _optimizer_groups(groups: list[ParamGroup], units: list[FlatUnit]) -> list[d
     return [dict(group.options, params=tensors) for group, tensors in zip(groups, per_group)]
 
 
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The squared L2 norm over all ``grads`` in float64, on ``device``: each tensor's norm in
-    fp32 (no copy of fp32 gradients; the old ``grad.double().pow(2)`` made two per shard),
-    computed where the tensor lives."""
+def _sum_of_squares(norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared L2 norm over every shard, in float64, on ``device``, from each shard's fp32
+    norm (no copy of an fp32 gradient; the old ``grad.double().pow(2)`` made two per shard),
+    summed where the norms were taken (the host, offloaded), then moved as one number."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     by_place: dict[torch.device, list[torch.Tensor]] = {}
-    for grad in grads:  # offloaded shards are summed where they live (the host), then moved as one number
-        by_place.setdefault(grad.device, []).append(grad)
+    for norm in norms:
+        by_place.setdefault(norm.device, []).append(norm)
     for place, group in by_place.items():
-        norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in group])
-        squares = norms.double().pow(2).sum()
+        squares = torch.stack(group).double().pow(2).sum()
         total = total + (squares if place == device else squares.to(device, non_blocking=True))
     return total
 

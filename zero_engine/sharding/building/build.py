@@ -155,6 +155,7 @@ def build_units(
             deferred.materialize_all()
             _agree_on_drawn_values(model, [], comm)
         units = [_whole_unit(planned, comm, settings, placement) for planned in plan.whole]
+        placement.tier.settle()  # every unit built: what the tier sizes by the largest
         return _in_arrival_order(units, position), [], NoGather()
     sharded = [
         ShardedFlatUnit(
@@ -182,6 +183,7 @@ def build_units(
         model, gathered, hooked, comm, settings.prefetch_numel, settings.max_live_numel, lifecycle
     )
     resident = [_whole_unit(planned, comm, settings, placement) for planned in plan.whole]
+    placement.tier.settle()
     return _in_arrival_order([*sharded, *resident], position), frozen, gatherer
 
 
@@ -256,15 +258,16 @@ def _whole_unit(planned: PlannedUnit, comm: Comm, settings: BuildSettings, place
 def planned_host_buffers(plan: UnitPlan, settings: BuildSettings, num_shards: int) -> list[int]:
     """The bytes of each pinned host buffer offload will allocate, unit by unit, before any is
     (`zero_engine.offload.pinning_overshoot`: the allocator rounds each one up): the host
-    gradient (and its staging buffer when several micro-steps reduce into a window), the parameter
-    shard of each stage 3 unit with ``offload_param``, and the master with ``pin_memory``."""
+    gradient (and its staging buffer when several micro-steps reduce into a window; on NVMe the few
+    buffers gradients cross in), the parameter shard of each stage 3 unit with ``offload_param`` on
+    the host, and the master with ``pin_memory``."""
     stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
 
     def shard(numel: int) -> int:  # each rank's shard, padded
         return -(-numel // num_shards)
 
     buffers: list[int] = []
-    if offload.params and stage.shard_parameters:  # each frozen unit's shard (per module, stored dtype, encoding)
+    if offload.params_on_host and stage.shard_parameters:  # each frozen unit's shard (per module, stored dtype, encoding)
         buffers += [
             BlockQuantizer(8).encoded_bytes(shard(planned.numel)) if planned.quantized
             else planned.dtype.itemsize * shard(planned.numel)
@@ -272,13 +275,16 @@ def planned_host_buffers(plan: UnitPlan, settings: BuildSettings, num_shards: in
             if not planned.replicated  # int8 frozen units kept whole stay on the device
         ]
     units = [*((planned.numel, True) for planned in plan.sharded), *((planned.numel, False) for planned in plan.whole)]
+    if offload.state.on_nvme:  # the buffers gradients cross in on their way to the swap file (`GradBuffers`)
+        largest = max((4 * shard(numel) for numel, _ in units), default=0)
+        buffers += [largest] * min(offload.state.buffer_count, len(units))
     for numel, is_sharded in units:
-        if offload.optimizer:
+        if offload.optimizer and not offload.state.on_nvme:
             buffers += [4 * shard(numel)] * (2 if offload.staged_gradients else 1)  # host gradient (and staging)
             shared_master = is_sharded and offload.params and compute_dtype == torch.float32
             if offload.pin_memory and not shared_master:
                 buffers.append(4 * shard(numel))
-        if offload.params and is_sharded:
+        if offload.params_on_host and is_sharded:
             buffers.append(torch.tensor([], dtype=compute_dtype).element_size() * shard(numel))
     return buffers
 

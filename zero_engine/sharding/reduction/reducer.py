@@ -119,8 +119,9 @@ class GradReducer:
         self.before_launch = before_launch
         self._settled: set[int] = set()  # units that get no gradient here this backward
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
-        # offload_optimizer: the units' host gradients, waited for at the end of a reducing backward.
-        self._host_grads = [unit.optimizer_shard.grad for unit in self.units if unit.optimizer_shard.grad.on_host]
+        # offload_optimizer on the host: the units' host gradients, waited for at the end of a
+        # reducing backward (on NVMe the write thread waits for each copy instead).
+        self._host_grads = [unit.optimizer_shard.grad for unit in self.units if unit.optimizer_shard.grad.waits_for_copies]
         self._handles: list[Any] = []
         for unit_index, unit in enumerate(self.units):
             for param_index, param in enumerate(unit.params):

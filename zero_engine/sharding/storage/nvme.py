@@ -39,6 +39,7 @@ import torch
 from ... import offload
 from ...devices import HOST
 from ...offload import Placed
+from .nvme_gradient import GradBuffers, NvmeGrad
 from .placement import HostMaster
 
 ALIGN = 4096  # regions start on page boundaries
@@ -144,6 +145,7 @@ class SwapSpace:
         self.writers = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme-write")
         self.slots = threading.Semaphore(buffer_count)
         self.buffer_count = buffer_count
+        self.grad_buffers = GradBuffers(buffer_count)  # step gradients on their way in (`NvmeGrad`)
         self.requested = [0, 0]  # bytes asked to be read and written (a write completes behind the step)
         self._reported = (0, 0)
 
@@ -443,6 +445,12 @@ class NvmeMasters:
 
     def separate(self, values: torch.Tensor, publish_to: torch.Tensor) -> NvmeMaster:
         return NvmeMaster(values.to("cpu", copy=True), publish_to, self.space)
+
+    def step_grad(self, numel: int, device: torch.device, staged: bool) -> NvmeGrad:
+        return NvmeGrad(numel, device, self.space)  # a later micro-step's is added on the write thread
+
+    def settle(self) -> None:
+        self.space.grad_buffers.allocate()
 
 
 def nvme_masters(placed: Placed, rank: int) -> NvmeMasters:

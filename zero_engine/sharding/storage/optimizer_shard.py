@@ -282,8 +282,9 @@ class OptimizerShard:
 
     @property
     def nvme_bytes(self) -> int:
-        """The master's and its optimizer state's bytes in a swap file (offload to NVMe)."""
-        return self.master_kind.nvme_bytes
+        """The master's, its optimizer state's and the step gradient's bytes in a swap file
+        (offload to NVMe)."""
+        return self.master_kind.nvme_bytes + self.grad.nvme_bytes
 
     # -- the step gradient (its kind: `zero_engine.sharding.storage.placement`) -----------------------
 
@@ -357,16 +358,19 @@ def step_shards(
     and a foreach optimizer's temporaries exist for one shard at a time; torch optimizers update
     each tensor on its own, so the result is the same. A unit with whole-matrix parameters
     then finishes them through its matrix exchange (every rank, every such unit, in order: the
-    exchange is collective). The next shard's master is asked in while one steps (on NVMe: read
-    ahead). Each shard is published as soon as it stepped: offloaded, its copy to the device
+    exchange is collective). The next shard's master and gradient are asked in while one steps
+    (on NVMe: read ahead). Each shard is published as soon as it stepped: offloaded, its copy to the device
     (asynchronous from pinned memory) then runs while the host steps the next shard. Returns
     the most fp32 copy bytes alive at once."""
     peak = 0
+    if shards:
+        shards[0].grad.prefetch()
     for index, shard in enumerate(shards):
         unit_used = used[shard.unit.used_offset : shard.unit.used_offset + len(shard.unit.names)]
         with shard.resident():
-            if index + 1 < len(shards):  # the next shard's master read ahead while this one steps
+            if index + 1 < len(shards):  # the next shard's master (and gradient) read ahead while this one steps
                 shards[index + 1].master_kind.prefetch()
+                shards[index + 1].grad.prefetch()
             attached, copy_bytes = shard.attach_grads(unit_used, multiplier)
             peak = max(peak, copy_bytes)
             if attached:

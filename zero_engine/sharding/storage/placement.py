@@ -109,8 +109,10 @@ class HostMaster(Master):
 class StepGrad(Protocol):
     """The averaged gradient of a unit's owned range, in the compute dtype (fp32 on the host)."""
 
-    on_host: bool  # written by copies that the backward's one wait completes (`finish`)
+    on_host: bool  # the averaged gradient is read on the host (not the device's reduced buffer)
     persistent: bool  # `value` is the same tensor from step to step (views into it may be kept)
+    waits_for_copies: bool  # written by copies that the backward's one wait completes (`finish`)
+    nvme_bytes: int  # in a swap file (`nvme_gradient.NvmeGrad`)
 
     @property
     def nbytes(self) -> int: ...
@@ -139,8 +141,32 @@ class StepGrad(Protocol):
         """After a step."""
         ...
 
+    def kept_norm(self) -> torch.Tensor | None:
+        """The gradient's fp32 norm where it was taken already (on NVMe, as it was written); None:
+        the step takes it from `value`."""
+        ...
 
-class GradView:
+    def prefetch(self) -> None:
+        """Start bringing the gradient in for its shard's step (on NVMe: a read ahead)."""
+        ...
+
+
+class _InMemory:
+    """What a step gradient held in memory does not do: wait for its copies, keep its norm,
+    read ahead."""
+
+    waits_for_copies = False
+    nvme_bytes = 0
+
+    def finish(self) -> None: ...
+
+    def kept_norm(self) -> torch.Tensor | None:
+        return None
+
+    def prefetch(self) -> None: ...
+
+
+class GradView(_InMemory):
     """Stages 0-1: the owned range of the unit's full gradient buffer, reduced in place."""
 
     on_host = False
@@ -164,12 +190,10 @@ class GradView:
         destination.add_(self.view)
         self.view.zero_()
 
-    def finish(self) -> None: ...
-
     def clear(self) -> None: ...  # the full buffer is zeroed with the others
 
 
-class DeviceGrad:
+class DeviceGrad(_InMemory):
     """Stages 2-3: a tensor of its own beside the unit; ``releases`` (stage 3): it exists only
     from the backward to the step, made by the window's first reduction (no zeros pass)."""
 
@@ -207,8 +231,6 @@ class DeviceGrad:
             destination.add_(self.grad)
             self.grad.zero_()
 
-    def finish(self) -> None: ...
-
     def clear(self) -> None:
         if self.releases:
             self.grad = None
@@ -216,12 +238,13 @@ class DeviceGrad:
             self.grad.zero_()
 
 
-class HostGrad:
-    """``offload_optimizer``: fp32 in host memory, written by asynchronous copies of reduced
-    slices cast to fp32 (and scaled) on the device."""
+class HostGrad(_InMemory):
+    """``offload_optimizer.device: cpu``: fp32 in host memory, written by asynchronous copies of
+    reduced slices cast to fp32 (and scaled) on the device."""
 
     on_host = True
     persistent = True
+    waits_for_copies = True
 
     def __init__(self, numel: int, device: torch.device, staged: bool) -> None:
         self.host = HostGradient(numel, device, staged)
@@ -266,6 +289,15 @@ class MasterTier(Protocol):
         """A master of its own with ``values`` (fp32), published into ``publish_to``."""
         ...
 
+    def step_grad(self, numel: int, device: torch.device, staged: bool) -> StepGrad:
+        """Off the device: the fp32 step gradient beside the masters (``staged``: windows of
+        several reductions, `HostGradient`)."""
+        ...
+
+    def settle(self) -> None:
+        """Every unit is built: make what is sized by the largest (NVMe's gradient buffers)."""
+        ...
+
 
 class DeviceTier:
     """Masters on the unit's device."""
@@ -278,6 +310,11 @@ class DeviceTier:
 
     def separate(self, values: torch.Tensor, publish_to: ParamShard) -> Master:
         return Master(values.clone(), publish_to)
+
+    def step_grad(self, numel: int, device: torch.device, staged: bool) -> StepGrad:
+        raise AssertionError("a step gradient of its own on the device is `DeviceGrad` (Placement.step_grad)")
+
+    def settle(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -294,6 +331,11 @@ class HostTier:
 
     def separate(self, values: torch.Tensor, publish_to: ParamShard) -> Master:
         return HostMaster(offload.host_copy(values, self.pin_memory), publish_to)
+
+    def step_grad(self, numel: int, device: torch.device, staged: bool) -> StepGrad:
+        return HostGrad(numel, device, staged)
+
+    def settle(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -328,8 +370,8 @@ class Placement:
     ) -> StepGrad:
         """The step gradient's kind: on the host (offloaded), a view of the full gradient buffer's
         range (``full_grad``, stages 0-1), or a device tensor of its own."""
-        if self.offload_optimizer:
-            return HostGrad(numel, device, self.staged_gradients)
+        if self.offload_optimizer:  # beside the masters: host memory, or NVMe
+            return self.tier.step_grad(numel, device, self.staged_gradients)
         if full_grad is not None:
             return GradView(full_grad)
         return DeviceGrad(numel, dtype, device, releases)

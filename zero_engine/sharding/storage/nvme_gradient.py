@@ -1,0 +1,180 @@
+"""``offload_optimizer.device: nvme``: the step gradient in the swap file too, so that host memory
+stays flat in the model's size (CPU offload keeps it in host memory: 4 bytes a parameter).
+
+Each reduction's slice (cast to fp32 and scaled on the device, as CPU offload's is) is copied
+into one of a few host buffers (`GradBuffers`: pinned where CUDA is), and the write thread waits
+for that copy (a CUDA event: the backward itself never waits), adds the window's gradient so far
+when a later micro-step's arrives (read from the file), writes the sum to the gradient's region,
+and takes its fp32 norm there, so the step's norm needs no read. The step reads each shard's
+gradient in as it steps it (the next one read ahead), and drops it after.
+
+The values are CPU offload's: the same fp32 slices, added in the same order (the window's sum
+plus the new micro-step), the same norm kernel on the same values (intra-op threads are
+torch's global count in every thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from ... import offload
+from ...devices import HOST
+
+if TYPE_CHECKING:
+    from .nvme import SwapSpace
+
+
+class GradBuffers:
+    """The host buffers reduced gradients cross in on their way to the swap file: ``count`` (at
+    most one per gradient) of the largest gradient shard's size (`fit`), made once every unit is built (`allocate`: pinned
+    where CUDA is, never inside a backward), each taken by a reduction and given back by its
+    write. A reduction finding none free waits for the oldest write: the disk paces the backward
+    rather than host memory growing."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.numel = 0
+        self.gradients = 0  # fitted
+        self._made: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []
+        self._given_back = threading.Condition()
+
+    def fit(self, numel: int) -> None:
+        self.numel = max(self.numel, numel)
+        self.gradients += 1
+
+    def allocate(self) -> None:
+        if self.numel and not self._made:
+            self._made = [
+                offload.host_empty(self.numel, torch.float32, offload.PIN_CROSSING)
+                for _ in range(min(self.count, self.gradients))
+            ]
+            self._free = list(self._made)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(offload.held_bytes(buffer) for buffer in self._made)
+
+    def take(self) -> torch.Tensor:
+        self.allocate()
+        with self._given_back:
+            while not self._free:
+                self._given_back.wait()
+            return self._free.pop()
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._given_back:
+            self._free.append(buffer)
+            self._given_back.notify()
+
+
+def _fp32(reduced: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * reduced`` in fp32, computed on the device (as `placement.HostGrad` does)."""
+    return reduced if scale == 1.0 and reduced.dtype == torch.float32 else reduced.float() * scale
+
+
+class NvmeGrad:
+    """The step gradient of one optimizer shard in the swap file (a `placement.StepGrad`)."""
+
+    on_host = True  # read on the host by the step
+    persistent = False  # a new tensor at each read: no views kept across steps
+    waits_for_copies = False  # the write thread waits for each copy: no wait at the backward's end
+
+    def __init__(self, numel: int, device: torch.device, space: SwapSpace) -> None:
+        self.numel, self.device, self.space = numel, device, space
+        self.nvme_bytes = numel * 4
+        self.region = space.file.allocate(self.nvme_bytes)
+        space.grad_buffers.fit(numel)
+        self._started = False  # the file holds this window's gradient (else the next write overwrites it)
+        self._written: Future | None = None  # the last write submitted
+        self._norm: torch.Tensor | None = None  # the last write's fp32 norm (set on the write thread)
+        self._ahead: tuple[Future, torch.Tensor] | None = None  # a read ahead of the step
+
+    @property
+    def nbytes(self) -> int:
+        """In host memory between uses: a read ahead, if one is in, and the last write's norm."""
+        return (0 if self._ahead is None else self.nvme_bytes) + (0 if self._norm is None else 4)
+
+    def add(self, reduced: torch.Tensor, scale: float) -> None:
+        update = _fp32(reduced, scale)
+        buffer = self.space.grad_buffers.take()
+        landed = buffer[: self.numel]
+        offload.copy_to_host(landed, update)
+        copied = offload.copies_done(self.device)
+        accumulate, self._started = self._started, True
+        self.space.requested[0] += self.nvme_bytes if accumulate else 0
+        self.space.requested[1] += self.nvme_bytes
+        self._written = self.space.writers.submit(self._write, buffer, landed, copied, accumulate)
+
+    def _write(self, buffer: torch.Tensor, landed: torch.Tensor, copied: Callable[[], None], accumulate: bool) -> None:
+        """On the write thread (after this region's earlier writes: it runs them in order)."""
+        try:
+            copied()
+            values = landed
+            if accumulate:  # the window's sum so far, plus this micro-step's: CPU offload's order
+                values = torch.empty(self.numel, dtype=torch.float32, device=HOST)
+                self.space.file.read(self.region, values)
+                values.add_(landed)
+            self.space.file.write([(self.region, values)])
+            self._norm = torch.linalg.vector_norm(values, dtype=torch.float32)
+        finally:
+            self.space.grad_buffers.give(buffer)
+
+    def replace(self, averaged: torch.Tensor) -> None:
+        """Stages 0-1 reduce once per window: the copy is the window's gradient."""
+        self._started = False
+        self.add(averaged.float(), 1.0)
+
+    def kept_norm(self) -> torch.Tensor | None:
+        """The window's gradient's fp32 norm, taken as it was written (None: nothing written)."""
+        if not self._started:
+            return None
+        assert self._written is not None
+        self._written.result()
+        return self._norm
+
+    def prefetch(self) -> None:
+        """Start reading the gradient in for its shard's step, after its last write."""
+        if self._started and self._ahead is None:
+            buffer = torch.empty(self.numel, dtype=torch.float32, device=HOST)
+            self.space.requested[0] += self.nvme_bytes
+            self._ahead = (self.space.readers.submit(self._read_into, buffer, self._written), buffer)
+
+    def _read_into(self, buffer: torch.Tensor, written: Future | None) -> None:
+        if written is not None:
+            written.result()
+        self.space.file.read(self.region, buffer)
+
+    def value(self) -> torch.Tensor:
+        """The window's gradient in a host tensor that is the caller's (zeros where nothing wrote it)."""
+        if not self._started:
+            return torch.zeros(self.numel, dtype=torch.float32, device=HOST)
+        if self._ahead is None:
+            self.prefetch()
+        assert self._ahead is not None
+        read, buffer = self._ahead
+        self._ahead = None
+        read.result()
+        return buffer
+
+    def move_into(self, destination: torch.Tensor) -> None:
+        """Add the window's gradient so far into the device ``destination``; the next write
+        starts the window anew."""
+        if self._started:
+            destination.add_(self.value().to(destination.device))
+            self._started = False
+
+    def finish(self) -> None:
+        """Nothing to add at the backward's end: the write thread added it."""
+
+    def clear(self) -> None:
+        """After a step (or a skipped one): a read ahead left is dropped; the next write overwrites."""
+        if self._ahead is not None:
+            self._ahead[0].result()
+            self._ahead = None
+        self._started = False
