@@ -2,10 +2,11 @@
 
 Prints the longest classes and modules (lines), the builders' argument counts, the modules that
 name the config's types (``ZeroEngineConfig`` or one of its section classes), the functions
-that take one as an argument (or an argument named as a section and typed ``Any``), and the world size read outside ``comm/`` (a ``world_size``
-name or argument, or ``comm.world_size``: counts of ranks are asked of the mesh by use there). Counted with ``ast`` over ``zero_engine/`` (integrations, the
-config package itself, the CLI and ``testing/`` left out: they are the config's readers by
-trade). Run from the repository root::
+that take one as an argument (or an argument named as a section and typed ``Any``), and the
+world size read outside ``comm/`` (a ``world_size`` name or argument, or ``comm.world_size``:
+counts of ranks are asked of the mesh by use there). Counted with ``ast`` over ``zero_engine/``
+(integrations, the config package itself, the CLI and ``testing/`` left out: they are the
+config's readers by trade). Run from the repository root::
 
     python scripts/structure_metrics.py [--top 5]
 """

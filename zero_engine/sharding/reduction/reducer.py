@@ -121,7 +121,9 @@ class GradReducer:
         self._index = {id(unit): index for index, unit in enumerate(self.units)}
         # offload_optimizer on the host: the units' host gradients, waited for at the end of a
         # reducing backward (on NVMe the write thread waits for each copy instead).
-        self._host_grads = [unit.optimizer_shard.grad for unit in self.units if unit.optimizer_shard.grad.waits_for_copies]
+        self._host_grads = [
+            unit.optimizer_shard.grad for unit in self.units if unit.optimizer_shard.grad.waits_for_copies
+        ]
         self._handles: list[Any] = []
         for unit_index, unit in enumerate(self.units):
             for param_index, param in enumerate(unit.params):

@@ -31,10 +31,11 @@ if TYPE_CHECKING:
 
 class GradBuffers:
     """The host buffers reduced gradients cross in on their way to the swap file: ``count`` (at
-    most one per gradient) of the largest gradient shard's size (`fit`), made once every unit is built (`allocate`: pinned
-    where CUDA is, never inside a backward), each taken by a reduction and given back by its
-    write. A reduction finding none free waits for the oldest write: the disk paces the backward
-    rather than host memory growing."""
+    most one per gradient) of the largest gradient shard's size (`fit`), made once every unit is
+    built (`allocate`: pinned where CUDA is, never inside a backward), each taken by a reduction
+    and given back by its write. A reduction finding none free waits for the oldest write: the
+    disk paces the backward rather than host memory growing. It cannot wait for ever: a write
+    waits only for its own copy, queued on the device before the reduction that waits."""
 
     def __init__(self, count: int) -> None:
         self.count = count
