@@ -511,6 +511,77 @@ def test_parameter_shards_on_nvme_bit_for_bit_read_ahead_and_out_of_memory(world
             assert sum(r["served"]) >= len(r["served"]) / 2, (case, sum(r["served"]), len(r["served"]))
 
 
+WIDE = 256  # a block of 12 x 256^2 parameters: its state dwarfs what a unit costs besides
+
+
+class WideBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDE)
+        self.attn = torch.nn.Linear(WIDE, 4 * WIDE)
+        self.up = torch.nn.Linear(WIDE, 4 * WIDE)
+        self.down = torch.nn.Linear(4 * WIDE, WIDE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))) + self.attn(x)[..., :WIDE]
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
+
+
+def host_high_water(rank: int, world: int, directory: str, blocks: int, device: str) -> dict[str, int]:
+    """A model of ``blocks`` wide blocks, built on the meta device, trained 3 steps of 2 micro-steps
+    at stage 3 with both offloads on ``device``: the process's resident high-water above its
+    resident set before `initialize`, and the largest shard's state (master and Adam, 12 bytes
+    an element)."""
+    import ctypes
+
+    # On a CPU the "device" is host memory too: its gathered units, gradients and buckets are
+    # allocated and freed every pass. Allocations of a megabyte and more are mapped and unmapped
+    # (glibc's M_MMAP_THRESHOLD, fixed), so the resident set is what is alive, not what glibc's
+    # heap kept of the device's buffers (its own threshold rises after the first free).
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(WideBlock() for _ in range(blocks)))
+    settings = config(3, device, directory, accum=2)
+    settings["zero_optimization"].update(
+        offload_param={"device": device, "nvme_path": directory}, stage3_wrap_modules=["WideBlock"]
+    )
+    settings["train_micro_batch_size_per_gpu"] = 1
+    start = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as clear:  # the high-water mark starts from here
+        clear.write("5")
+    engine = zero_engine.initialize(model, settings)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(3 * 2):
+        engine.backward(engine(torch.randn(1, 4, WIDE, generator=generator)).square().mean())
+        engine.step()
+    high = _status("VmHWM")
+    largest = max(unit.optimizer_shard.owned_range[1] - unit.optimizer_shard.owned_range[0] for unit in engine.units)
+    engine.close()
+    return {"high": high - start, "shard_state": 12 * largest}
+
+
+def test_host_memory_stays_flat_as_the_model_grows_4x_to_16x() -> None:
+    """Issue 69's bound, as the process holds memory (resident high-water, the page cache being
+    dropped: the test above): from 4 to 16 blocks (four times the parameters) each rank's host
+    high-water grows by less than one shard's state with everything on NVMe, where host memory
+    (CPU offload) grows by 12 such shards at least."""
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
+        runs = {
+            (device, blocks): run_on_ranks(2, host_high_water, directory, blocks, device)
+            for device in ("nvme", "cpu") for blocks in (4, 16)
+        }
+    for rank in range(2):
+        shard = runs["nvme", 4][rank]["shard_state"]
+        nvme = runs["nvme", 16][rank]["high"] - runs["nvme", 4][rank]["high"]
+        cpu = runs["cpu", 16][rank]["high"] - runs["cpu", 4][rank]["high"]
+        assert nvme < shard, (rank, nvme, shard)
+        assert cpu > 12 * shard, (rank, cpu, shard)  # the same measure sees what host memory holds
+
+
 def test_estimate_counts_parameter_shards_on_nvme_and_their_traffic(tmp_path: Path, capsys: Any) -> None:
     """Stage 3, bf16, AdamW, 1e9 trainable and 1e8 frozen parameters over 4 ranks, everything on
     NVMe: the swap files hold the masters, Adam state and fp32 step gradient (16 bytes / 4) and the

@@ -418,6 +418,7 @@ class NvmeShard:
 
     def fill(self, into: torch.Tensor) -> None:
         offload.copy_across(into, self._take())  # from pageable memory: done when it returns
+        _give_back_freed_pages()  # the read's buffer, freed now: see the function
 
 
 class NvmeShards:
