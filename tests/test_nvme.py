@@ -433,6 +433,7 @@ def params_against_cpu(rank: int, world: int, directory: str, cases: list[dict[s
                 result.update(
                     disk={key: io_after[key] - io_before[key] for key in io_before},
                     report=engine.comm_report()["nvme"], memory=engine.memory_report(), served=list(served),
+                    kept=sum(swap.shard_buffers.nbytes for swap in engine.swaps),  # read buffers kept for reuse
                     cached=cached_pages(result["file"]),
                 )
             others = sum(t.untyped_storage().nbytes() for run in runs.values() for t in run["state"].values())
@@ -501,7 +502,8 @@ def test_parameter_shards_on_nvme_bit_for_bit_read_ahead_and_out_of_memory(world
             # too (CPU offload keeps one tensor as shard and master), so there NVMe saves no memory; with
             # the optimizer side on NVMe too, its masters and state besides
             assert r["live_saved"] == r["host_saved"], (case, r["live_saved"], r["host_saved"])
-            held = r["memory"]["parameters"]
+            held = r["memory"]["parameters"] + r["kept"]  # read ahead, and read buffers kept for the next reads
+            assert r["kept"] <= case.get("buffer_count", 5) * r["largest"], (case, r["kept"])
             if case.get("optimizer", "cpu") == "cpu":
                 shared_master = shards if case.get("dtype") == "fp32" else 0
                 assert r["host_saved"] == shards - held - shared_master, (case, r["host_saved"], shards, held)
@@ -511,7 +513,7 @@ def test_parameter_shards_on_nvme_bit_for_bit_read_ahead_and_out_of_memory(world
             assert sum(r["served"]) >= len(r["served"]) / 2, (case, sum(r["served"]), len(r["served"]))
 
 
-WIDE = 256  # a block of 12 x 256^2 parameters: its state dwarfs what a unit costs besides
+WIDE = 384  # a block of 12 x 384^2 parameters: its state is twice what a unit costs besides (hooks, graph)
 
 
 class WideBlock(torch.nn.Module):
@@ -532,7 +534,7 @@ def _status(field: str) -> int:
 
 
 def host_high_water(rank: int, world: int, directory: str, blocks: int, device: str) -> dict[str, int]:
-    """A model of ``blocks`` wide blocks, built on the meta device, trained 3 steps of 2 micro-steps
+    """A model of ``blocks`` wide blocks, built on the meta device, trained 2 steps of 2 micro-steps
     at stage 3 with both offloads on ``device``: the process's resident high-water above its
     resident set before `initialize`, and the largest shard's state (master and Adam, 12 bytes
     an element)."""
@@ -555,7 +557,7 @@ def host_high_water(rank: int, world: int, directory: str, blocks: int, device: 
         clear.write("5")
     engine = zero_engine.initialize(model, settings)
     generator = torch.Generator().manual_seed(rank)
-    for _ in range(3 * 2):
+    for _ in range(2 * 2):
         engine.backward(engine(torch.randn(1, 4, WIDE, generator=generator)).square().mean())
         engine.step()
     high = _status("VmHWM")
@@ -564,22 +566,27 @@ def host_high_water(rank: int, world: int, directory: str, blocks: int, device: 
     return {"high": high - start, "shard_state": 12 * largest}
 
 
-def test_host_memory_stays_flat_as_the_model_grows_4x_to_16x() -> None:
+@pytest.mark.parametrize("contrast", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["nvme", "and-cpu"])
+def test_host_memory_stays_flat_as_the_model_grows_4x_to_16x(contrast: bool) -> None:
     """Issue 69's bound, as the process holds memory (resident high-water, the page cache being
-    dropped: the test above): from 4 to 16 blocks (four times the parameters) each rank's host
-    high-water grows by less than one shard's state with everything on NVMe, where host memory
-    (CPU offload) grows by 12 such shards at least."""
+    dropped: the tests above): from 4 to 16 blocks (four times the parameters) each rank's host
+    high-water grows by less than one shard's state with everything on NVMe. The slow run shows
+    the same measure seeing host memory: with CPU offload it grows by 12 such shards at least."""
+    devices = ("nvme", "cpu") if contrast else ("nvme",)
     with tempfile.TemporaryDirectory(dir=DISK) as directory:
         runs = {
             (device, blocks): run_on_ranks(2, host_high_water, directory, blocks, device)
-            for device in ("nvme", "cpu") for blocks in (4, 16)
+            for device in devices for blocks in (4, 16)
         }
     for rank in range(2):
         shard = runs["nvme", 4][rank]["shard_state"]
         nvme = runs["nvme", 16][rank]["high"] - runs["nvme", 4][rank]["high"]
-        cpu = runs["cpu", 16][rank]["high"] - runs["cpu", 4][rank]["high"]
+        print(f"rank {rank}: 4 -> 16 blocks, the high-water +{nvme / 2**20:.2f} MiB on NVMe; a shard's state "
+              f"{shard / 2**20:.2f} MiB")
         assert nvme < shard, (rank, nvme, shard)
-        assert cpu > 12 * shard, (rank, cpu, shard)  # the same measure sees what host memory holds
+        if contrast:
+            cpu = runs["cpu", 16][rank]["high"] - runs["cpu", 4][rank]["high"]
+            assert cpu > 12 * shard, (rank, cpu, shard)  # the same measure sees what host memory holds
 
 
 def test_estimate_counts_parameter_shards_on_nvme_and_their_traffic(tmp_path: Path, capsys: Any) -> None:

@@ -162,8 +162,9 @@ class ModelAccess:
             optimizer_on_host=self.offload.optimizer,
             peak_encoded_bytes=self.codecs.meter.peak,
         )
-        crossing = sum(swap.grad_buffers.nbytes for swap in self.swaps)  # NVMe: what gradients cross in
-        return report._replace(host=report.host + crossing)._asdict()
+        # NVMe: the buffers gradients cross in, and those kept for the next shards read
+        buffers = sum(swap.grad_buffers.nbytes + swap.shard_buffers.nbytes for swap in self.swaps)
+        return report._replace(host=report.host + buffers)._asdict()
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank sent and received per collective kind in the current optimizer step;

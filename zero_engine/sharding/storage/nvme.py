@@ -28,6 +28,7 @@ import os
 import re
 import socket
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -146,6 +147,7 @@ class SwapSpace:
         self.slots = threading.Semaphore(buffer_count)
         self.buffer_count = buffer_count
         self.grad_buffers = GradBuffers(buffer_count)  # step gradients on their way in (`NvmeGrad`)
+        self.shard_buffers = ReadBuffers(buffer_count)  # parameter shards read, given back by their gathers
         self.requested = [0, 0]  # bytes asked to be read and written (a write completes behind the step)
         self._reported = (0, 0)
 
@@ -166,6 +168,42 @@ class SwapSpace:
         self.readers.shutdown(wait=True)
         self.writers.shutdown(wait=True)
         self.file.close()
+        self.grad_buffers.clear()  # a closed engine holds no host memory, whoever still holds it
+        self.shard_buffers.clear()
+
+
+class ReadBuffers:
+    """Host buffers that parameter shards were read into, given back once their gather copied
+    them and handed to the next read of that size (the ``keep`` given back last are kept). Reads
+    then do not churn the heap: on a CPU glibc kept each freed buffer between the device's own
+    allocations (its mmap threshold rises after the first free), and the resident high-water
+    grew with the count of units."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._kept: deque[torch.Tensor] = deque()
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.untyped_storage().nbytes() for buffer in list(self._kept))
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            for index, buffer in enumerate(self._kept):
+                if buffer.numel() == numel and buffer.dtype == dtype:
+                    del self._kept[index]  # by place: a tensor's == compares its values
+                    return buffer
+        return torch.empty(numel, dtype=dtype, device=HOST)
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._kept.append(buffer)
+            if len(self._kept) > self.keep:
+                self._kept.popleft()
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -346,8 +384,8 @@ class NvmeShard:
 
     def _host_buffer(self) -> torch.Tensor:
         """A host buffer of the shard's size (on the host whatever default device the user set:
-        its memory is handed to ``os.preadv``/``os.pwrite``)."""
-        return torch.empty(self.numel, dtype=self.dtype, device=HOST)
+        its memory is handed to ``os.preadv``/``os.pwrite``), one a gather gave back if any."""
+        return self.space.shard_buffers.take(self.numel, self.dtype)
 
     def _read_into(self, buffer: torch.Tensor, written: Future | None) -> None:
         if written is not None:
@@ -417,8 +455,9 @@ class NvmeShard:
         self.future = self.space.writers.submit(self._write_from, host, False)
 
     def fill(self, into: torch.Tensor) -> None:
-        offload.copy_across(into, self._take())  # from pageable memory: done when it returns
-        _give_back_freed_pages()  # the read's buffer, freed now: see the function
+        buffer = self._take()
+        offload.copy_across(into, buffer)  # from pageable memory: done when it returns
+        self.space.shard_buffers.give(buffer)
 
 
 class NvmeShards:

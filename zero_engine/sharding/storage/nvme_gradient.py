@@ -61,6 +61,9 @@ class GradBuffers:
     def nbytes(self) -> int:
         return sum(offload.held_bytes(buffer) for buffer in self._made)
 
+    def clear(self) -> None:
+        self._made, self._free = [], []
+
     def take(self) -> torch.Tensor:
         self.allocate()
         with self._given_back:
