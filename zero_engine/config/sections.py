@@ -121,8 +121,8 @@ class OffloadConfig(_Section):
         None, description="The directory of each rank's swap file with 'nvme' (on a disk, not tmpfs)."
     )
     buffer_count: PositiveCount = Field(
-        4, description="With 'nvme': how many shards' masters and state may be in host memory at once; no effect "
-        "with 'cpu'."
+        4, description="With 'nvme': how many shards' masters and state may be in host memory at once (and as "
+        "many step gradients on their way to the file); no effect with 'cpu'."
     )
     fast_init: bool = Field(False, description="DeepSpeed's fast-init switch; accepted for compatibility.")
     ratio: Real = Field(
