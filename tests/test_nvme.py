@@ -86,7 +86,7 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
     """Each case trained with CPU offload and with NVMe offload; the NVMe run also reports its
     files, the bytes its swap moved in the last step (and the process's disk I/O), the state's
     bytes, and whether the page cache holds any of its file."""
-    from zero_engine.sharding.storage.nvme import SwapFile
+    from zero_engine.sharding.storage.swap import SwapFile
     from zero_engine.testing.process_memory import live_tensor_bytes
 
     results = []
@@ -290,7 +290,7 @@ def killed_after_saving(rank: int, world: int, root: str, layout: str) -> None:
     """Save at step 3, then rank 1 is killed (SIGKILL) inside the next step's write."""
     import signal
 
-    from zero_engine.sharding.storage.nvme import SwapFile
+    from zero_engine.sharding.storage.swap import SwapFile
 
     engine = zero_engine.initialize(make_gpt(), layout_config(layout, "nvme", root))
     train(engine, rank, world, range(3), 2)
@@ -374,7 +374,8 @@ def params_against_cpu(rank: int, world: int, directory: str, cases: list[dict[s
     memory, then on NVMe: the states, the losses, the swap file's traffic in the last step
     against the shards' bytes, the page cache it leaves, the live storages it saves, and how
     many gathers found their shard read ahead."""
-    from zero_engine.sharding.storage.nvme import NvmeShard, SwapFile
+    from zero_engine.sharding.storage.nvme import NvmeShard
+    from zero_engine.sharding.storage.swap import SwapFile
     from zero_engine.testing.process_memory import live_tensor_bytes
 
     taken = NvmeShard._take

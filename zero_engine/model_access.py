@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .offload import OffloadPlan
     from .sharding.gathering.calls import CallGuard, PassCallGuard
     from .sharding.storage.codec import Codecs
-    from .sharding.storage.nvme import SwapSpace
+    from .sharding.storage.swap import SwapSpace
     from .sharding.units.frozen_unit import FrozenUnit
     from .sharding.gathering.gatherer import NoGather
     from .sharding.reduction.reducer import GradReducer

@@ -2,16 +2,9 @@
 master and elementwise optimizer state live in this rank's swap file between steps, and in host
 memory only around their shard's step) and of stage 3's parameter shards (``offload_param``: in
 a swap file of their own, in host memory only from a read ahead of their gather to its use).
+The swap file and its threads and slots: `zero_engine.sharding.storage.swap`; the step gradient
+there: `zero_engine.sharding.storage.nvme_gradient`.
 
-- `SwapFile`: one file per rank (made with ``O_EXCL``, so no two ranks or engines share one,
-  removed on close), regions allocated as shards are first written; transfers are ``os.pwrite``
-  and ``os.preadv`` straight from and into the tensors' memory (no compiled op, no copy), each
-  followed by dropping the pages from the page cache (after ``fdatasync`` for a write), so what
-  is offloaded is not kept in RAM by the kernel instead;
-- `SwapSpace`: the file, a read thread and a write thread (a shard's read waits for its own last
-  write, never for another shard's) and ``buffer_count`` slots: at most that many shards are in
-  host memory at once (the one stepping, the next one read ahead, the last ones being written
-  behind);
 - `NvmeMaster`: the master's kind on NVMe. Between steps its tensors keep their identity (the
   optimizer's targets are views of the master, its state is keyed by them) but their storage is
   resized to nothing; `resident()` reads master and state back, and writes them behind after;
@@ -25,12 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
-import socket
-import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,170 +29,9 @@ import torch
 from ... import offload
 from ...devices import HOST
 from ...offload import Placed
-from .nvme_gradient import GradBuffers, NvmeGrad
+from .nvme_gradient import NvmeGrad
 from .placement import HostMaster
-
-ALIGN = 4096  # regions start on page boundaries
-PREFIX = "zero_engine-"
-
-
-def remove_stale(directory: str | Path) -> list[Path]:
-    """Remove the swap files that processes of this host left when they died (a rank killed
-    mid-step cannot remove its own); returns them. Files of live processes, and of other hosts
-    sharing the directory, are left alone."""
-    pattern = re.compile(re.escape(PREFIX + socket.gethostname()) + r"-rank\d+-pid(\d+)-[0-9a-f]+\.swap$")
-    removed = []
-    for path in Path(directory).iterdir():
-        found = pattern.match(path.name)
-        if found and not _alive(int(found.group(1))):
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def _memory_of(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes as a writable buffer (no numpy, no copy); ``tensor`` is contiguous."""
-    nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-class SwapFile:
-    """One rank's swap file and the bytes moved through it."""
-
-    def __init__(self, directory: str | Path, rank: int) -> None:
-        self.path = Path(directory) / f"{PREFIX}{socket.gethostname()}-rank{rank}-pid{os.getpid()}-{id(self):x}.swap"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past a region
-        self.end = 0
-        self.bytes_read = 0
-        self.bytes_written = 0
-
-    def allocate(self, nbytes: int) -> int:
-        offset = self.end
-        self.end += -(-nbytes // ALIGN) * ALIGN
-        return offset
-
-    def write(self, regions: list[tuple[int, torch.Tensor]]) -> None:
-        """Each tensor to its region, then one ``fdatasync`` (dirty pages cannot be dropped) and
-        the regions' pages dropped. Whole pages only: a partial last page is padded (writing part
-        of a page that is not cached makes the kernel read it from the disk first)."""
-        for offset, tensor in regions:
-            view = _memory_of(tensor)
-            whole = len(view) // ALIGN * ALIGN
-            self._write_all(view[:whole], offset)
-            if whole < len(view):
-                page = bytearray(ALIGN)
-                page[: len(view) - whole] = view[whole:]
-                self._write_all(memoryview(page), offset + whole)
-            self.bytes_written += len(view)
-        os.fdatasync(self.fd)
-        for offset, tensor in regions:
-            self._drop(offset, tensor.numel() * tensor.element_size())
-
-    def _write_all(self, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], offset + done)
-
-    def read(self, offset: int, tensor: torch.Tensor) -> None:
-        view, done = _memory_of(tensor), 0
-        while done < len(view):
-            count = os.preadv(self.fd, [view[done:]], offset + done)
-            if count == 0:
-                raise OSError(f"{self.path}: {len(view) - done} bytes missing at offset {offset + done}")
-            done += count
-        self._drop(offset, len(view))
-        self.bytes_read += len(view)
-
-    def _drop(self, offset: int, nbytes: int) -> None:
-        """Out of the page cache: the whole pages of the region (a partial last page would stay)."""
-        os.posix_fadvise(self.fd, offset, -(-nbytes // ALIGN) * ALIGN, os.POSIX_FADV_DONTNEED)
-
-    def close(self) -> None:
-        os.close(self.fd)
-        self.path.unlink(missing_ok=True)
-
-
-class SwapSpace:
-    """A rank's swap file, its I/O thread, and the slots bounding the shards held in memory."""
-
-    def __init__(self, directory: str | Path, rank: int, buffer_count: int) -> None:
-        remove_stale(directory)
-        self.file = SwapFile(directory, rank)
-        # One thread reads, one writes, so a shard's read-ahead need not queue behind the last
-        # shard's write; a read of a shard still waits for that shard's own write.
-        self.readers = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme-read")
-        self.writers = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme-write")
-        self.slots = threading.Semaphore(buffer_count)
-        self.buffer_count = buffer_count
-        self.grad_buffers = GradBuffers(buffer_count)  # step gradients on their way in (`NvmeGrad`)
-        self.shard_buffers = ReadBuffers(buffer_count)  # parameter shards read, given back by their gathers
-        self.requested = [0, 0]  # bytes asked to be read and written (a write completes behind the step)
-        self._reported = (0, 0)
-
-    def drain(self) -> None:
-        """Wait for every read and write submitted so far."""
-        self.writers.submit(lambda: None).result()
-        self.readers.submit(lambda: None).result()
-
-    def report(self) -> dict[str, int]:
-        """Bytes read from and written to the swap file since `reset_report`."""
-        read, written = self._reported
-        return {"read": self.requested[0] - read, "written": self.requested[1] - written}
-
-    def reset_report(self) -> None:
-        self._reported = (self.requested[0], self.requested[1])
-
-    def close(self) -> None:
-        self.readers.shutdown(wait=True)
-        self.writers.shutdown(wait=True)
-        self.file.close()
-        self.grad_buffers.clear()  # a closed engine holds no host memory, whoever still holds it
-        self.shard_buffers.clear()
-
-
-class ReadBuffers:
-    """Host buffers that parameter shards were read into, given back once their gather copied
-    them and handed to the next read of that size (the ``keep`` given back last are kept). Reads
-    then do not churn the heap: on a CPU glibc kept each freed buffer between the device's own
-    allocations (its mmap threshold rises after the first free), and the resident high-water
-    grew with the count of units."""
-
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
-        self._kept: deque[torch.Tensor] = deque()
-        self._lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(buffer.untyped_storage().nbytes() for buffer in list(self._kept))
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        with self._lock:
-            for index, buffer in enumerate(self._kept):
-                if buffer.numel() == numel and buffer.dtype == dtype:
-                    del self._kept[index]  # by place: a tensor's == compares its values
-                    return buffer
-        return torch.empty(numel, dtype=dtype, device=HOST)
-
-    def clear(self) -> None:
-        self._kept.clear()
-
-    def give(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            self._kept.append(buffer)
-            if len(self._kept) > self.keep:
-                self._kept.popleft()
+from .swap import SwapSpace
 
 
 def _free(tensor: torch.Tensor) -> None:

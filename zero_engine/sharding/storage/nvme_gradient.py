@@ -2,10 +2,10 @@
 stays flat in the model's size (CPU offload keeps it in host memory: 4 bytes a parameter).
 
 Each reduction's slice (cast to fp32 and scaled on the device, as CPU offload's is) is copied
-into one of a few host buffers (`GradBuffers`: pinned where CUDA is), and the write thread waits
-for that copy (a CUDA event: the backward itself never waits), adds the window's gradient so far
-when a later micro-step's arrives (read from the file), writes the sum to the gradient's region,
-and takes its fp32 norm there, so the step's norm needs no read. The step reads each shard's
+into one of a few host buffers (`swap.GradBuffers`: pinned where CUDA is), and the write thread
+waits for that copy (a CUDA event: the backward itself never waits), adds the window's gradient
+so far when a later micro-step's arrives (read from the file), writes the sum to the gradient's
+region, and takes its fp32 norm there, so the step's norm needs no read. The step reads each shard's
 gradient in as it steps it (the next one read ahead), and drops it after.
 
 The values are CPU offload's: the same fp32 slices, added in the same order (the window's sum
@@ -15,66 +15,14 @@ torch's global count in every thread).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
 from ... import offload
 from ...devices import HOST
-
-if TYPE_CHECKING:
-    from .nvme import SwapSpace
-
-
-class GradBuffers:
-    """The host buffers reduced gradients cross in on their way to the swap file: ``count`` (at
-    most one per gradient) of the largest gradient shard's size (`fit`), made once every unit is
-    built (`allocate`: pinned where CUDA is, never inside a backward), each taken by a reduction
-    and given back by its write. A reduction finding none free waits for the oldest write: the
-    disk paces the backward rather than host memory growing. It cannot wait for ever: a write
-    waits only for its own copy, queued on the device before the reduction that waits."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.numel = 0
-        self.gradients = 0  # fitted
-        self._made: list[torch.Tensor] = []
-        self._free: list[torch.Tensor] = []
-        self._given_back = threading.Condition()
-
-    def fit(self, numel: int) -> None:
-        self.numel = max(self.numel, numel)
-        self.gradients += 1
-
-    def allocate(self) -> None:
-        if self.numel and not self._made:
-            self._made = [
-                offload.host_empty(self.numel, torch.float32, offload.PIN_CROSSING)
-                for _ in range(min(self.count, self.gradients))
-            ]
-            self._free = list(self._made)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(offload.held_bytes(buffer) for buffer in self._made)
-
-    def clear(self) -> None:
-        self._made, self._free = [], []
-
-    def take(self) -> torch.Tensor:
-        self.allocate()
-        with self._given_back:
-            while not self._free:
-                self._given_back.wait()
-            return self._free.pop()
-
-    def give(self, buffer: torch.Tensor) -> None:
-        with self._given_back:
-            self._free.append(buffer)
-            self._given_back.notify()
+from .swap import SwapSpace
 
 
 def _fp32(reduced: torch.Tensor, scale: float) -> torch.Tensor:
