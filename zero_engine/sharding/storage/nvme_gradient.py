@@ -22,12 +22,8 @@ import torch
 
 from ... import offload
 from ...devices import HOST
+from .placement import scaled_fp32
 from .swap import SwapSpace
-
-
-def _fp32(reduced: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale * reduced`` in fp32, computed on the device (as `placement.HostGrad` does)."""
-    return reduced if scale == 1.0 and reduced.dtype == torch.float32 else reduced.float() * scale
 
 
 class NvmeGrad:
@@ -53,7 +49,7 @@ class NvmeGrad:
         return (0 if self._ahead is None else self.nvme_bytes) + (0 if self._norm is None else 4)
 
     def add(self, reduced: torch.Tensor, scale: float) -> None:
-        update = _fp32(reduced, scale)
+        update = scaled_fp32(reduced, scale)
         buffer = self.space.grad_buffers.take()
         landed = buffer[: self.numel]
         offload.copy_to_host(landed, update)

@@ -238,6 +238,12 @@ class DeviceGrad(_InMemory):
             self.grad.zero_()
 
 
+def scaled_fp32(reduced: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * reduced`` in fp32, computed where ``reduced`` lives (the device): what an
+    offloaded step gradient receives, on the host or on NVMe."""
+    return reduced if scale == 1.0 and reduced.dtype == torch.float32 else reduced.float() * scale
+
+
 class HostGrad(_InMemory):
     """``offload_optimizer.device: cpu``: fp32 in host memory, written by asynchronous copies of
     reduced slices cast to fp32 (and scaled) on the device."""
@@ -258,7 +264,7 @@ class HostGrad(_InMemory):
         return self.host.value()
 
     def add(self, reduced: torch.Tensor, scale: float) -> None:
-        self.host.receive(reduced if scale == 1.0 and reduced.dtype == torch.float32 else reduced.float() * scale)
+        self.host.receive(scaled_fp32(reduced, scale))
 
     def replace(self, averaged: torch.Tensor) -> None:
         self.host.replace(averaged.float())  # stages 0-1 reduce once per window: the copy is its value
