@@ -529,23 +529,19 @@ class WideBlock(torch.nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))) + self.attn(x)[..., :WIDE]
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
-
-
 def host_high_water(rank: int, world: int, directory: str, blocks: int, device: str) -> dict[str, int]:
     """A model of ``blocks`` wide blocks, built on the meta device, trained 2 steps of 2 micro-steps
     at stage 3 with both offloads on ``device``: the process's resident high-water above its
     resident set before `initialize`, and the largest shard's state (master and Adam, 12 bytes
     an element)."""
-    import ctypes
+    from zero_engine.testing.process_memory import (
+        map_large_allocations, peak_resident_bytes, reset_peak_resident, resident_bytes,
+    )
 
     # On a CPU the "device" is host memory too: its gathered units, gradients and buckets are
-    # allocated and freed every pass. Allocations of a megabyte and more are mapped and unmapped
-    # (glibc's M_MMAP_THRESHOLD, fixed), so the resident set is what is alive, not what glibc's
-    # heap kept of the device's buffers (its own threshold rises after the first free).
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
+    # allocated and freed every pass. Allocations of a megabyte and more are mapped and unmapped,
+    # so the resident set is what is alive, not what glibc's heap kept of the device's buffers.
+    map_large_allocations(1 << 20)
     with torch.device("meta"):
         model = torch.nn.Sequential(*(WideBlock() for _ in range(blocks)))
     settings = config(3, device, directory, accum=2)
@@ -553,15 +549,14 @@ def host_high_water(rank: int, world: int, directory: str, blocks: int, device: 
         offload_param={"device": device, "nvme_path": directory}, stage3_wrap_modules=["WideBlock"]
     )
     settings["train_micro_batch_size_per_gpu"] = 1
-    start = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as clear:  # the high-water mark starts from here
-        clear.write("5")
+    start = resident_bytes()
+    reset_peak_resident()  # the high-water mark starts from here
     engine = zero_engine.initialize(model, settings)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(2 * 2):
         engine.backward(engine(torch.randn(1, 4, WIDE, generator=generator)).square().mean())
         engine.step()
-    high = _status("VmHWM")
+    high = peak_resident_bytes()
     largest = max(unit.optimizer_shard.owned_range[1] - unit.optimizer_shard.owned_range[0] for unit in engine.units)
     engine.close()
     return {"high": high - start, "shard_state": 12 * largest}

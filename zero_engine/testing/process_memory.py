@@ -7,8 +7,9 @@ probes read the truth:
 - `resident_bytes` / `peak_resident_bytes` / `reset_peak_resident`: the resident set and its
   high-water mark (``VmHWM``) from ``/proc`` (Linux); `data_bytes`, what ``RLIMIT_DATA``
   caps. Freed large tensors leave the resident set only when glibc returns them to the
-  kernel: run with ``MALLOC_MMAP_THRESHOLD_=65536`` (set before the process starts) so that
-  every tensor above 64 KiB is its own mapping.
+  kernel: run with ``MALLOC_MMAP_THRESHOLD_=65536`` (set before the process starts), or call
+  `map_large_allocations` in one already started, so that every tensor above the threshold is
+  its own mapping.
 - `SavedTensorMeter`: the bytes held by the storages of every tensor autograd saved in a
   block of code, read when asked, so storage freed after saving counts as freed. It sees
   exactly what a forward keeps alive for its backward, with no allocator noise.
@@ -53,6 +54,16 @@ def _status_bytes(field: str) -> int:
             if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def map_large_allocations(nbytes: int) -> None:
+    """From now on, every allocation of ``nbytes`` or more is a mapping of its own, unmapped when
+    freed (glibc's ``M_MMAP_THRESHOLD``, fixed): what ``MALLOC_MMAP_THRESHOLD_`` does, for a
+    process already started (ranks forked from a test's server). Without it glibc raises its
+    threshold after the first large free, and its heap keeps what was freed in the resident set."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
 
 
 def reset_peak_resident() -> None:
