@@ -267,7 +267,8 @@ def planned_host_buffers(plan: UnitPlan, settings: BuildSettings, num_shards: in
         return -(-numel // num_shards)
 
     buffers: list[int] = []
-    if offload.params_on_host and stage.shard_parameters:  # each frozen unit's shard (per module, stored dtype, encoding)
+    # each frozen unit's shard (per module, stored dtype, encoding)
+    if offload.params_on_host and stage.shard_parameters:
         buffers += [
             BlockQuantizer(8).encoded_bytes(shard(planned.numel)) if planned.quantized
             else planned.dtype.itemsize * shard(planned.numel)

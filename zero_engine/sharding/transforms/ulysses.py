@@ -374,7 +374,8 @@ def refuse_sequence_mixers(model: nn.Module, k: int) -> None:
 def uses_sliding_windows(model_config: Any) -> bool:
     """Whether a Hugging Face model's config asks some layer for a sliding window (``sliding_window`` set, not
     switched off by ``use_sliding_window``, and a sliding layer among ``layer_types`` if listed)."""
-    if getattr(model_config, "sliding_window", None) is None or getattr(model_config, "use_sliding_window", True) is False:
+    window = getattr(model_config, "sliding_window", None)
+    if window is None or getattr(model_config, "use_sliding_window", True) is False:
         return False
     layer_types = getattr(model_config, "layer_types", None)
     return layer_types is None or "sliding_attention" in layer_types
