@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -145,8 +146,8 @@ class EngineSystem:
         package: Any = zero_engine, force_collectives: bool = False, bf16: bool = False,
     ) -> None:
         offload, _, variant = offload.partition("-")
-        compile_units, recompute = offload == "compile", offload == "recompute"
-        offload = "" if compile_units or recompute else offload
+        compile_units, recompute, self.sequence = offload == "compile", offload == "recompute", offload == "sp"
+        offload = "" if compile_units or recompute or self.sequence else offload
         fused = {"fused": False} if variant == "unfused" else {}
         config = {
             "train_micro_batch_size_per_gpu": 1,  # batches are handed in directly
@@ -165,12 +166,21 @@ class EngineSystem:
             config["comm"] = {"force_collectives": True}
         if bf16:
             config["bf16"] = {"enabled": True}
+        if self.sequence:  # every rank one sequence group: the plain model's loop (`train_step`)
+            config["sequence_parallel_size"] = dist.get_world_size()
+            for block in model.blocks:
+                block.core = package.SequenceParallelAttention(F.scaled_dot_product_attention)
         self.engine = package.initialize(model, config, param_groups=decay_groups(model))
         if compile_units:
             self.engine.compile()  # inductor, each Block's forward
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = self.engine(tokens, targets)
+        if self.sequence:  # this rank's slice, global positions; the mean over equal slices made the whole's
+            positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+            mine = [self.engine.sequence_slice(t) for t in (tokens, targets, positions)]
+            loss = self.engine.sequence_loss(self.engine(*mine) / dist.get_world_size())
+        else:
+            loss = self.engine(tokens, targets)
         self.engine.backward(loss)
         self.engine.step()
         return loss.item()
@@ -188,6 +198,8 @@ class EngineSystem:
 
 
 # ``engineS+compile``: engine.compile() (each Block's forward compiled by inductor);
+# ``engineS+sp``: sequence_parallel_size = the world, each Block's attention core wrapped (every
+# system then reads the same batches on every rank: one sequence group reads one);
 # ``engineS+recompute``: zero_optimization.recompute_units (each Block recomputed in backward).
 # ``engineS+X``: CPU offload of the optimizer (opt), the parameters (param, stage 3) or both;
 # ``engineS+X-unfused``: the same with the optimizer's plain per-tensor loop instead of the fused
@@ -205,10 +217,10 @@ def build_systems(
 ) -> dict[str, Callable]:
     """``ddp``, ``zero_redundancy``, ``fsdp2``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B
     elements); ``/G`` after fsdp2 or an engine: hybrid sharding over groups of G ranks (HSDP);
-    ``+opt``, ``+param``, ``+both`` after an engine: CPU offload (`OFFLOAD`); ``base:`` before an
-    engine: the ``--baseline`` revision's package. ``force_collectives``: the engines issue their
-    collectives at world size 1 too (``comm.force_collectives``), as DDP and FSDP2 do, so a
-    one-GPU comparison is not flattered. ``bf16``: each system's bf16 recipe (module docstring)."""
+    ``+opt``, ``+param``, ``+both`` after an engine: CPU offload (`OFFLOAD`); ``+sp``: sequence
+    parallel over every rank; ``base:`` before an engine: the ``--baseline`` revision's package.
+    ``force_collectives``: the engines issue their collectives at world size 1 too
+    (``comm.force_collectives``), as DDP and FSDP2 do, so a one-GPU comparison is not flattered. ``bf16``: each system's bf16 recipe (module docstring)."""
     systems = {}
     for name in names:
         torch.manual_seed(0)
@@ -252,8 +264,10 @@ def run(args: argparse.Namespace, out: Path | None = None) -> dict:
     names = list(systems)
     with torch.device("meta"):  # counted once, without building another model's values
         num_params = sum(p.numel() for p in GPT(model_config).parameters())
+    one_group = any(name.endswith("+sp") for name in names)  # a sequence group reads one batch
     for step in range(args.warmup + args.steps):
-        batch = [t.to(device) for t in data.rank_batch(step, 0, rank, world, args.micro_batch, 1)]
+        batch_rank, batch_ranks = (0, 1) if one_group else (rank, world)
+        batch = [t.to(device) for t in data.rank_batch(step, 0, batch_rank, batch_ranks, args.micro_batch, 1)]
         rotation = names[step % len(names):] + names[: step % len(names)]
         for name in rotation:
             _synchronize(device)

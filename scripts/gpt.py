@@ -40,12 +40,14 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(config.dim)
         self.fc = nn.Linear(config.dim, 4 * config.dim)
         self.out = nn.Linear(4 * config.dim, config.dim)
+        # the attention's core: zero_engine.SequenceParallelAttention wraps it under sequence_parallel_size
+        self.core = F.scaled_dot_product_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(dim, dim=2)
         q, k, v = (t.view(batch, time, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attended = self.core(q, k, v, is_causal=True)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, time, dim))
         return x + self.out(F.gelu(self.fc(self.norm2(x))))
 
@@ -64,8 +66,13 @@ class GPT(nn.Module):
         self.head.weight = self.embed.weight
         self.apply(init_weights)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        positions = torch.arange(tokens.size(1), device=tokens.device)
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The mean loss over ``targets`` (the logits without); ``positions``: the tokens' own
+        (a slice of a longer sequence), else 0, 1, ..."""
+        if positions is None:
+            positions = torch.arange(tokens.size(1), device=tokens.device)
         x = self.embed(tokens) + self.position(positions)
         for block in self.blocks:
             x = block(x)

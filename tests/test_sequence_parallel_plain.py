@@ -175,3 +175,45 @@ def test_a_plain_models_wrapped_attention_matches_one_process(world: int) -> Non
     for found in (results[-1] for results in per_rank if world == 2):
         assert "blocks" not in found["conv"] and "0 (Conv1d) mixes tokens along the sequence" in found["conv"]
         assert "mixer (MambaMixer) mixes tokens along the sequence other than by attention" in found["mamba"]
+
+
+def one_rank_skips_the_loss(rank: int, world: int, stages: list[int]) -> list[str]:
+    """Rank 1 backwards its slice's loss without ``engine.sequence_loss`` while rank 0 calls it:
+    every rank raises `DivergedRanksError` at once, instead of rank 0 waiting in the loss's sum
+    until the timeout."""
+    import time
+
+    torch.set_num_threads(1)
+    outcomes = []
+    for stage in stages:
+        config = engine_config(stage, micro=MICRO, lr=1e-3)
+        config.update(sequence_parallel_size=2, comm={"timeout_s": 60})
+        engine = zero_engine.initialize(TinyGPT(), config)
+        ids = _batches(15, 1)[0][0, 0]
+        targets = _targets(ids)
+        start = time.monotonic()
+        try:
+            for _ in range(2):  # a first micro-step in step, then the skip
+                logits = engine(engine.sequence_slice(ids), engine.sequence_slice(_positions(ids)))
+                mine = engine.sequence_slice(targets, pad_value=-100)
+                loss = F.cross_entropy(logits.flatten(0, 1), mine.flatten(), ignore_index=-100, reduction="sum")
+                loss = loss / (targets != -100).sum()
+                if rank == 0 or engine.global_step == 0:
+                    loss = engine.sequence_loss(loss)
+                engine.backward(loss)
+                engine.step()
+            outcomes.append("no error")
+        except zero_engine.DivergedRanksError as err:
+            outcomes.append(f"{time.monotonic() - start:.1f} s: {err}")
+        finally:
+            engine.close()
+    return outcomes
+
+
+def test_a_loss_summed_on_some_ranks_only_raises_on_every_rank() -> None:
+    stages = [0, 3]
+    for rank, outcomes in enumerate(run_on_ranks(2, one_rank_skips_the_loss, stages, timeout=300)):
+        for stage, outcome in zip(stages, outcomes):
+            seconds, message = outcome.split(" s: ", 1)
+            assert float(seconds) < 20, (rank, stage, outcome)
+            assert "sequence_loss()" in message, (rank, stage, message)

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-from .sharding.transforms.ulysses import sequence_slice, whole_value
+from .sharding.gathering.agreement import Call
+from .sharding.transforms.seam import MODEL
+from .sharding.transforms.ulysses import UlyssesAttention, sequence_slice, whole_value
 
 
 class AccumulationWindow:
@@ -69,6 +71,9 @@ class WindowView:
     window: AccumulationWindow
     batch: Any  # zero_engine.config.BatchSizes
     comm: Any  # zero_engine.comm.Comm
+    transforms: Any  # zero_engine.sharding.transforms.seam.ModuleTransforms
+    calls: Any  # zero_engine.sharding.gathering.calls.CallGuard or PassCallGuard
+    _loss_row_sent = False  # sequence_loss sent this micro-step's call row (`_agree_on_split_loss`)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window: every
@@ -122,5 +127,23 @@ class WindowView:
         """A plain PyTorch model's loop: ``loss``, this rank's slice's share of the micro-batch's
         loss (its tokens' summed loss over the micro-batch's valid tokens), made the whole
         micro-batch's in value on every rank of the sequence group, its gradient still the
-        slice's (the group's gradients are summed). ``loss`` itself at ``k`` = 1."""
+        slice's (the group's gradients are summed). ``loss`` itself at ``k`` = 1.
+
+        Collective: after a split training forward it opens with a call row, so that a rank
+        whose loop skips it raises `DivergedRanksError` with the others (`_agree_on_split_loss`)."""
+        if self._loop_sums_loss():
+            self.calls.agree_at_once(Call.SEQUENCE_LOSS, self.window.micro_steps)
+            self._loss_row_sent = True
         return whole_value(self.comm.sequence_group, loss)
+
+    def _agree_on_split_loss(self) -> None:
+        """At a backward's start after a plain model's split forward: a training row, read at
+        once, where this rank's loop called no `sequence_loss` since the forward, to meet
+        another rank's loss row before the backward's first exchange. Without it, the rank that
+        skipped would exchange gradients while another waits in the loss's sum until the timeout."""
+        if self._loop_sums_loss() and not self._loss_row_sent:
+            self.calls.agree_at_once(Call.TRAIN, self.window.micro_steps)
+        self._loss_row_sent = False
+
+    def _loop_sums_loss(self) -> bool:
+        return any(isinstance(t, UlyssesAttention) and t.loop_sums_loss for t in self.transforms.of_order(MODEL))

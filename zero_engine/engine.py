@@ -216,6 +216,7 @@ class Engine(ModelAccess, StepView, WindowView):
                 "call backward once"
             )
         self._agree_on_training()
+        self._agree_on_split_loss()
         self._open_window()
         self.reducer.pre_backward(boundary=boundary)
         self.gatherer.begin_backward()  # after: it tells the reducer which units get no gradient

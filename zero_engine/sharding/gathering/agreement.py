@@ -80,6 +80,7 @@ class Call(IntEnum):
     FULL_PARAMETERS = 7  # engine.named_full_parameters()
     FULL_PARAMETERS_BUCKET = 8  # its next bucket's gather (the count: the bucket's number)
     FULL_PARAMETERS_END = 9  # its end (the count: the buckets gathered)
+    SEQUENCE_LOSS = 10  # engine.sequence_loss() after a split forward (a plain model's loop)
 
     @property
     def label(self) -> str:
@@ -89,6 +90,8 @@ class Call(IntEnum):
             return "named_full_parameters(), gathering a bucket"
         if self is Call.FULL_PARAMETERS_END:
             return "the end of named_full_parameters()"
+        if self is Call.SEQUENCE_LOSS:
+            return "sequence_loss()"
         return f"{self.name.lower()}()"
 
 
@@ -117,8 +120,8 @@ def call_divergence(rows: list[list[int]], describe_unit: Callable[[int], str] =
     return (
         f"ranks are in different calls: {describe_rows(rows, describe_unit)}. save_checkpoint, load_checkpoint, "
         "save_pretrained, gathered(), named_full_parameters() (iterated to its end), generation at stage 3 and (when "
-        "state is sharded) full_state_dict are collective: call them on every rank, at the same step. The ranks' "
-        "collectives are now out of step: end the job"
+        "state is sharded) full_state_dict are collective, and so is sequence_loss under sequence_parallel_size: "
+        "call them on every rank, at the same step. The ranks' collectives are now out of step: end the job"
     )
 
 

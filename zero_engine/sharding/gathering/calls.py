@@ -51,6 +51,12 @@ class CallGuard:
         if call is not Call.TRAIN:
             self.read()
 
+    def agree_at_once(self, call: Call, count: int) -> None:
+        """``call``'s row, sent and read now, even a training one: for a call whose collectives
+        are not the engine's reductions (`zero_engine.accumulation.WindowView.sequence_loss`)."""
+        self.agree(call, count)
+        self.read()
+
     def read(self) -> None:
         """Read the row sent and not read yet, if any (waiting for the other ranks' where needed),
         before any other collective: raise `DivergedRanksError` if the rows are different calls
@@ -82,6 +88,11 @@ class PassCallGuard:
         if call is not Call.TRAIN:
             self.gatherer.schedule.agree_on_call(call)
             self.gatherer.settle_for_call()
+
+    def agree_at_once(self, call: Call, count: int) -> None:
+        """A row of ``call`` agreed now, shards left as they are (`CallGuard.agree_at_once`)."""
+        self.check_usable()
+        self.gatherer.schedule.agree_on_call(call)
 
     def read(self) -> None:
         self.check_usable()

@@ -194,6 +194,12 @@ class UlyssesAttention:
         self._handles: list[RemovableHandle] = []
         self._wrappers: list[SequenceParallelAttention] = []  # a plain model's attention cores
 
+    @property
+    def loop_sums_loss(self) -> bool:
+        """Whether the last forward was a plain model's split one: its loop makes the loss the
+        micro-batch's (``engine.sequence_loss``), a Hugging Face model's forward does it here."""
+        return self.active and bool(self._wrappers)
+
     def apply(self, target: TransformTarget) -> None:
         model = target.model
         refuse_sequence_mixers(model, self.group.world_size)
