@@ -202,12 +202,14 @@ class EngineSystem:
 # system then reads the same batches on every rank: one sequence group reads one);
 # ``engineS+recompute``: zero_optimization.recompute_units (each Block recomputed in backward).
 # ``engineS+X``: CPU offload of the optimizer (opt), the parameters (param, stage 3) or both;
+# ``engineS+nvme``: the optimizer side on NVMe, in $BENCH_NVME_PATH (default /var/tmp);
 # ``engineS+X-unfused``: the same with the optimizer's plain per-tensor loop instead of the fused
 # CPU kernel offload picks (so the comparison with ``engineS`` isolates offload's bookkeeping).
 _CPU = {"device": "cpu", "pin_memory": True}
+_NVME = {"device": "nvme", "nvme_path": os.environ.get("BENCH_NVME_PATH", "/var/tmp")}  # a directory on a disk
 OFFLOAD = {
     "": {}, "opt": {"offload_optimizer": _CPU}, "param": {"offload_param": _CPU},
-    "both": {"offload_optimizer": _CPU, "offload_param": _CPU},
+    "both": {"offload_optimizer": _CPU, "offload_param": _CPU}, "nvme": {"offload_optimizer": _NVME},
 }
 
 
@@ -217,7 +219,7 @@ def build_systems(
 ) -> dict[str, Callable]:
     """``ddp``, ``zero_redundancy``, ``fsdp2``, ``engineS`` (stage S), or ``engineS@B`` (bucket of B
     elements); ``/G`` after fsdp2 or an engine: hybrid sharding over groups of G ranks (HSDP);
-    ``+opt``, ``+param``, ``+both`` after an engine: CPU offload (`OFFLOAD`); ``+sp``: sequence
+    ``+opt``, ``+param``, ``+both``, ``+nvme`` after an engine: offload (`OFFLOAD`); ``+sp``: sequence
     parallel over every rank; ``base:`` before an engine: the ``--baseline`` revision's package.
     ``force_collectives``: the engines issue their collectives at world size 1 too
     (``comm.force_collectives``), as DDP and FSDP2 do, so a one-GPU comparison is not flattered. ``bf16``: each system's bf16 recipe (module docstring)."""

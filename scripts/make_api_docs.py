@@ -18,7 +18,9 @@ sys.path.insert(0, str(ROOT))
 
 import zero_engine  # noqa: E402
 from zero_engine.engine import Engine  # noqa: E402
-from zero_engine.errors import CheckpointError, ConfigError, DivergedRanksError, ShardedParameterError  # noqa: E402
+from zero_engine.errors import (  # noqa: E402
+    CheckpointError, ConfigError, DivergedRanksError, ShardedParameterError, SwapError,
+)
 
 OUT = ROOT / "docs" / "reference" / "api.md"
 ENGINE_MEMBERS = [
@@ -113,7 +115,7 @@ def render() -> str:
     parts.append(_entry("zero_engine.SequenceParallelAttention", zero_engine.SequenceParallelAttention))
     parts.append("## Errors\n")
     parts += [f"### `zero_engine.{error.__name__}`\n\n{_text(inspect.getdoc(error))}\n"
-              for error in (ConfigError, DivergedRanksError, CheckpointError, ShardedParameterError)]
+              for error in (ConfigError, DivergedRanksError, CheckpointError, ShardedParameterError, SwapError)]
     parts.append("## Integrations\n")
     for cls, where in ((ZeroEngineTrainer, "transformers"), (ZeroEngineStrategy, "lightning"),
                        (Accelerator, "accelerate")):

@@ -234,6 +234,66 @@ def test_nvme_needs_a_path() -> None:
         zero_engine.load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
 
 
+# -- a disk that fails on one rank: every rank raises at the same step --------------------------
+
+def a_disk_that_fails(rank: int, world: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Two steps, then rank 1's disk fails: every write from step 2 on (``write``: the first is a
+    gradient's, in the backward), or every read inside step 2's update (``read``); the outcome on
+    each rank."""
+    import errno
+
+    found = []
+    for case in cases:
+        settings = config(case["stage"], "nvme", root, accum=case["accum"])
+        settings["comm"] = {"timeout_s": 60}
+        engine = zero_engine.initialize(make_gpt(), settings)
+        train(engine, rank, world, range(2), case["accum"])
+        pwrite, preadv, update = os.pwrite, os.preadv, engine.optimizer_step._update
+
+        def full(*args: Any) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def failing(*args: Any) -> int:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        def update_reading_nothing(*args: Any) -> None:
+            os.preadv = failing
+            update(*args)
+
+        if rank == 1 and case["fails"] == "write":
+            os.pwrite = full
+        if rank == 1 and case["fails"] == "read":
+            engine.optimizer_step._update = update_reading_nothing
+        start = time.monotonic()
+        try:
+            train(engine, rank, world, range(2, 4), case["accum"])
+            outcome = {"error": "", "message": ""}
+        except Exception as err:  # noqa: BLE001 (what each rank raised)
+            outcome = {"error": type(err).__name__, "message": str(err)}
+        outcome["seconds"] = time.monotonic() - start
+        os.pwrite, os.preadv = pwrite, preadv
+        engine.close()
+        found.append(outcome)
+    return found
+
+
+FAILING = [{"stage": 2, "accum": 2, "fails": "write"}, {"stage": 1, "accum": 1, "fails": "read"}]
+
+
+def test_a_disk_failing_on_one_rank_raises_on_every_rank_at_that_step() -> None:
+    """Not one rank raising while the others wait in a collective until the timeout (60 s here)."""
+    with tempfile.TemporaryDirectory(dir=DISK) as root:
+        per_rank = run_on_ranks(2, a_disk_that_fails, root, FAILING, timeout=300)
+        assert os.listdir(root) == []  # close() removed every rank's files, failed or not
+    for case, outcomes in zip(FAILING, zip(*per_rank)):
+        when = "before its update: nothing of it was applied" if case["fails"] == "write" else "in its update"
+        for rank, outcome in enumerate(outcomes):
+            assert outcome["error"] == "SwapError" and outcome["seconds"] < 20, (case, rank, outcome)
+            assert f"failed on 1 of 2 ranks at step 2, {when}" in outcome["message"], (case, rank, outcome)
+            mine = "No space left on device" if case["fails"] == "write" else "Input/output error"
+            assert (mine if rank == 1 else "this rank's swap files went through") in outcome["message"], outcome
+
+
 # -- checkpoints: the same as CPU offload's, and either resumes into the other ---------------------
 
 def layout_config(layout: str, device: str, root: str) -> dict[str, Any]:

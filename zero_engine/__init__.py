@@ -7,7 +7,7 @@
 from .config import ZeroEngineConfig, load_config
 from .engine import Engine
 from .entry import initialize
-from .errors import CheckpointError, ConfigError, DivergedRanksError, ShardedParameterError
+from .errors import CheckpointError, ConfigError, DivergedRanksError, ShardedParameterError, SwapError
 from .sharding.transforms.ulysses import SequenceParallelAttention
 from .state.consolidate import load_consolidated
 
@@ -18,6 +18,7 @@ __all__ = [
     "Engine",
     "SequenceParallelAttention",
     "ShardedParameterError",
+    "SwapError",
     "ZeroEngineConfig",
     "initialize",
     "load_config",

@@ -129,8 +129,9 @@ class WindowView:
         micro-batch's in value on every rank of the sequence group, its gradient still the
         slice's (the group's gradients are summed). ``loss`` itself at ``k`` = 1.
 
-        Collective: after a split training forward it opens with a call row, so that a rank
-        whose loop skips it raises `DivergedRanksError` with the others (`_agree_on_split_loss`)."""
+        Collective: after a split training forward it opens with a call row, and a backward
+        whose rank skipped it sends one too, so that every rank raises `DivergedRanksError`
+        instead of one waiting in the loss's sum until the timeout."""
         if self._loop_sums_loss():
             self.calls.agree_at_once(Call.SEQUENCE_LOSS, self.window.micro_steps)
             self._loss_row_sent = True

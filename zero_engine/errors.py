@@ -18,6 +18,12 @@ class DivergedRanksError(RuntimeError):
     """Ranks are about to gather different units: their forward passes took different paths."""
 
 
+class SwapError(OSError):
+    """NVMe offload: a read or write of some rank's swap file failed (a full or failing disk).
+    Raised on every rank at the same step; the engine cannot go on (its state is in the files):
+    load the last checkpoint into a new one."""
+
+
 class ShardedParameterError(RuntimeError):
     """Stage 3: a forward used a sharded parameter where the engine cannot gather it; the message
     names the parameter, the code that used it and the fix."""

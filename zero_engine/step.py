@@ -12,13 +12,20 @@ optimizer shards, the learning-rate schedule, fp16's loss scaler, and the step's
    (`zero_engine.sharding.storage.optimizer_shard.step_shards`), and all-gather the updated
    parameters where optimizer state is sharded (stage 3 units stay sharded until used);
 4. the schedule and the loss scaler advance on applied steps only.
+
+With NVMe offload a swap file's read or write that failed on some rank (a full disk) is agreed
+too: its count rides in phase 1's all-reduce (a write behind the last step, or this window's
+gradient), and one more small all-reduce follows phase 3's update (its reads), so every rank
+raises `SwapError` at the same step instead of the others waiting in a collective until the
+timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -33,7 +40,8 @@ from .optim import ComputeLayout, build_optimizer, optimizer_kind
 from .param_groups import ParamGroup
 from .precision import LossScaler, LossScaling
 from .schedules import build_scheduler, dry_run
-from .errors import CheckpointError
+from .errors import CheckpointError, SwapError
+from .sharding.storage.nvme import shard_swap_space, swap_space
 from .sharding.storage.optimizer_shard import SavedPiece, SavedPieces, step_shards
 from .sharding.reduction.reducer import GradReducer
 from .stage import Stage
@@ -80,6 +88,8 @@ class OptimizerStep:
         self.comm = comm
         self.reducer = reducer
         self.device = device
+        # NVMe offload: the swap files whose failures the step agrees on (their `failure`)
+        self.swap_files = [space.file for space in (swap_space(units), shard_swap_space(units)) if space is not None]
         kind = optimizer_kind(settings.optimizer.type)
         matrices = matrix_params(units) if kind is not None and kind.layout is ComputeLayout.WHOLE_MATRIX else None
         torch_groups = _optimizer_groups(groups, units) if matrices is None else split_groups(groups, units, matrices)
@@ -109,13 +119,13 @@ class OptimizerStep:
 
     def run(self, step_number: int) -> StepResult:
         """The step's phases (see the module's docstring); ``step_number`` names it in logs."""
-        used, squares = self._agree_on_used_params_and_norm()
+        used, squares = self._agree_on_used_params_and_norm(step_number)
         self.grad_norm = math.sqrt(squares) / self.loss_scale
         self.applied = math.isfinite(squares)
         if not self.applied:
             self._skip(step_number)
             return StepResult(False, self.grad_norm)
-        self._update(used, self._gradient_multiplier())
+        self._update(used, self._gradient_multiplier(), step_number)
         if self.stage.shard_optimizer_state:
             self._gather_params()
         if self.loss_scaler is not None:
@@ -131,19 +141,26 @@ class OptimizerStep:
         for unit in self.units[:count]:
             unit.optimizer_shard.master_kind.prefetch(wait_for_slot=True)
 
-    def _agree_on_used_params_and_norm(self) -> tuple[list[bool], float]:
+    def _agree_on_used_params_and_norm(self, step_number: int) -> tuple[list[bool], float]:
         """One small all-reduce: which parameters got a gradient on any rank, and the squared
         (still scaled) gradient norm summed over every rank's shard, so identical everywhere:
         non-finite on every rank when any rank's gradients overflowed. Packed on the device
         (the norm is computed there; the used-mask is kept on the host by the hooks) and read
-        back to the host once, as Python values: the one host sync of a step."""
-        squares = _sum_of_squares([self._shard_norm(unit) for unit in self.units], self.device)
+        back to the host once, as Python values: the one host sync of a step. With NVMe
+        offload, one number more: the ranks whose swap files failed (`_check_swap_files`)."""
+        with self._swap_failures_agreed():
+            norms = [self._shard_norm(unit) for unit in self.units]
+        squares = _sum_of_squares(norms if self._swap_failure() is None else [], self.device)
         if self.comm.replica_rank:  # every shard is counted once: by its copy in the first shard group
             squares = torch.where(squares.isfinite(), 0.0, squares)
         # non_blocking: a pageable host-to-device copy need not stall the host (sync debug mode)
-        packed = torch.cat([self.reducer.used_mask().to(self.device, non_blocking=True), squares.view(1)])
+        packed = torch.cat([self.reducer.used_mask().to(self.device, non_blocking=True), squares.view(1),
+                            *self._swap_failure_flag()])
         self.comm.all_reduce_sum(packed).wait()
         *used, total = devices.host_values(packed)
+        if self.swap_files:
+            total, failed = used.pop(), total
+            self._check_swap_files(failed, step_number, "before its update: nothing of it was applied")
         return [count > 0 for count in used], total
 
     def _shard_norm(self, unit: FlatUnit) -> torch.Tensor:
@@ -163,13 +180,53 @@ class OptimizerStep:
             multiplier *= min(1.0, max_norm / (self.grad_norm + 1e-6))
         return multiplier
 
-    def _update(self, used: list[bool], multiplier: float) -> None:
+    def _update(self, used: list[bool], multiplier: float, step_number: int) -> None:
         """Each unit's optimizer shard steps on its fp32 gradient and publishes the result, one
         unit at a time: a low-precision gradient's fp32 copy, and the temporaries of torch's
         foreach optimizers (AdamW's is an fp32 copy of every element it steps; foreach is the
-        default on CUDA), then exist for one unit, never for the whole model."""
+        default on CUDA), then exist for one unit, never for the whole model. With NVMe
+        offload, the ranks then agree on whether every read and write so far went through."""
         shards = [unit.optimizer_shard for unit in self.units]
-        self.peak_grad_bytes = step_shards(self.optimizer, shards, used, multiplier)
+        with self._swap_failures_agreed():
+            self.peak_grad_bytes = step_shards(self.optimizer, shards, used, multiplier)
+        if self.swap_files:
+            (flag,) = self._swap_failure_flag()
+            self.comm.all_reduce_sum(flag).wait()
+            self._check_swap_files(devices.host_values(flag)[0], step_number, "in its update (partly applied)")
+
+    # -- NVMe offload: a swap file that failed on some rank ends the step on every rank ----------
+
+    def _swap_failure(self) -> OSError | None:
+        return next((file.failure for file in self.swap_files if file.failure is not None), None)
+
+    @contextlib.contextmanager
+    def _swap_failures_agreed(self) -> Iterator[None]:
+        """A swap file's failure raised inside is left to the ranks' agreement that follows
+        (this rank goes on to it, not into the next collective alone); any other error raises."""
+        try:
+            yield
+        except OSError:
+            if self._swap_failure() is None:
+                raise
+
+    def _swap_failure_flag(self) -> list[torch.Tensor]:
+        """Whether this rank's swap files failed, as the one number ranks sum (none without NVMe)."""
+        if not self.swap_files:
+            return []
+        failed = float(self._swap_failure() is not None)
+        return [torch.tensor([failed], dtype=torch.float64).to(self.device, non_blocking=True)]
+
+    def _check_swap_files(self, failed: float, step_number: int, when: str) -> None:
+        """Raise `SwapError` on every rank when ``failed`` (ranks, summed) is not 0."""
+        if not failed:
+            return
+        mine = self._swap_failure()
+        here = f"this rank's: {mine}" if mine is not None else "this rank's swap files went through"
+        raise SwapError(
+            f"NVMe offload: a swap file's read or write failed on {int(failed)} of {self.comm.mesh.world} ranks at "
+            f"step {step_number}, {when}; {here}. The engine cannot go on (its state lives in those files): load the "
+            "last checkpoint into a new engine"
+        ) from mine
 
     def _skip(self, step_number: int) -> None:
         """A non-finite gradient on some rank (fp16 overflow, or a NaN or inf loss or gradient

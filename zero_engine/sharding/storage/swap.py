@@ -24,7 +24,9 @@ import re
 import socket
 import threading
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -76,6 +78,9 @@ class SwapFile:
         self.end = 0
         self.bytes_read = 0
         self.bytes_written = 0
+        # The first read or write that failed, on whichever thread: the step agrees on it across
+        # ranks (`zero_engine.step.OptimizerStep`), so that every rank raises, not this one alone.
+        self.failure: OSError | None = None
 
     def allocate(self, nbytes: int) -> int:
         offset = self.end
@@ -86,6 +91,10 @@ class SwapFile:
         """Each tensor to its region, then one ``fdatasync`` (dirty pages cannot be dropped) and
         the regions' pages dropped. Whole pages only: a partial last page is padded (writing part
         of a page that is not cached makes the kernel read it from the disk first)."""
+        with self._recorded():
+            self._write_regions(regions)
+
+    def _write_regions(self, regions: list[tuple[int, torch.Tensor]]) -> None:
         for offset, tensor in regions:
             view = _memory_of(tensor)
             whole = len(view) // ALIGN * ALIGN
@@ -106,13 +115,24 @@ class SwapFile:
 
     def read(self, offset: int, tensor: torch.Tensor) -> None:
         view, done = _memory_of(tensor), 0
-        while done < len(view):
-            count = os.preadv(self.fd, [view[done:]], offset + done)
-            if count == 0:
-                raise OSError(f"{self.path}: {len(view) - done} bytes missing at offset {offset + done}")
-            done += count
-        self._drop(offset, len(view))
+        with self._recorded():
+            while done < len(view):
+                count = os.preadv(self.fd, [view[done:]], offset + done)
+                if count == 0:
+                    raise OSError(f"{self.path}: {len(view) - done} bytes missing at offset {offset + done}")
+                done += count
+            self._drop(offset, len(view))
         self.bytes_read += len(view)
+
+    @contextmanager
+    def _recorded(self) -> Iterator[None]:
+        """Keep the first failure (`failure`), then let it raise where it happened."""
+        try:
+            yield
+        except OSError as err:
+            if self.failure is None:
+                self.failure = err
+            raise
 
     def _drop(self, offset: int, nbytes: int) -> None:
         """Out of the page cache: the whole pages of the region (a partial last page would stay)."""
