@@ -238,13 +238,16 @@ def test_nvme_needs_a_path() -> None:
 
 def a_disk_that_fails(rank: int, world: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Two steps, then rank 1's disk fails: every write from step 2 on (``write``: the first is a
-    gradient's, in the backward), or every read inside step 2's update (``read``); the outcome on
-    each rank."""
+    gradient's, in the backward), every read inside step 2's update (``read``), or every read of
+    a parameter shard from step 2 on (``gather``: the first is a forward's); the outcome on each
+    rank."""
     import errno
 
     found = []
     for case in cases:
         settings = config(case["stage"], "nvme", root, accum=case["accum"])
+        if case["fails"] == "gather":  # the parameter shards on NVMe, the optimizer side on the host
+            settings = param_config(config(3, "cpu", root, accum=case["accum"]), "nvme", "cpu", root)
         settings["comm"] = {"timeout_s": 60}
         engine = zero_engine.initialize(make_gpt(), settings)
         train(engine, rank, world, range(2), case["accum"])
@@ -262,6 +265,8 @@ def a_disk_that_fails(rank: int, world: int, root: str, cases: list[dict[str, An
 
         if rank == 1 and case["fails"] == "write":
             os.pwrite = full
+        if rank == 1 and case["fails"] == "gather":
+            os.preadv = failing
         if rank == 1 and case["fails"] == "read":
             engine.optimizer_step._update = update_reading_nothing
         start = time.monotonic()
@@ -277,7 +282,13 @@ def a_disk_that_fails(rank: int, world: int, root: str, cases: list[dict[str, An
     return found
 
 
-FAILING = [{"stage": 2, "accum": 2, "fails": "write"}, {"stage": 1, "accum": 1, "fails": "read"}]
+FAILING = [
+    {"stage": 2, "accum": 2, "fails": "write", "when": "at step 2, before its update: nothing of it was applied",
+     "error": "No space left on device"},
+    {"stage": 1, "accum": 1, "fails": "read", "when": "at step 2, in its update", "error": "Input/output error"},
+    {"stage": 3, "accum": 2, "fails": "gather", "when": "the parameter shards' swap file failed on rank 1 (a read",
+     "error": "Input/output error"},
+]
 
 
 def test_a_disk_failing_on_one_rank_raises_on_every_rank_at_that_step() -> None:
@@ -286,12 +297,12 @@ def test_a_disk_failing_on_one_rank_raises_on_every_rank_at_that_step() -> None:
         per_rank = run_on_ranks(2, a_disk_that_fails, root, FAILING, timeout=300)
         assert os.listdir(root) == []  # close() removed every rank's files, failed or not
     for case, outcomes in zip(FAILING, zip(*per_rank)):
-        when = "before its update: nothing of it was applied" if case["fails"] == "write" else "in its update"
         for rank, outcome in enumerate(outcomes):
             assert outcome["error"] == "SwapError" and outcome["seconds"] < 20, (case, rank, outcome)
-            assert f"failed on 1 of 2 ranks at step 2, {when}" in outcome["message"], (case, rank, outcome)
-            mine = "No space left on device" if case["fails"] == "write" else "Input/output error"
-            assert (mine if rank == 1 else "this rank's swap files went through") in outcome["message"], outcome
+            assert case["when"] in outcome["message"], (case, rank, outcome)
+            assert (case["error"] if rank == 1 else "went through") in outcome["message"], (case, rank, outcome)
+            if case["fails"] != "gather":
+                assert "failed on 1 of 2 ranks" in outcome["message"], (case, rank, outcome)
 
 
 # -- checkpoints: the same as CPU offload's, and either resumes into the other ---------------------

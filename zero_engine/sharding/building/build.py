@@ -40,7 +40,7 @@ from ..gathering.gatherer import NoGather, ParamGatherer
 from ..units.lifecycle import Lifecycle
 from ..units.frozen_unit import FrozenUnit
 from ..units.quantized_frozen import NO_QUANTIZATION, FrozenQuantization, QuantizedFrozenUnit
-from ..storage.nvme import nvme_masters, nvme_shards
+from ..storage.nvme import nvme_masters, nvme_shards, shard_swap_space
 from ..storage.param_shard import DEVICE_SHARDS, ShardTier
 from ..storage.placement import Placement, place
 from ..reduction.bucket_reducer import ShardedGradReducer
@@ -122,6 +122,9 @@ def build_mechanism(
     (stage 3). ``on_unarmed_grad``: the engine's, for a gradient outside an armed backward."""
     units, frozen_units, gatherer = build_units(model, plan, comm, settings, device, lifecycle, deferred)
     calls = PassCallGuard(gatherer) if isinstance(gatherer, ParamGatherer) else CallGuard(comm)
+    shard_swap = shard_swap_space([*units, *frozen_units])
+    if shard_swap is not None and isinstance(gatherer, ParamGatherer):  # a gather's failed read, agreed in its rounds
+        gatherer.schedule.swap_failure = lambda: shard_swap.file.failure
     reducer = build_reducer(
         settings, units, comm, lifecycle=lifecycle, on_unit_complete=gatherer.unit_complete,
         on_unarmed_grad=on_unarmed_grad, may_wait_for=gatherer.may_wait_for_reduction,

@@ -283,7 +283,17 @@ class NvmeShard:
         self.future = self.space.writers.submit(self._write_from, host, False)
 
     def fill(self, into: torch.Tensor) -> None:
-        buffer = self._take()
+        """Into a gather's buffer. A read that failed fills zeros instead of raising here, on
+        this rank alone, while the others wait in the gather: the file kept the failure, and the
+        ranks' next agreement round raises on every rank
+        (`zero_engine.sharding.gathering.agreement.CollectiveSchedule`)."""
+        try:
+            buffer = self._take()
+        except OSError:
+            if self.space.file.failure is None:
+                raise
+            into.zero_()
+            return
         offload.copy_across(into, buffer)  # from pageable memory: done when it returns
         self.space.shard_buffers.give(buffer)
 
