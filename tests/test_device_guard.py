@@ -128,7 +128,7 @@ def test_hybrid_sharding_neither_mixes_nor_syncs_more(tmp_path: Path) -> None:
 # -- the guard sees the mistakes it was built for ------------------------------------------------
 
 
-def _mask_concatenated_on_the_host(self: OptimizerStep) -> tuple[list[bool], float]:
+def _mask_concatenated_on_the_host(self: OptimizerStep, step_number: int) -> tuple[list[bool], float]:
     """The used-mask agreement as it was: the mask stays a host tensor."""
     squares = _sum_of_squares([self._shard_norm(unit) for unit in self.units], self.device)
     packed = torch.cat([self.reducer.used_mask(), squares.view(1)])
