@@ -222,7 +222,8 @@ def build_systems(
     ``+opt``, ``+param``, ``+both``, ``+nvme`` after an engine: offload (`OFFLOAD`); ``+sp``: sequence
     parallel over every rank; ``base:`` before an engine: the ``--baseline`` revision's package.
     ``force_collectives``: the engines issue their collectives at world size 1 too
-    (``comm.force_collectives``), as DDP and FSDP2 do, so a one-GPU comparison is not flattered. ``bf16``: each system's bf16 recipe (module docstring)."""
+    (``comm.force_collectives``), as DDP and FSDP2 do, so a one-GPU comparison is not flattered.
+    ``bf16``: each system's bf16 recipe (module docstring)."""
     systems = {}
     for name in names:
         torch.manual_seed(0)
