@@ -239,13 +239,14 @@ def test_nvme_needs_a_path() -> None:
 def a_disk_that_fails(rank: int, world: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Two steps, then rank 1's disk fails: every write from step 2 on (``write``: the first is a
     gradient's, in the backward), every read inside step 2's update (``read``), or every read of
-    a parameter shard from step 2 on (``gather``: the first is a forward's); the outcome on each
-    rank."""
+    a parameter shard from step 2 on (``gather``: the first is a forward's), or every read from
+    step 2 on in hybrid sharding (``carry``: the window's gradient carried across groups in the
+    backward is read back); the outcome on each rank."""
     import errno
 
     found = []
     for case in cases:
-        settings = config(case["stage"], "nvme", root, accum=case["accum"])
+        settings = config(case["stage"], "nvme", root, accum=case["accum"], shard_group_size=case.get("groups", 0))
         if case["fails"] == "gather":  # the parameter shards on NVMe, the optimizer side on the host
             settings = param_config(config(3, "cpu", root, accum=case["accum"]), "nvme", "cpu", root)
         settings["comm"] = {"timeout_s": 60}
@@ -265,7 +266,7 @@ def a_disk_that_fails(rank: int, world: int, root: str, cases: list[dict[str, An
 
         if rank == 1 and case["fails"] == "write":
             os.pwrite = full
-        if rank == 1 and case["fails"] == "gather":
+        if rank == 1 and case["fails"] in ("gather", "carry"):
             os.preadv = failing
         if rank == 1 and case["fails"] == "read":
             engine.optimizer_step._update = update_reading_nothing
@@ -287,6 +288,8 @@ FAILING = [
      "error": "No space left on device"},
     {"stage": 1, "accum": 1, "fails": "read", "when": "at step 2, in its update", "error": "Input/output error"},
     {"stage": 3, "accum": 2, "fails": "gather", "when": "the parameter shards' swap file failed on rank 1 (a read",
+     "error": "Input/output error"},
+    {"stage": 2, "accum": 3, "groups": 1, "fails": "carry", "when": "at step 2, before its update",
      "error": "Input/output error"},
 ]
 

@@ -112,10 +112,20 @@ class NvmeGrad:
 
     def move_into(self, destination: torch.Tensor) -> None:
         """Add the window's gradient so far into the device ``destination``; the next write
-        starts the window anew."""
-        if self._started:
-            destination.add_(self.value().to(destination.device))
-            self._started = False
+        starts the window anew. A read that failed adds nothing rather than raising on this rank
+        alone inside the backward (the others would wait in the carry's reduction): the file kept
+        the failure, and the step's agreement raises on every rank (`zero_engine.step`)."""
+        if not self._started:
+            return
+        try:
+            window = self.value()
+        except OSError:
+            if self.space.file.failure is None:
+                raise
+            window = None
+        self._started = False
+        if window is not None:
+            destination.add_(window.to(destination.device))
 
     def finish(self) -> None:
         """Nothing to add at the backward's end: the write thread added it."""
