@@ -15,7 +15,7 @@ optimizer shards, the learning-rate schedule, fp16's loss scaler, and the step's
 
 With NVMe offload a swap file's read or write that failed on some rank (a full disk) is agreed
 too: its count rides in phase 1's all-reduce (a write behind the last step, or this window's
-gradient), and one more small all-reduce follows phase 3's update (its reads), so every rank
+gradient), and one control-group round follows phase 3's update (its reads), so every rank
 raises `SwapError` at the same step instead of the others waiting in a collective until the
 timeout.
 """
@@ -148,9 +148,10 @@ class OptimizerStep:
         (the norm is computed there; the used-mask is kept on the host by the hooks) and read
         back to the host once, as Python values: the one host sync of a step. With NVMe
         offload, one number more: the ranks whose swap files failed (`_check_swap_files`)."""
+        norms: list[torch.Tensor] = []  # none where this rank's swap failed: every rank raises below
         with self._swap_failures_agreed():
             norms = [self._shard_norm(unit) for unit in self.units]
-        squares = _sum_of_squares(norms if self._swap_failure() is None else [], self.device)
+        squares = _sum_of_squares(norms, self.device)
         if self.comm.replica_rank:  # every shard is counted once: by its copy in the first shard group
             squares = torch.where(squares.isfinite(), 0.0, squares)
         # non_blocking: a pageable host-to-device copy need not stall the host (sync debug mode)
@@ -189,10 +190,9 @@ class OptimizerStep:
         shards = [unit.optimizer_shard for unit in self.units]
         with self._swap_failures_agreed():
             self.peak_grad_bytes = step_shards(self.optimizer, shards, used, multiplier)
-        if self.swap_files:
-            (flag,) = self._swap_failure_flag()
-            self.comm.all_reduce_sum(flag).wait()
-            self._check_swap_files(devices.host_values(flag)[0], step_number, "in its update (partly applied)")
+        if self.swap_files:  # control traffic: the control group, off the data group (NCCL on GPUs)
+            failed = sum(row for row in self.comm.each_rank(int(self._swap_failure() is not None)).values())
+            self._check_swap_files(failed, step_number, "in its update (partly applied)")
 
     # -- NVMe offload: a swap file that failed on some rank ends the step on every rank ----------
 
@@ -214,9 +214,9 @@ class OptimizerStep:
         if not self.swap_files:
             return []
         failed = float(self._swap_failure() is not None)
-        return [torch.tensor([failed], dtype=torch.float64).to(self.device, non_blocking=True)]
+        return [torch.tensor([failed], dtype=torch.float64, device=devices.HOST).to(self.device, non_blocking=True)]
 
-    def _check_swap_files(self, failed: float, step_number: int, when: str) -> None:
+    def _check_swap_files(self, failed: float | int, step_number: int, when: str) -> None:
         """Raise `SwapError` on every rank when ``failed`` (ranks, summed) is not 0."""
         if not failed:
             return
