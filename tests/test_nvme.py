@@ -241,12 +241,14 @@ def a_disk_that_fails(rank: int, world: int, root: str, cases: list[dict[str, An
     gradient's, in the backward), every read inside step 2's update (``read``), or every read of
     a parameter shard from step 2 on (``gather``: the first is a forward's), or every read from
     step 2 on in hybrid sharding (``carry``: the window's gradient carried across groups in the
-    backward is read back); the outcome on each rank."""
+    backward is read back); ``optimizer: Muon``: the update's matrix exchanges, which the failing
+    rank still takes part in; the outcome on each rank."""
     import errno
 
     found = []
     for case in cases:
-        settings = config(case["stage"], "nvme", root, accum=case["accum"], shard_group_size=case.get("groups", 0))
+        settings = config(case["stage"], "nvme", root, accum=case["accum"], shard_group_size=case.get("groups", 0),
+                          optimizer=case.get("optimizer", "AdamW"))
         if case["fails"] == "gather":  # the parameter shards on NVMe, the optimizer side on the host
             settings = param_config(config(3, "cpu", root, accum=case["accum"]), "nvme", "cpu", root)
         settings["comm"] = {"timeout_s": 60}
@@ -290,6 +292,8 @@ FAILING = [
     {"stage": 3, "accum": 2, "fails": "gather", "when": "the parameter shards' swap file failed on rank 1 (a read",
      "error": "Input/output error"},
     {"stage": 2, "accum": 3, "groups": 1, "fails": "carry", "when": "at step 2, before its update",
+     "error": "Input/output error"},
+    {"stage": 1, "accum": 1, "optimizer": "Muon", "fails": "read", "when": "at step 2, in its update",
      "error": "Input/output error"},
 ]
 

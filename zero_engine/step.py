@@ -189,7 +189,9 @@ class OptimizerStep:
         offload, the ranks then agree on whether every read and write so far went through."""
         shards = [unit.optimizer_shard for unit in self.units]
         with self._swap_failures_agreed():
-            self.peak_grad_bytes = step_shards(self.optimizer, shards, used, multiplier)
+            self.peak_grad_bytes = step_shards(
+                self.optimizer, shards, used, multiplier, lambda: self._swap_failure() is not None
+            )
         if self.swap_files:  # control traffic: the control group, off the data group (NCCL on GPUs)
             failed = sum(row for row in self.comm.each_rank(int(self._swap_failure() is not None)).values())
             self._check_swap_files(failed, step_number, "in its update (partly applied)")

@@ -144,6 +144,21 @@ class MatrixExchange:
             param = mine[m.param_index]
             optimizer.apply_orthogonal(param, orthogonal.to(param.device), m.group, m.shape)
 
+    def stand_in(self, used: Sequence[bool]) -> None:
+        """This rank's part in `finish`'s exchanges when its own step of the unit failed (a swap
+        file's read on NVMe): zeros sent where its pieces and results would go, what it receives
+        dropped, so the other ranks finish the step and reach the agreement that raises on all."""
+        matrices = [m for m in self.matrices if used[m.param_index]]
+        if not matrices or not self._moves(matrices):
+            return
+        me = self.comm.rank
+        if not self.replicated:
+            pieces = {m.param_index: torch.zeros(hi - lo, device=self.device) for m in matrices
+                      for lo, hi in [self.piece(m, me)] if hi > lo}
+            self._to_owners(matrices, pieces)
+        self._from_owners(matrices, {m.param_index: torch.zeros(m.numel, device=self.device)
+                                     for m in matrices if m.owner == me})
+
     def _to_owners(self, matrices: list[Matrix], updates: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         """Every rank's pieces of each matrix's update, sent to its owner; returns what this
         rank received, per source rank."""

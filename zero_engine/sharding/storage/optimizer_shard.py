@@ -32,7 +32,7 @@ it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypedDict
@@ -350,7 +350,11 @@ class OptimizerShard:
 
 
 def step_shards(
-    optimizer: torch.optim.Optimizer, shards: Sequence[OptimizerShard], used: Sequence[bool], multiplier: float
+    optimizer: torch.optim.Optimizer,
+    shards: Sequence[OptimizerShard],
+    used: Sequence[bool],
+    multiplier: float,
+    swap_failed: Callable[[], bool] = lambda: False,
 ) -> int:
     """Step ``optimizer`` on every shard's fp32 gradient (``used``: per parameter, in unit
     order, offsets from each unit's ``used_offset``); a parameter no rank used keeps its values
@@ -360,27 +364,44 @@ def step_shards(
     then finishes them through its matrix exchange (every rank, every such unit, in order: the
     exchange is collective). The next shard's master and gradient are asked in while one steps
     (on NVMe: read ahead). Each shard is published as soon as it stepped: offloaded, its copy to the device
-    (asynchronous from pinned memory) then runs while the host steps the next shard. Returns
-    the most fp32 copy bytes alive at once."""
+    (asynchronous from pinned memory) then runs while the host steps the next shard. An
+    `OSError` for which ``swap_failed()`` holds (an NVMe swap file's) ends this rank's stepping
+    but not its part in the exchanges left (`MatrixExchange.stand_in`), then is raised: the
+    caller's agreement then raises on every rank. Returns the most fp32 copy bytes alive at once."""
     peak = 0
     if shards:
         shards[0].grad.prefetch()
     for index, shard in enumerate(shards):
         unit_used = used[shard.unit.used_offset : shard.unit.used_offset + len(shard.unit.names)]
-        with shard.resident():
-            if index + 1 < len(shards):  # the next shard's master (and gradient) read ahead while this one steps
-                shards[index + 1].master_kind.prefetch()
-                shards[index + 1].grad.prefetch()
-            attached, copy_bytes = shard.attach_grads(unit_used, multiplier)
-            peak = max(peak, copy_bytes)
-            if attached:
-                optimizer.step()
-            if shard.matrices is not None:
-                shard.matrices.finish(optimizer, shard.targets, unit_used)
-            for target in attached:
-                target.tensor.grad = None
-            shard.publish()
+        exchanged = False
+        try:
+            with shard.resident():
+                if index + 1 < len(shards):  # the next shard's master (and gradient) read ahead while this one steps
+                    shards[index + 1].master_kind.prefetch()
+                    shards[index + 1].grad.prefetch()
+                attached, copy_bytes = shard.attach_grads(unit_used, multiplier)
+                peak = max(peak, copy_bytes)
+                if attached:
+                    optimizer.step()
+                if shard.matrices is not None:
+                    exchanged = True
+                    shard.matrices.finish(optimizer, shard.targets, unit_used)
+                for target in attached:
+                    target.tensor.grad = None
+                shard.publish()
+        except OSError:
+            if not swap_failed():
+                raise
+            _stand_in(shards[index:] if not exchanged else shards[index + 1 :], used)
+            raise
     return peak
+
+
+def _stand_in(shards: Sequence[OptimizerShard], used: Sequence[bool]) -> None:
+    """This rank's part in the matrix exchanges of ``shards`` without stepping them."""
+    for shard in shards:
+        if shard.matrices is not None:
+            shard.matrices.stand_in(used[shard.unit.used_offset : shard.unit.used_offset + len(shard.unit.names)])
 
 
 def _slice_state(state: dict[str, Any], target: OptimizerTarget, start: int, numel: int) -> dict[str, Any]:
