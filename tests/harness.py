@@ -5,7 +5,8 @@ Starting the processes is the slow part (each imports torch), so tests pass a wh
 cases to one call, and ranks are forked from a server that imported torch once
 (`_rank_context`; a fresh interpreter per rank where that server would not fit). Rank processes
 cannot import numpy, which the engine must not need (unless a test of a library that needs it,
-such as transformers, says ``allow_numpy=True``). A rank that raises is reported with its
+such as transformers, says ``allow_numpy=True``: those ranks fork from a second server, which
+imported numpy, transformers and peft too). A rank that raises is reported with its
 traceback and the others are killed at once; ranks that do not finish within the timeout fail
 the test instead of hanging it. Either way the failure shows where every other rank was
 (`_stacks_of`): what a hang waits for is in the ranks that did not raise.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import queue
@@ -58,7 +60,7 @@ def run_on_ranks(
     ``backend=None`` initializes no process group: each rank gets torchrun's variables (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), so `initialize` connects as under torchrun.
     """
-    context = _rank_context(allow_numpy)
+    context, server = _rank_context(allow_numpy)
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         outbox = context.Queue()
@@ -71,8 +73,9 @@ def run_on_ranks(
         ]
         os.environ[_RANK_PROCESS] = "numpy" if allow_numpy else "no-numpy"  # inherited by the children only
         try:
-            for proc in procs:
-                proc.start()
+            with _forked_by(server):
+                for proc in procs:
+                    proc.start()
         finally:
             del os.environ[_RANK_PROCESS]
         deadline = time.monotonic() + timeout
@@ -99,33 +102,58 @@ def run_on_ranks(
     return [results[rank] for rank in range(world_size)]
 
 
-_SERVER_ENVIRONMENT: dict[str, str] | None = None  # the environment the fork server started in
+# The modules the second fork server imports for the ranks that may import numpy (those of
+# Hugging Face's libraries most such tests build on: a fresh interpreter takes ~5 s for them).
+NUMPY_PRELOAD = ("numpy", "zero_engine", "transformers", "transformers.models.llama.modeling_llama",
+                 "transformers.models.gpt2.modeling_gpt2", "transformers.trainer", "peft")
+_SERVERS: dict[bool, tuple[Any, dict[str, str]]] = {}  # allow_numpy -> (server, the environment it started in)
 
 
-def _rank_context(allow_numpy: bool) -> Any:
-    """Where rank processes come from. A fork server (Linux) imports this module once, with
+def _rank_context(allow_numpy: bool) -> tuple[Any, Any]:
+    """Where rank processes come from: a multiprocessing context, and the fork server to start
+    them from (None: the context's own). A fork server (Linux) imports this module once, with
     numpy kept out and torch imported, and forks each rank from it: a rank starts in a fraction
     of the second or two a fresh interpreter takes to import torch, which over the suite's few
-    hundred calls is minutes. Forked ranks get the server's environment, so a call whose
-    environment differs (a test that set a variable: the allocator's, say) or that needs numpy
-    gets fresh interpreters, as every call did before."""
-    global _SERVER_ENVIRONMENT
+    hundred calls is minutes. Ranks that may import numpy fork from a second server of their
+    own, which imported numpy and `NUMPY_PRELOAD` (torch binds numpy at import for good, so one
+    server cannot serve both). Forked ranks get their server's environment, so a call whose
+    environment differs (a test that set a variable: the allocator's, say) gets fresh
+    interpreters, as every call did before."""
     # pytest names the running test in PYTEST_CURRENT_TEST, which no rank reads
     environment = {key: value for key, value in os.environ.items()
                    if key != _RANK_PROCESS and not key.startswith("PYTEST_")}
-    if allow_numpy or not sys.platform.startswith("linux"):
-        return multiprocessing.get_context("spawn")
-    if _SERVER_ENVIRONMENT is None:
-        # The server imports this module by name before it knows the caller's sys.path (Python
+    if not sys.platform.startswith("linux"):
+        return multiprocessing.get_context("spawn"), None
+    if allow_numpy not in _SERVERS:
+        # A server imports this module by name before it knows the caller's sys.path (Python
         # 3.11 applies it only afterwards), so this directory goes on PYTHONPATH, for good: the
         # environment compared below stays the same.
         here = os.path.dirname(os.path.abspath(__file__))
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([__name__])  # started at the first rank, numpy kept out (run_on_ranks)
-        _SERVER_ENVIRONMENT = {**environment, "PYTHONPATH": os.environ["PYTHONPATH"]}
-        return context
-    return multiprocessing.get_context("forkserver" if environment == _SERVER_ENVIRONMENT else "spawn")
+        if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+            environment["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        server = multiprocessing.forkserver.ForkServer()  # started at its first rank, with that rank's _RANK_PROCESS
+        server.set_forkserver_preload([__name__, *(NUMPY_PRELOAD if allow_numpy else ())])
+        _SERVERS[allow_numpy] = server, environment
+    server, started_in = _SERVERS[allow_numpy]
+    if environment != started_in:
+        return multiprocessing.get_context("spawn"), None
+    return multiprocessing.get_context("forkserver"), server
+
+
+@contextmanager
+def _forked_by(server: Any) -> Iterator[None]:
+    """Processes of the forkserver context started inside fork from ``server`` (None: the
+    context's own): multiprocessing asks its one module-level server for each new process."""
+    if server is None:
+        yield
+        return
+    original = multiprocessing.forkserver.connect_to_new_process
+    multiprocessing.forkserver.connect_to_new_process = server.connect_to_new_process
+    try:
+        yield
+    finally:
+        multiprocessing.forkserver.connect_to_new_process = original
 
 
 def _check_alive(procs: list[Any], results: dict[int, Any], deadline: float, timeout: float) -> None:
