@@ -119,6 +119,9 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
                     "grad_bytes": sum(unit.optimizer_shard.grad.nvme_bytes for unit in engine.units),  # fp32
                     "grad_pages": sum(-(-unit.optimizer_shard.grad.nvme_bytes // 4096) * 4096 for unit in engine.units),
                     "grad_buffers": engine.swap.grad_buffers.nbytes,  # host buffers gradients cross in
+                    "read_buffers": engine.swap.shard_buffers.nbytes,  # and those kept for the next reads
+                    "largest_grad": max(unit.optimizer_shard.grad.nvme_bytes for unit in engine.units),
+                    "buffer_count": engine.swap.buffer_count,
                     "grad_norms": 4 * len(engine.units),  # each gradient's fp32 norm, kept from its write
                     "memory": engine.memory_report(),
                     "file": swap.name, "cached": cached_pages(swap), "regions": engine.swap.file.end,
@@ -184,8 +187,9 @@ def test_bit_for_bit_cpu_offload_files_per_rank_bytes_and_no_page_cache(world: i
                     (case, memory)
                 assert memory["optimizer_states"] <= 8 * 64, (case, memory)  # AdamW's step counters alone
                 # and as the process holds it (live storages): exactly the state and CPU offload's host
-                # gradient less, the few buffers gradients cross in (and their norms) more
-                saved = r["state_bytes"] + r["cpu_grad_bytes"] - r["grad_buffers"] - r["grad_norms"]
+                # gradient less, the few buffers gradients cross in and are read into (and their norms) more
+                saved = r["state_bytes"] + r["cpu_grad_bytes"] - r["grad_buffers"] - r["read_buffers"] - r["grad_norms"]
+                assert 0 < r["read_buffers"] <= r["buffer_count"] * r["largest_grad"], (case, r["read_buffers"])
                 assert r["live_saved"] == saved, (case, r["live_saved"], saved)
                 # what the process asked of the disk (/proc/self/io): every region once each way, and the
                 # gradient's once more per later reduction, in whole pages (on this tiny model a page's

@@ -6,7 +6,9 @@ into one of a few host buffers (`swap.GradBuffers`: pinned where CUDA is), and t
 waits for that copy (a CUDA event: the backward itself never waits), adds the window's gradient
 so far when a later micro-step's arrives (read from the file), writes the sum to the gradient's
 region, and takes its fp32 norm there, so the step's norm needs no read. The step reads each shard's
-gradient in as it steps it (the next one read ahead), and drops it after.
+gradient in as it steps it (the next one read ahead), and gives its buffer back after (to the
+swap space's `swap.ReadBuffers`, as the accumulation's read: host buffers of a shard's size are
+reused, not allocated, faulted in and freed at each read).
 
 The values are CPU offload's: the same fp32 slices, added in the same order (the window's sum
 plus the new micro-step), the same norm kernel on the same values (intra-op threads are
@@ -30,7 +32,7 @@ class NvmeGrad:
     """The step gradient of one optimizer shard in the swap file (a `placement.StepGrad`)."""
 
     on_host = True  # read on the host by the step
-    persistent = False  # a new tensor at each read: no views kept across steps
+    persistent = False  # another buffer at each read: no views kept across steps
     waits_for_copies = False  # the write thread waits for each copy: no wait at the backward's end
 
     def __init__(self, numel: int, device: torch.device, space: SwapSpace) -> None:
@@ -42,6 +44,7 @@ class NvmeGrad:
         self._written: Future | None = None  # the last write submitted
         self._norm: torch.Tensor | None = None  # the last write's fp32 norm (set on the write thread)
         self._ahead: tuple[Future, torch.Tensor] | None = None  # a read ahead of the step
+        self._handed: torch.Tensor | None = None  # the read handed to the step: given back at `stepped`
 
     @property
     def nbytes(self) -> int:
@@ -61,17 +64,19 @@ class NvmeGrad:
 
     def _write(self, buffer: torch.Tensor, landed: torch.Tensor, copied: Callable[[], None], accumulate: bool) -> None:
         """On the write thread (after this region's earlier writes: it runs them in order)."""
+        values = landed
         try:
             copied()
-            values = landed
             if accumulate:  # the window's sum so far, plus this micro-step's: CPU offload's order
-                values = torch.empty(self.numel, dtype=torch.float32, device=HOST)
+                values = self.space.shard_buffers.take(self.numel, torch.float32)
                 self.space.file.read(self.region, values)
                 values.add_(landed)
             self.space.file.write([(self.region, values)])
             self._norm = torch.linalg.vector_norm(values, dtype=torch.float32)
         finally:
             self.space.grad_buffers.give(buffer)
+            if values is not landed:
+                self.space.shard_buffers.give(values)
 
     def replace(self, averaged: torch.Tensor) -> None:
         """Stages 0-1 reduce once per window: the copy is the window's gradient."""
@@ -89,7 +94,7 @@ class NvmeGrad:
     def prefetch(self) -> None:
         """Start reading the gradient in for its shard's step, after its last write."""
         if self._started and self._ahead is None:
-            buffer = torch.empty(self.numel, dtype=torch.float32, device=HOST)
+            buffer = self.space.shard_buffers.take(self.numel, torch.float32)
             self.space.requested[0] += self.nvme_bytes
             self._ahead = (self.space.readers.submit(self._read_into, buffer, self._written), buffer)
 
@@ -99,7 +104,8 @@ class NvmeGrad:
         self.space.file.read(self.region, buffer)
 
     def value(self) -> torch.Tensor:
-        """The window's gradient in a host tensor that is the caller's (zeros where nothing wrote it)."""
+        """The window's gradient in a host tensor, the caller's until `stepped` or `clear`
+        (zeros where nothing wrote it)."""
         if not self._started:
             return torch.zeros(self.numel, dtype=torch.float32, device=HOST)
         if self._ahead is None:
@@ -107,6 +113,7 @@ class NvmeGrad:
         assert self._ahead is not None
         read, buffer = self._ahead
         self._ahead = None
+        self._handed = buffer
         read.result()
         return buffer
 
@@ -126,13 +133,26 @@ class NvmeGrad:
         self._started = False
         if window is not None:
             destination.add_(window.to(destination.device))
+            self._give_back_handed()
 
     def finish(self) -> None:
         """Nothing to add at the backward's end: the write thread added it."""
 
+    def stepped(self) -> None:
+        """The shard stepped: its gradient's buffer goes back for the next shard's read (held
+        until the step's end instead, every shard's would be alive at once)."""
+        self._give_back_handed()
+
     def clear(self) -> None:
         """After a step (or a skipped one): a read ahead left is dropped; the next write overwrites."""
+        self._give_back_handed()
         if self._ahead is not None:
             self._ahead[0].result()
-            self._ahead = None
+            self._handed, self._ahead = self._ahead[1], None
+            self._give_back_handed()
         self._started = False
+
+    def _give_back_handed(self) -> None:
+        if self._handed is not None:
+            self.space.shard_buffers.give(self._handed)
+            self._handed = None

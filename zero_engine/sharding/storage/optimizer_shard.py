@@ -388,6 +388,7 @@ def step_shards(
                     shard.matrices.finish(optimizer, shard.targets, unit_used)
                 for target in attached:
                     target.tensor.grad = None
+                shard.grad.stepped()
                 shard.publish()
         except OSError:
             if not swap_failed():

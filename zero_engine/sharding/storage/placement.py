@@ -137,6 +137,10 @@ class StepGrad(Protocol):
         """After the backward's wait for its copies."""
         ...
 
+    def stepped(self) -> None:
+        """The step is done with `value` (on NVMe: the buffer it was read into is given back)."""
+        ...
+
     def clear(self) -> None:
         """After a step."""
         ...
@@ -153,12 +157,14 @@ class StepGrad(Protocol):
 
 class _InMemory:
     """What a step gradient held in memory does not do: wait for its copies, keep its norm,
-    read ahead."""
+    read ahead, give a read's buffer back."""
 
     waits_for_copies = False
     nvme_bytes = 0
 
     def finish(self) -> None: ...
+
+    def stepped(self) -> None: ...
 
     def kept_norm(self) -> torch.Tensor | None:
         return None

@@ -156,7 +156,7 @@ class SwapSpace:
         self.slots = threading.Semaphore(buffer_count)
         self.buffer_count = buffer_count
         self.grad_buffers = GradBuffers(buffer_count)  # step gradients on their way in (`NvmeGrad`)
-        self.shard_buffers = ReadBuffers(buffer_count)  # parameter shards read, given back by their gathers
+        self.shard_buffers = ReadBuffers(buffer_count)  # shards and step gradients read, given back after use
         self.requested = [0, 0]  # bytes asked to be read and written (a write completes behind the step)
         self._reported = (0, 0)
 
