@@ -7,6 +7,10 @@
 #   call 1, about 2.5 minutes:  bash scripts/gpu_check.sh versions sidestream cuda
 #   call 2, about 5 minutes:    bash scripts/gpu_check.sh versions gpt300m compile lora
 #
+# and, named only (not among "every step"), issue 67's figure in a call of its own:
+#
+#   call 3, at most 7 minutes:  bash scripts/gpu_check.sh versions longseq
+#
 #   versions   (30 s) the wheels the GPU image lacks (pydantic, hjson, typing-extensions, peft,
 #              accelerate, ...) installed from $WHEELS (.whl, made on your own machine by
 #              scripts/prepare_wheels.sh), their versions, torch's, CUDA's, NCCL's and the driver's;
@@ -27,7 +31,10 @@
 #              first compile), with the recompiles logged;
 #   lora      (170 s) scripts/bench_lora.py --device cuda: LoRA memory per process with 2 ranks
 #              sharing the GPU (stage 0 against stage 3: exact, int8, replicate), then step time at
-#              one rank beside DDP and FSDP2.
+#              one rank beside DDP and FSDP2;
+#   longseq   (400 s, only when named) scripts/longest_sequence.py: the longest sequence a Llama
+#              built from config trains on the GPU (one rank, stage 3, bf16, within 16 GiB), plain
+#              against tiled MLP and loss, with the step times (issue 67's GPU figure).
 #
 # The timing tests ("GPU lag", the hidden-sync detector) and the small-GPT benchmark passed on the
 # H200 and owe no figure: they are not steps any more (run them with pytest -k "never_wait or
@@ -56,8 +63,8 @@ export PYTHONUNBUFFERED=1
 steps=0
 failed=()
 
-chosen() {  # STEP: whether to run it (all steps when none was named)
-    [[ ${#wanted[@]} -eq 0 ]] && return 0
+chosen() {  # STEP: whether to run it (all steps when none was named, but those run only when named)
+    [[ ${#wanted[@]} -eq 0 && $1 != longseq ]] && return 0
     local name
     for name in "${wanted[@]}"; do [[ $name == "$1" ]] && return 0; done
     return 1
@@ -169,6 +176,16 @@ if chosen lora; then
         else device=cuda; size="--layers 12"; only="bf16 base"; speed="--steps 10"; fi
         python3 scripts/bench_lora.py memory --device $device $size --only "$only" || exit
         torchrun --standalone --nproc_per_node=1 scripts/bench_lora.py speed --device $device $size $speed --dtype bf16 --int8' \
+        "$mode"
+fi
+
+if chosen longseq; then
+    # The longest sequence within 16 GiB, plain against tiled (the search stops trying after 300 s).
+    step longseq 400 bash -c '
+        if [[ $0 == dry ]]; then size="--device cpu --hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 0"
+            size="$size --vocab 512 --start 128 --max-tokens 512 --grain 64 --tiles 64"
+        else size="--device cuda"; fi
+        python3 scripts/longest_sequence.py $size' \
         "$mode"
 fi
 

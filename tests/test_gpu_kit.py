@@ -7,15 +7,20 @@ its step budgets inside one 600 s command, at most 7 files back from ``$OUT`` (t
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import math
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "hjson")
@@ -29,12 +34,13 @@ def _kit(tmp_path: Path, wheels: Path, steps: tuple[str, ...] = ()) -> subproces
     )
 
 
-ALL_STEPS = ("versions", "sidestream", "cuda", "gpt300m", "compile", "lora")
+ALL_STEPS = ("versions", "sidestream", "cuda", "gpt300m", "compile", "lora")  # "every step"
+NAMED_ONLY = ("longseq",)  # run when named alone
 
 
 @pytest.mark.parametrize(  # the fast run: the wheels and one pytest step (the benchmarks' plumbing ran on an
     # H100 on 2026-11-28; the slow run dries every step); the CUDA tests' import is the main suite's collection
-    "steps", [("sidestream",), pytest.param((), marks=pytest.mark.slow)], ids=["some", "all"]
+    "steps", [("sidestream", "longseq"), pytest.param((), marks=pytest.mark.slow)], ids=["some", "all"]
 )
 def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path, steps: tuple[str, ...]) -> None:
     """This interpreter's wheels of the versions installed here, as prepare_wheels.sh fetches
@@ -66,6 +72,10 @@ def test_the_gpu_kit_reaches_every_step_on_wheels_alone(tmp_path: Path, steps: t
         assert alone["memory_report"]["master_parameters"] > 0, alone  # bf16 indeed: fp32 masters beside
     if "sidestream" in ran:  # the side stream's two variants alone
         assert re.search(r"\b2/\d+ tests collected", (out / "sidestream.log").read_text())
+    if "longseq" in ran:  # the table, plain and tiled, and the JSON line (on a CPU: both climb to --max-tokens)
+        longseq = (out / "longseq.log").read_text()
+        assert "| plain | 512 (stopped by --max-tokens) |" in longseq and "| tiled (64 tokens a tile) |" in longseq
+        assert '"tiled_at_plain_longest": {"tokens": 512' in longseq, longseq[-2000:]
     if "lora" in ran:
         lora = (out / "lora.log").read_text()  # a memory row, then the step-time table with FSDP2 and int8
         assert "| stage 3 int8 frozen, bf16 base |" in lora and "| FSDP2 |" in lora
@@ -76,11 +86,51 @@ def test_the_kits_step_budgets_fit_one_command() -> None:
     """GPU review K2: the device tool runs one command for at most 600 s; the steps' timeouts
     (each step's second argument) must add up to less, with room for the start."""
     text = KIT.read_text()
-    budgets = [int(n) for n in re.findall(r"^\s*(?:pytest_step|bench|step) \S+ (\d+)\b", text, re.M)]
-    assert len(budgets) >= 6 and sum(budgets) <= 580, budgets
+    budgets = dict(re.findall(r"^\s*(?:pytest_step|bench|step) (\S+) (\d+)\b", text, re.M))
+    budgets = {name: int(seconds) for name, seconds in budgets.items()}
+    every = [seconds for name, seconds in budgets.items() if name not in NAMED_ONLY]
+    assert len(every) >= 6 and sum(every) <= 580, budgets
+    for name in NAMED_ONLY:  # a call of its own, after the wheels
+        assert budgets["versions"] + budgets[name] <= 580, budgets
 
 
 def test_the_gpu_kit_stops_at_once_without_wheels(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     done = _kit(tmp_path, tmp_path / "empty")
     assert done.returncode == 2 and "prepare_wheels.sh" in done.stdout
+
+
+# -- scripts/longest_sequence.py: the kit's longseq step (issue 67's figure on a GPU) ------------
+
+def _longest_sequence_script() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("longest_sequence", ROOT / "scripts" / "longest_sequence.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("edge", [9_500, 10_000, 10_700, 4_000, 30_000])
+def test_the_longest_sequence_search_finds_the_edge_from_either_side(edge: int) -> None:
+    """A device whose step runs out of memory beyond ``edge`` tokens, its peak on a line that
+    crosses the budget at about 10,000 tokens: the search answers the edge (to its grain) whether
+    the line's guess is short of it, past it, or far past it, trying lengths near it only."""
+    script = _longest_sequence_script()
+    budget = 2**30
+    tried: list[int] = []
+
+    def fake_try(args: Any, device: Any, tiles: int, length: int, steps: int) -> dict | None:
+        tried.append(length)
+        if length > edge:
+            return None
+        return {"tokens": length, "peak_bytes": 1000 + length * (budget // 10_000), "step_s": 0.1, "loss": 1.0}
+
+    script.try_length = fake_try
+    args = argparse.Namespace(start=1000, grain=100, max_tokens=1 << 20, steps=0, budget_gib=1.0)
+    found = script.longest(args, torch.device("cpu"), 0, deadline=time.monotonic() + 60)
+    assert found["tokens"] == edge // 100 * 100 and found["stopped_by"] == "", (found, tried)
+    assert len(tried) <= 2 + 2 * math.ceil(math.log2(2 + abs(edge - 10_000) / 100)) + 2, tried  # gallop, halve
+    tried.clear()
+    late = script.longest(args, torch.device("cpu"), 0, deadline=time.monotonic() - 1)  # out of time
+    assert late["stopped_by"] == "the time limit" and late["tokens"] <= edge, late
