@@ -106,6 +106,10 @@ def run_on_ranks(
 # Hugging Face's libraries most such tests build on: a fresh interpreter takes ~5 s for them).
 NUMPY_PRELOAD = ("numpy", "zero_engine", "transformers", "transformers.models.llama.modeling_llama",
                  "transformers.models.gpt2.modeling_gpt2", "transformers.trainer", "peft")
+# Variables no rank reads differently: pytest's name of the running test, and the cache
+# directory inductor sets to its own default on its first in-process compile (which, counted,
+# turned every later call of the suite into fresh interpreters).
+_ENVIRONMENT_IGNORED = ("PYTEST_", "TORCHINDUCTOR_CACHE_DIR")
 _SERVERS: dict[bool, tuple[Any, dict[str, str]]] = {}  # allow_numpy -> (server, the environment it started in)
 
 
@@ -119,9 +123,8 @@ def _rank_context(allow_numpy: bool) -> tuple[Any, Any]:
     server cannot serve both). Forked ranks get their server's environment, so a call whose
     environment differs (a test that set a variable: the allocator's, say) gets fresh
     interpreters, as every call did before."""
-    # pytest names the running test in PYTEST_CURRENT_TEST, which no rank reads
     environment = {key: value for key, value in os.environ.items()
-                   if key != _RANK_PROCESS and not key.startswith("PYTEST_")}
+                   if key != _RANK_PROCESS and not key.startswith(_ENVIRONMENT_IGNORED)}
     if not sys.platform.startswith("linux"):
         return multiprocessing.get_context("spawn"), None
     if allow_numpy not in _SERVERS:
