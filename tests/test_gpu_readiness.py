@@ -6,6 +6,7 @@ differ between ranks (as random numbers do between GPU models)."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -37,13 +38,14 @@ def test_nccl_record_streams_are_avoided_before_torch_2_8(
     monkeypatch: pytest.MonkeyPatch, version: tuple[int, int], preset: str | None, expected: str | None
 ) -> None:
     monkeypatch.setattr(comm_connect, "_torch_version", lambda: version)
+    # A copy of the environment for the call: a variable it sets where none was is not undone by
+    # monkeypatch, and left set it sent every later rank of the suite to a fresh interpreter
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     if preset is None:
         monkeypatch.delenv("TORCH_NCCL_AVOID_RECORD_STREAMS", raising=False)
     else:
         monkeypatch.setenv("TORCH_NCCL_AVOID_RECORD_STREAMS", preset)
     comm_connect.avoid_nccl_record_streams()
-    import os
-
     assert os.environ.get("TORCH_NCCL_AVOID_RECORD_STREAMS") == expected
 
 
