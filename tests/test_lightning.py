@@ -12,6 +12,8 @@ All runs share one spawn; the rank function returns what each run logged and end
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,17 @@ import pytest
 import torch
 
 from harness import run_on_ranks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """A Trainer built in this process sets MASTER_ADDR, MASTER_PORT, LOCAL_RANK, NODE_RANK and
+    OMP_NUM_THREADS there; left set, they made every later rank of the suite a fresh
+    interpreter instead of a fork (`harness`: an environment that differs from the server's)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 pytest.importorskip("lightning", reason="the [lightning] extra: pip install -e '.[lightning]'")  # CI installs it
 
