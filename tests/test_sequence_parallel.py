@@ -186,6 +186,136 @@ def test_sequence_parallel_matches_one_process_at_stages_1_and_2(world: int) -> 
         _check(case, [result[index] for result in per_rank])
 
 
+# What else the engine holds or runs, with the sequence split over every rank's group (the issue's
+# item 1): the same Llama, its embedding and first MLP frozen where a case says so, against one
+# process started from the engine's own first values (int8 frozen weights: the decoded base).
+FROZEN = ("model.embed_tokens.", "model.layers.0.mlp.")
+COMPOSED = {
+    2: [{"k": 2, "stage": 3, "frozen": True, "zero": {"zero_quantized_nontrainable_weights": True,
+                                                       "stage3_param_persistence_threshold": 0}},
+        {"k": 2, "stage": 2, "zero": {"offload_optimizer": {"device": "cpu"}}},
+        {"k": 2, "stage": 3, "frozen": True, "zero": {
+            "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"},
+            "stage3_param_persistence_threshold": 0}},
+        {"k": 2, "stage": 3, "muon": True},
+        {"k": 2, "stage": 1, "muon": True, "zero": {"offload_optimizer": {"device": "nvme"}}},
+        {"k": 2, "stage": 3, "frozen": "all"}],  # an engine without an optimizer: the loss alone
+    # hybrid: 2 shard groups of 2 ranks, each one sequence group; 2 data-parallel ranks
+    4: [{"k": 2, "stage": 3, "frozen": True, "zero": {"shard_group_size": 2}}],
+}
+
+
+def _composed_model(case: dict[str, Any]) -> Any:
+    model = _llama()
+    for name, param in model.named_parameters():
+        param.requires_grad_(not (case.get("frozen") == "all" or case.get("frozen") and name.startswith(FROZEN)))
+    return model
+
+
+def _composed_config(case: dict[str, Any], directory: str) -> dict[str, Any]:
+    zero = {key: {**value, "nvme_path": directory} if key.startswith("offload_") else value
+            for key, value in case.get("zero", {}).items()}
+    config = engine_config(case["stage"], micro=MICRO, accum=ACCUM, lr=1e-3, clip=1.0,
+                           optimizer_params={"weight_decay": 0.0}, **zero)
+    config["sequence_parallel_size"] = case["k"]
+    if case.get("muon"):
+        config["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.01}}
+    if case.get("frozen") == "all":
+        del config["optimizer"]
+    return config
+
+
+def composed(rank: int, world_size: int, cases: list[dict[str, Any]], directory: str) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    results = []
+    for case in cases:
+        engine = zero_engine.initialize(_composed_model(case), _composed_config(case, directory))
+        first = engine.full_state_dict()
+        losses = []
+        for step in _batches(15, engine.data_parallel_world_size, 3):
+            step_losses = []
+            for micro in range(ACCUM):
+                loss = engine(**_inputs(case, step[engine.data_parallel_rank][micro])).loss
+                if engine.optimizer is not None:
+                    engine.backward(loss)
+                    engine.step()
+                step_losses.append(loss.item())
+            losses.append(step_losses)
+        report = engine.comm_report()
+        results.append({"first": first, "losses": losses, "state": engine.full_state_dict(),
+                        "all_to_all": report["all_to_all"]["sent"], "nvme": report.get("nvme", {}),
+                        "int8_units": sum(unit.quantized for unit in engine.frozen_units),
+                        "replicas": engine.comm.num_replicas})
+        engine.close()
+    return results
+
+
+def composed_reference(case: dict[str, Any], first: dict[str, torch.Tensor], data_ranks: int) -> dict[str, Any]:
+    """One process from ``first``: AdamW, or torch's Muon on DeepSpeed's matrices and AdamW on
+    the rest (Newton-Schulz in fp32, as `test_muon`'s reference), or no optimizer."""
+    from contextlib import nullcontext
+
+    from test_muon import deepspeed_rule, fp32_newton_schulz
+
+    model = _composed_model(case)
+    model.load_state_dict(first)
+    trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    if case.get("muon"):
+        optimizers = [torch.optim.Muon([p for n, p in trained if deepspeed_rule(n, p)], lr=0.02, weight_decay=0.01),
+                      torch.optim.AdamW([p for n, p in trained if not deepspeed_rule(n, p)], lr=3e-3,
+                                        betas=(0.9, 0.95), eps=1e-10, weight_decay=0.01)]
+    else:
+        optimizers = [torch.optim.AdamW([p for _, p in trained], lr=1e-3, weight_decay=0.0)] if trained else []
+    losses = []
+    with fp32_newton_schulz() if case.get("muon") else nullcontext():
+        for step in _batches(15, data_ranks, 3):
+            step_losses = []
+            for ids in step:
+                for micro in range(ACCUM):
+                    loss = model(**_inputs(case, ids[micro])).loss
+                    if optimizers:
+                        (loss / (ACCUM * data_ranks)).backward()
+                    step_losses.append(loss.item())
+            if optimizers:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            losses.append(step_losses)
+    return {"losses": losses, "state": model.state_dict()}
+
+
+@pytest.mark.parametrize("world", sorted(COMPOSED))
+def test_sequence_parallelism_composes_with_what_else_the_engine_holds(world: int) -> None:
+    """int8 frozen weights, CPU and NVMe offload (parameter shards too), Muon, an engine without
+    an optimizer, hybrid sharding: each at k = 2 matches one process within 2e-5, its sequences
+    split (the all-to-alls moved bytes) and the feature in force."""
+    import tempfile
+
+    from test_nvme import DISK
+
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
+        per_rank = run_on_ranks(world, composed, COMPOSED[world], directory, allow_numpy=True, timeout=400)
+    for index, case in enumerate(COMPOSED[world]):
+        results = [result[index] for result in per_rank]
+        expected = composed_reference(case, results[0]["first"], world // case["k"])
+        for rank, result in enumerate(results):
+            data_rank = rank // case["k"]
+            for step, step_losses in enumerate(expected["losses"]):
+                mine = step_losses[data_rank * ACCUM : (data_rank + 1) * ACCUM]
+                assert result["losses"][step] == pytest.approx(mine, abs=TOL), (case, rank, step)
+            for name, value in expected["state"].items():
+                diff = (result["state"][name] - value).abs().max().item()
+                assert diff <= TOL, f"{case}, rank {rank}: {name} differs by {diff}"
+            assert result["all_to_all"] > 0, case
+            assert (result["int8_units"] > 0) == bool(case.get("zero", {}).get("zero_quantized_nontrainable_weights"))
+            assert bool(result["nvme"]) == ("nvme" in str(case.get("zero"))), (case, result["nvme"])
+            assert result["replicas"] == (2 if "shard_group_size" in case.get("zero", {}) else 1)
+        if case.get("zero", {}).get("zero_quantized_nontrainable_weights"):  # the base the engine trains on is int8's
+            assert not torch.equal(results[0]["first"]["model.embed_tokens.weight"],
+                                   _llama().state_dict()["model.embed_tokens.weight"])
+
+
 def refusals(rank: int, world_size: int) -> dict[str, str]:
     torch.set_num_threads(1)
     found = {}
