@@ -3,6 +3,7 @@
     python scripts/bench_nvme.py --model medium --steps 10 --nvme-path /var/tmp
     python scripts/bench_nvme.py --rss --models small medium large --nvme-path /var/tmp
     python scripts/bench_nvme.py --layout stage3 ...   # the same, parameter shards offloaded too
+    python scripts/bench_nvme.py --buffer-count 8 ...  # more shards in host memory, more I/O overlapped
     python scripts/bench_nvme.py --fit --dim 2048 --layers 32 --device nvme --nvme-path /var/tmp
 
 ``--layout``: ``stage1`` (the default) offloads the optimizer side at stage 1; ``stage3``
@@ -52,8 +53,10 @@ from stdlib_text import TextBatches, load_corpus  # noqa: E402
 from zero_engine.sharding.storage.swap import SwapFile  # noqa: E402
 
 
-def config(device: str, path: str, micro: int, layout: str = "stage1") -> dict[str, Any]:
+def config(device: str, path: str, micro: int, layout: str = "stage1", buffer_count: int = 4) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": 1, "offload_optimizer": {"device": device, "nvme_path": path}}
+    if device == "nvme":
+        zero["offload_optimizer"]["buffer_count"] = buffer_count
     if layout == "stage3":
         zero.update(stage=3, stage3_param_persistence_threshold=0, offload_param={"device": device, "nvme_path": path})
     return {
@@ -65,7 +68,9 @@ def config(device: str, path: str, micro: int, layout: str = "stage1") -> dict[s
 
 def build(device: str, args: argparse.Namespace) -> Any:
     torch.manual_seed(0)
-    return zero_engine.initialize(GPT(PRESETS[args.model]), config(device, args.nvme_path, args.micro, args.layout))
+    return zero_engine.initialize(
+        GPT(PRESETS[args.model]), config(device, args.nvme_path, args.micro, args.layout, args.buffer_count)
+    )
 
 
 def disk_bandwidth(path: str, nbytes: int) -> tuple[float, float]:
@@ -106,7 +111,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     io_seconds = moved["written"] / write_bw + moved["read"] / read_bw
     medians = {device: statistics.median(values) for device, values in times.items()}
     return {
-        "model": args.model, "layout": args.layout,
+        "model": args.model, "layout": args.layout, "buffer_count": args.buffer_count,
         "params": sum(p.numel() for p in GPT(PRESETS[args.model]).parameters()),
         "cpu_ms": 1000 * medians["cpu"], "nvme_ms": 1000 * medians["nvme"], "ratio": medians["nvme"] / medians["cpu"],
         "state_bytes_per_step": moved["written"], "write_MBps": write_bw / 1e6, "read_MBps": read_bw / 1e6,
@@ -130,7 +135,8 @@ def one_rss(args: argparse.Namespace) -> dict[str, Any]:
     model = GPT(PRESETS[args.model])
     params = sum(p.numel() for p in model.parameters())
     before = _status("VmRSS")
-    engine = zero_engine.initialize(model, config(args.device, args.nvme_path, args.micro, args.layout))
+    settings = config(args.device, args.nvme_path, args.micro, args.layout, args.buffer_count)
+    engine = zero_engine.initialize(model, settings)
     built = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as clear:  # the high-water mark starts again from here
         clear.write("5")
@@ -140,7 +146,8 @@ def one_rss(args: argparse.Namespace) -> dict[str, Any]:
     high = _status("VmHWM")
     largest = max(unit.optimizer_shard.owned_range[1] - unit.optimizer_shard.owned_range[0] for unit in engine.units)
     engine.close()
-    return {"model": args.model, "layout": args.layout, "device": args.device, "params": params,
+    return {"model": args.model, "layout": args.layout, "device": args.device, "buffer_count": args.buffer_count,
+            "params": params,
             "state_bytes": params * 12,
             "largest_shard_state": largest * 12, "after_initialize_above_start": built - before,
             "steps_high_water_above_initialize": high - built}
@@ -152,7 +159,8 @@ def rss(args: argparse.Namespace) -> list[dict[str, Any]]:
         for device in ("cpu", "nvme"):
             out = subprocess.run(
                 [sys.executable, __file__, "--one-rss", "--model", model, "--device", device,
-                 "--nvme-path", args.nvme_path, "--micro", str(args.micro), "--layout", args.layout],
+                 "--nvme-path", args.nvme_path, "--micro", str(args.micro), "--layout", args.layout,
+                 "--buffer-count", str(args.buffer_count)],
                 capture_output=True, text=True, check=True,
             ).stdout.strip().splitlines()[-1]
             rows.append(json.loads(out))
@@ -181,7 +189,8 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         engine = zero_engine.initialize(
-            model, config(args.device, args.nvme_path, args.micro, "stage3"), param_init_fn=init_weights
+            model, config(args.device, args.nvme_path, args.micro, "stage3", args.buffer_count),
+            param_init_fn=init_weights,
         )
     except MemoryError as refused:
         return {**row, "refused": str(refused)}
@@ -213,6 +222,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--buffer-count", type=int, default=4, help="offload_optimizer.buffer_count of the NVMe engine")
     parser.add_argument("--rss", action="store_true")
     parser.add_argument("--one-rss", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="nvme", choices=("cpu", "nvme"))
