@@ -12,7 +12,6 @@ we reduce in fp32, see docs/config.md). DeepSpeed itself is not imported.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 import zero_engine
 from harness import run_on_ranks
+from repo_scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = sorted((ROOT / "tests" / "data" / "deepspeed_traces").glob("*.json"))
@@ -32,12 +32,7 @@ TOLERANCE = {"fp32": 2e-5, "fp16": 1e-4, "bf16": 1e-3}
 
 
 def _recorder() -> Any:
-    path = ROOT / "scripts" / "record_deepspeed_traces.py"
-    spec = importlib.util.spec_from_file_location("record_deepspeed_traces", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("record_deepspeed_traces")
 
 
 RECORDER = _recorder()

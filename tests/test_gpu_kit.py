@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import math
 import json
+import math
 import os
 import re
 import subprocess
@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from repo_scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "hjson")
@@ -102,21 +104,12 @@ def test_the_gpu_kit_stops_at_once_without_wheels(tmp_path: Path) -> None:
 
 # -- scripts/longest_sequence.py: the kit's longseq step (issue 67's figure on a GPU) ------------
 
-def _longest_sequence_script() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("longest_sequence", ROOT / "scripts" / "longest_sequence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("edge", [9_500, 10_000, 10_700, 4_000, 30_000])
 def test_the_longest_sequence_search_finds_the_edge_from_either_side(edge: int) -> None:
     """A device whose step runs out of memory beyond ``edge`` tokens, its peak on a line that
     crosses the budget at about 10,000 tokens: the search answers the edge (to its grain) whether
     the line's guess is short of it, past it, or far past it, trying lengths near it only."""
-    script = _longest_sequence_script()
+    script = load_script("longest_sequence")
     budget = 2**30
     tried: list[int] = []
 

@@ -5,17 +5,15 @@ alone)."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 from pathlib import Path
+
+from repo_scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _metrics():
-    spec = importlib.util.spec_from_file_location("structure_metrics", ROOT / "scripts" / "structure_metrics.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("structure_metrics")
 
 
 def test_no_world_size_outside_comm():
