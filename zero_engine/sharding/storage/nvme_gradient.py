@@ -147,9 +147,10 @@ class NvmeGrad:
         """After a step (or a skipped one): a read ahead left is dropped; the next write overwrites."""
         self._give_back_handed()
         if self._ahead is not None:
-            self._ahead[0].result()
-            self._handed, self._ahead = self._ahead[1], None
-            self._give_back_handed()
+            read, buffer = self._ahead
+            read.result()  # the read finished before its buffer serves another
+            self._ahead = None
+            self.space.shard_buffers.give(buffer)
         self._started = False
 
     def _give_back_handed(self) -> None:
