@@ -66,19 +66,27 @@ def _labels(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def _inputs(case: dict[str, Any], ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A micro-batch's arguments: packed (two documents, ``position_ids`` restarting at 0) or
-    right-padded (the first sample's last 3 tokens, labels -100 there), as the case says."""
+def _inputs(case: dict[str, Any], ids: torch.Tensor, micro: int = 0) -> dict[str, torch.Tensor]:
+    """A micro-batch's arguments: packed (two documents, ``position_ids`` restarting at 0), or
+    padded (the first sample's last 3 tokens; ``"left"``: its first 5, labelled as collators
+    label them, -100 on the pads alone, so the last pad's output is read: it predicts the first
+    real token; ``"alternate"``: on every other micro-batch, so masks change between forwards),
+    as the case says."""
     inputs = {"input_ids": ids, "labels": _labels(ids)}
     length = ids.shape[1]
     if case.get("packed"):
         first = length // 2 + 1
         inputs["position_ids"] = torch.cat([torch.arange(first), torch.arange(length - first)])[None].expand_as(ids)
-    if case.get("padded"):
+    padded = case.get("padded")
+    if padded and not (padded == "alternate" and micro % 2):
         mask = torch.ones_like(ids)
-        mask[0, -3:] = 0
+        if padded == "left":
+            mask[0, :5] = 0
+            inputs["labels"] = ids.masked_fill(mask == 0, -100)
+        else:
+            mask[0, -3:] = 0
+            inputs["labels"] = inputs["labels"].masked_fill(mask == 0, -100)
         inputs["attention_mask"] = mask
-        inputs["labels"] = inputs["labels"].masked_fill(mask == 0, -100)
     return inputs
 
 
@@ -94,7 +102,7 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
         step_losses = []
         for ids in step:
             for micro in range(ACCUM):
-                loss = model(**_inputs(case, ids[micro])).loss
+                loss = model(**_inputs(case, ids[micro], micro), use_cache=False).loss
                 (loss / (ACCUM * data_ranks)).backward()
                 step_losses.append(loss.item())
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
@@ -118,7 +126,7 @@ def sequence_parallel(rank: int, world_size: int, cases: list[dict[str, Any]]) -
             ids = step[data_rank]
             step_losses = []
             for micro in range(ACCUM):
-                loss = engine(**_inputs(case, ids[micro])).loss
+                loss = engine(**_inputs(case, ids[micro], micro)).loss
                 engine.backward(loss)
                 step_losses.append(loss.item())
                 engine.step()
@@ -152,14 +160,18 @@ GRIDS = {
     # the Qwen3 twin: each head's queries and keys normalized before the exchange
     2: [{"world": 2, "k": 2, "stage": 3, "attention": "eager", "length": 15, "qwen3": True},
         # the Mistral twin: a window of 5 keys over the whole sequence, not over a rank's slice
-        {"world": 2, "k": 2, "stage": 3, "attention": "sdpa", "length": 16, "window": 5, "packed": True}],
+        {"world": 2, "k": 2, "stage": 3, "attention": "sdpa", "length": 16, "window": 5, "packed": True},
+        # left-padded as collators label it: the last pad's output is read (it predicts the first
+        # real token), and at 15 tokens the split's own end pad must weigh nothing in its empty row
+        {"world": 2, "k": 2, "stage": 0, "attention": "eager", "length": 15, "padded": "left"}],
     3: [{"world": 3, "k": 3, "stage": 3, "attention": "sdpa", "length": 16, "heads": 6, "packed": True},
-        {"world": 3, "k": 3, "stage": 0, "attention": "eager", "length": 14, "heads": 6, "padded": True,
+        # padding on every other micro-batch, with a window: no mask is kept from the last forward
+        {"world": 3, "k": 3, "stage": 0, "attention": "eager", "length": 14, "heads": 6, "padded": "alternate",
          "window": 4}],
 }
 # At 4 ranks (4 processes on CI's 2 cores: the slow run): k = 4 repeats the key/value heads;
 # 2 data-parallel x 2 sequence with each decoder layer recomputed in backward (its exchanges too).
-WORLD_4 = [{"world": 4, "k": 4, "stage": 3, "attention": "sdpa", "length": 16},
+WORLD_4 = [{"world": 4, "k": 4, "stage": 3, "attention": "sdpa", "length": 18, "padded": "left"},
            {"world": 4, "k": 2, "stage": 0, "attention": "eager", "length": 15, "recompute": True}]
 SLOW_GRIDS = {
     2: [{"world": 2, "k": 2, "stage": stage, "attention": attention, "length": 15, "steps": 10}
@@ -272,7 +284,7 @@ def composed_reference(case: dict[str, Any], first: dict[str, torch.Tensor], dat
             step_losses = []
             for ids in step:
                 for micro in range(ACCUM):
-                    loss = model(**_inputs(case, ids[micro])).loss
+                    loss = model(**_inputs(case, ids[micro]), use_cache=False).loss
                     if optimizers:
                         (loss / (ACCUM * data_ranks)).backward()
                     step_losses.append(loss.item())

@@ -10,6 +10,7 @@ the stage (`Stage`) says what is sharded. The engine is the loop's surface: forw
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import weakref
 from collections.abc import Callable
@@ -91,6 +92,7 @@ class Engine(ModelAccess, StepView, WindowView):
         self._open_gathered: list[GatheredParameters] = []  # engine.gathered() contexts open (no step inside one)
         self._sync_from_rank0()
         self.device = device or _model_device(model)  # where parameters, gradients and state live
+        self._takes_use_cache = takes_use_cache(model)
         self.offload = build.offload  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
@@ -141,6 +143,8 @@ class Engine(ModelAccess, StepView, WindowView):
         if self.precision.mixed:
             args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
         self.progress.add_inputs(args, kwargs)
+        if self._takes_use_cache and self.module.training and torch.is_grad_enabled():
+            kwargs.setdefault("use_cache", False)  # a training forward needs no cache (`takes_use_cache`)
         if self.swap is not None and torch.is_grad_enabled() and self.is_gradient_accumulation_boundary():
             self.optimizer_step.read_ahead(self.swap.buffer_count - 1)  # NVMe: the first shards read during the pass
         try:
@@ -415,6 +419,18 @@ def _check_loss(loss: Any) -> None:
             f"engine.backward(loss): loss must be a scalar tensor, got shape {tuple(loss.shape)} (reduce it first, "
             "e.g. loss.mean())"
         )
+
+
+def takes_use_cache(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model whose forward takes ``use_cache`` (through a
+    PEFT wrapper too). Its training forwards get ``use_cache=False`` unless the caller says:
+    a training forward never reads a cache, building one costs memory, and without one
+    Hugging Face keeps packed documents (``position_ids`` restarting) apart, as the
+    sequence-parallel split does."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not hasattr(getattr(base, "config", None), "use_cache"):
+        return False
+    return "use_cache" in inspect.signature(base.forward).parameters
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -23,13 +23,15 @@ For a Hugging Face model the transform works by config alone, at `initialize`:
   the micro-batch's; a forward post-hook makes the returned loss's value the micro-batch's, as
   one process computes it, on every rank of the group (its gradient stays the slice's).
 
-Masks are the whole sequence's: causal alone (no mask tensor) unless the batch is padded, when
-the attention gets a mask of the padded keys over the whole sequence, as one process's model
-builds it (`whole_sequence_mask`). Packed documents keep their own ``position_ids``, and attend
-across their boundaries, as the model's ``sdpa`` and ``eager`` attention do in one process.
-Sliding windows (Mistral, and the sliding layers of Qwen2/3 and Gemma) are the whole
-sequence's too: a layer whose attention call names its ``sliding_window`` gets the causal band
-of that width over the whole sequence, as the model's own mask builds it in one process (a key
+Masks are the whole sequence's, as one process's model builds them without a cache
+(`whole_sequence_mask`): causal alone (no mask tensor) unless the batch is padded or packed.
+Padded keys are masked over the whole sequence; a left pad, which has no key left, keeps the
+empty row one process gives it (its output is read: the last pad predicts the first real
+token). Packed documents (``position_ids`` restarting) keep their own positions and attend
+within their document alone, as Hugging Face's packed-sequence mask keeps them apart in one
+process: each document trains as if run alone. Sliding windows (Mistral, and the sliding
+layers of Qwen2/3 and Gemma) are the whole sequence's too: a layer whose attention call names
+its ``sliding_window`` gets the causal band of that width over the whole sequence, as the model's own mask builds it in one process (a key
 ``j`` visible to query ``i`` when ``i - window < j <= i``). A model whose config asks for windows
 but whose attention calls name none raises at its first split forward, naming the model, rather
 than training full causal attention silently (Accelerate PR 4177's bug). Key/value heads fewer
@@ -184,9 +186,11 @@ class UlyssesAttention:
         self.active = False
         self._loss_pending = False  # the split forward's loss is still to be made the micro-batch's
         self._mask: torch.Tensor | None = None  # the split micro-batch's whole attention mask, if not causal alone
+        self._tail = 0  # the pads the split added at the sequence's end (to a multiple of k)
         self._windows_expected = False  # the config asks for sliding windows (`uses_sliding_windows`)
-        # The split micro-batch's masks by window width: empty while no attention named a window
-        self._window_masks: dict[int, torch.Tensor] = {}
+        self._windows_named = False  # some attention call of the split forward named its sliding_window
+        # The split micro-batch's masks by (window, additive dtype), as the attention calls take them
+        self._masks: dict[tuple[int | None, torch.dtype | None], torch.Tensor | None] = {}
         self._config: Any = None
         self._registry: Any = None  # transformers' attention registry (`_attention_registry`)
         self._name = ""
@@ -245,23 +249,32 @@ class UlyssesAttention:
             query, key, value, repeated = whole_sequence_heads(self.group, query, key, value)
             if repeated:
                 module = _FewerKeyValueGroups(module)
-            mask = self._mask  # the whole sequence's, not the slice's: None where causal alone says it
-            window = kwargs.get("sliding_window")
-            if window is not None:
-                if window not in self._window_masks:  # one per window width and split forward
-                    self._window_masks[window] = within_window(mask, query.shape[2], window, query.device)
-                mask = self._window_masks[window]
-            if mask is None and causal_mask:
-                mask = torch.ones(query.shape[2], query.shape[2], dtype=torch.bool, device=query.device).tril()
-            if mask is not None and causal_mask:  # eager attention adds its mask
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~mask, torch.finfo(query.dtype).min
-                )
+            # the whole sequence's mask, not the slice's: None where causal alone says it (sdpa)
+            mask = self._attention_mask(kwargs.get("sliding_window"), query, additive=causal_mask)
             output, _ = inner(module, query, key, value, mask, *args, **kwargs)
             # (batch, tokens, heads/k, dim) -> (batch, tokens/k, heads, dim)
             return all_to_all(self.group, output, 1, 2), None
 
         return attention
+
+    def _attention_mask(self, window: int | None, query: torch.Tensor, additive: bool) -> torch.Tensor | None:
+        """The split micro-batch's whole-sequence mask for an attention call naming ``window``
+        (or none), as the inner implementation takes it: boolean (or None) for ``sdpa``, added
+        to the scores for ``eager``. Made once per split forward and kind, for every layer (and
+        the recomputation in backward)."""
+        key = (window, query.dtype if additive else None)
+        if key not in self._masks:
+            length, device = query.shape[2], query.device
+            mask = self._mask
+            if window is not None:
+                self._windows_named = True
+                mask = within_window(mask, length, window, device)
+            if additive:  # eager: causal alone needs its tokens x tokens mask too
+                if mask is None:
+                    mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+                mask = additive_mask(mask, query.dtype, self._tail)
+            self._masks[key] = mask
+        return self._masks[key]
 
     # -- the batch ------------------------------------------------------------------------
 
@@ -276,7 +289,7 @@ class UlyssesAttention:
         self.active = self._loss_pending = module.training and torch.is_grad_enabled()
         if not self.active:
             return None
-        self._window_masks = {}
+        self._masks, self._windows_named = {}, False
         kwargs = dict(kwargs)
         if len(args) > 1:
             raise NotImplementedError(
@@ -296,7 +309,8 @@ class UlyssesAttention:
         if positions is None:
             positions = torch.arange(length, device=input_ids.device)
         positions = positions.expand(batch, length)
-        self._mask = whole_sequence_mask(kwargs.get("attention_mask"), padded)
+        self._mask = whole_sequence_mask(kwargs.get("attention_mask"), positions, padded)
+        self._tail = padded - length
         tail = torch.arange(1, padded - length + 1, device=positions.device)  # positions of the padding k needs
         positions = torch.cat([positions, positions[:, -1:] + tail], dim=1)
         ids = nn.functional.pad(input_ids, (0, padded - length))
@@ -325,7 +339,7 @@ class UlyssesAttention:
         if not self._loss_pending:
             return None
         self._loss_pending = False
-        if self._windows_expected and not self._window_masks:
+        if self._windows_expected and not self._windows_named:
             raise NotImplementedError(
                 f"sequence_parallel_size = {self.group.world_size}: {type(module).__name__}'s config asks for "
                 f"sliding windows (sliding_window = {self._config.sliding_window}), but its attention calls name "
@@ -397,21 +411,52 @@ def within_window(mask: torch.Tensor | None, length: int, window: int, device: t
     return band[None, None] if mask is None else mask & band
 
 
-def whole_sequence_mask(attention_mask: torch.Tensor | None, padded: int) -> torch.Tensor | None:
-    """Which keys each query of the whole (padded) sequence may attend to, as the model's own
-    ``sdpa`` and ``eager`` attention mask them in one process: causal, and not at a padded key
-    (``attention_mask`` zeros). Packed documents (``position_ids`` restarting) attend across
-    their boundaries there too (only flash attention's variable-length kernels separate them),
-    with their own positions. None without padding, when causal alone says it, so that
-    attention needs no mask of tokens x tokens. A query with no key left (left padding) attends
-    to itself: nothing reads its output but its own position; give such tokens labels -100, as
-    collators do."""
-    if attention_mask is None or bool(attention_mask.all()):
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, tail: int) -> torch.Tensor:
+    """``allowed`` as ``eager`` attention adds it to the scores: 0 where allowed, the dtype's
+    minimum elsewhere, as Hugging Face's ``eager_mask`` makes it. A query with no key allowed
+    (a left pad) then weighs every key alike, as in one process; the ``tail`` keys the split
+    padded the sequence with get ``-inf`` where not allowed, so that such a query weighs the
+    sequence's own keys alone, as one process's does."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    if tail:
+        mask[..., -tail:].masked_fill_(~allowed[..., -tail:], float("-inf"))
+    return mask
+
+
+def whole_sequence_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor,
+                        padded: int) -> torch.Tensor | None:
+    """Which keys each query of the whole (padded) sequence may attend to, ``(batch, 1, padded,
+    padded)``, as one process's model masks them under ``use_cache=False`` (Hugging Face's
+    ``masking_utils``): causal; not at a padded key (``attention_mask`` zeros); and, when
+    ``position_ids`` restart (packed documents: a step other than +1 starts a document), within
+    the query's own document, so that each document attends as if run alone. None when causal
+    alone says it (no padding, no restart), so that attention needs no mask of tokens x tokens.
+
+    A query with no key left (a left pad) keeps an empty row, as in one process: ``sdpa`` gives
+    it zeros, ``eager`` the mean of every value (its additive mask is the same everywhere). Its
+    output is read where the loss reads that position (the last pad predicts the first real
+    token, labelled as collators label it), so it must be one process's. One process keeps
+    documents apart only without an ``attention_mask``; the split keeps them apart whenever
+    ``position_ids`` restart (with padding too), which is the documents run separately.
+
+    One host read for both questions (padding, restart): a device sync per split forward."""
+    restarts = positions[:, 1:] - positions[:, :-1] != 1
+    flags = torch.stack([restarts.any(), ~attention_mask.bool().all() if attention_mask is not None
+                         else torch.zeros((), dtype=torch.bool, device=restarts.device)])
+    packed, padding = flags.tolist()
+    if not (packed or padding):
         return None
-    valid = nn.functional.pad(attention_mask.bool(), (0, padded - attention_mask.shape[1]), value=False)
-    allowed = torch.ones(padded, padded, dtype=torch.bool, device=valid.device).tril() & valid[:, None, :]
-    allowed |= torch.eye(padded, dtype=torch.bool, device=valid.device)
+    device = positions.device
+    allowed = torch.ones(padded, padded, dtype=torch.bool, device=device).tril()[None]
+    if padding:
+        valid = nn.functional.pad(attention_mask.bool(), (0, padded - attention_mask.shape[1]), value=False)
+        allowed = allowed & valid[:, None, :]
+    if packed:  # the tail k pads continues the last document (its positions do), unread by the loss
+        documents = nn.functional.pad(restarts.long().cumsum(1), (1, 0))  # the first token starts document 0
+        documents = torch.cat([documents, documents[:, -1:].expand(-1, padded - documents.shape[1])], dim=1)
+        allowed = allowed & (documents[:, :, None] == documents[:, None, :])
     return allowed[:, None]
+
 
 def _attention_registry(model: nn.Module) -> tuple[Any, Any]:
     """Transformers' registry of attention implementations and the model's own eager attention,
