@@ -3,6 +3,9 @@ over 2 ranks by config alone.
 
     torchrun --standalone --nproc_per_node=2 examples/long_sequences.py [--out DIR]
 
+The checkpoint goes to ``--out`` (default: ``zero_engine_long_sequences`` in the system's temporary
+directory, one path for every rank: a checkpoint is written by every rank into one directory).
+
 ``sequence_parallel_size: 2`` makes the 2 ranks one sequence group: both read the same
 micro-batches (the sampler is given the engine's data-parallel rank and size, here 0 of 1), the
 engine hands each rank half of every sequence and exchanges the attention's heads between them,
@@ -39,7 +42,8 @@ SEQUENCE = 48  # tokens per sample: 24 on each rank
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="where the checkpoint goes (default: a temporary directory)")
+    parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "zero_engine_long_sequences"),
+                        help="where the checkpoint goes, the same directory on every rank")
     args = parser.parse_args(argv)
     engine = zero_engine.initialize(tiny_llama(), CONFIG)
     tokens = torch.randint(4, 64, (32, SEQUENCE), generator=torch.Generator().manual_seed(0))
@@ -56,9 +60,10 @@ def main(argv: list[str] | None = None) -> float:
             loss = engine(input_ids=ids, labels=ids).loss  # the micro-batch's loss, on every rank of the group
             engine.backward(loss)
             engine.step()
-    with tempfile.TemporaryDirectory() as scratch:
-        engine.save_checkpoint(args.out or scratch)
+    engine.save_checkpoint(args.out)
     engine.close()
+    if engine.comm.rank == 0:
+        print(f"loss {loss.item():.4f}; checkpoint in {args.out}")
     return loss.item()
 
 

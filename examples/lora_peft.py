@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import zero_engine
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> float:
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     model = get_peft_model(tiny_llama(torch.bfloat16), lora)
     engine = zero_engine.initialize(model, CONFIG)  # joins torchrun's process group (gloo on CPUs)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = engine.data_parallel_rank, engine.data_parallel_world_size  # the ranks that read their own data
 
     starts = torch.randint(0, 60, (64, 1), generator=torch.Generator().manual_seed(0))
     data = TensorDataset((starts + torch.arange(16)) % 60 + 4)  # counting sequences: a pattern to learn

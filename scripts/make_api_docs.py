@@ -111,8 +111,9 @@ def render() -> str:
               _entry("zero_engine.load_consolidated", zero_engine.load_consolidated)]
     parts += ["## The engine\n", f"### `zero_engine.Engine`\n\n{_text(inspect.getdoc(Engine))}\n"]
     parts += [_engine_member(member) for member in ENGINE_MEMBERS]
-    parts.append("## Sequence parallelism in a plain PyTorch model\n")
+    parts.append("## Sequence parallelism\n")
     parts.append(_entry("zero_engine.SequenceParallelAttention", zero_engine.SequenceParallelAttention))
+    parts.append(_entry("zero_engine.SequenceGroupLoader", zero_engine.SequenceGroupLoader))
     parts.append("## Errors\n")
     parts += [f"### `zero_engine.{error.__name__}`\n\n{_text(inspect.getdoc(error))}\n"
               for error in (ConfigError, DivergedRanksError, CheckpointError, ShardedParameterError, SwapError)]

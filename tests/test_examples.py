@@ -36,3 +36,20 @@ def test_every_example_runs_on_two_ranks(tmp_path: Path) -> None:
         assert written == ["adapter_config.json", "adapter_model.safetensors"], (name, written)
     for name in NAMES:  # each file says how it is launched, as examples/README.md does
         assert f"torchrun --standalone --nproc_per_node=2 examples/{name}.py" in (EXAMPLES / f"{name}.py").read_text()
+
+
+def test_the_long_sequences_example_runs_as_its_launch_line_says(tmp_path: Path) -> None:
+    """Issue 82: run as its own launch line runs it (no ``--out``), each rank made a temporary
+    directory of its own and ``save_checkpoint`` raised. The line, word for word, from the
+    repository's root; the default directory is one path on every rank (under ``TMPDIR``)."""
+    import os
+    import subprocess
+
+    line = "torchrun --standalone --nproc_per_node=2 examples/long_sequences.py"
+    assert line in (EXAMPLES / "long_sequences.py").read_text()
+    command = [sys.executable, "-m", "torch.distributed.run", *line.split()[1:]]
+    done = subprocess.run(command, cwd=EXAMPLES.parent, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"checkpoint in {tmp_path / 'zero_engine_long_sequences'}" in done.stdout, done.stdout[-2000:]
+    assert (tmp_path / "zero_engine_long_sequences" / "latest").exists()

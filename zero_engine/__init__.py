@@ -8,6 +8,7 @@ from .config import ZeroEngineConfig, load_config
 from .engine import Engine
 from .entry import initialize
 from .errors import CheckpointError, ConfigError, DivergedRanksError, ShardedParameterError, SwapError
+from .sequence_loader import SequenceGroupLoader
 from .sharding.transforms.ulysses import SequenceParallelAttention
 from .state.consolidate import load_consolidated
 
@@ -16,6 +17,7 @@ __all__ = [
     "ConfigError",
     "DivergedRanksError",
     "Engine",
+    "SequenceGroupLoader",
     "SequenceParallelAttention",
     "ShardedParameterError",
     "SwapError",

@@ -73,7 +73,6 @@ class WindowView:
     comm: Any  # zero_engine.comm.Comm
     transforms: Any  # zero_engine.sharding.transforms.seam.ModuleTransforms
     calls: Any  # zero_engine.sharding.gathering.calls.CallGuard or PassCallGuard
-    _loss_row_sent = False  # sequence_loss sent this micro-step's call row (`_agree_on_split_loss`)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window: every
@@ -120,7 +119,12 @@ class WindowView:
         """A plain PyTorch model's loop under ``sequence_parallel_size: k``: this rank's slice of a
         whole sequence's ``tensor`` along ``dim`` (ids, global positions, labels shifted before:
         pad them with -100), the sequence padded at its end to a multiple of ``k``; ``tensor``
-        itself at ``k`` = 1. A Hugging Face model's batch is split by the engine instead."""
+        itself at ``k`` = 1. A Hugging Face model's batch is split by the engine instead. What it
+        is given whole is fingerprinted into the next split forward's row: the ranks of a group
+        are checked to have sliced the same micro-batch."""
+        ulysses = self._ulysses()
+        if ulysses is not None and ulysses.plain and torch.is_grad_enabled():
+            ulysses.note_whole(tensor)
         return sequence_slice(self.comm.sequence_group, tensor, dim, pad_value)
 
     def sequence_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -129,22 +133,13 @@ class WindowView:
         micro-batch's in value on every rank of the sequence group, its gradient still the
         slice's (the group's gradients are summed). ``loss`` itself at ``k`` = 1.
 
-        Collective: after a split training forward it opens with a call row, and a backward
-        whose rank skipped it sends one too, so that every rank raises `DivergedRanksError`
-        instead of one waiting in the loss's sum until the timeout."""
-        if self._loop_sums_loss():
+        Collective: after a split training forward it opens with a call row, and the backward
+        that follows sends one too, so that every rank raises `DivergedRanksError` instead of
+        one waiting in the loss's sum until the timeout."""
+        ulysses = self._ulysses()
+        if ulysses is not None and ulysses.loop_sums_loss:
             self.calls.agree_at_once(Call.SEQUENCE_LOSS, self.window.micro_steps)
-            self._loss_row_sent = True
         return whole_value(self.comm.sequence_group, loss)
 
-    def _agree_on_split_loss(self) -> None:
-        """At a backward's start after a plain model's split forward: a training row, read at
-        once, where this rank's loop called no `sequence_loss` since the forward, to meet
-        another rank's loss row before the backward's first exchange. Without it, the rank that
-        skipped would exchange gradients while another waits in the loss's sum until the timeout."""
-        if self._loop_sums_loss() and not self._loss_row_sent:
-            self.calls.agree_at_once(Call.TRAIN, self.window.micro_steps)
-        self._loss_row_sent = False
-
-    def _loop_sums_loss(self) -> bool:
-        return any(isinstance(t, UlyssesAttention) and t.loop_sums_loss for t in self.transforms.of_order(MODEL))
+    def _ulysses(self) -> UlyssesAttention | None:
+        return next((t for t in self.transforms.of_order(MODEL) if isinstance(t, UlyssesAttention)), None)

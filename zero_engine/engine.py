@@ -35,12 +35,12 @@ from .sharding.building.deferred_init import DeferredInit
 from .sharding.storage.nvme import shard_swap_space, swap_space
 from .sharding.units.lifecycle import Lifecycle
 from .sharding.units.unit_plan import UnitPlan
-from .sharding.gathering.agreement import Call
+from .sharding.gathering.agreement import Call, split_forward_facts
 from .stage import Stage
 from .sharding.transforms.seam import COMPILE, ModuleTransforms, TransformTarget
 from .sharding.transforms.tiled_loss import TiledLoss
 from .sharding.transforms.tiled_mlp import TiledMLP
-from .sharding.transforms.ulysses import UlyssesAttention
+from .sharding.transforms.ulysses import SplitBatch, UlyssesAttention
 from .sharding.transforms.unit_forwards import Compile, Recompute
 from .state.gathered import GatheredParameters
 from .state.state_dict import ModelState, cast_frozen
@@ -88,6 +88,7 @@ class Engine(ModelAccess, StepView, WindowView):
         self.window = AccumulationWindow(batch.gradient_accumulation_steps)  # where the loop is in its window
         self._window_opened = False
         self._train_row_sent = False  # this micro-step's call row (`_agree_on_training`)
+        self._split_forwards = 0  # training forwards of this micro-step split over the sequence group
         self._scaling_backward = False  # inside engine.backward
         self._open_gathered: list[GatheredParameters] = []  # engine.gathered() contexts open (no step inside one)
         self._sync_from_rank0()
@@ -219,8 +220,11 @@ class Engine(ModelAccess, StepView, WindowView):
                 "at the accumulation boundary): call engine.step() after each backward, or add the losses and "
                 "call backward once"
             )
-        self._agree_on_training()
-        self._agree_on_split_loss()
+        if self._split_forwards:  # its exchanges come before any reduction: the row is read first
+            self.calls.agree_at_once(Call.TRAIN, self.window.micro_steps)
+            self._train_row_sent = True
+        else:
+            self._agree_on_training()
         self._open_window()
         self.reducer.pre_backward(boundary=boundary)
         self.gatherer.begin_backward()  # after: it tells the reducer which units get no gradient
@@ -242,6 +246,7 @@ class Engine(ModelAccess, StepView, WindowView):
             self.gatherer.check_resharded("step() on an accumulation boundary")
         boundary = self.window.end_micro_step()
         self._train_row_sent = False
+        self._split_forwards = 0
         if not boundary:
             return
         self.calls.read()  # before the step's collectives (stages 0-2: a row sent and not read yet)
@@ -272,13 +277,19 @@ class Engine(ModelAccess, StepView, WindowView):
             self._train_row_sent = True
             self._agree_on_call(Call.TRAIN)
 
-    def _agree_before_exchanges(self) -> None:
-        """sequence_parallel_size: a training forward exchanges over its sequence group, so the
-        micro-step's training row is sent and read before the first exchange (stages 0-2): a
-        collective call made on some ranks only meets it, and every rank raises
-        `DivergedRanksError`, instead of one rank waiting in an exchange until the timeout."""
-        self._agree_on_training()
-        self.calls.read()
+    def _agree_before_exchanges(self, batch: SplitBatch) -> None:
+        """sequence_parallel_size: a training forward exchanges over its sequence group, so
+        each one sends a row of its own, read before its first exchange (at every stage): which
+        split forward of the micro-step it is, and, compared within the sequence group, the
+        micro-batch's shape and fingerprint. A collective call on some ranks only, an extra
+        forward on one rank, or a group given different micro-batches then makes every rank
+        raise `DivergedRanksError` at once, instead of one rank waiting in an exchange until
+        the timeout (or the exchange joining halves of different sequences). The backward that
+        follows sends its row before its first exchange too (`_begin_backward`)."""
+        self._split_forwards += 1
+        leader = self.comm.rank - self.comm.rank % self.comm.mesh.sequence
+        facts = split_forward_facts(self._split_forwards, leader, batch.batch, batch.tokens, batch.fingerprint)
+        self.calls.agree_at_once(Call.SPLIT_FORWARD, self.window.micro_steps, facts)
 
     def _agree_on_call(self, call: Call) -> None:
         self.calls.agree(call, self.window.micro_steps)
@@ -355,7 +366,7 @@ class Engine(ModelAccess, StepView, WindowView):
 
 
 def model_transforms(
-    target: TransformTarget, sequence_group: GroupComm, before_exchanges: Callable[[], None],
+    target: TransformTarget, sequence_group: GroupComm, before_exchanges: Callable[[SplitBatch], None],
     settings: TransformSettings,
 ) -> ModuleTransforms:
     """What the model's modules compute, changed in one order: attention exchanged over the

@@ -15,7 +15,11 @@ class CheckpointError(ValueError):
 
 
 class DivergedRanksError(RuntimeError):
-    """Ranks are about to gather different units: their forward passes took different paths."""
+    """The ranks are about to run different collectives, raised on every rank at once: their
+    forward passes took different paths (stage 3), some rank called a collective method the
+    others did not (a save under ``if rank == 0:``, an extra training forward under
+    ``sequence_parallel_size``), or the ranks of a sequence group were given different
+    micro-batches. The message names each rank's call or batch; the engine cannot go on."""
 
 
 class SwapError(OSError):

@@ -82,6 +82,7 @@ class Call(IntEnum):
     FULL_PARAMETERS_BUCKET = 8  # its next bucket's gather (the count: the bucket's number)
     FULL_PARAMETERS_END = 9  # its end (the count: the buckets gathered)
     SEQUENCE_LOSS = 10  # engine.sequence_loss() after a split forward (a plain model's loop)
+    SPLIT_FORWARD = 11  # a training forward split over the sequence group (its facts: `split_forward_facts`)
 
     @property
     def label(self) -> str:
@@ -93,6 +94,8 @@ class Call(IntEnum):
             return "the end of named_full_parameters()"
         if self is Call.SEQUENCE_LOSS:
             return "sequence_loss()"
+        if self is Call.SPLIT_FORWARD:
+            return "a training forward split over its sequence group"
         return f"{self.name.lower()}()"
 
 
@@ -108,21 +111,62 @@ def row_wants(row: Sequence[int]) -> list[int]:
     return [unit for unit in (row[2], *row[4:]) if unit >= 0]
 
 
-def call_row(count: int, call: Call) -> list[int]:
-    """A call row, shaped as the schedule's rows so that either may pair with the other."""
-    return make_row(count, PassKind.CALL, [int(call)], 0)
+def call_row(count: int, call: Call, facts: Sequence[int] = ()) -> list[int]:
+    """A call row, shaped as the schedule's rows so that either may pair with the other; a
+    split forward's ``facts`` (`split_forward_facts`) in the places of the wants."""
+    row = make_row(count, PassKind.CALL, [int(call)], 0)
+    row[3 : 3 + len(facts)] = facts
+    return row
+
+
+def split_forward_facts(ordinal: int, group_leader: int, batch: int, tokens: int, fingerprint: int) -> list[int]:
+    """What a split training forward's row says, read by `split_batch_divergence`: which split
+    forward of its micro-step it is (the same on every rank), and, compared within the sequence
+    group whose first rank is ``group_leader``, the micro-batch's shape and a fingerprint of its
+    contents (every rank of a group must split the same micro-batch)."""
+    return [ordinal, group_leader, batch << 32 | tokens, fingerprint]
+
+
+def split_batch_divergence(rows: list[list[int]]) -> str | None:
+    """The message when every rank is in the same split forward but some sequence group's ranks
+    were given different micro-batches; None when each group's agree."""
+    by_group: dict[int, list[int]] = {}
+    for rank, row in enumerate(rows):
+        by_group.setdefault(row[4], []).append(rank)
+    for leader, ranks in by_group.items():
+        odd = [rank for rank in ranks if rows[rank][5:] != rows[leader][5:]]
+        if not odd:
+            continue
+        first, other = rows[leader], rows[odd[0]]
+
+        def shape(row: list[int]) -> str:
+            return f"{row[5] >> 32} x {row[5] & 0xFFFFFFFF} tokens"
+
+        what = (f"rank {leader}: {shape(first)}, rank {odd[0]}: {shape(other)}" if first[5] != other[5]
+                else f"both {shape(first)}, other tokens")
+        return (
+            f"ranks {leader} and {odd[0]} of sequence group {ranks} were given different micro-batches ({what}), "
+            "and a sequence group splits one micro-batch between its ranks: give every rank of a group the same "
+            "batches, with DistributedSampler(dataset, num_replicas=engine.data_parallel_world_size, "
+            "rank=engine.data_parallel_rank), or wrap a per-rank loader in zero_engine.SequenceGroupLoader(loader, "
+            "engine), which shares each rank's batches over its group"
+        )
+    return None
 
 
 def call_divergence(rows: list[list[int]], describe_unit: Callable[[int], str] = str) -> str | None:
     """The `DivergedRanksError` message when some rank sent a call row and the rows are not all
-    the same call after the same count; None otherwise."""
+    the same call after the same count (a split forward's: the same one, and each sequence
+    group given one micro-batch); None otherwise."""
     if all(row[1] != PassKind.CALL for row in rows) or all(row == rows[0] for row in rows):
         return None
+    if all(row[:4] == rows[0][:4] for row in rows) and rows[0][2] == Call.SPLIT_FORWARD:
+        return split_batch_divergence(rows)
     return (
         f"ranks are in different calls: {describe_rows(rows, describe_unit)}. save_checkpoint, load_checkpoint, "
         "save_pretrained, gathered(), named_full_parameters() (iterated to its end), generation at stage 3 and (when "
-        "state is sharded) full_state_dict are collective, and so is sequence_loss under sequence_parallel_size: "
-        "call them on every rank, at the same step. The ranks' collectives are now out of step: end the job"
+        "state is sharded) full_state_dict are collective, and so are sequence_loss and every training forward "
+        "under sequence_parallel_size: call them on every rank, at the same step. The ranks' collectives are now out of step: end the job"
     )
 
 
@@ -133,6 +177,9 @@ def describe_rows(rows: list[list[int]], describe_unit: Callable[[int], str] = s
 
 def describe_row(row: list[int], describe_unit: Callable[[int], str] = str) -> str:
     passes, kind = row[0], PassKind(row[1])
+    if kind is PassKind.CALL and row[2] == Call.SPLIT_FORWARD:
+        return f"is in its training forward number {row[3]} of the micro-step, split over its sequence group " \
+               f"(count {passes})"
     if kind is PassKind.CALL:
         return f"is in {Call(row[2]).label} (count {passes})"
     where = "between passes" if kind is PassKind.BETWEEN else f"is in {kind.name.lower()}"
@@ -215,10 +262,10 @@ class CollectiveSchedule:
         row = make_row(self.passes, kind, wants, ready)
         self._rounds.append(_Round(tuple(wants), self.comm.each_rank(row)))
 
-    def agree_on_call(self, call: Call) -> None:
+    def agree_on_call(self, call: Call, facts: Sequence[int] = ()) -> None:
         """A call row after every round issued so far; raises `DivergedRanksError` on every
         rank if the ranks are not all in this call."""
-        self._rounds.append(_Round((), self.comm.each_rank(call_row(self.passes, call))))
+        self._rounds.append(_Round((), self.comm.each_rank(call_row(self.passes, call, facts))))
         self._read_all()
         self.launch_all()  # the call's own collectives come next: no gather agreed before may be left
 

@@ -22,7 +22,7 @@ on every rank (`check_usable`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ...comm import Comm, EachRank
 from ...errors import DivergedRanksError
@@ -43,18 +43,19 @@ class CallGuard:
         """What the reducer calls before it launches a reduction: read the training row."""
         return self.read
 
-    def agree(self, call: Call, count: int) -> None:
+    def agree(self, call: Call, count: int, facts: Sequence[int] = ()) -> None:
         """Raise `DivergedRanksError` on every rank unless every rank is in ``call`` after
-        ``count`` micro-steps; a training row is sent and read later (`read`)."""
+        ``count`` micro-steps (with the same ``facts``, as `call_divergence` compares them); a
+        training row is sent and read later (`read`)."""
         self.read()
-        self._unread = self.comm.each_rank(call_row(count, call))
+        self._unread = self.comm.each_rank(call_row(count, call, facts))
         if call is not Call.TRAIN:
             self.read()
 
-    def agree_at_once(self, call: Call, count: int) -> None:
+    def agree_at_once(self, call: Call, count: int, facts: Sequence[int] = ()) -> None:
         """``call``'s row, sent and read now, even a training one: for a call whose collectives
-        are not the engine's reductions (`zero_engine.accumulation.WindowView.sequence_loss`)."""
-        self.agree(call, count)
+        are not the engine's reductions (a split forward's exchanges, `sequence_loss`'s sum)."""
+        self.agree(call, count, facts)
         self.read()
 
     def read(self) -> None:
@@ -89,10 +90,10 @@ class PassCallGuard:
             self.gatherer.schedule.agree_on_call(call)
             self.gatherer.settle_for_call()
 
-    def agree_at_once(self, call: Call, count: int) -> None:
+    def agree_at_once(self, call: Call, count: int, facts: Sequence[int] = ()) -> None:
         """A row of ``call`` agreed now, shards left as they are (`CallGuard.agree_at_once`)."""
         self.check_usable()
-        self.gatherer.schedule.agree_on_call(call)
+        self.gatherer.schedule.agree_on_call(call, facts)
 
     def read(self) -> None:
         self.check_usable()

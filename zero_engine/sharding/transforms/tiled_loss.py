@@ -11,7 +11,8 @@ Trainer's count, sequence parallelism's; else by the valid tokens), so the loss 
 number. The head is called as the module it is (at stage 3 its parameters are gathered around
 each pass, however many tiles call it: ranks whose batches have other lengths make other
 numbers of calls, and no collective depends on that count). Such a forward returns no logits
-(``output.logits`` is None): the loss is all a training step needs. Evaluation (``eval()``,
+(``output.logits`` is a `LogitsNotComputed`, whose every use raises saying why and what to do):
+the loss is all a training step needs. Evaluation (``eval()``,
 ``no_grad``, no labels) runs the model as it is.
 """
 
@@ -94,7 +95,7 @@ class TiledLoss:
 
     def _no_logits(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.tiling and hasattr(output, "logits"):
-            output.logits = None
+            output.logits = LogitsNotComputed(self.tokens)
             self.tiling = False
             return output
         self.tiling = False
@@ -135,3 +136,33 @@ class TiledLoss:
         finally:
             self._inside = False
         return nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+class LogitsNotComputed:
+    """What a tiled training forward returns in place of the logits, which it never computes:
+    any use (an attribute, an index, a torch function) raises a `RuntimeError` that says why and
+    how to get them, instead of a ``None`` failing later in the caller's own code."""
+
+    def __init__(self, tokens: int) -> None:
+        object.__setattr__(self, "_message", (
+            f"logits are not computed in training forwards with tiled_loss_tokens = {tokens}: the loss is, a tile "
+            "at a time, and the whole logits never exist. Set tiled_loss_tokens: 0 to get them, or call the model "
+            "without labels (or under torch.no_grad()) for logits without the tiled loss"
+        ))
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(object.__getattribute__(self, "_message"))
+
+    def __getattr__(self, name: str) -> Any:
+        self._refuse()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        instance = next(arg for arg in (*args, *(kwargs or {}).values()) if isinstance(arg, cls))
+        instance._refuse()
+
+    __getitem__ = __len__ = __iter__ = __bool__ = __float__ = __array__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __matmul__ = _refuse
+
+    def __repr__(self) -> str:
+        return "LogitsNotComputed(tiled_loss_tokens)"

@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -136,12 +136,20 @@ class SequenceParallelAttention(nn.Module):
         super().__init__()
         self.core = core
         self._ulysses: UlyssesAttention | None = None  # the engine's transform, while it holds the model
+        self._name = ""  # its name in the model, for messages (set by the transform)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                 **kwargs: Any) -> torch.Tensor:
         ulysses = self._ulysses
         if ulysses is None or not ulysses.active:
             return self.core(query, key, value, *args, **kwargs)
+        k = ulysses.group.world_size
+        if query.shape[1] % k:  # the same model on every rank: every rank raises here
+            raise NotImplementedError(
+                f"sequence_parallel_size = {k}: {self._name or 'a SequenceParallelAttention'} was called with "
+                f"{query.shape[1]} query heads (dim 1 of query, (batch, heads, tokens, head_dim)), which do not split "
+                f"over {k} ranks: each rank attends with heads / k of them"
+            )
         query, key, value, _ = whole_sequence_heads(ulysses.group, query, key, value)
         return all_to_all(ulysses.group, self.core(query, key, value, *args, **kwargs), 2, 1)
 
@@ -177,10 +185,12 @@ class UlyssesAttention:
 
     ORDER = MODEL
 
-    def __init__(self, group: GroupComm, before_exchanges: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, group: GroupComm, before_exchanges: Callable[[SplitBatch], None] = lambda batch: None) -> None:
         self.group = group
-        # Called before a split forward's first exchange: the engine's call row, agreed and read.
+        # Called before a split forward's first exchange with what the group compares: the
+        # engine's call row, agreed and read.
         self.before_exchanges = before_exchanges
+        self._noted: torch.Tensor | None = None  # fingerprints of what a plain loop sliced since its last forward
         # Whether the last forward split its batch: its attention exchanges, and so does its
         # recomputation in backward (recompute_units), until the next forward decides again.
         self.active = False
@@ -199,6 +209,12 @@ class UlyssesAttention:
         self._wrappers: list[SequenceParallelAttention] = []  # a plain model's attention cores
 
     @property
+    def plain(self) -> bool:
+        """Whether the model is a plain PyTorch one (its `SequenceParallelAttention` modules):
+        its loop splits the batch and sums the loss."""
+        return bool(self._wrappers)
+
+    @property
     def loop_sums_loss(self) -> bool:
         """Whether the last forward was a plain model's split one: its loop makes the loss the
         micro-batch's (``engine.sequence_loss``), a Hugging Face model's forward does it here."""
@@ -207,10 +223,12 @@ class UlyssesAttention:
     def apply(self, target: TransformTarget) -> None:
         model = target.model
         refuse_sequence_mixers(model, self.group.world_size)
-        self._wrappers = [module for module in model.modules() if isinstance(module, SequenceParallelAttention)]
+        named = [(name, module) for name, module in model.named_modules()
+                 if isinstance(module, SequenceParallelAttention)]
+        self._wrappers = [module for _, module in named]
         if self._wrappers:  # a plain PyTorch model: its loop splits the batch
-            for wrapper in self._wrappers:
-                wrapper._ulysses = self
+            for name, wrapper in named:
+                wrapper._ulysses, wrapper._name = self, name
             self._handles = [model.register_forward_pre_hook(self._exchanging)]
             return
         self._config = check_model(model, self.group.world_size)
@@ -278,12 +296,23 @@ class UlyssesAttention:
 
     # -- the batch ------------------------------------------------------------------------
 
+    def note_whole(self, tensor: torch.Tensor) -> None:
+        """A plain model's loop sliced ``tensor`` (`sequence_slice`): its fingerprint goes into
+        the next split forward's row, so that the ranks of a group are checked to have sliced
+        the same micro-batch."""
+        noted = fingerprint([tensor])
+        self._noted = noted if self._noted is None else self._noted * _MIX + noted
+
     def _exchanging(self, module: nn.Module, args: tuple) -> None:
         """A plain model's forward: its attention cores exchange in training forwards (its loop
         gave it this rank's slice)."""
         self.active = module.training and torch.is_grad_enabled()
-        if self.active:
-            self.before_exchanges()
+        if not self.active:
+            return
+        first = next((arg for arg in args if torch.is_tensor(arg)), None)
+        shape = tuple(first.shape[:2]) if first is not None and first.dim() >= 2 else (0, 0)
+        noted, self._noted = self._noted, None
+        self.before_exchanges(SplitBatch(*shape, int(noted.item()) if noted is not None else 0))
 
     def _split(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self.active = self._loss_pending = module.training and torch.is_grad_enabled()
@@ -305,11 +334,13 @@ class UlyssesAttention:
         batch, length = input_ids.shape
         k, rank = self.group.world_size, self.group.rank
         padded = math.ceil(length / k) * k
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            positions = torch.arange(length, device=input_ids.device)
+        given_positions, attention_mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+        positions = given_positions if given_positions is not None else torch.arange(length, device=input_ids.device)
         positions = positions.expand(batch, length)
-        self._mask = whole_sequence_mask(kwargs.get("attention_mask"), positions, padded)
+        whole = [input_ids, kwargs.get("labels"), attention_mask, given_positions]
+        facts = read_batch(whole, attention_mask, positions)
+        self.before_exchanges(SplitBatch(batch, length, facts.fingerprint))  # before anything of the split
+        self._mask = whole_sequence_mask(attention_mask, positions, padded, facts) if facts.masked else None
         self._tail = padded - length
         tail = torch.arange(1, padded - length + 1, device=positions.device)  # positions of the padding k needs
         positions = torch.cat([positions, positions[:, -1:] + tail], dim=1)
@@ -330,7 +361,6 @@ class UlyssesAttention:
         kwargs.pop("attention_mask", None)
         kwargs.pop("position_ids", None)
         kwargs.update(split)
-        self.before_exchanges()
         return (), kwargs
 
     def _whole_loss(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -364,6 +394,15 @@ def check_model(model: nn.Module, k: int) -> Any:
             f"implementation is 'sdpa' or 'eager' (found {implementation!r}), and has no "
             "zero_engine.SequenceParallelAttention module: wrap a plain PyTorch model's attention core in one"
         )
+    if not is_causal_lm(model):
+        raise NotImplementedError(
+            f"sequence_parallel_size = {k}: {type(model).__name__} is not a Hugging Face causal language model "
+            "(a *ForCausalLM, its attention causal): the split shifts the labels by one token and masks attention "
+            "causally, which is right for a causal LM alone; an encoder (masked LM), a sequence classifier or a "
+            "model with bidirectional attention would train something else. Train it without "
+            "sequence_parallel_size, or wrap a plain model's attention core in zero_engine.SequenceParallelAttention "
+            "and split its batch in the loop"
+        )
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int) or heads % k:
         raise NotImplementedError(
@@ -371,6 +410,22 @@ def check_model(model: nn.Module, k: int) -> Any:
             f"over {k} ranks"
         )
     return config
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model a PEFT wrapper holds) is a Hugging Face causal language
+    model: a class transformers' causal-LM auto mapping names (read from the loaded module, so
+    nothing here imports transformers; without it, a name ending in ``ForCausalLM``), whose
+    config neither switches causality off (``is_causal``) nor, for an encoder family's LM head
+    (``BertLMHeadModel``), leaves ``is_decoder`` off."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    name, config = type(base).__name__, getattr(base, "config", None)
+    auto = sys.modules.get("transformers.models.auto.modeling_auto")
+    names = getattr(auto, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", None)
+    known = name in set(names.values()) if names is not None else name.endswith("ForCausalLM")
+    if not known or getattr(config, "is_causal", True) is False:
+        return False
+    return name.endswith("ForCausalLM") or bool(getattr(config, "is_decoder", False))
 
 
 # Sequence mixers that are not attention, by class name: state-space layers (Mamba, Mamba2, Jamba's
@@ -423,35 +478,87 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, tail: int) -> torch
     return mask
 
 
-def whole_sequence_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor,
-                        padded: int) -> torch.Tensor | None:
+class SplitBatch(NamedTuple):
+    """What a split forward's row tells its sequence group before the first exchange: the
+    micro-batch's shape (a plain model's: its slice's) and a fingerprint of what the group
+    splits (`fingerprint`; 0 where nothing was seen whole)."""
+
+    batch: int
+    tokens: int
+    fingerprint: int
+
+
+class BatchFacts(NamedTuple):
+    """What the split reads of a micro-batch on the host, in one read (one device sync)."""
+
+    fingerprint: int
+    packed: bool  # position_ids restart somewhere: documents packed in a row
+    padded: bool  # an attention_mask with zeros
+
+    @property
+    def masked(self) -> bool:
+        """Whether attention needs a mask beyond causal."""
+        return self.packed or self.padded
+
+
+_MIX = 1_000_003  # mixes each tensor's sum into the fingerprint (int64 arithmetic wraps alike everywhere)
+
+
+def fingerprint(tensors: list[torch.Tensor | None], device: torch.device | None = None) -> torch.Tensor:
+    """An int64 scalar (on ``device``, or the first tensor's) that differs, almost surely,
+    between micro-batches of different contents: each integer tensor's elements weighted by
+    their place, summed, and the sums mixed in order (a missing tensor counts as one). Wrapping
+    int64 sums are exact and order-free, so every rank and device computes the same value for
+    the same tensors."""
+    if device is None:
+        device = next(tensor.device for tensor in tensors if tensor is not None)
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for tensor in tensors:
+        if tensor is None:
+            value = torch.ones((), dtype=torch.int64, device=device)
+        else:
+            flat = tensor.reshape(-1).to(device=device, dtype=torch.int64)
+            value = (flat * torch.arange(1, flat.numel() + 1, device=device)).sum()
+        total = total * _MIX + value
+    return total
+
+
+def read_batch(whole: list[torch.Tensor | None], attention_mask: torch.Tensor | None,
+               positions: torch.Tensor) -> BatchFacts:
+    """The fingerprint of the ``whole`` tensors, and whether the batch is packed or padded,
+    read back together."""
+    device = positions.device
+    restarts = (positions[:, 1:] - positions[:, :-1] != 1).any()
+    padded = (~attention_mask.bool()).any() if attention_mask is not None else torch.zeros((), dtype=torch.bool)
+    values = [fingerprint(whole, device), restarts.long(), padded.long().to(device)]
+    mark, packed, padding = torch.stack(values).tolist()
+    return BatchFacts(mark, bool(packed), bool(padding))
+
+
+def whole_sequence_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, padded: int,
+                        facts: BatchFacts) -> torch.Tensor:
     """Which keys each query of the whole (padded) sequence may attend to, ``(batch, 1, padded,
     padded)``, as one process's model masks them under ``use_cache=False`` (Hugging Face's
     ``masking_utils``): causal; not at a padded key (``attention_mask`` zeros); and, when
     ``position_ids`` restart (packed documents: a step other than +1 starts a document), within
-    the query's own document, so that each document attends as if run alone. None when causal
-    alone says it (no padding, no restart), so that attention needs no mask of tokens x tokens.
+    the query's own document, so that each document attends as if run alone. Made only where
+    `read_batch` found padding or a restart (``facts``): causal alone needs no mask of tokens x
+    tokens.
 
     A query with no key left (a left pad) keeps an empty row, as in one process: ``sdpa`` gives
     it zeros, ``eager`` the mean of every value (its additive mask is the same everywhere). Its
     output is read where the loss reads that position (the last pad predicts the first real
     token, labelled as collators label it), so it must be one process's. One process keeps
     documents apart only without an ``attention_mask``; the split keeps them apart whenever
-    ``position_ids`` restart (with padding too), which is the documents run separately.
-
-    One host read for both questions (padding, restart): a device sync per split forward."""
+    ``position_ids`` restart (with padding too), which is the documents run separately."""
     restarts = positions[:, 1:] - positions[:, :-1] != 1
-    flags = torch.stack([restarts.any(), ~attention_mask.bool().all() if attention_mask is not None
-                         else torch.zeros((), dtype=torch.bool, device=restarts.device)])
-    packed, padding = flags.tolist()
-    if not (packed or padding):
-        return None
     device = positions.device
     allowed = torch.ones(padded, padded, dtype=torch.bool, device=device).tril()[None]
-    if padding:
+    if facts.padded:
+        assert attention_mask is not None
         valid = nn.functional.pad(attention_mask.bool(), (0, padded - attention_mask.shape[1]), value=False)
         allowed = allowed & valid[:, None, :]
-    if packed:  # the tail k pads continues the last document (its positions do), unread by the loss
+    if facts.packed:  # the tail k pads continues the last document (its positions do), unread by the loss
         documents = nn.functional.pad(restarts.long().cumsum(1), (1, 0))  # the first token starts document 0
         documents = torch.cat([documents, documents[:, -1:].expand(-1, padded - documents.shape[1])], dim=1)
         allowed = allowed & (documents[:, :, None] == documents[:, None, :])

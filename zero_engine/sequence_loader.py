@@ -1,0 +1,83 @@
+"""Any per-rank data loader made right for ``sequence_parallel_size``.
+
+The ranks of a sequence group split one micro-batch between them, so they must read the same
+micro-batches; a loader sharded over every rank (a ``DistributedSampler`` left at the world
+size) gives each its own. `SequenceGroupLoader` shares them instead, as DeepSpeed's
+``UlyssesSPDataLoaderAdapter`` does: at each step every rank reads its own loader's next batch,
+the group's ranks exchange them, and each rank yields the group's ``k`` batches in the group's
+rank order, whole (the engine splits each one). No sample is dropped or read twice: a loader
+sharded over ``world`` ranks trains on every one of its samples, ``k`` times the steps per
+epoch, each optimizer step's data the same as at ``k = 1`` over the same samples.
+
+The exchange: each rank's batch layout (its tensors' shapes and dtypes, in the order
+`zero_engine.tree.iter_tensors` visits them) over the control group, then each rank's tensors
+broadcast from it over the sequence group, on the engine's device. A batch is a tensor or any
+nesting of dicts, lists, tuples and dataclasses the engine takes (a Hugging Face collator's
+dict); its other values are this rank's own (the layout must match within the group). When one
+rank's loader ends, every rank's does, at the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .tree import iter_tensors, map_tensors
+
+
+class SequenceGroupLoader:
+    """``loader`` (any iterable of batches, one per rank) with each batch shared over its sequence
+    group: every rank yields the group's ``k`` batches in turn. At ``k = 1``, ``loader`` as it is."""
+
+    def __init__(self, loader: Iterable[Any], engine: Any) -> None:
+        self.loader = loader
+        self.engine = engine
+
+    @property
+    def _k(self) -> int:
+        return self.engine.comm.mesh.sequence
+
+    def __len__(self) -> int:
+        return len(self.loader) * self._k  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._k == 1:
+            yield from self.loader
+            return
+        batches = iter(self.loader)
+        while True:
+            shared = share_over_group(self.engine, next(batches, None))
+            if shared is None:
+                return
+            yield from shared
+
+
+def share_over_group(engine: Any, batch: Any) -> list[Any] | None:
+    """Every batch of this rank's sequence group, in group rank order (collective over every
+    rank: each calls it once per step); None once some rank's loader has ended (``batch`` None)."""
+    comm = engine.comm
+    k = comm.mesh.sequence
+    leader = comm.rank - comm.rank % k
+    mine = [] if batch is None else list(iter_tensors(batch))
+    layout = None if batch is None else [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in mine]
+    layouts = comm.all_gather_json(layout)
+    if any(entry is None for entry in layouts):
+        return None
+    group = layouts[leader : leader + k]
+    if any(len(entry) != len(layout) for entry in group):
+        raise ValueError(
+            f"SequenceGroupLoader: the ranks of sequence group {list(range(leader, leader + k))} gave batches of "
+            f"different layouts ({[len(entry) for entry in group]} tensors): every rank's loader must collate alike"
+        )
+    shared = []
+    for source, entry in enumerate(group):
+        if leader + source == comm.rank:
+            tensors = [t.to(engine.device).contiguous() for t in mine]
+        else:
+            tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=engine.device) for shape, dtype in entry]
+        comm.sequence_group.broadcast(tensors, src=source)
+        received = iter(tensors)
+        shared.append(map_tensors(lambda _: next(received), batch))
+    return shared
