@@ -22,7 +22,8 @@ keeps them, per token, with ``c`` the compute dtype's bytes (4 in fp32, 2 in bf1
   is one tile's, about ``12 n V`` bytes at once (three fp32-sized copies of its logits in the
   tile's backward), whatever the sequence's length, beside the gradients the loss's backward
   makes for the head's weight (``c V h``) and for its input (``c h`` per token); a recomputed
-  layer comes after, the head's weight gradient still alive;
+  layer comes after, the head's weight gradient still alive, the head's input gone (the tiles'
+  checkpoints let it go, and the output holds a stand-in in place of the logits);
 - with ``tiled_mlp_tokens: m`` a layer keeps no MLP intermediates (``4 c f`` a token less:
   each tile keeps its input, a view of the MLP's, and the CPU generator's state, 5,056 bytes, to
   recompute it); one tile's MLP backward holds about ``8 c f`` bytes a token of it (its
@@ -145,7 +146,7 @@ def activation_bytes(shape: DecoderShape, micro_batch: int, seq_len: int, comput
         tile = min(tiled_loss_tokens, tokens) * 12 * vocab
         head_gradient = c * vocab * h
         loss_backward = tile + head_gradient + tokens * c * h
-        recomputed = tokens * (layer + 2 * c * h) + head_gradient if recompute else 0  # after the tiles
+        recomputed = tokens * (layer + c * h) + head_gradient if recompute else 0  # after the tiles
         working = max(loss_backward, recomputed + mlp_tile)
         return Activations(kept=kept, logits=0, peak=kept + working, loss=tile)
     kept = tokens * (layers_kept + outside + 4 * vocab) + mlp_states
