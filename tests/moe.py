@@ -120,3 +120,53 @@ def train_moe_reference(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+class SequenceAttention(nn.Module):
+    """Causal self-attention of 4 heads over `DIM`, its core split over a sequence group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from zero_engine import SequenceParallelAttention
+
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.out = nn.Linear(DIM, DIM)
+        self.core = SequenceParallelAttention(F.scaled_dot_product_attention)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = h.shape
+        q, k, v = self.qkv(h).view(batch, tokens, 3, 4, DIM // 4).permute(2, 0, 3, 1, 4)
+        attended = self.core(q, k, v, is_causal=True)
+        return h + self.out(attended.transpose(1, 2).reshape(batch, tokens, DIM))
+
+
+class SequenceMoEModel(nn.Module):
+    """`MoEModel` with attention before each MoE block, for ``sequence_parallel_size``: the
+    ranks of a sequence group route the tokens of their own slices, so an expert idles on some
+    rank of a group (the GPU review's R1). Its forward takes a rank's slices (tokens, global
+    positions, targets shifted before the split) and returns the slice's summed loss."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.position = nn.Embedding(VOCAB, DIM), nn.Embedding(4 * SEQ, DIM)
+        self.attention = nn.ModuleList(SequenceAttention() for _ in range(2))
+        self.blocks = nn.ModuleList(MoEBlock(form) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.position(positions)
+        for attention, block in zip(self.attention, self.blocks):
+            h = block(attention(h), tokens)
+        logits = self.head(h)
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1), ignore_index=-100,
+                               reduction="sum")
+
+
+def sequence_moe_loss(engine: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A plain loop's split forward of `SequenceMoEModel` on a group's micro-batch: the
+    micro-batch's mean loss on every rank of the group (`engine.sequence_loss`)."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    summed = engine(engine.sequence_slice(tokens), engine.sequence_slice(positions),
+                    engine.sequence_slice(targets, pad_value=-100))
+    return engine.sequence_loss(summed / targets.numel())

@@ -7,13 +7,15 @@ offload with pageable memory (DeepSpeed's default) and of the parameters alone, 
 communication with and without groups (qgZ's all-to-all), recomputed units, a checkpoint and
 an export between steps, accumulation, a rank that lags, random delays in every module hook
 on every rank over several seeds, a unit whose module runs and gets no gradient (a value head
-left out of the loss, a host lagging where backward ends), and a second engine sharing the
-groups (a frozen reference beside the policy). Every case must pair the same operation and
+left out of the loss, a host lagging where backward ends), a second engine sharing the
+groups (a frozen reference beside the policy), and sequence parallelism over groups of 2 and of
+the whole world with experts idle on some rank of a group. Every case must pair the same operation and
 size at each number of each communicator (`find_mismatches`) and close no cycle. The planted
 cases put back what the GPU reviews found: hybrid second phases on the compute stream (N1),
 the NCCL paths chosen from the group's backend string (P1), no gather launched before a stream
-wait on a reduction (N6), and the next pass proposed before the reducer's end (Q1); the model
-must find all but N6. Hand-made traces check the checker's rules one by one.
+wait on a reduction (N6), the next pass proposed before the reducer's end (Q1), and experts
+under the split as they were (R1: units of their own, reductions during the backward); the
+model must find all but N6. Hand-made traces check the checker's rules one by one.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
-from moe import EXPERTS, make_moe, moe_batch
+from moe import EXPERTS, SequenceMoEModel, make_moe, moe_batch, sequence_moe_loss
 from zero_engine.testing.nccl_model import Event, NcclModel, find_hang, find_mismatches, opposite_orders
 
 STEPS, MICRO = 2, 2
@@ -39,6 +41,8 @@ def _config(case: dict[str, Any]) -> dict[str, Any]:
     zero: dict[str, Any] = {"shard_group_size": case.get("group"), "reduce_bucket_size": 200}
     if case["stage"] == 3:
         wrapped = ["Expert", "MoEBlock", *(["ValueHead"] if case.get("value_head") else [])]
+        if case.get("sp"):  # under the split a mixture of experts' block is one unit (the experts only, planted)
+            wrapped = ["SequenceAttention", *(["Expert"] if case.get("plant_r1") else []), "MoEBlock"]
         zero.update(stage3_wrap_modules=wrapped, stage3_param_persistence_threshold=0)
     if case.get("offload"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}  # what crosses every pass is pinned anyway
@@ -52,6 +56,7 @@ def _config(case: dict[str, Any]) -> dict[str, Any]:
         zero.update(zero_quantized_gradients=True, zero_quantized_weights=True)
     config = engine_config(case["stage"], micro=MICRO, lr=0.05, accum=case.get("accum", 1), **zero)
     config["comm"] = {"timeout_s": 60, "primitives": "native"}  # NCCL's: one collective per gather or reduction
+    config["sequence_parallel_size"] = case.get("sp", 1)
     return config
 
 
@@ -165,6 +170,14 @@ def _planted_q1() -> None:
     ParamGatherer.check_resharded = lambda self, call: None  # the step's check would raise first
 
 
+def _planted_r1() -> None:
+    """A mixture of experts under the split as before R1's fix: the experts units of their own
+    at stage 3, reductions launched during the backward at stages 0-2."""
+    from zero_engine import entry
+
+    entry.settings_under_split = lambda model, plan, settings, k, log=False: settings
+
+
 def traced_cases(rank: int, world_size: int, cases: list[dict[str, Any]], directory: str) -> list[list[Event]]:
     """Every case trained under the NCCL model; each rank's trace per case. Planted cases come
     last in the grid: what they patch stays patched in this process."""
@@ -176,15 +189,21 @@ def traced_cases(rank: int, world_size: int, cases: list[dict[str, Any]], direct
             _planted_n6()
         if case.get("plant_q1"):
             _planted_q1()
+        if case.get("plant_r1"):
+            _planted_r1()
         model = WithValueHead(case["form"]) if case.get("value_head") else make_moe(case["form"])
+        if case.get("sp"):
+            model = SequenceMoEModel(case["form"])
         if case.get("lag") == rank:  # this rank's host falls behind the others in forward
             for module in model.modules():
                 module.register_forward_pre_hook(lambda *_: time.sleep(0.01))
         if "jitter" in case:
             _jitter(model, case["jitter"] * 100 + rank)
-        # a planted Q1 pairs an all-gather with an all-reduce: recorded, not run (gloo would wait 60 s)
+        # a planted Q1 pairs an all-gather with an all-reduce, a planted R1 waits in a cycle: recorded, not
+        # run (gloo would wait 60 s)
+        recorded_only = bool(case.get("plant_q1") or case.get("plant_r1"))
         with NcclModel(
-            second_phase_on_compute_stream=case.get("plant_n1", False), run_data_collectives=not case.get("plant_q1")
+            second_phase_on_compute_stream=case.get("plant_n1", False), run_data_collectives=not recorded_only
         ) as nccl:
             engine = zero_engine.initialize(model, _config(case))
             reference = None
@@ -200,6 +219,11 @@ def traced_cases(rank: int, world_size: int, cases: list[dict[str, Any]], direct
                         with torch.no_grad():
                             reference(*batch)
                     nccl.mark("forward")
+                    if case.get("sp"):  # a sequence group's ranks split their group's micro-batch
+                        engine.backward(sequence_moe_loss(engine, *_batch(step, micro, rank // case["sp"], False)))
+                        nccl.mark("step")
+                        engine.step()
+                        continue
                     engine.backward(engine(*batch))
                     nccl.mark("step")
                     engine.step()
@@ -243,7 +267,20 @@ GRID = [
     {"stage": 3, "form": "guard", "value_head": True, "lag_backward_end": 2, "group": 2, "accum": 2},
     {"stage": 3, "form": "skip", "reference": True, "value_head": True},
     {"stage": 2, "form": "guard", "reference": True, "group": 2},
-    # planted, last (they stay patched in the rank processes); Q1 first: N6's plant keeps the
+    # sequence parallelism (M9): dense attention exchanged over groups of 2 and over the world,
+    # each block's experts idle on some rank of a group (their slices route other tokens): a
+    # mixture of experts' block one unit at stage 3, reductions after the backward below it
+    {"stage": 3, "form": "skip", "sp": 2, "accum": 2},
+    {"stage": 2, "form": "skip", "sp": 2},
+    {"stage": 3, "form": "guard", "sp": 4},
+    {"stage": 1, "form": "skip", "sp": 4, "accum": 2},
+    # planted, last (they stay patched in the rank processes). R1 first (it patches only what the
+    # split decides): the experts units of their own at stage 3 (and at k = the world),
+    # reductions during the backward at stage 2
+    {"stage": 3, "form": "skip", "sp": 2, "plant_r1": True},
+    {"stage": 3, "form": "skip", "sp": 4, "plant_r1": True},
+    {"stage": 2, "form": "skip", "sp": 2, "plant_r1": True},
+    # Q1 then: N6's plant keeps the
     # reducer's wait from launching agreed gathers, the path by which Q1 launched them early
     # one step: the next forward would find the ranks' rounds apart (the early gathers are freed there)
     {"stage": 3, "form": "skip", "value_head": True, "lag_backward_end": 1, "plant_q1": True, "steps": 1},
@@ -251,7 +288,7 @@ GRID = [
     *({"stage": 3, "form": "skip", "group": 2, "accum": 2, "jitter": seed, "plant_n6": True} for seed in SEEDS),
     {"stage": 3, "form": "skip", "group": 2, "plant_p1": True},
 ]
-PLANTED = ("plant_n1", "plant_n6", "plant_p1", "plant_q1")
+PLANTED = ("plant_n1", "plant_n6", "plant_p1", "plant_q1", "plant_r1")
 
 
 @pytest.fixture(scope="module")
@@ -276,8 +313,8 @@ def _group_kind(group: str) -> str:
     """A data group's place in the layout, the same on every rank: every rank, its shard group
     (consecutive ranks), its replica group (strided), or stage 3's reduce group."""
     role, members = group.split("[", 1)
-    if role == "reduce":
-        return "reduce"
+    if role in ("reduce", "sequence"):
+        return role
     if members == "all]":
         return "world"
     ranks = [int(rank) for rank in members.rstrip("]").split(",")]
@@ -390,9 +427,11 @@ def test_the_export_gather_is_matched_point_to_point(grid_traces: dict[int, list
 
 
 # Pairs of (reduction, gather) launches two ranks made in opposite orders, per stage 3 case in
-# grid order: the most seen in three runs (2026-11-26, the last three 2026-11-27; they vary by up
-# to 40% between runs with the hosts' timing), times 1.6, plus 10.
-CROSSINGS_CEILING = [165, 126, 410, 10, 915, 126, 408, 421, 405, 168, 256, 261, 278, 302, 238, 315, 432, 164, 477]
+# grid order: the most seen in three runs (2026-11-26, the last three 2026-11-27, the sequence
+# parallel two 2026-12-02; they vary by up to 40% between runs with the hosts' timing), times 1.6,
+# plus 10.
+CROSSINGS_CEILING = [165, 126, 410, 10, 915, 126, 408, 421, 405, 168, 256, 261, 278, 302, 238, 315, 432, 164, 477,
+                     20, 10]
 
 
 def test_the_two_stage_3_communicators_cross_no_more_than_measured(grid_traces: dict[int, list[list[Event]]]) -> None:
@@ -522,3 +561,18 @@ def test_opposite_orders_counts_pairs_launched_in_different_orders() -> None:
     rank1 = [_launch("data", 0), _launch("reduce", 0), _launch("data", 1)]
     assert opposite_orders([rank0, rank1], "reduce", "data") == 1
     assert opposite_orders([rank0, rank0], "reduce", "data") == 0
+
+
+@pytest.mark.parametrize("index", [i for i, case in enumerate(GRID) if case.get("plant_r1")],
+                         ids=lambda i: f"stage{GRID[i]['stage']}-sp{GRID[i]['sp']}")
+def test_the_model_finds_experts_under_the_split_hang_as_they_were(
+    grid_traces: dict[int, list[list[Event]]], index: int,
+) -> None:
+    """The GPU review's R1, planted: a mixture of experts under ``sequence_parallel_size`` as
+    before its fix (an expert a unit of its own at stage 3; reductions launched during the
+    backward at stage 2). A rank whose slice routes no token to an expert gathers or reduces it
+    late, behind the next attention exchange that the other ranks of its group wait in: NCCL
+    would pair different collectives or wait in a cycle. The same cases with the fix (the
+    block one unit; reductions after the backward) are in the grid above and pass."""
+    traces = grid_traces[index]
+    assert find_mismatches(traces) or find_hang(traces) is not None, GRID[index]

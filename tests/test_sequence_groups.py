@@ -137,6 +137,8 @@ def refusals(rank: int) -> dict[str, str]:
     except NotImplementedError as error:
         found["heads"] = str(error)
     found["sliced"] = str(engine.sequence_slice(ids).shape[1])
+    # its all-to-alls on a communicator of their own, though the group is the world (GPU review R1)
+    found["own_group"] = str(engine.comm.sequence_group.group is not engine.comm.shard_group.group)
     engine.close()
     return found
 
@@ -208,6 +210,7 @@ def test_what_the_split_does_not_know_is_refused_by_name(two_ranks: list[dict[st
         assert ("core was called with 3 query heads (dim 1 of query, (batch, heads, tokens, "
                 "head_dim)), which do not split over 2 ranks") in found["heads"]
         assert found["sliced"] == "4"
+        assert found["own_group"] == "True"
 
 
 # -- a per-rank loader shared over the group ---------------------------------------------------
@@ -273,3 +276,66 @@ def test_a_per_rank_loader_shared_over_the_group_trains_as_one_process_on_its_sa
         assert result["losses"] == pytest.approx(losses, abs=2e-5)
         for name, value in model.state_dict().items():
             assert (result["state"][name] - value).abs().max().item() <= 2e-5, name
+
+
+# -- a mixture of experts under the split (the GPU review's R1) --------------------------------
+
+
+def _moe_config(stage: int, wrap: list[str] | None = None) -> dict[str, Any]:
+    zero: dict[str, Any] = {"reduce_bucket_size": 200}
+    if wrap:
+        zero.update(stage3_wrap_modules=wrap, stage3_param_persistence_threshold=0)
+    config = engine_config(stage, micro=2, accum=2, lr=0.05, optimizer="SGD", **zero)
+    return {**config, "sequence_parallel_size": 2, "comm": {"timeout_s": TIMEOUT_S}}
+
+
+def experts_split(rank: int, world_size: int) -> dict[str, Any]:
+    """`tests/moe.py`'s model with attention, its experts idle on one rank of the group in some
+    micro-steps (each slice routes its own tokens): at stage 3 with the block one unit, at
+    stage 2 with reductions after the backward; and the experts as units refused at stage 3."""
+    from moe import SequenceMoEModel, moe_batch, sequence_moe_loss
+
+    torch.set_num_threads(1)
+    found: dict[str, Any] = {}
+    for stage, wrap in ((3, ["SequenceAttention", "MoEBlock"]), (2, None)):
+        engine = zero_engine.initialize(SequenceMoEModel("skip"), _moe_config(stage, wrap))
+        losses = []
+        for step in range(3):
+            for micro in range(2):
+                loss = sequence_moe_loss(engine, *moe_batch(step, micro, 0, 2))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        found[stage] = {"losses": losses, "state": engine.full_state_dict(),
+                        "overlap": engine.reducer.overlap}
+        engine.close()
+    try:
+        zero_engine.initialize(SequenceMoEModel("skip"), _moe_config(3, ["Expert", "MoEBlock"]))
+    except NotImplementedError as error:
+        found["refused"] = str(error)
+    return found
+
+
+def test_a_mixture_of_experts_under_the_split_trains_as_one_process() -> None:
+    from moe import SequenceMoEModel, moe_batch
+
+    per_rank = run_on_ranks(2, experts_split, allow_numpy=True, timeout=300)
+    model = SequenceMoEModel("skip")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(3):
+        for micro in range(2):
+            tokens, targets = moe_batch(step, micro, 0, 2)
+            loss = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), targets) / targets.numel()
+            (loss / 2).backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    for found in per_rank:
+        for stage in (3, 2):
+            assert found[stage]["losses"] == pytest.approx(losses, abs=2e-5), stage
+            for name, value in model.state_dict().items():
+                assert (found[stage]["state"][name] - value).abs().max().item() <= 2e-5, (stage, name)
+        assert found[2]["overlap"] is False  # an expert may get no gradient on a rank of the group
+        assert ("the unit blocks.0.experts.0 (Expert) lies inside the mixture of experts' block blocks.0"
+                in found["refused"])

@@ -10,7 +10,6 @@ the stage (`Stage`) says what is sharded. The engine is the loop's surface: forw
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import weakref
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from .sharding.units.unit_plan import UnitPlan
 from .sharding.gathering.agreement import Call, split_forward_facts
 from .stage import Stage
 from .sharding.transforms.seam import COMPILE, ModuleTransforms, TransformTarget
+from .sharding.transforms.no_cache import NoCacheInTraining
 from .sharding.transforms.tiled_loss import TiledLoss
 from .sharding.transforms.tiled_mlp import TiledMLP
 from .sharding.transforms.ulysses import SplitBatch, UlyssesAttention
@@ -93,7 +93,6 @@ class Engine(ModelAccess, StepView, WindowView):
         self._open_gathered: list[GatheredParameters] = []  # engine.gathered() contexts open (no step inside one)
         self._sync_from_rank0()
         self.device = device or _model_device(model)  # where parameters, gradients and state live
-        self._takes_use_cache = takes_use_cache(model)
         self.offload = build.offload  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
@@ -144,8 +143,6 @@ class Engine(ModelAccess, StepView, WindowView):
         if self.precision.mixed:
             args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
         self.progress.add_inputs(args, kwargs)
-        if self._takes_use_cache and self.module.training and torch.is_grad_enabled():
-            kwargs.setdefault("use_cache", False)  # a training forward needs no cache (`takes_use_cache`)
         if self.swap is not None and torch.is_grad_enabled() and self.is_gradient_accumulation_boundary():
             self.optimizer_step.read_ahead(self.swap.buffer_count - 1)  # NVMe: the first shards read during the pass
         try:
@@ -369,11 +366,12 @@ def model_transforms(
     target: TransformTarget, sequence_group: GroupComm, before_exchanges: Callable[[SplitBatch], None],
     settings: TransformSettings,
 ) -> ModuleTransforms:
-    """What the model's modules compute, changed in one order: attention exchanged over the
-    sequence group (``sequence_parallel_size``), the loss and the MLPs in tiles
+    """What the model's modules compute, changed in one order: no key/value cache in training
+    forwards (a Hugging Face model's ``use_cache``), attention exchanged over the sequence group (``sequence_parallel_size``), the loss and the MLPs in tiles
     (``tiled_loss_tokens``, ``tiled_mlp_tokens``), each unit recomputed in backward
     (``recompute_units``)."""
     transforms = ModuleTransforms(target)
+    transforms.add(NoCacheInTraining())  # no key/value cache in training forwards
     if target.mesh.sequence > 1:
         transforms.add(UlyssesAttention(sequence_group, before_exchanges))
     if settings.tiled_loss_tokens:  # never the whole logits
@@ -430,18 +428,6 @@ def _check_loss(loss: Any) -> None:
             f"engine.backward(loss): loss must be a scalar tensor, got shape {tuple(loss.shape)} (reduce it first, "
             "e.g. loss.mean())"
         )
-
-
-def takes_use_cache(model: nn.Module) -> bool:
-    """Whether ``model`` is a Hugging Face model whose forward takes ``use_cache`` (through a
-    PEFT wrapper too). Its training forwards get ``use_cache=False`` unless the caller says:
-    a training forward never reads a cache, building one costs memory, and without one
-    Hugging Face keeps packed documents (``position_ids`` restarting) apart, as the
-    sequence-parallel split does."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    if not hasattr(getattr(base, "config", None), "use_cache"):
-        return False
-    return "use_cache" in inspect.signature(base.forward).parameters
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -33,6 +33,7 @@ from .optim import check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
 from .precision import Precision
 from .sharding.building.build import BuildSettings, planned_host_buffers
+from .sharding.building.conditional import settings_under_split
 from .sharding.units.module_plan import ModulePlan
 from .sharding.units.unit_plan import UnitPlan
 from .sharding.building.deferred_init import DeferredInit, draw_base_seed, has_meta_tensors, materialization_device
@@ -152,6 +153,8 @@ def _build_engine(
     zero = config.zero_optimization
     placement = offload_plan(zero, stage, batch.gradient_accumulation_steps)
     settings = BuildSettings.derive(zero, stage, precision.compute_dtype, precision.reduce_dtype, placement)
+    if comm.mesh.sequence > 1:  # a mixture of experts under the split: see `settings_under_split`
+        settings = settings_under_split(model, settled.plan, settings, comm.mesh.sequence, log=comm.rank == 0)
     units = UnitPlan.derive(
         model, settled.plan, settled.groups, stage.shard_parameters, precision.compute_dtype, settings.bucket_numel,
         settings.frozen_quantization,

@@ -80,11 +80,13 @@ def _mesh(sequence: int, shard_group_size_for: Callable[[int], int], world: Grou
 
 
 def _sequence_group(timeout_s: float, mesh: Mesh, rank: int, data: Any) -> Any:
-    """This rank's sequence group (every rank makes every group: ``new_group`` is collective)."""
+    """This rank's sequence group (every rank makes every group: ``new_group`` is collective),
+    a communicator of its own even when it spans the world: Ulysses' all-to-alls are waited at
+    once, inside forward and backward, and on the data group they would have to interleave alike
+    on every rank with the gathers and reductions, whose order follows each rank's data (GPU
+    review R1)."""
     if mesh.sequence == 1:
         return None
-    if mesh.sequence == mesh.world:
-        return data
     groups = [own_group(timeout_s, "sequence", None, ranks) for ranks in mesh.sequence_groups()]
     return groups[rank // mesh.sequence]
 
@@ -108,7 +110,8 @@ def with_stage_groups(comm: Comm, stage: Stage) -> Comm:
 
 def make_data_communicators(comm: Comm, device: torch.device) -> None:
     """NCCL: make every data communicator of ``comm`` now, in one order on every rank (a
-    one-element all-reduce on each: world, shard, replica, reduce groups), not at its first use.
+    one-element all-reduce on each: world, shard, replica, reduce and sequence groups), not at
+    its first use.
 
     A communicator made on first use blocks the host in its setup until every member arrives.
     The engine's first use of the reduce and replica groups is inside a backward, where the
@@ -119,7 +122,7 @@ def make_data_communicators(comm: Comm, device: torch.device) -> None:
     if not comm.orders_on_device:
         return
     made: set[int] = set()
-    for group in (comm.world, comm.shard_group, comm.replica_group, comm.reduce_group):
+    for group in comm.data_groups:
         key = id(group.group)
         if group.skips_collectives or key in made:
             continue

@@ -380,6 +380,12 @@ class Comm:
         """Overwrite this rank's ``shards`` with their copies in the first shard group."""
         self.replica_group.broadcast(shards, src=0)
 
+    @property
+    def data_groups(self) -> tuple[GroupComm, ...]:
+        """Every group the data collectives run on, in one order on every rank: the world, the
+        shard, replica and reduce groups, the sequence group (some may be the same group)."""
+        return (self.world, self.shard_group, self.replica_group, self.reduce_group, self.sequence_group)
+
     def abort_data_groups(self) -> str:
         """After the ranks diverged, on NCCL: abort the engine's data communicators, whose
         queues hold collectives one rank launched and another never will; otherwise the next
@@ -392,7 +398,7 @@ class Comm:
         (gloo)."""
         if not self.orders_on_device:
             return ""
-        groups = [comm.group for comm in (self.world, self.shard_group, self.replica_group, self.reduce_group)]
+        groups = [comm.group for comm in self.data_groups]
         aborted = {id(group): group for group in groups if group is not None}
         if self.world.group is None and dist.is_initialized():  # the default group, which the engine made
             aborted[id(dist.group.WORLD)] = dist.group.WORLD
@@ -438,8 +444,7 @@ class Comm:
         return report
 
     def reset_report(self) -> None:
-        groups = (self.world, self.shard_group, self.replica_group, self.reduce_group, self.sequence_group)
-        for comm in {id(c): c for c in groups}.values():
+        for comm in {id(c): c for c in self.data_groups}.values():
             comm.reset_report()
 
 

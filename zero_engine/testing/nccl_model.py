@@ -33,8 +33,8 @@ host behave as on NCCL and records, in host order, what the rank did:
 - the default group reports NCCL as the backend of the model's device (as
   ``init_process_group("cuda:nccl,cpu:gloo")`` does for CUDA), so the engine's own backend
   detection chooses the NCCL code paths (`Comm.orders_on_device`); its answer is a mark
-  (``data backend nccl``); and freeing a stage 3 unit's storage does nothing (gloo may still be
-  writing into it).
+  (``data backend nccl``); and freeing a stage 3 unit's storage, or an exchange's buffers,
+  does nothing (gloo may still be writing into it).
 
 `find_mismatches` lists the collectives NCCL would pair that differ (another operation or
 size as some member's collective of the same number on one communicator). `find_hang` then
@@ -63,6 +63,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import devices, offload
 from ..comm import connecting, groups, handles
+from ..sharding.transforms import ulysses
 from ..sharding.units import unit as unit_module
 
 _DATA_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_to_all_single", "all_gather")
@@ -135,6 +136,7 @@ class NcclModel:
         self._patch(offload, "copy_to_host", self._copy_to_host(offload.copy_to_host))
         self._patch(offload, "copy_across", self._copy_across(offload.copy_across))
         self._patch(unit_module, "_free_storage", lambda tensor: None)
+        self._patch(ulysses, "_free_storage", lambda tensor: None)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -11,12 +11,8 @@ outputs has gathered it: that gather serves it, and nothing gathers a second tim
 #777 and transformers #30404 are that bug in other engines). Units holding other units are left
 whole, since recomputing them would run the inner units' hooks inside the backward.
 
-A model that builds a key/value cache in its forward when ``use_cache`` is on (Hugging Face's,
-whose configs say ``use_cache: true``) keeps it through a training step: without recomputation
-the attention keeps the same keys and values for its backward anyway, but with it the cache is
-all that keeps them, one layer's keys and values per layer in memory for nothing. Under
-recomputation the root's training forwards get ``use_cache=False`` unless the caller passes it,
-as Hugging Face's own gradient checkpointing does.
+A training forward builds no key/value cache (`zero_engine.sharding.transforms.no_cache`): under
+recomputation a cache would be all that keeps each layer's keys and values.
 
 Compilation: ``torch.compile`` of the forward (as FSDP2 and torchtitan compile each block and
 keep the sharding hooks outside the graph).
@@ -24,35 +20,28 @@ keep the sharding hooks outside the graph).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.hooks import RemovableHandle
 
 from .seam import COMPILE, RECOMPUTE, TransformTarget, WrappedForwards, Wrapper
 
 
 class Recompute:
-    """``recompute_units``: each leaf unit module's forward under torch's non-reentrant
-    checkpoint; the root's training forwards without a key/value cache."""
+    """``recompute_units``: each leaf unit module's forward under torch's non-reentrant checkpoint."""
 
     ORDER = RECOMPUTE
 
     def __init__(self) -> None:
         self._recomputed: WrappedForwards | None = None
-        self._no_cache: RemovableHandle | None = None
 
     def apply(self, target: TransformTarget) -> None:
         self._recomputed = WrappedForwards(target.leaf_modules(), recomputed)
-        self._no_cache = no_cache_while_training(target.model)
 
     def remove(self) -> None:
-        if self._no_cache is not None:
-            self._no_cache.remove()
         if self._recomputed is not None:
             self._recomputed.remove()
 
@@ -87,20 +76,6 @@ def recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
-
-
-def no_cache_while_training(root: nn.Module) -> RemovableHandle | None:
-    """``use_cache=False`` in ``root``'s forwards while it trains with gradients on, unless the
-    caller passes ``use_cache``; None for a forward without that argument."""
-    if "use_cache" not in inspect.signature(root.forward).parameters:
-        return None
-
-    def without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if "use_cache" in kwargs or not (module.training and torch.is_grad_enabled()):
-            return None
-        return args, {**kwargs, "use_cache": False}
-
-    return root.register_forward_pre_hook(without_cache, with_kwargs=True)
 
 
 def compiled(options: dict[str, Any]) -> Wrapper:
