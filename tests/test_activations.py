@@ -133,18 +133,27 @@ def test_estimate_prints_a_decoders_activations_with_and_without_recompute(tmp_p
     assert "give the sequence length, --seq-len S" in capsys.readouterr().err
 
 
-def test_recompute_turns_the_models_cache_off_in_training_until_removed():
-    from zero_engine.comm import Mesh
-    from zero_engine.sharding.transforms.seam import ModuleTransforms, TransformTarget
-    from zero_engine.sharding.transforms.unit_forwards import Recompute
+def test_training_forwards_build_no_cache_until_removed():
+    """A Hugging Face model's training forward gets use_cache=False (with or without
+    recompute_units, through a PEFT wrapper too): no cache is built, and Hugging Face keeps
+    packed documents apart (``tests/test_sequence_packing.py``); evaluation keeps its cache."""
+    from peft import LoraConfig, get_peft_model
 
-    model = _llama()
-    ids = torch.randint(0, SHAPE.vocab, (1, 8))
-    forwards = ModuleTransforms(TransformTarget(model, lambda: list(model.model.layers), Mesh()))
-    forwards.add(Recompute())
-    assert model(input_ids=ids).past_key_values is None
-    assert model(input_ids=ids, use_cache=True).past_key_values is not None  # the caller's word holds
-    with torch.no_grad():
-        assert model(input_ids=ids).past_key_values is not None  # generation keeps its cache
-    forwards.remove()
-    assert model(input_ids=ids).past_key_values is not None
+    from zero_engine.comm import Mesh
+    from zero_engine.sharding.transforms.no_cache import NoCacheInTraining
+    from zero_engine.sharding.transforms.seam import ModuleTransforms, TransformTarget
+
+    for model in (_llama(), get_peft_model(_llama(), LoraConfig(r=2, target_modules=["q_proj"]))):
+        ids = torch.randint(0, SHAPE.vocab, (1, 8))
+        assert model(input_ids=ids).past_key_values is not None  # the model's own default
+        forwards = ModuleTransforms(TransformTarget(model, lambda: [], Mesh()))
+        forwards.add(NoCacheInTraining())
+        assert model(input_ids=ids).past_key_values is None
+        assert model(input_ids=ids, use_cache=True).past_key_values is not None  # the caller's word holds
+        with torch.no_grad():
+            assert model(input_ids=ids).past_key_values is not None  # generation keeps its cache
+        forwards.remove()
+        assert model(input_ids=ids).past_key_values is not None
+    engine = zero_engine.initialize(_llama(), engine_config(0, micro=1, lr=1e-3))  # the engine adds it, unasked
+    assert engine(input_ids=ids).past_key_values is None
+    engine.close()
