@@ -29,7 +29,7 @@ ENGINE_MEMBERS = [
     "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "full_state_dict",
     "gathered", "named_full_parameters", "save_pretrained", "memory_report", "comm_report", "save_checkpoint",
     "load_checkpoint", "get_lr", "get_global_grad_norm", "compile", "close",
-    "data_parallel_rank", "data_parallel_world_size", "sequence_slice", "sequence_loss",
+    "data_parallel_rank", "data_parallel_world_size", "sequence_slice", "sequence_loss", "sequence_gather",
 ]
 HEADER = """# API reference
 

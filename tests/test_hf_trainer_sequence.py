@@ -2,7 +2,8 @@
 ``SFTTrainer`` on it and Accelerate's own loop (zero_engine's `Accelerator`), with a PEFT LoRA
 model: the same config with ``sequence_parallel_size: 2`` logs the losses, gradient norms and
 rates (SFT: token accuracy, entropy and token count too) of its run with k = 1 on half the
-ranks (the same global batches), within 1e-4, and trains the same adapters. Fast: k = 2 on 2
+ranks (the same global batches), within 1e-4, trains the same adapters, and evaluates the same
+(``trainer.evaluate()``, split as training is: loss and a metric of the logits within 1e-5). Fast: k = 2 on 2
 ranks against 1 rank; slow: k = 2 on 4 ranks against 2. The three share a spawn."""
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ def _lora_llama() -> Any:
 class _Tokens:
     """Fixed random rows, labels the inputs but a prompt of 5 tokens without targets."""
 
-    def __init__(self) -> None:
+    def __init__(self, samples: int = SAMPLES, seed: int = 3) -> None:
         import torch
 
-        self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(3))
+        self.ids = torch.randint(0, VOCAB, (samples, SEQ), generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -123,13 +124,30 @@ def trainer_run(world: int, root: str, k: int) -> dict[str, Any]:
         dataloader_num_workers=0,
     )
     config = {"zero_optimization": {"stage": 3}, "sequence_parallel_size": k, "steps_per_print": 10**9}
-    trainer = ZeroEngineTrainer(model=_lora_llama(), args=args, train_dataset=_Tokens(), zero_config=config)
+    trainer = ZeroEngineTrainer(model=_lora_llama(), args=args, train_dataset=_Tokens(), zero_config=config,
+                                compute_metrics=_token_accuracy)
     trainer.train()
     logs = [{key: entry[key] for key in ("loss", "grad_norm", "learning_rate")}
             for entry in trainer.state.log_history if "loss" in entry]
     adapters = {name: value.detach().clone() for name, value in trainer.zero_engine.named_full_parameters()
                 if "lora_" in name}
-    return {"logs": logs, "adapters": adapters, "batch": trainer.zero_engine.train_batch_size()}
+    # evaluation split as training is (the default): 10 rows in batches of 4 per data-parallel rank, so
+    # the last batch is padded and cut; the metrics read the logits, gathered whole over each group
+    args.per_device_eval_batch_size = 4
+    evaluated = trainer.evaluate(_Tokens(EVAL_SAMPLES, seed=5))
+    return {"logs": logs, "adapters": adapters, "batch": trainer.zero_engine.train_batch_size(),
+            "eval": {key: evaluated[key] for key in ("eval_loss", "eval_accuracy", "eval_tokens")}}
+
+
+EVAL_SAMPLES = 10
+
+
+def _token_accuracy(prediction: Any) -> dict[str, float]:
+    """The next-token accuracy over labelled tokens, from the whole logits (and their count)."""
+    predicted = prediction.predictions[:, :-1].argmax(-1)
+    labels = prediction.label_ids[:, 1:]
+    valid = labels != -100
+    return {"accuracy": float((predicted == labels)[valid].mean()), "tokens": float(valid.sum())}
 
 
 def _compare(plain_ranks: list[dict[str, Any]], split_runs: list[dict[str, Any]]) -> None:
@@ -145,6 +163,8 @@ def _compare(plain_ranks: list[dict[str, Any]], split_runs: list[dict[str, Any]]
                 assert mine[key] == pytest.approx(theirs[key], abs=TOLERANCE), (key, mine, theirs)
         for name, value in plain["adapters"].items():
             assert (result["adapters"][name] - value).abs().max().item() <= TOLERANCE, name
+        assert plain["eval"]["eval_tokens"] == EVAL_SAMPLES * (SEQ - 5)  # every row once, none twice
+        assert result["eval"] == pytest.approx(plain["eval"], abs=1e-5), (result["eval"], plain["eval"])
     for rank, runs in enumerate(split_runs):
         plain, result = plain_ranks[rank // 2]["accelerate"], runs["accelerate"]
         assert len(plain["losses"]) == 2 * len(plain["norms"]) >= 6  # every micro-step, every boundary

@@ -351,12 +351,20 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     model = _llama()
     engine = zero_engine.initialize(model, {**base, "sequence_parallel_size": 2})
     found["routed"] = model.config._attn_implementation
-    ids = torch.randint(0, 97, (1, 8))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
     engine.eval()
-    with torch.no_grad():  # evaluation sees the whole sequence, on every rank
-        found["eval_tokens"] = str(engine(input_ids=ids).logits.shape[1])
+    with torch.no_grad():  # evaluation split as training is: the loss whole, the logits the rank's slice
+        out = engine(input_ids=ids, labels=_labels(ids))
+        found["eval"] = {"tokens": out.logits.shape[1], "loss": out.loss.item(),
+                         "logits": engine.sequence_gather(out.logits)}
+        found["generated"] = engine.module.generate(ids[:, :4], max_new_tokens=3, do_sample=False)  # whole
     engine.close()
     found["closed"] = model.config._attn_implementation  # close() puts the model's own back
+    engine = zero_engine.initialize(_llama(), {**base, "sequence_parallel_size": 2, "sequence_parallel_eval": False})
+    engine.eval()
+    with torch.no_grad():  # opted out: evaluation sees the whole sequence, on every rank
+        found["eval_whole_tokens"] = engine(input_ids=ids).logits.shape[1]
+    engine.close()
     return found
 
 
@@ -416,8 +424,25 @@ def test_what_sequence_parallelism_cannot_split_is_refused_by_name(two_ranks: li
         assert "asks for sliding windows (sliding_window = 8), but its attention calls name no" in found["window"]
         assert "has 3 attention heads, which do not split over 2 ranks" in found["heads"]
         assert "sequence_parallel_size = 3 does not divide the world size 2" in found["world"]
-        assert found["eval_tokens"] == "8"
         assert found["routed"].startswith("zero_engine_ulysses_sdpa_") and found["closed"] == "sdpa"
+        assert found["eval_whole_tokens"] == 9
+
+
+def test_evaluation_is_split_as_training_is_and_generation_stays_whole(two_ranks: list[dict[str, Any]]) -> None:
+    """Issue 82: a sequence that trains split evaluated whole (out of memory at the first
+    evaluation at k = 8). A forward without gradients is split by default: its loss is one
+    process's on every rank, its logits the rank's slice, gathered whole by
+    ``engine.sequence_gather``; ``generate`` runs whole, as one process's."""
+    model = _llama().eval()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=_labels(ids))
+        generated = model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)
+    for found in (result["refusals"] for result in two_ranks):
+        assert found["eval"]["tokens"] == 5  # 9 tokens padded to 10, 5 a rank
+        assert found["eval"]["loss"] == pytest.approx(expected.loss.item(), abs=1e-5)
+        assert (found["eval"]["logits"] - expected.logits).abs().max().item() <= 1e-5
+        assert torch.equal(found["generated"], generated)
 
 
 def activation_peaks(rank: int, world_size: int, lengths: list[int]) -> dict[tuple[int, int], int]:

@@ -14,7 +14,7 @@ import torch
 
 from .sharding.gathering.agreement import Call
 from .sharding.transforms.seam import MODEL
-from .sharding.transforms.ulysses import UlyssesAttention, sequence_slice, whole_value
+from .sharding.transforms.ulysses import UlyssesAttention, gather_slices, sequence_slice, whole_value
 
 
 class AccumulationWindow:
@@ -126,6 +126,19 @@ class WindowView:
         if ulysses is not None and ulysses.plain and torch.is_grad_enabled():
             ulysses.note_whole(tensor)
         return sequence_slice(self.comm.sequence_group, tensor, dim, pad_value)
+
+    def sequence_gather(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Under ``sequence_parallel_size: k``: a split forward's output, the rank's slice along
+        ``dim`` (a Hugging Face model's logits), gathered over the sequence group into the whole
+        micro-batch's on every rank (the split's end padding cut; a plain model's loop cuts its
+        own), without gradient: evaluation's metrics. Collective over the group. ``tensor``
+        itself at ``k`` = 1."""
+        ulysses = self._ulysses()
+        if ulysses is None:
+            return tensor
+        if ulysses.plain:
+            return gather_slices(self.comm.sequence_group, tensor.detach(), dim)
+        return ulysses.whole_sequence(tensor, dim)
 
     def sequence_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """A plain PyTorch model's loop: ``loss``, this rank's slice's share of the micro-batch's

@@ -373,7 +373,7 @@ def model_transforms(
     transforms = ModuleTransforms(target)
     transforms.add(NoCacheInTraining())  # no key/value cache in training forwards
     if target.mesh.sequence > 1:
-        transforms.add(UlyssesAttention(sequence_group, before_exchanges))
+        transforms.add(UlyssesAttention(sequence_group, before_exchanges, split_eval=settings.split_eval))
     if settings.tiled_loss_tokens:  # never the whole logits
         transforms.add(TiledLoss(settings.tiled_loss_tokens))
     if settings.tiled_mlp_tokens:  # never an MLP's intermediates for the whole sequence

@@ -18,8 +18,9 @@ from .step import StepSettings
 
 
 class TransformSettings(NamedTuple):
-    """The module transforms the config asks for besides sequence parallelism (the mesh's)."""
+    """The module transforms the config asks for besides sequence parallelism's degree (the mesh's)."""
 
+    split_eval: bool  # sequence_parallel_eval: forwards without gradients split too
     tiled_loss_tokens: int  # 0: the loss whole
     tiled_mlp_tokens: int  # 0: each MLP whole
     recompute: bool  # each unit recomputed in backward (``recompute_units``)
@@ -48,7 +49,7 @@ class EngineSettings:
         return cls(
             StepSettings(config.optimizer, config.scheduler or None, config.gradient_clipping, scaling),
             TransformSettings(
-                config.tiled_loss_tokens, config.tiled_mlp_tokens, config.zero_optimization.recompute_units
+                config.sequence_parallel_eval, config.tiled_loss_tokens, config.tiled_mlp_tokens, config.zero_optimization.recompute_units
             ),
             config.steps_per_print, config.wall_clock_breakdown, Monitors.from_config(config), config,
         )

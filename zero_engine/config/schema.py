@@ -69,6 +69,12 @@ class ZeroEngineConfig(_Section):
         "read the same micro-batches; attention exchanged over them (Hugging Face models, 'sdpa' or 'eager'). "
         "train_batch_size counts the data-parallel ranks, world size / this."
     )
+    sequence_parallel_eval: bool = Field(
+        True, description="Ours: with sequence_parallel_size above 1, evaluation and other forwards without gradients "
+        "(eval(), torch.no_grad()) are split over the sequence group as training forwards are, the loss the whole "
+        "micro-batch's on every rank, the logits the rank's slice's; generate and forwards with a cache stay whole. "
+        "false: every forward without gradients sees the sequence whole."
+    )
     tiled_loss_tokens: Count = Field(
         0, description="Ours: a Hugging Face causal language model's training loss computed this many tokens at a "
         "time, so the whole sequence's logits (vocabulary x tokens) never exist at once; 0: off. Training forwards "

@@ -153,10 +153,11 @@ def sequence_parallel_size(raw: dict[str, Any], processes: int) -> int:
 
 
 def shard_over_data_ranks(loader: Any, processes: int, rank: int, k: int, framework: str) -> Any:
-    """An Accelerate-prepared training loader (``BatchSamplerShard``: each rank its share of
-    each batch of indices) sharded over the data-parallel ranks instead of every rank, so that
-    the ``k`` ranks of a sequence group read the same batches (rank // k of world / k), as
-    Accelerate's own loader does under its parallelism config. Other loaders (iterable
+    """An Accelerate-prepared loader (``BatchSamplerShard``: each rank its share of each batch
+    of indices) sharded over the data-parallel ranks instead of every rank, so that the ``k``
+    ranks of a sequence group read the same batches (rank // k of world / k), as Accelerate's
+    own loader does under its parallelism config, and as it reads them at ``k = 1`` on world /
+    k ranks (one data-parallel rank: the last batch short, not padded). Other loaders (iterable
     datasets, dispatched batches) are refused by name."""
     if k == 1:
         return loader
@@ -169,6 +170,8 @@ def shard_over_data_ranks(loader: Any, processes: int, rank: int, k: int, framew
         )
     shard.num_processes = processes // k
     shard.process_index = rank // k
+    if shard.num_processes == 1:  # one data-parallel rank: as Accelerate's own loader of one process, no padding
+        shard.even_batches = False  # of the last batch with samples from the start
     return loader
 
 

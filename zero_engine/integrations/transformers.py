@@ -30,7 +30,9 @@ How the Trainer's loop meets the engine, through the Trainer's own overridable m
   each along the sequence. The Trainer's token count, gathered over every rank, counts each
   group's batch ``k`` times, and its loss is scaled by the world size where the engine averages
   over data-parallel ranks: both are divided by ``k``, so the logged losses are those of ``k``
-  = 1 on world / k ranks. Evaluation reads batches over every rank, sequences whole. TRL's
+  = 1 on world / k ranks. Evaluation is split too (``sequence_parallel_eval``, by default): its
+  loader sharded likewise, its metrics gathered once per group, the logits a ``compute_metrics``
+  reads gathered whole over the group. TRL's
   SFT loss, computed from the outputs' token log-probabilities (a rank's slice's), is made the
   micro-batch's; TRL's other losses (whole sequences' log-probabilities) are refused.
 
@@ -90,7 +92,9 @@ class ZeroEngineTrainer(Trainer):
             raw["optimizer"] = self._trainer_optimizer_section()
             self._decay_options = {"weight_decay": self.args.weight_decay}
         self._zero_raw = raw
-        load_config(provisional_schedule(raw))  # every other error now, not at train()
+        checked = load_config(provisional_schedule(raw))  # every other error now, not at train()
+        # evaluation split over the sequence group too (sequence_parallel_eval): its loaders and metrics follow
+        self._split_eval = self._sequence_parallel > 1 and checked.sequence_parallel_eval
         self._zero_weights = zero_weights
         self._zero_param_init_fn = zero_param_init_fn
         self.zero_engine: Engine | None = None
@@ -198,14 +202,68 @@ class ZeroEngineTrainer(Trainer):
         return shard_over_data_ranks(super().get_train_dataloader(), self.args.world_size, self.args.process_index,
                                      self._sequence_parallel, "Hugging Face's Trainer")
 
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        return self._evaluation_loader(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        return self._evaluation_loader(super().get_test_dataloader(test_dataset))
+
+    def _evaluation_loader(self, loader: Any) -> Any:
+        """Under the split, evaluation's loader too is sharded over the data-parallel ranks: the
+        ranks of a group split each batch between them."""
+        if not self._split_eval:
+            return loader
+        return shard_over_data_ranks(loader, self.args.world_size, self.args.process_index, self._sequence_parallel,
+                                     "Hugging Face's Trainer (evaluation)")
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        if self._split_eval:  # the loop resets it at its end
+            self.gather_function = self._gather_over_data_ranks
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_over_data_ranks(self, tensors: Any) -> Any:
+        """``gather_for_metrics`` over the data-parallel ranks: every rank's tensors gathered,
+        one copy kept per sequence group (its ranks evaluated the same batch), then the last
+        batch's padding cut as Accelerate cuts it (its remainder counts data-parallel ranks)."""
+        from accelerate.utils import recursively_apply
+
+        world, k = self.args.world_size, self._sequence_parallel
+        gathered = self.accelerator.gather(tensors)
+        kept = recursively_apply(lambda t: t.view(world, -1, *t.shape[1:])[::k].flatten(0, 1), gathered)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            kept = recursively_apply(lambda t: t[: state.remainder], kept)
+        return kept
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> Any:
+        """The Trainer's; under the split the logits a rank got (its slice) gathered whole over
+        its group, for metrics (only where they are asked for: the whole logits are the largest
+        tensor of a long sequence's evaluation)."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if logits is not None and self._split_eval and self._split_active():
+            engine = self._require_engine()
+            logits = tuple(engine.sequence_gather(t) for t in logits) if isinstance(logits, tuple) else \
+                engine.sequence_gather(logits)
+        return loss, logits, labels
+
+    def _split_active(self) -> bool:
+        split = [t for t in self._require_engine().transforms.of_order(MODEL) if isinstance(t, UlyssesAttention)]
+        return bool(split) and split[0].active
+
     def get_total_train_batch_size(self, args: Any) -> int:
         return super().get_total_train_batch_size(args) // self._sequence_parallel
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         counted = super()._get_num_items_in_batch(batch_samples, device)
-        if counted is not None and self._sequence_parallel > 1 and self.args.average_tokens_across_devices:
+        if counted is not None and self._groups_share_batches() and self.args.average_tokens_across_devices:
             counted = counted / self._sequence_parallel  # each group's batch was gathered k times
         return counted
+
+    def _groups_share_batches(self) -> bool:
+        """Whether the ranks of each sequence group read one batch now: in training, and in
+        evaluation when it is split too (else every rank evaluates batches of its own)."""
+        return self._sequence_parallel > 1 and (self.model.training or self._split_eval)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -213,13 +271,12 @@ class ZeroEngineTrainer(Trainer):
         tokens_before = getattr(self, "_total_train_tokens", None)  # TRL's count of the tokens trained on
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
-        if k == 1:
+        if not self._groups_share_batches():
             return result
         loss, outputs = result if return_outputs else (result, None)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss / k  # scaled by the world size where the engine averages over the data-parallel ranks
-        split = [t for t in self._require_engine().transforms.of_order(MODEL) if isinstance(t, UlyssesAttention)]
-        if self._loss_from_outputs and split and split[0].active:
+        if self._loss_from_outputs and self._split_active():
             # TRL's SFT loss, summed from the outputs' token log-probabilities: each rank's slice's
             loss = self._require_engine().sequence_loss(loss)
             if tokens_before is not None:  # TRL gathered each group's batch k times

@@ -13,11 +13,12 @@ For a Hugging Face model the transform works by config alone, at `initialize`:
 - the model's own attention implementation (``sdpa`` or ``eager``) is wrapped and registered in
   transformers' attention registry under a name of ours, which the model's config points at
   until `remove`; nothing to register before ``from_pretrained``;
-- a forward pre-hook on the model splits the micro-batch (training forwards only: ``eval()``,
-  ``no_grad`` and ``generate`` see the sequence whole): labels are shifted before the split, so
-  no token loses its target at a slice boundary, ``position_ids`` stay global, and a length that
-  ``k`` does not divide is padded at its end (padding attends to nothing before it and is
-  ignored by the loss);
+- a forward pre-hook on the model splits the micro-batch (training forwards, and evaluation's
+  too unless ``sequence_parallel_eval`` is false: a sequence that trains split must evaluate
+  split, or its first evaluation holds the whole sequence; ``generate`` and forwards with a
+  cache see it whole): labels are shifted before the split, so no token loses its target at a
+  slice boundary, ``position_ids`` stay global, and a length that ``k`` does not divide is
+  padded at its end (padding attends to nothing before it and is ignored by the loss);
 - each rank's loss is its slice's sum of token losses over the micro-batch's valid tokens
   (``num_items_in_batch``, Hugging Face's own argument), so the sequence group's gradients sum to
   the micro-batch's; a forward post-hook makes the returned loss's value the micro-batch's, as
@@ -174,6 +175,18 @@ def sequence_slice(group: GroupComm, tensor: torch.Tensor, dim: int = 1, pad_val
     return tensor.narrow(dim, group.rank * padded // k, padded // k).contiguous()
 
 
+def gather_slices(group: GroupComm, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Every rank's slice ``tensor`` of a sequence, joined along ``dim`` in group rank order
+    (the inverse of `sequence_slice`, the end padding kept); no gradient."""
+    k = group.world_size
+    if k == 1:
+        return tensor
+    flat = torch.empty(k * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    group.own_shard(flat).copy_(tensor.reshape(-1))
+    group.all_gather(flat, CollectiveKind.ALL_GATHER).wait()
+    return torch.cat(flat.view(k, *tensor.shape).unbind(0), dim=dim)
+
+
 def whole_value(group: GroupComm, loss: torch.Tensor) -> torch.Tensor:
     """``loss`` whose value is summed over the sequence group (the micro-batch's, on every rank)
     and whose gradient stays this rank's (the group's gradients are summed)."""
@@ -191,8 +204,10 @@ class UlyssesAttention:
 
     ORDER = MODEL
 
-    def __init__(self, group: GroupComm, before_exchanges: Callable[[SplitBatch], None] = lambda batch: None) -> None:
+    def __init__(self, group: GroupComm, before_exchanges: Callable[[SplitBatch], None] = lambda batch: None,
+                 split_eval: bool = True) -> None:
         self.group = group
+        self.split_eval = split_eval  # forwards without gradients split too (`sequence_parallel_eval`)
         # Called before a split forward's first exchange with what the group compares: the
         # engine's call row, agreed and read.
         self.before_exchanges = before_exchanges
@@ -321,7 +336,8 @@ class UlyssesAttention:
         self.before_exchanges(SplitBatch(*shape, int(noted.item()) if noted is not None else 0))
 
     def _split(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        self.active = self._loss_pending = module.training and torch.is_grad_enabled()
+        training = module.training and torch.is_grad_enabled()
+        self.active = self._loss_pending = training or (self.split_eval and _evaluation(args, kwargs))
         if not self.active:
             return None
         self._masks, self._windows_named = {}, False
@@ -368,6 +384,13 @@ class UlyssesAttention:
         kwargs.pop("position_ids", None)
         kwargs.update(split)
         return (), kwargs
+
+    def whole_sequence(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The last split forward's output ``tensor`` (its logits: the rank's slice along ``dim``)
+        gathered over the sequence group into the whole micro-batch's, the split's end padding
+        cut (no gradient: evaluation's metrics)."""
+        whole = gather_slices(self.group, tensor.detach(), dim)
+        return whole.narrow(dim, 0, whole.shape[dim] - self._tail)
 
     def _whole_loss(self, module: nn.Module, args: Any, output: Any) -> Any:
         """The loss's value made the micro-batch's on every rank of the group; its gradient
@@ -482,6 +505,16 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, tail: int) -> torch
     if tail:
         mask[..., -tail:].masked_fill_(~allowed[..., -tail:], float("-inf"))
     return mask
+
+
+def _evaluation(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a forward without gradients is one the split takes (``sequence_parallel_eval``):
+    token ids alone positional or by name, no cache given or asked for. ``generate``'s forwards
+    (a cache, ``use_cache=True``) and calls the split cannot read stay whole."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    if len(args) > 1 or not torch.is_tensor(ids) or ids.dim() != 2:
+        return False
+    return kwargs.get("past_key_values") is None and not kwargs.get("use_cache", False)
 
 
 class SplitBatch(NamedTuple):
