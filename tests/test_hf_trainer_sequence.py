@@ -51,7 +51,11 @@ class _Tokens:
 
 
 def trained(rank: int, world: int, root: str, k: int) -> dict[str, Any]:
-    return {"trainer": trainer_run(world, root, k), "accelerate": accelerate_run(k), "sft": sft_run(world, root, k)}
+    runs = {"trainer": trainer_run(world, root, k), "accelerate": accelerate_run(k), "sft": sft_run(world, root, k)}
+    if k > 1:  # Hugging Face's own key, as an argument and as accelerate launch's variables
+        runs["parallelism_config"] = trainer_run(world, root, k, via="argument")
+        runs["launch_variables"] = trainer_run(world, root, k, via="variables")
+    return runs
 
 
 def sft_run(world: int, root: str, k: int) -> dict[str, Any]:
@@ -109,23 +113,44 @@ def accelerate_run(k: int) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "adapters": adapters}
 
 
-def trainer_run(world: int, root: str, k: int) -> dict[str, Any]:
+def trainer_run(world: int, root: str, k: int, via: str = "key") -> dict[str, Any]:
+    """The Trainer at ``sequence_parallel_size: k``, asked for by the config's key, or (``via``) by
+    Hugging Face's own ``TrainingArguments(parallelism_config=...)`` or the variables ``accelerate
+    launch`` sets for its ``parallelism_config_sp_*`` keys, the config then without the key."""
+    import os
+
     import torch
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
     from transformers import TrainingArguments
 
     from zero_engine.integrations.transformers import ZeroEngineTrainer
 
     torch.set_num_threads(1)
     data_ranks = world // k
+    launch = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": str(k),
+              "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed", "PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "sdpa"}
+    if via == "variables":
+        os.environ.update(launch)
+    parallelism = None
+    if via == "argument":
+        parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=k, sp_handler=DeepSpeedSequenceParallelConfig(
+            sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
     args = TrainingArguments(
-        output_dir=f"{root}/k{k}", per_device_train_batch_size=2, gradient_accumulation_steps=2 // data_ranks,
+        output_dir=f"{root}/k{k}{via}", per_device_train_batch_size=2, gradient_accumulation_steps=2 // data_ranks,
         learning_rate=3e-3, max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1, num_train_epochs=1,
         logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, parallelism_config=parallelism,
     )
-    config = {"zero_optimization": {"stage": 3}, "sequence_parallel_size": k, "steps_per_print": 10**9}
-    trainer = ZeroEngineTrainer(model=_lora_llama(), args=args, train_dataset=_Tokens(), zero_config=config,
-                                compute_metrics=_token_accuracy)
+    config = {"zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    if via == "key":
+        config["sequence_parallel_size"] = k
+    try:
+        trainer = ZeroEngineTrainer(model=_lora_llama(), args=args, train_dataset=_Tokens(), zero_config=config,
+                                    compute_metrics=_token_accuracy)
+    finally:
+        for name in launch if via == "variables" else ():
+            del os.environ[name]
     trainer.train()
     logs = [{key: entry[key] for key in ("loss", "grad_norm", "learning_rate")}
             for entry in trainer.state.log_history if "loss" in entry]
@@ -151,6 +176,8 @@ def _token_accuracy(prediction: Any) -> dict[str, float]:
 
 
 def _compare(plain_ranks: list[dict[str, Any]], split_runs: list[dict[str, Any]]) -> None:
+    import torch
+
     """Rank r of the split run against rank r // 2 of the plain one (the Trainer logs means over
     ranks; an Accelerate loop's losses are its rank's)."""
     plain, split = plain_ranks[0]["trainer"], [runs["trainer"] for runs in split_runs]
@@ -178,6 +205,13 @@ def _compare(plain_ranks: list[dict[str, Any]], split_runs: list[dict[str, Any]]
         assert len(runs["sft"]["logs"]) == len(plain["logs"])
         for mine, theirs in zip(runs["sft"]["logs"], plain["logs"]):
             assert mine == pytest.approx(theirs, abs=TOLERANCE), (mine, theirs)
+    for runs in split_runs:  # Hugging Face's own key trains as the config's key, to the bit
+        for via in ("parallelism_config", "launch_variables"):
+            assert runs[via]["logs"] == runs["trainer"]["logs"], via
+            assert runs[via]["eval"] == runs["trainer"]["eval"], via
+            assert runs[via]["batch"] == runs["trainer"]["batch"], via
+            for name, value in runs["trainer"]["adapters"].items():
+                assert torch.equal(runs[via]["adapters"][name], value), (via, name)
     if len(plain_ranks) > 1:  # data-parallel ranks read different batches: the comparison above tells them apart
         assert plain_ranks[1]["accelerate"]["losses"] != plain_ranks[0]["accelerate"]["losses"]
 
@@ -194,3 +228,41 @@ def test_the_trainer_at_k2_on_4_ranks_logs_what_it_logs_at_k1_on_2(tmp_path: Pat
     split = run_on_ranks(4, trained, str(tmp_path), 2, allow_numpy=True, backend=None, timeout=600)
     assert plain[0]["trainer"]["logs"] == plain[1]["trainer"]["logs"]
     _compare(plain, split)
+
+
+def test_hugging_faces_parallelism_config_is_read_as_the_configs_keys() -> None:
+    """``ParallelismConfig``'s fields as the engine's keys, and what cannot be honoured refused by
+    name, each naming the fields (no process needed)."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    from zero_engine import ConfigError
+    from zero_engine.integrations.parallelism_config import merge_parallelism
+
+    def merged(raw: dict[str, Any], processes: int = 4, **fields: Any) -> dict[str, Any]:
+        return merge_parallelism(raw, ParallelismConfig(**fields), processes, "TrainingArguments")
+
+    assert merged({}, sp_size=2, sp_backend="deepspeed")["sequence_parallel_size"] == 2
+    assert merged({"sequence_parallel_size": 2}, sp_size=2, sp_backend="deepspeed")["sequence_parallel_size"] == 2
+    with pytest.raises(ConfigError, match="sequence_parallel_size = 4 in the config and sp_size = 2 in "
+                                          "TrainingArguments's ParallelismConfig"):
+        merged({"sequence_parallel_size": 4}, sp_size=2, sp_backend="deepspeed")
+    # HSDP: 2 replicas of shard groups of dp_shard x sp ranks
+    hybrid = merged({"zero_optimization": {"stage": 3}}, 8, dp_replicate_size=2, dp_shard_size=2, sp_size=2,
+                    sp_backend="deepspeed")
+    assert hybrid["zero_optimization"] == {"stage": 3, "shard_group_size": 4} and hybrid["sequence_parallel_size"] == 2
+    with pytest.raises(ConfigError, match="zero_optimization.shard_group_size = 2 in the config and dp_shard_size 2 x "
+                                          "sp_size 2 = 4"):
+        merged({"zero_optimization": {"shard_group_size": 2}}, 8, dp_replicate_size=2, dp_shard_size=2, sp_size=2,
+               sp_backend="deepspeed")
+    with pytest.raises(ConfigError, match=r"dp_replicate_size 2 x dp_shard_size 2 x sp_size 1 = 4 ranks, but 8"):
+        merged({}, 8, dp_replicate_size=2, dp_shard_size=2)
+    with pytest.raises(NotImplementedError, match="cp_size = 2: context parallelism .ring attention. is not built"):
+        merged({}, cp_size=2)
+    with pytest.raises(NotImplementedError, match="tp_size = 2: tensor parallelism is not built"):
+        merged({}, tp_size=2)
+    with pytest.raises(NotImplementedError, match="sp_attn_implementation = 'flash_attention_2'"):
+        merged({}, sp_size=2, sp_backend="deepspeed",
+               sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="flash_attention_2"))
+    fixed = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=False, sp_seq_length=64)
+    assert merged({}, sp_size=2, sp_backend="deepspeed", sp_handler=fixed)["sequence_parallel_size"] == 2

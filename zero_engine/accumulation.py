@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .sharding.gathering.agreement import Call
+from .sharding.gathering.agreement import Call, split_forward_facts
 from .sharding.transforms.seam import MODEL
-from .sharding.transforms.ulysses import UlyssesAttention, gather_slices, sequence_slice, whole_value
+from .sharding.transforms.ulysses import SplitBatch, UlyssesAttention, gather_slices, sequence_slice, whole_value
 
 
 class AccumulationWindow:
@@ -73,6 +73,7 @@ class WindowView:
     comm: Any  # zero_engine.comm.Comm
     transforms: Any  # zero_engine.sharding.transforms.seam.ModuleTransforms
     calls: Any  # zero_engine.sharding.gathering.calls.CallGuard or PassCallGuard
+    _split_forwards: int  # training forwards of this micro-step split over the sequence group
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window: every
@@ -153,6 +154,20 @@ class WindowView:
         if ulysses is not None and ulysses.loop_sums_loss:
             self.calls.agree_at_once(Call.SEQUENCE_LOSS, self.window.micro_steps)
         return whole_value(self.comm.sequence_group, loss)
+
+    def _agree_on_split_forward(self, batch: SplitBatch) -> None:
+        """sequence_parallel_size: a split forward (training's, or evaluation's) exchanges over
+        its sequence group, so each one sends a row of its own, read before its first exchange
+        (at every stage): which split forward of the micro-step it is, and, compared within the sequence group, the
+        micro-batch's shape and fingerprint. A collective call on some ranks only, an extra
+        forward on one rank, or a group given different micro-batches then makes every rank
+        raise `DivergedRanksError` at once, instead of one rank waiting in an exchange until
+        the timeout (or the exchange joining halves of different sequences). The backward that
+        follows sends its row before its first exchange too (`Engine._begin_backward`)."""
+        self._split_forwards += 1
+        leader = self.comm.rank - self.comm.rank % self.comm.mesh.sequence
+        facts = split_forward_facts(self._split_forwards, leader, batch.batch, batch.tokens, batch.fingerprint)
+        self.calls.agree_at_once(Call.SPLIT_FORWARD, self.window.micro_steps, facts)
 
     def _ulysses(self) -> UlyssesAttention | None:
         return next((t for t in self.transforms.of_order(MODEL) if isinstance(t, UlyssesAttention)), None)

@@ -34,7 +34,7 @@ from .sharding.building.deferred_init import DeferredInit
 from .sharding.storage.nvme import shard_swap_space, swap_space
 from .sharding.units.lifecycle import Lifecycle
 from .sharding.units.unit_plan import UnitPlan
-from .sharding.gathering.agreement import Call, split_forward_facts
+from .sharding.gathering.agreement import Call
 from .stage import Stage
 from .sharding.transforms.seam import COMPILE, ModuleTransforms, TransformTarget
 from .sharding.transforms.no_cache import NoCacheInTraining
@@ -108,7 +108,7 @@ class Engine(ModelAccess, StepView, WindowView):
         self.guards = LoopGuards(model)  # what the loop may not do (requires_grad as built, among others)
         self.transforms = model_transforms(  # compiled later (compile()); close() puts it all back
             TransformTarget(model, plan.modules.leaf_modules, comm.mesh), comm.sequence_group,
-            self._agree_before_exchanges, settings.transforms,
+            self._agree_on_split_forward, settings.transforms,
         )
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
         if self.units:
@@ -273,20 +273,6 @@ class Engine(ModelAccess, StepView, WindowView):
         if not self._train_row_sent:
             self._train_row_sent = True
             self._agree_on_call(Call.TRAIN)
-
-    def _agree_before_exchanges(self, batch: SplitBatch) -> None:
-        """sequence_parallel_size: a training forward exchanges over its sequence group, so
-        each one sends a row of its own, read before its first exchange (at every stage): which
-        split forward of the micro-step it is, and, compared within the sequence group, the
-        micro-batch's shape and fingerprint. A collective call on some ranks only, an extra
-        forward on one rank, or a group given different micro-batches then makes every rank
-        raise `DivergedRanksError` at once, instead of one rank waiting in an exchange until
-        the timeout (or the exchange joining halves of different sequences). The backward that
-        follows sends its row before its first exchange too (`_begin_backward`)."""
-        self._split_forwards += 1
-        leader = self.comm.rank - self.comm.rank % self.comm.mesh.sequence
-        facts = split_forward_facts(self._split_forwards, leader, batch.batch, batch.tokens, batch.fingerprint)
-        self.calls.agree_at_once(Call.SPLIT_FORWARD, self.window.micro_steps, facts)
 
     def _agree_on_call(self, call: Call) -> None:
         self.calls.agree(call, self.window.micro_steps)

@@ -53,6 +53,7 @@ from ..config import read_config_mapping
 from .config_filling import AUTO, Authority, Rule, fill, rebind, rebuilt_optimizer, sequence_parallel_size
 from .config_filling import shard_over_data_ranks
 from .engine_model import EngineModel, SteppedByEngine
+from .parallelism_config import accelerate_without_parallelism, merge_parallelism, parallelism_from, set_attention
 
 __all__ = ["Accelerator"]
 
@@ -87,8 +88,13 @@ class Accelerator(accelerate.Accelerator):
                 )
         # `accelerate launch --use_deepspeed` asks Accelerate to run DeepSpeed; the engine runs instead.
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
-        super().__init__(*args, **kwargs)
+        # Hugging Face's own key for Ulysses: read as the config's keys, kept from Accelerate
+        # (`zero_engine.integrations.parallelism_config`)
+        self._parallelism = parallelism_from(kwargs.pop("parallelism_config", None))
+        with accelerate_without_parallelism():
+            super().__init__(*args, **kwargs)
         self._zero_raw, self._zero_origin = read_config_mapping(zero_config)
+        self._zero_raw = merge_parallelism(self._zero_raw, self._parallelism, self.num_processes, "the Accelerator")
         self._sequence_parallel = sequence_parallel_size(self._zero_raw, self.num_processes)
         self._zero_weights, self._zero_param_init_fn = zero_weights, zero_param_init_fn
         self.zero_engine: Engine | None = None
@@ -132,6 +138,7 @@ class Accelerator(accelerate.Accelerator):
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _build_engine(self, model: nn.Module, optimizer: Any, scheduler: Any, loader: DataLoader | None) -> None:
+        set_attention(model, self._parallelism)
         raw = fill(self._zero_raw, self._rules(loader), self._zero_origin, ACCELERATE)
         if raw.get("gradient_clipping") == AUTO:  # else refused in the Trainer's terms, which do not apply here
             raise ConfigError(

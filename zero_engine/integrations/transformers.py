@@ -24,17 +24,11 @@ How the Trainer's loop meets the engine, through the Trainer's own overridable m
   the engine is built.
 - ``save_model`` gathers the full state onto rank 0 (`Engine.full_state_dict`) and saves it with
   ``save_pretrained``; evaluation and prediction run through the engine at every stage.
-- ``sequence_parallel_size: k``: the ranks of a sequence group (``k`` consecutive ranks) read the
-  same training batches (the prepared loader shards over the data-parallel ranks, rank // k of
-  world / k, as Accelerate's own loader does for its parallelism config), and the engine splits
-  each along the sequence. The Trainer's token count, gathered over every rank, counts each
-  group's batch ``k`` times, and its loss is scaled by the world size where the engine averages
-  over data-parallel ranks: both are divided by ``k``, so the logged losses are those of ``k``
-  = 1 on world / k ranks. Evaluation is split too (``sequence_parallel_eval``, by default): its
-  loader sharded likewise, its metrics gathered once per group, the logits a ``compute_metrics``
-  reads gathered whole over the group. TRL's
-  SFT loss, computed from the outputs' token log-probabilities (a rank's slice's), is made the
-  micro-batch's; TRL's other losses (whole sequences' log-probabilities) are refused.
+- ``sequence_parallel_size: k`` (or Hugging Face's own ``parallelism_config``, read as the key:
+  `zero_engine.integrations.parallelism_config`): the ranks of a sequence group read the same
+  batches and the engine splits each along the sequence; what the Trainer's loop does
+  differently then is `zero_engine.integrations.sequence_trainer.SequenceGroupsTrainer`'s.
+  TRL's losses other than SFT's (whole sequences' log-probabilities) are refused.
 
 A model too large for one rank is built on the meta device and materialized by the engine
 (``zero_weights=`` a Hugging Face directory or safetensors file, ``zero_param_init_fn=`` for
@@ -54,16 +48,16 @@ from transformers import Trainer
 from .. import Engine, initialize, load_config
 from ..config import optimizer_class, optimizer_options, read_config_mapping
 from ..state.adapters import adapter_names, is_peft_model
-from ..sharding.transforms.seam import MODEL
-from ..sharding.transforms.ulysses import UlyssesAttention
-from .config_filling import optimizer_section, refuse_sequence_parallel, sequence_parallel_size, shard_over_data_ranks
+from .config_filling import optimizer_section, refuse_sequence_parallel, sequence_parallel_size
 from .engine_model import EngineModel, SteppedByEngine
+from .parallelism_config import accelerate_without_parallelism, merge_parallelism, parallelism_from, set_attention
+from .sequence_trainer import SequenceGroupsTrainer
 from .training_arguments import fill_from_arguments, fill_schedule, provisional_schedule
 
 __all__ = ["ZeroEngineTrainer"]
 
 
-class ZeroEngineTrainer(Trainer):
+class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
     """A `transformers.Trainer` that trains with zero_engine.
 
     ``zero_config``: the DeepSpeed / zero_engine config (a path or a dict), ``"auto"`` allowed
@@ -81,9 +75,23 @@ class ZeroEngineTrainer(Trainer):
         zero_param_init_fn: Callable[[nn.Module], None] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        # Hugging Face's own key for Ulysses (`parallelism_config`): read as the config's keys, kept
+        # from Accelerate, which refuses it outside DeepSpeed and FSDP2 (`integrations.parallelism_config`)
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        given = getattr(training_args, "parallelism_config", None)
+        parallelism = parallelism_from(given)
+        if given is not None:
+            training_args.parallelism_config = None
+        try:
+            with accelerate_without_parallelism():
+                super().__init__(*args, **kwargs)
+        finally:
+            if given is not None:
+                training_args.parallelism_config = given
         self._refuse_unsupported_arguments()
         raw, self._zero_origin = read_config_mapping(zero_config)
+        raw = merge_parallelism(raw, parallelism, self.args.world_size, "TrainingArguments")
+        set_attention(self.model, parallelism)
         self._loss_from_outputs = self._refuse_sequence_parallel_losses(raw)
         self._sequence_parallel = sequence_parallel_size(raw, self.args.world_size)
         raw = fill_from_arguments(raw, self.args, self.args.world_size // self._sequence_parallel, self._zero_origin)
@@ -195,94 +203,6 @@ class ZeroEngineTrainer(Trainer):
             return self.create_scheduler(max_steps, optimizer=optimizer)
 
         return build
-
-    # -- sequence parallelism: a group's ranks read the same batches ---------------------------------
-
-    def get_train_dataloader(self) -> Any:
-        return shard_over_data_ranks(super().get_train_dataloader(), self.args.world_size, self.args.process_index,
-                                     self._sequence_parallel, "Hugging Face's Trainer")
-
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        return self._evaluation_loader(super().get_eval_dataloader(eval_dataset))
-
-    def get_test_dataloader(self, test_dataset: Any) -> Any:
-        return self._evaluation_loader(super().get_test_dataloader(test_dataset))
-
-    def _evaluation_loader(self, loader: Any) -> Any:
-        """Under the split, evaluation's loader too is sharded over the data-parallel ranks: the
-        ranks of a group split each batch between them."""
-        if not self._split_eval:
-            return loader
-        return shard_over_data_ranks(loader, self.args.world_size, self.args.process_index, self._sequence_parallel,
-                                     "Hugging Face's Trainer (evaluation)")
-
-    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        if self._split_eval:  # the loop resets it at its end
-            self.gather_function = self._gather_over_data_ranks
-        return super().evaluation_loop(*args, **kwargs)
-
-    def _gather_over_data_ranks(self, tensors: Any) -> Any:
-        """``gather_for_metrics`` over the data-parallel ranks: every rank's tensors gathered,
-        one copy kept per sequence group (its ranks evaluated the same batch), then the last
-        batch's padding cut as Accelerate cuts it (its remainder counts data-parallel ranks)."""
-        from accelerate.utils import recursively_apply
-
-        world, k = self.args.world_size, self._sequence_parallel
-        gathered = self.accelerator.gather(tensors)
-        kept = recursively_apply(lambda t: t.view(world, -1, *t.shape[1:])[::k].flatten(0, 1), gathered)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            kept = recursively_apply(lambda t: t[: state.remainder], kept)
-        return kept
-
-    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None) -> Any:
-        """The Trainer's; under the split the logits a rank got (its slice) gathered whole over
-        its group, for metrics (only where they are asked for: the whole logits are the largest
-        tensor of a long sequence's evaluation)."""
-        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        if logits is not None and self._split_eval and self._split_active():
-            engine = self._require_engine()
-            logits = tuple(engine.sequence_gather(t) for t in logits) if isinstance(logits, tuple) else \
-                engine.sequence_gather(logits)
-        return loss, logits, labels
-
-    def _split_active(self) -> bool:
-        split = [t for t in self._require_engine().transforms.of_order(MODEL) if isinstance(t, UlyssesAttention)]
-        return bool(split) and split[0].active
-
-    def get_total_train_batch_size(self, args: Any) -> int:
-        return super().get_total_train_batch_size(args) // self._sequence_parallel
-
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
-        counted = super()._get_num_items_in_batch(batch_samples, device)
-        if counted is not None and self._groups_share_batches() and self.args.average_tokens_across_devices:
-            counted = counted / self._sequence_parallel  # each group's batch was gathered k times
-        return counted
-
-    def _groups_share_batches(self) -> bool:
-        """Whether the ranks of each sequence group read one batch now: in training, and in
-        evaluation when it is split too (else every rank evaluates batches of its own)."""
-        return self._sequence_parallel > 1 and (self.model.training or self._split_eval)
-
-    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: Any = None) -> Any:
-        k = self._sequence_parallel
-        tokens_before = getattr(self, "_total_train_tokens", None)  # TRL's count of the tokens trained on
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch)
-        if not self._groups_share_batches():
-            return result
-        loss, outputs = result if return_outputs else (result, None)
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss / k  # scaled by the world size where the engine averages over the data-parallel ranks
-        if self._loss_from_outputs and self._split_active():
-            # TRL's SFT loss, summed from the outputs' token log-probabilities: each rank's slice's
-            loss = self._require_engine().sequence_loss(loss)
-            if tokens_before is not None:  # TRL gathered each group's batch k times
-                self._total_train_tokens = tokens_before + (self._total_train_tokens - tokens_before) // k
-                self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
-        return (loss, outputs) if return_outputs else loss
 
     # -- the training step -----------------------------------------------------------------------
 
