@@ -2,6 +2,7 @@
 and the longest sequence that fits a fixed budget against k and against tiling.
 
     torchrun --nproc_per_node=4 scripts/sequence_memory.py --lengths 2048 8192
+    torchrun --nproc_per_node=4 scripts/sequence_memory.py --resident --hidden 256 --layers 4 --vocab 2048 --lengths 2048
     torchrun --nproc_per_node=4 scripts/sequence_memory.py --budget-mb 64 --svg docs/figures/longest_sequence.svg
 
 A small Hugging Face Llama (needs ``transformers``: the ``hf`` extra), stage 0, one sequence a
@@ -9,7 +10,11 @@ micro-batch, the same global sequence at every k; at each k the world is k-rank 
 (4/k of them). The figure is the most bytes torch's CPU allocator held at once during a
 forward and backward, after two warm-up steps (the profiler's memory records, the model states
 allocated before: `zero_engine.testing.process_memory.step_allocations`), on each rank, and its
-ratio to k = 1. Prints a markdown table on rank 0.
+ratio to k = 1. Prints a markdown table on rank 0. With ``--resident``, the figure is instead
+the growth of the process's resident high-water mark over a training step (forward, backward,
+optimizer step; after two warm-up steps, the least of three), as the process holds it, every
+large allocation its own mapping (`zero_engine.testing.process_memory.map_large_allocations`) so
+that what is freed leaves the resident set.
 
 With ``--budget-mb B`` it finds instead, for k = 1, 2, 4, untiled and with the loss and the MLPs
 in tiles (``tiled_loss_tokens``, ``tiled_mlp_tokens``), all with ``recompute_units``, the
@@ -27,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import zero_engine
-from zero_engine.testing.process_memory import step_allocations
+from zero_engine.testing.process_memory import map_large_allocations, step_allocations, step_resident_growth
 
 
 def llama(hidden: int, layers: int, heads: int, vocab: int, length: int) -> torch.nn.Module:
@@ -53,8 +58,11 @@ def main() -> None:
     parser.add_argument("--grain", type=int, default=256, help="tokens between the lengths tried")
     parser.add_argument("--tiles", type=int, default=256, help="tokens per tile when tiled")
     parser.add_argument("--svg", default=None, help="draw the longest sequences here")
+    parser.add_argument("--resident", action="store_true", help="resident high-water growth, not allocator peaks")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.resident:
+        map_large_allocations(65536)
     dist.init_process_group("gloo")
     if args.budget_mb is not None:
         longest_within_budget(args)
@@ -73,15 +81,18 @@ def main() -> None:
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
             }
             engine = zero_engine.initialize(llama(args.hidden, args.layers, args.heads, args.vocab, length), config)
-            mine = torch.tensor([step_allocations(engine, ids)[1]], dtype=torch.int64)
+            measure = step_resident_growth if args.resident else lambda e, i: step_allocations(e, i)[1]
+            mine = torch.tensor([measure(engine, ids)], dtype=torch.int64)
             engine.close()
             every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
             dist.all_gather(every, mine)
             peaks[k] = [int(t.item()) for t in every]
         rows.append((length, peaks))
     if rank == 0:
+        what = ("the resident high-water growth of one rank over a training step, MB" if args.resident else
+                "the most MB one rank's allocator held in a forward and backward")
         print(f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocabulary {args.vocab}, "
-              f"stage 0, {world} ranks (gloo, CPU); the most MB one rank's allocator held in a forward and backward")
+              f"stage 0, {world} ranks (gloo, CPU); {what}")
         print()
         print("| global tokens | k = 1 | k = 2 (max over ranks) | ratio | k = 4 (max over ranks) | ratio |")
         print("|---|---|---|---|---|---|")

@@ -162,3 +162,30 @@ def test_packed_documents_train_as_the_documents_run_separately_slow(world: int)
     per_rank = run_on_ranks(world, packed_training, SLOW_GRIDS[world], allow_numpy=True, timeout=600)
     for index, case in enumerate(SLOW_GRIDS[world]):
         _check(case, [result[index] for result in per_rank])
+
+
+def largest_allocation(rank: int, world_size: int, attention: str) -> int:
+    """The largest single allocation of a split training step on one packed row of 2048 tokens
+    (16 documents of 128), no padding."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    config = {**engine_config(0, micro=1, lr=1e-3), "sequence_parallel_size": world_size}
+    engine = zero_engine.initialize(_llama(attention, heads=12), config)
+    ids = torch.randint(0, 97, (1, 2048), generator=torch.Generator().manual_seed(2))
+    positions = (torch.arange(2048) % 128)[None]
+    engine.backward(engine(input_ids=ids, position_ids=positions, labels=ids).loss)
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        engine.backward(engine(input_ids=ids, position_ids=positions, labels=ids).loss)
+    engine.close()
+    return max(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_packed_row_makes_no_mask_of_its_whole_length(attention: str) -> None:
+    """Packed without padding, each document attends alone: no allocation of tokens x tokens
+    (the whole row's packed mask, 2048 x 2048, 4 MiB in bool, 16 MiB in eager's fp32) in the
+    step; the largest is a document's own or a weight's gradient."""
+    largest = max(run_on_ranks(2, largest_allocation, attention, allow_numpy=True, timeout=300))
+    assert largest < 2048 * 2048, largest

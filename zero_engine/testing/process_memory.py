@@ -173,3 +173,22 @@ def step_allocations(engine: Any, ids: torch.Tensor) -> tuple[int, int]:
         del out
 
     return allocated_during(forward_backward, "forward done")
+
+
+def step_resident_growth(engine: Any, ids: torch.Tensor, steps: int = 3) -> int:
+    """How far a training step (forward, backward, optimizer step) of a causal language model on
+    ``ids`` raises the process's resident high-water mark above the resident set it starts
+    from, after two warm-up steps: the least of ``steps`` steps (a reading can only be raised by
+    noise). Meaningful where freed large tensors leave the resident set (`map_large_allocations`)."""
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    growth = []
+    for _ in range(steps):
+        gc.collect()
+        start = resident_bytes()
+        reset_peak_resident()
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        growth.append(peak_resident_bytes() - start)
+    return min(growth)

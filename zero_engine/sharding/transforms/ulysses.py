@@ -30,7 +30,8 @@ Padded keys are masked over the whole sequence; a left pad, which has no key lef
 empty row one process gives it (its output is read: the last pad predicts the first real
 token). Packed documents (``position_ids`` restarting) keep their own positions and attend
 within their document alone, as Hugging Face's packed-sequence mask keeps them apart in one
-process: each document trains as if run alone. Sliding windows (Mistral, and the sliding
+process: each document trains as if run alone; without padding each document's attention is
+its own call, with no mask of tokens x tokens (a packed 128K-token row's would be 16 GiB). Sliding windows (Mistral, and the sliding
 layers of Qwen2/3 and Gemma) are the whole sequence's too: a layer whose attention call names
 its ``sliding_window`` gets the causal band of that width over the whole sequence, as the model's own mask builds it in one process (a key
 ``j`` visible to query ``i`` when ``i - window < j <= i``). A model whose config asks for windows
@@ -218,6 +219,7 @@ class UlyssesAttention:
         self._loss_pending = False  # the split forward's loss is still to be made the micro-batch's
         self._mask: torch.Tensor | None = None  # the split micro-batch's whole attention mask, if not causal alone
         self._tail = 0  # the pads the split added at the sequence's end (to a multiple of k)
+        self._documents: list[list[int]] | None = None  # packed, unpadded: each row's document bounds
         self._windows_expected = False  # the config asks for sliding windows (`uses_sliding_windows`)
         self._windows_named = False  # some attention call of the split forward named its sliding_window
         # The split micro-batch's masks by (window, additive dtype), as the attention calls take them
@@ -288,13 +290,49 @@ class UlyssesAttention:
             query, key, value, repeated = whole_sequence_heads(self.group, query, key, value)
             if repeated:
                 module = _FewerKeyValueGroups(module)
-            # the whole sequence's mask, not the slice's: None where causal alone says it (sdpa)
-            mask = self._attention_mask(kwargs.get("sliding_window"), query, additive=causal_mask)
-            output, _ = inner(module, query, key, value, mask, *args, **kwargs)
+            if self._documents is not None:  # packed, unpadded: each document attends alone, no mask of its size
+                output = self._by_document(inner, module, query, key, value, causal_mask, args, kwargs)
+            else:  # the whole sequence's mask, not the slice's: None where causal alone says it (sdpa)
+                mask = self._attention_mask(kwargs.get("sliding_window"), query, additive=causal_mask)
+                output, _ = inner(module, query, key, value, mask, *args, **kwargs)
             # (batch, tokens, heads/k, dim) -> (batch, tokens/k, heads, dim)
             return all_to_all(self.group, output, 1, 2), None
 
         return attention
+
+    def _by_document(self, inner: Any, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     additive: bool, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+        """Packed documents without padding: the inner attention called on each document of each
+        row alone (causal within it, or its band of a sliding window), its output ``(batch,
+        tokens, heads, dim)`` joined. The same as the whole sequence's packed mask, with no mask
+        of tokens x tokens (a 128K-token packed row's would be 16 GiB): each call's is its
+        document's, causal alone none at all under ``sdpa``."""
+        assert self._documents is not None
+        window = kwargs.get("sliding_window")
+        self._windows_named |= window is not None
+        rows = []
+        for row, bounds in enumerate(self._documents):
+            pieces = []
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                mask = self._document_mask(end - start, window, query, additive)
+                part = (slice(row, row + 1), slice(None), slice(start, end))
+                output, _ = inner(module, query[part], key[part], value[part], mask, *args, **kwargs)
+                pieces.append(output)
+            rows.append(torch.cat(pieces, dim=1))
+        return torch.cat(rows, dim=0)
+
+    def _document_mask(self, length: int, window: int | None, query: torch.Tensor,
+                       additive: bool) -> torch.Tensor | None:
+        """One document's mask as the inner attention takes it (None: causal alone, ``sdpa``),
+        made once per split forward, length and kind."""
+        key = (-length, window, query.dtype if additive else None)  # negative: apart from the whole's keys
+        if key not in self._masks:
+            mask = within_window(None, length, window, query.device) if window is not None else None
+            if additive:
+                causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+                mask = additive_mask(mask if mask is not None else causal, query.dtype, 0)
+            self._masks[key] = mask
+        return self._masks[key]
 
     def _attention_mask(self, window: int | None, query: torch.Tensor, additive: bool) -> torch.Tensor | None:
         """The split micro-batch's whole-sequence mask for an attention call naming ``window``
@@ -362,10 +400,12 @@ class UlyssesAttention:
         whole = [input_ids, kwargs.get("labels"), attention_mask, given_positions]
         facts = read_batch(whole, attention_mask, positions)
         self.before_exchanges(SplitBatch(batch, length, facts.fingerprint))  # before anything of the split
-        self._mask = whole_sequence_mask(attention_mask, positions, padded, facts) if facts.masked else None
         self._tail = padded - length
         tail = torch.arange(1, padded - length + 1, device=positions.device)  # positions of the padding k needs
         positions = torch.cat([positions, positions[:, -1:] + tail], dim=1)
+        # packed without padding: each document alone (no mask); else the whole sequence's mask, if any
+        self._documents = document_bounds(positions) if facts.packed and not facts.padded else None
+        self._mask = whole_sequence_mask(attention_mask, positions, padded, facts) if facts.padded else None
         ids = nn.functional.pad(input_ids, (0, padded - length))
         labels = kwargs.pop("labels", None)
         piece = slice(rank * padded // k, (rank + 1) * padded // k)
@@ -574,6 +614,18 @@ def read_batch(whole: list[torch.Tensor | None], attention_mask: torch.Tensor | 
     return BatchFacts(mark, bool(packed), bool(padding))
 
 
+def document_bounds(positions: torch.Tensor) -> list[list[int]]:
+    """Each row's document boundaries, ``[0, start of the 2nd, ..., tokens]``: a document starts
+    where ``position_ids`` step by other than +1 (Hugging Face's rule for packed sequences). One
+    host read."""
+    starts = torch.nonzero(positions[:, 1:] - positions[:, :-1] != 1).tolist()
+    tokens = positions.shape[1]
+    bounds: list[list[int]] = [[0] for _ in range(positions.shape[0])]
+    for row, before in starts:
+        bounds[row].append(before + 1)
+    return [row + [tokens] for row in bounds]
+
+
 def whole_sequence_mask(attention_mask: torch.Tensor | None, positions: torch.Tensor, padded: int,
                         facts: BatchFacts) -> torch.Tensor:
     """Which keys each query of the whole (padded) sequence may attend to, ``(batch, 1, padded,
@@ -581,8 +633,8 @@ def whole_sequence_mask(attention_mask: torch.Tensor | None, positions: torch.Te
     ``masking_utils``): causal; not at a padded key (``attention_mask`` zeros); and, when
     ``position_ids`` restart (packed documents: a step other than +1 starts a document), within
     the query's own document, so that each document attends as if run alone. Made only where
-    `read_batch` found padding or a restart (``facts``): causal alone needs no mask of tokens x
-    tokens.
+    `read_batch` found padding (``facts``): causal alone needs no mask of tokens x tokens, and
+    packed rows without padding attend document by document (`UlyssesAttention._by_document`).
 
     A query with no key left (a left pad) keeps an empty row, as in one process: ``sdpa`` gives
     it zeros, ``eager`` the mean of every value (its additive mask is the same everywhere). Its
