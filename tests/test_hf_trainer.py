@@ -150,6 +150,9 @@ def trainer_runs(rank: int, world_size: int, root: str, cases: list[tuple[str, A
         results[name]["eval_loss"] = trainer.evaluate()["eval_loss"]
         if not kind.startswith("ddp"):
             results[name]["logits"] = _engine_logits(trainer, evaluation)
+            zero = trainer.zero_engine.config.zero_optimization
+            results[name]["recompute"] = (zero.recompute_units, zero.recompute_offload,
+                                          trainer.model.is_gradient_checkpointing)
             trainer.zero_engine.close()
     trainer = ZeroEngineTrainer(model=_model(), args=_arguments(str(Path(root) / "from-ddp")), train_dataset=train,
                                 zero_config=auto_config(2))
@@ -180,6 +183,11 @@ CASES = [
     ("meta-3", ("zero-meta", auto_config(3), None)),
     ("bf16-3", ("zero", auto_config(3), None, {"bf16": True})),
     ("deepspeed-schedule-2", ("zero", auto_config(2, deepspeed_schedule=True), None)),
+    # Hugging Face's offloaded activation checkpointing: the engine's recompute_offload instead
+    ("recompute-3", ("zero", {**auto_config(3), "zero_optimization": {
+        **auto_config(3)["zero_optimization"], "recompute_units": True}}, None)),
+    ("hf-offload-3", ("zero", auto_config(3), None, {"gradient_checkpointing": True,
+                                                     "gradient_checkpointing_kwargs": {"offload": True}})),
     ("ddp-peft", ("ddp-peft", None, None)),
     ("peft-3", ("zero-peft", auto_config(3), None)),
 ]
@@ -338,3 +346,14 @@ def test_what_the_engine_cannot_honour_is_refused_when_the_trainer_is_built(tmp_
     trainer = _build(tmp_path)  # the Trainer's AdamW, as a config section
     assert trainer._zero_raw["optimizer"]["type"] == "AdamW"
     assert trainer._zero_raw["optimizer"]["params"]["lr"] == 3e-3
+
+
+def test_hugging_faces_offloaded_checkpointing_is_the_engines(runs: dict) -> None:
+    """``gradient_checkpointing_kwargs={"offload": True}``: each unit recomputed with its input in
+    host memory (``recompute_units`` and ``recompute_offload``), the model's own checkpointing
+    left off; it trains as ``recompute_units`` does (the offload's values are bit for bit: here,
+    on the host already, nothing moves; tests/test_recompute.py moves them)."""
+    rank0 = runs["rank0"]
+    assert rank0["hf-offload-3"]["recompute"] == (True, True, False)
+    assert rank0["recompute-3"]["recompute"] == (True, False, False)
+    assert rank0["hf-offload-3"]["logs"] == rank0["recompute-3"]["logs"]

@@ -365,7 +365,7 @@ def model_transforms(
     if settings.tiled_mlp_tokens:  # never an MLP's intermediates for the whole sequence
         transforms.add(TiledMLP(settings.tiled_mlp_tokens))
     if settings.recompute:
-        transforms.add(Recompute())
+        transforms.add(Recompute(offload=settings.recompute_offload))
     return transforms
 
 

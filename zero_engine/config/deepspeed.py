@@ -34,7 +34,8 @@ DEEPSPEED_SECTIONS: dict[str, str] = {
     "comms_config": "DeepSpeed's communication backend options; collectives here go through torch.distributed "
     "(comm.* keys)",
     "activation_checkpointing": "it configures deepspeed.checkpointing, which a model calls itself; "
-    "zero_optimization.recompute_units recomputes each unit instead (or use torch.utils.checkpoint in the model)",
+    "zero_optimization.recompute_units recomputes each unit instead (or use torch.utils.checkpoint in the model), "
+    "and with it cpu_checkpointing = true keeps each unit's input in host memory (recompute_offload)",
     "aio": "NVMe offload here reads and writes with os.preadv/os.pwrite on one I/O thread per rank, not libaio",
     "compile": "the engine does not compile from the config; apply torch.compile to the model's blocks",
     "data_types": "gradients accumulate in the dtype each stage keeps them in; it is not configurable",

@@ -229,6 +229,11 @@ class ZeroEngineConfig(_Section):
                     f"zero_optimization.{key}.device = {section.device!r} needs zero_optimization.stage 1-3 "
                     "(stage 0 replicates every state on every rank; offloading starts from a shard)"
                 )
+        if zero.recompute_offload and not zero.recompute_units:
+            raise ValueError(
+                "zero_optimization.recompute_offload = true needs zero_optimization.recompute_units = true: it "
+                "offloads what each recomputed unit keeps"
+            )
         if zero.mics_shard_size == 0:
             raise ValueError("zero_optimization.mics_shard_size = 0: use -1 (unset) or a number of ranks per group")
         if zero.shard_group_size is not None and zero.mics_shard_size not in (-1, zero.shard_group_size):

@@ -312,6 +312,13 @@ class ZeroOptimizationConfig(_Section):
         "non-reentrant checkpoint around each unit module: stage 3's units, the same modules at stages 0-2; units "
         "holding other units are left whole). At stage 3 the backward's gather serves the recomputation."
     )
+    recompute_offload: bool = Field(
+        False, description="Ours, with recompute_units: each recomputed unit's input (what the checkpoint keeps "
+        "for its recomputation: its hidden states) kept in host memory, pinned, and brought back ahead of its "
+        "recomputation (a side stream on CUDA), so the device keeps no activation between forward and backward. "
+        "DeepSpeed's activation_checkpointing.cpu_checkpointing and Hugging Face's gradient_checkpointing_kwargs "
+        "{'offload': true} ask for the same."
+    )
     stage3_wrap_modules: list[str] | None = Field(
         None,
         description="Stage 3: class names whose modules become units (e.g. [Block]); unset: the classes a Hugging "

@@ -92,6 +92,7 @@ class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
         raw, self._zero_origin = read_config_mapping(zero_config)
         raw = merge_parallelism(raw, parallelism, self.args.world_size, "TrainingArguments")
         set_attention(self.model, parallelism)
+        raw = self._offloaded_checkpointing(raw)
         self._loss_from_outputs = self._refuse_sequence_parallel_losses(raw)
         self._sequence_parallel = sequence_parallel_size(raw, self.args.world_size)
         raw = fill_from_arguments(raw, self.args, self.args.world_size // self._sequence_parallel, self._zero_origin)
@@ -122,6 +123,22 @@ class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
             refuse_sequence_parallel(raw, trl[0].__name__, "its loss takes whole sequences' log-probabilities, or "
                                      "reads the logits, and a rank holds a slice of each sequence")
         return True
+
+    def _offloaded_checkpointing(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """``gradient_checkpointing=True`` with ``gradient_checkpointing_kwargs={"offload": True}``:
+        the engine's own, ``recompute_units`` with ``recompute_offload`` (each unit's input in
+        pinned host memory, brought back ahead of its recomputation, where Hugging Face's
+        ``save_on_cpu`` copies each back when reached), and the model's own checkpointing left
+        off (it would recompute inside the recomputation). A config saying ``recompute_units:
+        false`` keeps Hugging Face's."""
+        args = self.args
+        wanted = args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("offload")
+        zero = dict(raw.get("zero_optimization") or {})
+        if not wanted or zero.get("recompute_units") is False:
+            return raw
+        zero.update(recompute_units=True, recompute_offload=True)
+        args.activation_checkpointing = args.gradient_checkpointing = False
+        return {**raw, "zero_optimization": zero}
 
     def _refuse_unsupported_arguments(self) -> None:
         args = self.args

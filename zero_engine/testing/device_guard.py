@@ -90,6 +90,7 @@ class DeviceGuard:
         self._function_mode = _FunctionMode(self)
         self._dispatch_mode = _DispatchMode(self)
         self._real_wait = offload.wait_for_host_copies
+        self._moving = 0  # inside a tensor method's move (`_FunctionMode._move_device_tensor`)
 
     def adopt(self, *owners: nn.Module | torch.Tensor) -> None:
         """The tensors of these modules (or these tensors) stand for tensors on the GPU."""
@@ -188,7 +189,11 @@ class _FunctionMode(TorchFunctionMode):
             device, dtype, *_ = torch._C._nn._parse_to(*args[1:], **options)
         if device is None or device == GUARDED_DEVICE:  # stays on the device: as on a GPU, no copy
             return func(*args, **kwargs) if dtype is not None else tensor
-        moved = func(*args, **kwargs)  # a real copy is seen (and recorded) by the dispatch mode
+        self.guard._moving += 1
+        try:
+            moved = func(*args, **kwargs)  # a real copy is seen (and recorded) by the dispatch mode
+        finally:
+            self.guard._moving -= 1
         if moved is tensor or moved.untyped_storage() is tensor.untyped_storage():
             moved = tensor.clone()  # torch skipped it as a no-op on the CPU; on a GPU it copies
             self.guard._record_sync(f"Tensor.{func.__name__} to the host")
@@ -243,7 +248,10 @@ class _DispatchMode(TorchDispatchMode):
         if device is not None:
             on_device = torch.device(device) == GUARDED_DEVICE
             if func is aten._to_copy.default and from_device and not on_device:
-                self.guard._record_sync("copy to the host")
+                if self.guard._moving:  # a tensor method's move to the host (`_FunctionMode`)
+                    self.guard._record_sync("copy to the host")
+                else:  # autograd's cast of a gradient back to its tensor's options (bf16 under .float())
+                    on_device = True  # names the real device, plain cpu: on a GPU it stays there
         else:
             on_device = from_device
         input_storages = [tensor.untyped_storage() for tensor in inputs]

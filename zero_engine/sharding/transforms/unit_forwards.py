@@ -20,28 +20,42 @@ keep the sharding hooks outside the graph).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.hooks import RemovableHandle
 
+from .offloaded_inputs import OffloadedInputs
 from .seam import COMPILE, RECOMPUTE, TransformTarget, WrappedForwards, Wrapper
 
 
 class Recompute:
-    """``recompute_units``: each leaf unit module's forward under torch's non-reentrant checkpoint."""
+    """``recompute_units``: each leaf unit module's forward under torch's non-reentrant checkpoint;
+    with ``offload`` (``recompute_offload``), what each checkpoint keeps in host memory
+    (`zero_engine.sharding.transforms.offloaded_inputs`)."""
 
     ORDER = RECOMPUTE
 
-    def __init__(self) -> None:
+    def __init__(self, offload: bool = False) -> None:
+        self.offloaded = OffloadedInputs() if offload else None
         self._recomputed: WrappedForwards | None = None
+        self._new_forward: RemovableHandle | None = None
 
     def apply(self, target: TransformTarget) -> None:
-        self._recomputed = WrappedForwards(target.leaf_modules(), recomputed)
+        offloaded = self.offloaded
+        self._recomputed = WrappedForwards(target.leaf_modules(), lambda forward: recomputed(forward, offloaded))
+        if offloaded is not None:
+            self._new_forward = target.model.register_forward_pre_hook(
+                lambda module, args: offloaded.new_forward() if torch.is_grad_enabled() else None
+            )
 
     def remove(self) -> None:
+        if self._new_forward is not None:
+            self._new_forward.remove()
         if self._recomputed is not None:
             self._recomputed.remove()
 
@@ -69,11 +83,12 @@ class Compile:
             self._compiled.remove()
 
 
-def recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def recomputed(forward: Callable[..., Any], offloaded: OffloadedInputs | None = None) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing to recompute
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        with offloaded.hooks() if offloaded is not None else contextlib.nullcontext():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
 
