@@ -14,7 +14,7 @@ import torch
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
-from test_tiled_loss import LENGTH, MICRO, batch, llama
+from test_tiled_loss import LENGTH, MICRO, VOCAB, batch, llama
 
 STEPS = 4  # optimizer steps of 2 micro-steps each; the issue's bound, 2e-5, on the parameters after them
 
@@ -30,11 +30,16 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, 
         config["sequence_parallel_size"] = k = case.get("k", 1)
         if case.get("mlp_unit"):  # each MLP a unit of its own: gathered around its tiles, not per tile
             config["zero_optimization"]["stage3_wrap_modules"] = ["LlamaDecoderLayer", "LlamaMLP"]
-        engine = zero_engine.initialize(llama(), config)
+        engine = zero_engine.initialize(qwen3_moe() if case.get("moe") else llama(), config)
         length = case.get("lengths", (LENGTH, LENGTH))[rank]
+        routed: list[int] = []  # a mixture of experts' router calls in the first forward: one per tile
+        gates = [module.register_forward_hook(lambda *_: routed.append(1))
+                 for name, module in engine.module.named_modules() if name.endswith("mlp.gate")]
         losses = []
         for step in range(2 * STEPS):
             out = engine(**batch(step, rank // k, length))  # a sequence group reads the same micro-batches
+            for gate in gates if step == 0 else []:
+                gate.remove()
             losses.append(out.loss.item())
             engine.backward(out.loss)
             engine.step()
@@ -43,7 +48,7 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, 
             evaluated = engine(**batch(99, rank // k)).logits
         engine.train()
         results.append({"losses": losses, "norm": engine.get_global_grad_norm(), "state": engine.full_state_dict(),
-                        "eval": evaluated})
+                        "eval": evaluated, "routed": len(routed)})
         engine.close()
     return results
 
@@ -55,7 +60,24 @@ CASES = [  # pairs: untiled, then tiled (a micro-batch is 128 tokens: 6 tiles of
     # 6 tiles on one rank, 4 on the other (80 tokens): no collective depends on the number
     {"stage": 3, "tiles": 0, "lengths": (64, 40), "mlp_unit": True},
     {"stage": 3, "tiles": 24, "lengths": (64, 40), "mlp_unit": True},
+    # a mixture of experts' block tiled (Qwen3-MoE, its load-balancing loss on), with the split too
+    {"stage": 0, "tiles": 0, "moe": True}, {"stage": 0, "tiles": 24, "moe": True},
+    {"stage": 3, "tiles": 0, "moe": True, "k": 2, "recompute": True},
+    {"stage": 3, "tiles": 16, "moe": True, "k": 2, "recompute": True},
 ]
+
+
+def qwen3_moe() -> Any:
+    """A tiny Qwen3-MoE (4 experts, 2 a token), its router's load-balancing loss in the loss."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=VOCAB,
+        max_position_embeddings=256, output_router_logits=True, router_aux_loss_coef=0.05,
+        attn_implementation="sdpa",
+    ))
 
 
 def test_tiled_mlps_give_the_untiled_loss_gradients_and_parameters() -> None:
@@ -67,6 +89,9 @@ def test_tiled_mlps_give_the_untiled_loss_gradients_and_parameters() -> None:
             for name, value in plain["state"].items():
                 assert (tiled["state"][name] - value).abs().max().item() <= 2e-5, (rank, case, name)
             assert (tiled["eval"] - plain["eval"]).abs().max().item() <= 2e-5  # evaluation as the model is
+            if case.get("moe"):  # each layer's block routed a tile at a time: 128 tokens a rank (64 split)
+                tokens = 2 * LENGTH // case.get("k", 1)
+                assert plain["routed"] == 2 and tiled["routed"] == 2 * -(-tokens // case["tiles"]), (case, tiled)
 
 
 def test_tiled_mlps_are_the_modules_named_mlp_until_close() -> None:
@@ -83,7 +108,7 @@ def test_tiled_mlps_are_the_modules_named_mlp_until_close() -> None:
     assert not any("forward" in vars(module) for module in model.modules())
 
 
-def test_a_model_without_an_mlp_or_with_experts_is_refused_by_name() -> None:
+def test_a_model_without_an_mlp_or_with_a_block_that_returns_more_is_refused_by_name() -> None:
     from torch import nn
 
     config = engine_config(0, micro=1, lr=1e-3)
@@ -91,11 +116,24 @@ def test_a_model_without_an_mlp_or_with_experts_is_refused_by_name() -> None:
     with pytest.raises(NotImplementedError, match="tiled_mlp_tokens: Sequential has no module named 'mlp'"):
         zero_engine.initialize(nn.Sequential(nn.Linear(4, 4)), config)
 
+    class Routed(nn.Module):  # a block returning its router's logits beside its hidden states
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList([nn.Linear(4, 4)])
+
+        def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.experts[0](hidden), hidden.sum(-1)
+
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.mlp = nn.Module()
-            self.mlp.experts = nn.ModuleList([nn.Linear(4, 4)])
+            self.mlp = Routed()
 
-    with pytest.raises(NotImplementedError, match=r"tiled_mlp_tokens: mlp \(Module\) is a mixture of experts' block"):
-        zero_engine.initialize(Block(), config)
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            return self.mlp(hidden)[0]
+
+    engine = zero_engine.initialize(Block(), config)
+    with pytest.raises(NotImplementedError, match=r"tiled_mlp_tokens: Routed \(a mixture of experts' block\) "
+                                                  r"returns tuple, not its hidden states alone"):
+        engine(torch.randn(1, 20, 4, requires_grad=True))
+    engine.close()

@@ -19,8 +19,16 @@ outputs are joined. Nothing else changes:
   depends on that number: nothing to agree, nothing to hang on);
 - evaluation (``eval()`` with ``no_grad``, ``generate``) runs the MLPs as they are.
 
-Refused at `initialize`, naming it: a model with no module named ``mlp``, and a mixture of
-experts' block named so (its router's outputs are recorded per call).
+A mixture of experts' block named so (a module with an ``experts`` module: Hugging Face's
+Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek blocks) is tiled too, each tile given to it as one row of
+``(1, tokens, hidden)``: its experts' intermediates, the largest activations of a long MoE
+sequence, exist for one tile. Its router picks each token's experts from that token alone (top-k
+per token), so a tile routes its tokens as the whole sequence does; the router's outputs that
+Hugging Face records for the load-balancing loss (``output_router_logits``) are recorded per
+call, a layer's tiles one after another, which its loss concatenates as it concatenates the
+layers. A block that returns more than its hidden states raises at its first tiled call.
+
+Refused at `initialize`, naming it: a model with no module named ``mlp``.
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ class TiledMLP:
             self._forwards = None
 
     def _tiled(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        module = getattr(forward, "__self__", None)
+        experts = isinstance(getattr(module, "experts", None), nn.Module)  # a block that takes (batch, tokens, hidden)
+        run = (lambda tile: _one_row(forward, tile, module)) if experts else forward
+
         def tiled(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled() or args or kwargs:  # evaluation, or an MLP with more inputs
                 return forward(hidden, *args, **kwargs)
@@ -62,7 +74,7 @@ class TiledMLP:
             if tokens.shape[0] <= self.tokens:
                 return forward(hidden)
             # One split (its backward joins the tiles' input gradients at once), one join.
-            pieces = [checkpoint(forward, tile, use_reentrant=False) for tile in tokens.split(self.tokens)]
+            pieces = [checkpoint(run, tile, use_reentrant=False) for tile in tokens.split(self.tokens)]
             output = torch.cat(pieces)
             return output.view(*hidden.shape[:-1], output.shape[-1])
 
@@ -78,10 +90,17 @@ def mlp_modules(model: nn.Module) -> list[nn.Module]:
             f"tiled_mlp_tokens: {type(model).__name__} has no module named '{MLP_NAME}' (Hugging Face's name for a "
             "decoder layer's MLP); name your model's MLP modules so to tile them"
         )
-    for name, module in found:
-        if hasattr(module, "experts"):
-            raise NotImplementedError(
-                f"tiled_mlp_tokens: {name} ({type(module).__name__}) is a mixture of experts' block: its router's "
-                "outputs are recorded per call, so it is not tiled; leave tiled_mlp_tokens at 0 for this model"
-            )
     return [module for _, module in found]
+
+
+def _one_row(forward: Callable[..., Any], tile: torch.Tensor, module: Any) -> torch.Tensor:
+    """A mixture of experts' block on one tile of tokens, as the one row of a batch it takes
+    (``(batch, tokens, hidden)``, Hugging Face's blocks), its output back to tokens x hidden."""
+    output = forward(tile[None])
+    if not torch.is_tensor(output):
+        raise NotImplementedError(
+            f"tiled_mlp_tokens: {type(module).__name__} (a mixture of experts' block) returns "
+            f"{type(output).__name__}, not its hidden states alone, so its tiles cannot be joined; leave "
+            "tiled_mlp_tokens at 0 for this model"
+        )
+    return output.reshape(tile.shape[0], -1)
