@@ -30,6 +30,7 @@ ENGINE_MEMBERS = [
     "gathered", "named_full_parameters", "save_pretrained", "memory_report", "comm_report", "save_checkpoint",
     "load_checkpoint", "get_lr", "get_global_grad_norm", "compile", "close",
     "data_parallel_rank", "data_parallel_world_size", "sequence_slice", "sequence_loss", "sequence_gather",
+    "sequence_log_probs",
 ]
 HEADER = """# API reference
 

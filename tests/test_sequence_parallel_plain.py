@@ -88,13 +88,24 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
         for rank_ids in step:
             for ids in rank_ids:
                 logits = model(ids, _positions(ids))
-                loss = F.cross_entropy(logits.flatten(0, 1), _targets(ids).flatten(), ignore_index=-100)
+                if case.get("pairs"):  # a preference loss of whole sequences: row 0 preferred to row 1
+                    targets = _targets(ids)
+                    token = torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+                    loss = _preference(((targets != -100) * token).sum(1))
+                else:
+                    loss = F.cross_entropy(logits.flatten(0, 1), _targets(ids).flatten(), ignore_index=-100)
                 (loss / (ACCUM * data_ranks)).backward()
                 step_losses.append(loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(step_losses)
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _preference(log_probs: torch.Tensor) -> torch.Tensor:
+    """DPO's sigmoid loss without a reference: row 0 preferred to row 1 (each a sequence's summed
+    log-probability), a nonlinearity of whole sequences that a slice's sum cannot give."""
+    return -F.logsigmoid(0.5 * (log_probs[0] - log_probs[1]))
 
 
 def train(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -112,8 +123,11 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, 
                 targets = _targets(ids)
                 mine = engine.sequence_slice(targets, pad_value=-100)
                 logits = engine(engine.sequence_slice(ids), engine.sequence_slice(_positions(ids)))
-                summed = F.cross_entropy(logits.flatten(0, 1), mine.flatten(), ignore_index=-100, reduction="sum")
-                loss = engine.sequence_loss(summed / (targets != -100).sum())
+                if case.get("pairs"):  # each sequence's log-probability, whole on every rank of the group
+                    loss = _preference(engine.sequence_log_probs(logits, mine))
+                else:
+                    summed = F.cross_entropy(logits.flatten(0, 1), mine.flatten(), ignore_index=-100, reduction="sum")
+                    loss = engine.sequence_loss(summed / (targets != -100).sum())
                 engine.backward(loss)
                 engine.step()
                 step_losses.append(loss.item())
@@ -148,7 +162,9 @@ def refusals() -> dict[str, str]:
 
 
 GRIDS = {  # a length k does not divide; key/value heads fewer than k (k = 3: repeated; the slow run)
-    2: [{"world": 2, "k": 2, "stage": 0, "length": 15}, {"world": 2, "k": 2, "stage": 3, "length": 16}],
+    2: [{"world": 2, "k": 2, "stage": 0, "length": 15}, {"world": 2, "k": 2, "stage": 3, "length": 16},
+        # each sequence's log-probability through a nonlinearity (engine.sequence_log_probs)
+        {"world": 2, "k": 2, "stage": 3, "length": 15, "pairs": True}],
     3: [{"world": 3, "k": 3, "stage": 3, "length": 17}],
 }
 

@@ -183,9 +183,17 @@ def test_saved_adapters_are_peft_layout_and_load_with_from_pretrained(trl_runs: 
         assert torch.equal(state[name], value), name
 
 
-def test_sequence_parallelism_through_dpo_is_refused_by_name(tmp_path: Path) -> None:
-    """DPO's loss takes each sequence's whole log-probability through a sigmoid: summed from
-    slices after it, it would be another loss. Refused when the trainer is built (SFT's, a sum of
-    token losses, trains: tests/test_hf_trainer_sequence.py)."""
-    with pytest.raises(NotImplementedError, match="sequence_parallel_size = 2 through DPOTrainer"):
-        trainer("dpo", True, str(tmp_path), {"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2})
+def test_sequence_parallelism_with_a_loss_read_from_the_logits_is_refused_by_name(tmp_path: Path) -> None:
+    """Under the split, TRL's losses from its fused head's per-token outputs train (SFT's and
+    DPO's: tests/test_hf_trainer_sequence.py); a loss read from the logits (label smoothing, a
+    ``compute_loss_func``), of which a rank holds a slice, is refused when the trainer is built."""
+    from trl import SFTConfig, SFTTrainer
+
+    from zero_engine.integrations.transformers import ZeroEngineTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False, max_length=16,
+                     label_smoothing_factor=0.1)
+    zero = type("ZeroSFTTrainer", (ZeroEngineTrainer, SFTTrainer), {})
+    with pytest.raises(NotImplementedError, match="sequence_parallel_size = 2 through SFTTrainer .*reads the logits"):
+        zero(model=base_model(), args=args, train_dataset=datasets("sft"), processing_class=tokenizer(),
+             peft_config=lora(), zero_config={"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2})

@@ -14,7 +14,9 @@ import torch
 
 from .sharding.gathering.agreement import Call, split_forward_facts
 from .sharding.transforms.seam import MODEL
-from .sharding.transforms.ulysses import SplitBatch, UlyssesAttention, gather_slices, sequence_slice, whole_value
+from .sharding.transforms.ulysses import (
+    SplitBatch, UlyssesAttention, gather_slices, sequence_log_probs, sequence_slice, whole_value,
+)
 
 
 class AccumulationWindow:
@@ -140,6 +142,19 @@ class WindowView:
         if ulysses.plain:
             return gather_slices(self.comm.sequence_group, tensor.detach(), dim)
         return ulysses.whole_sequence(tensor, dim)
+
+    def sequence_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Under ``sequence_parallel_size: k``: each sequence's summed log-probability of its
+        targets, ``(batch,)``, the whole micro-batch's on every rank of the group, from this
+        rank's slice of the logits (a split forward's) and of the targets (shifted before the
+        split, sliced by `sequence_slice` with ``pad_value=-100``); its gradient is this rank's
+        slice's, so a preference or RL loss of whole sequences (DPO's sigmoid of their
+        differences) trains as in one process. Collective over the group (a sum); at ``k`` = 1
+        the sums of the tensors given."""
+        ulysses = self._ulysses()
+        if ulysses is not None and ulysses.loop_sums_loss:  # collective: a rank that skips it meets this row
+            self.calls.agree_at_once(Call.SEQUENCE_LOG_PROBS, self.window.micro_steps)
+        return sequence_log_probs(self.comm.sequence_group, logits, targets)
 
     def sequence_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """A plain PyTorch model's loop: ``loss``, this rank's slice's share of the micro-batch's

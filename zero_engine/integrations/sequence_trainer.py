@@ -14,8 +14,8 @@ its own overridable methods:
   world / k ranks; the batch size it reports counts data-parallel ranks;
 - evaluation's metrics gathered over the data-parallel ranks once per group (its ranks evaluated
   one batch), and the logits a ``compute_metrics`` reads gathered whole over the group;
-- TRL's SFT loss, computed from the outputs' token log-probabilities (a rank's slice's), made
-  the micro-batch's, and TRL's token count kept once per group.
+- TRL's token count kept once per group (its losses, from the fused LM head's per-token outputs,
+  are whole already: the split gathers those outputs over the group).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class SequenceGroupsTrainer:
 
     _sequence_parallel: int  # k, 1 without the split
     _split_eval: bool  # evaluation split over the group too
-    _loss_from_outputs: bool  # the loss is TRL's SFT loss, summed from the outputs
+    _loss_from_outputs: bool  # the trainer is TRL's (its loss from the fused head's per-token outputs)
     args: Any
     accelerator: Any
     model: nn.Module
@@ -120,10 +120,9 @@ class SequenceGroupsTrainer:
         loss, outputs = result if return_outputs else (result, None)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss / k  # scaled by the world size where the engine averages over the data-parallel ranks
-        if self._loss_from_outputs and self._split_active():
-            # TRL's SFT loss, summed from the outputs' token log-probabilities: each rank's slice's
-            loss = self._require_engine().sequence_loss(loss)
-            if tokens_before is not None:  # TRL gathered each group's batch k times
-                self._total_train_tokens = tokens_before + (self._total_train_tokens - tokens_before) // k
-                self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        # TRL's losses come from the fused head's per-token outputs, gathered whole by the split
+        if self._loss_from_outputs and tokens_before is not None and self.model.training:
+            # TRL gathered each group's batch k times
+            self._total_train_tokens = tokens_before + (self._total_train_tokens - tokens_before) // k
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return (loss, outputs) if return_outputs else loss

@@ -111,17 +111,23 @@ class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
         self._step_lr: float | None = None  # the rate the last optimizer step used
 
     def _refuse_sequence_parallel_losses(self, raw: dict[str, Any]) -> bool:
-        """Whether the loss is TRL's SFT loss, a sum of token losses computed from the outputs (a
-        rank's slice's at ``sequence_parallel_size`` above 1, made the micro-batch's in
-        `compute_loss`). TRL's other trainers (a sequence's log-probability inside a nonlinear
-        loss: DPO's, GRPO's) and losses read from the logits are refused then."""
+        """Whether the trainer is TRL's. Under the split, TRL's losses computed from its fused LM
+        head's per-token outputs (SFT's sum of token losses, DPO's sigmoid of sequences' summed
+        log-probabilities) train as in one process: the split gathers those outputs whole over the
+        group (`zero_engine.sharding.transforms.ulysses`). Refused at ``sequence_parallel_size``
+        above 1: losses read from the logits (``compute_loss_func``, label smoothing), a rank
+        holding a slice of them, and TRL's other trainers (GRPO's and RLOO's completions are
+        generated on each rank, so the ranks of a group would be given different sequences)."""
         trl = [cls for cls in type(self).__mro__ if cls.__module__.startswith("trl.")]
         if not trl:
             return False
-        reads_logits = self.compute_loss_func is not None or self.args.label_smoothing_factor
-        if "SFTTrainer" not in {cls.__name__ for cls in trl} or reads_logits:  # refused at k > 1 only
-            refuse_sequence_parallel(raw, trl[0].__name__, "its loss takes whole sequences' log-probabilities, or "
-                                     "reads the logits, and a rank holds a slice of each sequence")
+        if self.compute_loss_func is not None or self.args.label_smoothing_factor:
+            refuse_sequence_parallel(raw, trl[0].__name__, "its loss reads the logits (compute_loss_func or label "
+                                     "smoothing), and a rank holds a slice of each sequence's")
+        if not {"SFTTrainer", "DPOTrainer"} & {cls.__name__ for cls in trl}:
+            refuse_sequence_parallel(raw, trl[0].__name__, "its batches are made on each rank (GRPO's and RLOO's "
+                                     "completions are generated there), and the ranks of a sequence group must "
+                                     "split the same sequences; SFTTrainer and DPOTrainer train split")
         return True
 
     def _offloaded_checkpointing(self, raw: dict[str, Any]) -> dict[str, Any]:

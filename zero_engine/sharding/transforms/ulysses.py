@@ -176,6 +176,45 @@ def sequence_slice(group: GroupComm, tensor: torch.Tensor, dim: int = 1, pad_val
     return tensor.narrow(dim, group.rank * padded // k, padded // k).contiguous()
 
 
+# A fused LM head's per-token outputs (TRL's `FusedCausalLMOutput`), gathered whole after a split forward.
+PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+
+
+class _GatherSlices(torch.autograd.Function):
+    """Every rank's slice joined along dim 1 (`gather_slices`); backward: this rank's slice of
+    the gradient. Each rank computes the same loss from the whole, so its own slice's part is
+    the gradient of its slice, and the group's gradients sum to the whole's."""
+
+    @staticmethod
+    def forward(ctx: Any, group: GroupComm, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.tokens = group, tensor.shape[1]
+        return gather_slices(group, tensor, 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        start = ctx.group.rank * ctx.tokens
+        return None, grad[:, start : start + ctx.tokens].contiguous()
+
+
+def gather_slices_with_gradient(group: GroupComm, tensor: torch.Tensor) -> torch.Tensor:
+    """`gather_slices` along dim 1 through autograd where ``tensor`` needs a gradient."""
+    if group.world_size == 1:
+        return tensor
+    if tensor.requires_grad:
+        return _GatherSlices.apply(group, tensor)
+    return gather_slices(group, tensor, 1)
+
+
+def sequence_log_probs(group: GroupComm, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each sequence's summed log-probability of its targets, ``(batch,)``, from a rank's slice
+    of the logits ``(batch, tokens / k, vocab)`` and of the targets (shifted before the split,
+    -100 where none): the slice's sum, summed over the group; on every rank the whole
+    sequence's value, the gradient of this rank's slice's (the group's gradients sum)."""
+    valid = targets != IGNORE_INDEX
+    token = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return whole_value(group, (token * valid).sum(dim=1))
+
+
 def gather_slices(group: GroupComm, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """Every rank's slice ``tensor`` of a sequence, joined along ``dim`` in group rank order
     (the inverse of `sequence_slice`, the end padding kept); no gradient."""
@@ -189,8 +228,9 @@ def gather_slices(group: GroupComm, tensor: torch.Tensor, dim: int = 1) -> torch
 
 
 def whole_value(group: GroupComm, loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` whose value is summed over the sequence group (the micro-batch's, on every rank)
-    and whose gradient stays this rank's (the group's gradients are summed)."""
+    """``loss`` (a scalar, or a tensor of the same shape on every rank) whose value is summed
+    over the sequence group (the micro-batch's, on every rank) and whose gradient stays this
+    rank's (the group's gradients are summed)."""
     if group.world_size == 1:
         return loss
     total = loss.detach().clone()
@@ -445,11 +485,25 @@ class UlyssesAttention:
                 "no sliding_window, so the exchanged attention cannot apply them: refused rather than trained as "
                 "full causal attention"
             )
+        self._whole_per_token(output)
         loss = getattr(output, "loss", None)
         if loss is None:
-            return None
+            return output
         output.loss = whole_value(self.group, loss)
         return output
+
+    def _whole_per_token(self, output: Any) -> None:
+        """A fused LM head's per-token outputs (TRL's ``fused_lm_head=True``: each next-token
+        label's log-probability, entropy, ..., instead of the logits) gathered over the group into
+        the whole micro-batch's, ``(batch, tokens - 1)`` as one process's (its labels unshifted),
+        on every rank: a preference or RL loss takes each sequence's sum of them through a
+        nonlinearity, which a slice's cannot give. The gradient of each rank's slice is its own
+        part of the whole's (`_GatherSlices`): the group's gradients sum to the micro-batch's."""
+        for name in PER_TOKEN:
+            value = getattr(output, name, None)
+            if torch.is_tensor(value) and value.dim() == 2:
+                whole = gather_slices_with_gradient(self.group, value)
+                setattr(output, name, whole[:, : whole.shape[1] - self._tail - 1])
 
 
 def check_model(model: nn.Module, k: int) -> Any:
