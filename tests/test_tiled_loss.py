@@ -67,8 +67,9 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, 
             engine.backward(out.loss)
             engine.step()
         engine.eval()
-        with torch.no_grad():
+        with torch.no_grad():  # split too at k = 2: the logits gathered whole
             evaluated = engine(**batch(99, group))
+            evaluated.logits = engine.sequence_gather(evaluated.logits)
         engine.train()
         results.append({
             "losses": losses, "norm": engine.get_global_grad_norm(), "state": engine.full_state_dict(),

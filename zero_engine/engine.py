@@ -353,9 +353,10 @@ def model_transforms(
     settings: TransformSettings,
 ) -> ModuleTransforms:
     """What the model's modules compute, changed in one order: no key/value cache in training
-    forwards (a Hugging Face model's ``use_cache``), attention exchanged over the sequence group (``sequence_parallel_size``), the loss and the MLPs in tiles
-    (``tiled_loss_tokens``, ``tiled_mlp_tokens``), each unit recomputed in backward
-    (``recompute_units``)."""
+    forwards (a Hugging Face model's ``use_cache``), attention exchanged over the sequence group
+    (``sequence_parallel_size``), the loss and the MLPs in tiles (``tiled_loss_tokens``,
+    ``tiled_mlp_tokens``), each unit recomputed in backward (``recompute_units``, its input kept
+    on the host with ``recompute_offload``)."""
     transforms = ModuleTransforms(target)
     transforms.add(NoCacheInTraining())  # no key/value cache in training forwards
     if target.mesh.sequence > 1:

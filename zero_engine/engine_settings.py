@@ -42,7 +42,7 @@ class EngineSettings:
     def derive(cls, config: ZeroEngineConfig) -> EngineSettings:
         """From the resolved config; a monitor switched on without its package fails here
         (`Monitors.from_config`), on every rank."""
-        fp16, zero = config.fp16, config.zero_optimization
+        fp16, zero, checkpointing = config.fp16, config.zero_optimization, config.activation_checkpointing or {}
         scaling = LossScaling(
             fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis, fp16.min_loss_scale,
             fp16.consecutive_hysteresis,
@@ -51,14 +51,8 @@ class EngineSettings:
             StepSettings(config.optimizer, config.scheduler or None, config.gradient_clipping, scaling),
             TransformSettings(
                 config.sequence_parallel_eval, config.tiled_loss_tokens, config.tiled_mlp_tokens, zero.recompute_units,
-                zero.recompute_units and (zero.recompute_offload or _cpu_checkpointing(config)),
+                # DeepSpeed's activation_checkpointing.cpu_checkpointing: with recompute_units, recompute_offload
+                zero.recompute_units and (zero.recompute_offload or bool(checkpointing.get("cpu_checkpointing"))),
             ),
             config.steps_per_print, config.wall_clock_breakdown, Monitors.from_config(config), config,
         )
-
-
-def _cpu_checkpointing(config: ZeroEngineConfig) -> bool:
-    """DeepSpeed's ``activation_checkpointing.cpu_checkpointing``: with ``recompute_units``, what
-    ``recompute_offload`` does (its checkpoints' inputs in host memory)."""
-    section = config.activation_checkpointing or {}
-    return bool(section.get("cpu_checkpointing", False))

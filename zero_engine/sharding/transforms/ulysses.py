@@ -31,10 +31,11 @@ empty row one process gives it (its output is read: the last pad predicts the fi
 token). Packed documents (``position_ids`` restarting) keep their own positions and attend
 within their document alone, as Hugging Face's packed-sequence mask keeps them apart in one
 process: each document trains as if run alone; without padding each document's attention is
-its own call, with no mask of tokens x tokens (a packed 128K-token row's would be 16 GiB). Sliding windows (Mistral, and the sliding
-layers of Qwen2/3 and Gemma) are the whole sequence's too: a layer whose attention call names
-its ``sliding_window`` gets the causal band of that width over the whole sequence, as the model's own mask builds it in one process (a key
-``j`` visible to query ``i`` when ``i - window < j <= i``). A model whose config asks for windows
+its own call, with no mask of tokens x tokens (a packed 128K-token row's would be 16 GiB).
+Sliding windows (Mistral, and the sliding layers of Qwen2/3 and Gemma) are the whole sequence's
+too: a layer whose attention call names its ``sliding_window`` gets the causal band of that
+width over the whole sequence, as the model's own mask builds it in one process (a key ``j``
+visible to query ``i`` when ``i - window < j <= i``). A model whose config asks for windows
 but whose attention calls name none raises at its first split forward, naming the model, rather
 than training full causal attention silently (Accelerate PR 4177's bug). Key/value heads fewer
 than ``k`` (or not divisible by it) are repeated to the query heads before the exchange.
@@ -368,9 +369,10 @@ class UlyssesAttention:
         key = (-length, window, query.dtype if additive else None)  # negative: apart from the whole's keys
         if key not in self._masks:
             mask = within_window(None, length, window, query.device) if window is not None else None
-            if additive:
-                causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
-                mask = additive_mask(mask if mask is not None else causal, query.dtype, 0)
+            if additive:  # eager: causal alone needs its mask too
+                if mask is None:
+                    mask = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+                mask = additive_mask(mask, query.dtype, 0)
             self._masks[key] = mask
         return self._masks[key]
 
