@@ -558,7 +558,9 @@ def test_validate_counts_data_parallel_ranks_and_estimate_shards_over_every_rank
 
     shipped = str(Path(__file__).resolve().parent.parent / "configs" / "zero3_long_sequences.yaml")
     assert main(["validate", shipped]) == 0  # one sequence group by default
-    assert "x 1 data-parallel rank(s) (4 ranks, sequences split over 4) = 8 samples" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "x 1 data-parallel rank(s) (4 ranks, sequences split over 4) = 8 samples" in said
+    assert "evaluation split too, units recomputed" in said
     assert main(["validate", shipped, "--world-size", "6"]) == 1
     assert "sequence_parallel_size = 4 does not divide the world size 6" in capsys.readouterr().err
 

@@ -132,4 +132,9 @@ def summary(config: ZeroEngineConfig, batch: BatchSizes | None, ranks: int | Non
         parts.append(f"sharded over groups of {zero.shard_group_size}")
     elif zero.shard_group_size == "auto":
         parts.append("shard groups of each node's ranks (settled at launch)")
+    if config.sequence_parallel_size > 1:
+        parts.append("evaluation split too" if config.sequence_parallel_eval else "evaluation whole")
+    if zero.recompute_units:
+        offloads = zero.recompute_offload or bool((config.activation_checkpointing or {}).get("cpu_checkpointing"))
+        parts.append("units recomputed, their inputs on the host" if offloads else "units recomputed")
     return ", ".join(parts)
