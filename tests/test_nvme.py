@@ -229,8 +229,34 @@ def test_a_swap_directory_too_small_or_a_file_is_refused(tmp_path: Path) -> None
         check_swap_directory(directory, 1 << 20)
         a_file = Path(directory) / "file"
         a_file.write_text("")
-        with pytest.raises(zero_engine.ConfigError, match="no such directory"):
+        with pytest.raises(zero_engine.ConfigError, match="is a file, not a directory"):
             check_swap_directory(str(a_file), 1)
+        with pytest.raises(zero_engine.ConfigError, match="no such directory"):
+            check_swap_directory(str(Path(directory) / "missing"), 1)
+        with pytest.raises(zero_engine.ConfigError, match="'~' is not expanded here"):
+            check_swap_directory("~", 1)
+
+
+def test_the_room_asked_is_every_local_ranks_and_both_offloads_in_one_directory() -> None:
+    """Reliability review N19: what each rank offloads to a directory counts once per rank of the
+    node, and both offloads' where they share one; sizes below a GiB are said in MiB."""
+    from types import SimpleNamespace
+
+    from zero_engine.offload import Placed, Tier
+    from zero_engine.sharding.storage.nvme import check_swap_directories, readable_size
+
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
+        stats = os.statvfs(directory)
+        free = stats.f_bavail * stats.f_frsize
+        both = SimpleNamespace(state=Placed(Tier.NVME, directory), param_shards=Placed(Tier.NVME, directory))
+        alone = SimpleNamespace(state=Placed(Tier.NVME, directory), param_shards=Placed(Tier.HOST))
+        share = int(0.6 * free)
+        check_swap_directories(alone, share, 0, local_ranks=1)  # one rank: 60% of the disk fits
+        with pytest.raises(zero_engine.ConfigError, match="what this node's ranks offload there needs"):
+            check_swap_directories(alone, share, 0, local_ranks=2)  # two ranks of the node: 120%
+        with pytest.raises(zero_engine.ConfigError, match="offload_optimizer.nvme_path .* and .*offload_param"):
+            check_swap_directories(both, share, share, local_ranks=1)  # both offloads in one directory
+    assert readable_size(3 * 2**20) == "3.0 MiB" and readable_size(3 * 2**30) == "3.00 GiB"
 
 
 def test_nvme_needs_a_path() -> None:

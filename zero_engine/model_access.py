@@ -16,6 +16,7 @@ from torch import nn
 
 from . import offload
 from .memory import measure_memory
+from .values import check_switch
 from .sharding.gathering.agreement import Call
 from .state import checkpoint, export, streaming
 from .state.adapters import AdapterMerge
@@ -113,6 +114,8 @@ class ModelAccess:
         (`zero_engine.state.streaming`). A rank that stops iterating early, or streams alone,
         makes every rank raise `DivergedRanksError` at its next collective row."""
         self.calls.check_usable()
+        check_switch(rank0_only, "engine.named_full_parameters(rank0_only)")
+        check_switch(merge_adapters, "engine.named_full_parameters(merge_adapters)")
         size = export.parse_shard_size(bucket_bytes, "bucket_bytes")
         cast = export.parse_dtype(dtype)  # bad arguments raise here, before any collective
         wanted = _wanted_names(names, self.module)
@@ -145,6 +148,7 @@ class ModelAccess:
         needs the full model on any other rank; the other ranks get an empty dict.
         """
         self.calls.check_usable()
+        check_switch(rank0_only, "engine.full_state_dict(rank0_only)")
         if any(unit.shard_master for unit in [*self.units, *self.frozen_units]):  # collective: every rank must be here
             self._agree_on_call(Call.FULL_STATE_DICT)
         return self.model_state.full_state_dict(rank0_only=rank0_only)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .values import check_switch
+
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 MUON_DEFAULT_LR = 0.02  # DeepSpeed's defaults for the two halves when the config names no lr
 ADAM_DEFAULT_LR = 3e-4
@@ -78,7 +80,7 @@ def takes_muon(name: str, param: torch.Tensor, shape: torch.Size | None = None) 
     dimensions, and "embed" and "lm_head" not in the name)."""
     chosen = getattr(param, "use_muon", None)
     if chosen is not None:
-        return bool(chosen)
+        return check_switch(chosen, f"parameter {name!r}: use_muon")
     dims = len(shape if shape is not None else param.shape)
     return dims >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
 

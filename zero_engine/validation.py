@@ -24,6 +24,7 @@ from .config.deepspeed_compat import AUTO_BATCH_KEYS
 from .config.refusals import refuse as refuse_unbuilt_features
 from .optim import check_optimizer_for_stage
 from .precision import Precision
+from .sharding.storage.nvme import check_swap_directory
 from .stage import stage_for
 
 # What Hugging Face's Trainer fills from its arguments (`zero_engine.integrations.training_arguments`),
@@ -83,6 +84,7 @@ def check_config(config: ZeroEngineConfig, model: Any = None, ranks: int | None 
         f"{key} is 'auto': initialize fills it from the world size and the other batch keys" for key in batch_auto
     ]
     refuse_unbuilt_features(config)
+    notes += swap_directory_notes(config, without_model=isinstance(model, _Model))
     if config.zero_optimization.stage != "auto":
         check_optimizer_for_stage(config.optimizer, stage_for(config.zero_optimization.stage))
     Precision.from_config(config)
@@ -93,6 +95,31 @@ def check_config(config: ZeroEngineConfig, model: Any = None, ranks: int | None 
                               f"size {ranks}")
         batch = config.batch_sizes(ranks // config.sequence_parallel_size)
     return Checked(config, batch, [*no_effect_settings(config), *notes])
+
+
+def swap_directory_notes(config: ZeroEngineConfig, without_model: bool) -> list[str]:
+    """NVMe offload's directories checked as `initialize` checks them (there, a `ConfigError`:
+    missing, a file, in memory, read-only, ``~``), their room left to `initialize` where the
+    model's size is unknown; and the notes of what cannot be checked without the model."""
+    notes = []
+    zero = config.zero_optimization
+    for name in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, name)
+        if section is None or section.nvme_path is None:
+            continue
+        key = f"zero_optimization.{name}.nvme_path"
+        if section.device != "nvme":
+            notes.append(f"{key} = {section.nvme_path!r} has no effect with device = {section.device!r}")
+            continue
+        check_swap_directory(section.nvme_path, 0, (key,))
+        if without_model:
+            notes.append(f"{key}: the room for the swap files is checked at initialize (it needs the model's size)")
+    if without_model:
+        for key, what in (("tiled_loss_tokens", "a Hugging Face causal language model with an output head"),
+                          ("tiled_mlp_tokens", "a model with modules named 'mlp'")):
+            if getattr(config, key):
+                notes.append(f"{key}: the model must be {what} (checked at initialize)")
+    return notes
 
 
 def trainer_stand_ins(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

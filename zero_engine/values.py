@@ -39,3 +39,11 @@ def check_value_type(path: str, value: Any, default: Any, flag: bool = False) ->
     elif isinstance(default, float) and not is_finite_number(value):
         raise ValueError(f"{path} = {value!r}: must be a finite number")
     return value
+
+
+def check_switch(value: Any, where: str) -> bool:
+    """``value`` if it is True or False; else a `TypeError` naming ``where`` (``"yes"`` and 1
+    would otherwise be read as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{where} = {value!r}: must be True or False")
+    return value

@@ -100,6 +100,12 @@ def check_optimizer(section: _Section) -> None:
                 raise ValueError(f"{path} = {value!r}: must be two numbers in [0, 1)")
     if cls is MuonWithAdamW:
         params = section.params
+        momentum = params.get("momentum", 0.95)
+        if not 0 <= momentum < 1:  # an average of past updates (buffer.lerp_(grad, 1 - momentum)): above 1 it grows
+            raise ValueError(
+                f"optimizer.params.momentum = {momentum!r}: Muon's momentum must be in [0, 1) (the weight of the past "
+                "updates in its running average, as torch's and DeepSpeed's Muon take it)"
+            )
         check_choices(params.get("ns_method", "standard"), params.get("ns_dtype", "fp32"), params.get("adjust_lr_fn"))
         coefficients = params.get("ns_coefficients", (1, 1, 1))
         if not (isinstance(coefficients, (list, tuple)) and len(coefficients) == 3

@@ -388,6 +388,11 @@ def check_swap_directory(path: str, needed: int, keys: Sequence[str] = (OPTIMIZE
 
     where = " and ".join(f"{key} = {path!r}" for key in keys)
     directory = Path(path)
+    if path.startswith("~"):
+        raise ConfigError(f"{where}: '~' is not expanded here (a config is read as written); give the directory's "
+                          "full path")
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{where} is a file, not a directory: give the directory the swap files go in")
     if not directory.is_dir():
         raise ConfigError(f"{where}: no such directory")
     filesystem = filesystem_of(directory)
@@ -402,9 +407,13 @@ def check_swap_directory(path: str, needed: int, keys: Sequence[str] = (OPTIMIZE
     free = stats.f_bavail * stats.f_frsize
     if free < needed:
         raise ConfigError(
-            f"{where}: {free / 2**30:.2f} GiB free, what this node's ranks offload there needs "
-            f"{needed / 2**30:.2f} GiB"
+            f"{where}: {readable_size(free)} free, what this node's ranks offload there needs {readable_size(needed)}"
         )
+
+
+def readable_size(nbytes: int) -> str:
+    """Bytes as GiB from one GiB on, MiB below (``0.00 GiB`` said nothing)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def filesystem_of(path: Path) -> str:
