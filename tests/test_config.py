@@ -563,3 +563,26 @@ def test_estimate_says_when_an_auto_shard_group_is_settled(tmp_path: Path, capsy
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "shard_group_size": "auto"}}))
     assert cli_main(["estimate", str(path), "--params", "7e9", "--world-size", "16"]) == 0
     assert "shard_group_size: auto is settled at launch" in capsys.readouterr().out
+
+
+def test_muons_momentum_and_switches_given_as_strings_are_refused_by_name() -> None:
+    """Reliability review E7, E10: Muon's momentum is a running average's weight (above 1 its
+    buffer grows every step); a switch given as a string or a number is not read as true."""
+    import torch
+
+    from zero_engine.muon import takes_muon
+
+    for momentum in (1.5, 1.0):  # below 0: "must be non-negative", as every optimizer's
+        with pytest.raises(ConfigError, match=f"momentum = {momentum}: Muon's momentum must be in \\[0, 1\\)"):
+            load_config({"optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": momentum}}})
+    load_config({"optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.0}}})
+    weight = torch.nn.Parameter(torch.zeros(4, 4))
+    weight.use_muon = "yes"
+    with pytest.raises(TypeError, match="parameter 'w': use_muon = 'yes': must be True or False"):
+        takes_muon("w", weight)
+    engine = zero_engine.initialize(torch.nn.Linear(2, 2), {"train_micro_batch_size_per_gpu": 1})
+    with pytest.raises(TypeError, match=r"named_full_parameters\(rank0_only\) = 'yes'"):
+        engine.named_full_parameters(rank0_only="yes")
+    with pytest.raises(TypeError, match=r"full_state_dict\(rank0_only\) = 1"):
+        engine.full_state_dict(rank0_only=1)
+    engine.close()
