@@ -434,3 +434,32 @@ def test_bf16_from_the_meta_device_at_every_stage_agrees() -> None:
         assert not torch.equal(value, initial[name].to(value.dtype)), f"{name} was not trained"
         # bf16 compute: the two stages sum bf16 gradients in other orders
         assert (value.float() - stage3[name].float()).abs().max().item() <= 2e-2, name
+
+
+def empty_sends_under_another_default_dtype(rank: int, world_size: int) -> list[float]:
+    """One matrix, owned by one rank: the other has nothing to send in the exchanges. The default
+    dtype is float64 once the model exists (a user's torch.set_default_dtype)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Muon", "params": {"lr": 0.02}},
+              "zero_optimization": {"stage": 1}, "comm": {"timeout_s": 20}}
+    engine = zero_engine.initialize(model, config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        x = torch.ones(2, 4, dtype=torch.float32)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        return engine.module[0].weight.detach().flatten().tolist()
+    finally:
+        torch.set_default_dtype(previous)
+        engine.close()
+
+
+def test_an_empty_send_of_the_matrix_exchange_names_its_dtype() -> None:
+    """GPU review R8: the rank with nothing to send made its empty send buffer in the default
+    dtype; under float64 (or bf16) its all-to-all refused the mix with the float32 it receives,
+    on that rank alone, and the other waited until comm.timeout_s."""
+    first, second = run_on_ranks(2, empty_sends_under_another_default_dtype, timeout=120)
+    assert first == second
