@@ -586,3 +586,34 @@ def test_muons_momentum_and_switches_given_as_strings_are_refused_by_name() -> N
     with pytest.raises(TypeError, match=r"full_state_dict\(rank0_only\) = 1"):
         engine.full_state_dict(rank0_only=1)
     engine.close()
+
+
+@pytest.mark.parametrize("optimizer, params, per_param", [
+    ("AdamW", {"lr": 1e-3, "amsgrad": True}, 12), ("AdamW", {"lr": 1e-3}, 8),
+    ("SGD", {"lr": 0.1, "momentum": 0.9}, 4), ("SGD", {"lr": 0.1}, 0),
+    ("RMSprop", {"lr": 0.01, "centered": True}, 8), ("RMSprop", {"lr": 0.01}, 4),
+])
+def test_the_estimate_counts_each_optimizers_state_as_the_process_holds_it(optimizer: str, params: dict,
+                                                                           per_param: int) -> None:
+    """Reliability review N13: the optimizer table's bytes per parameter, by the options that
+    change them (amsgrad's max, SGD's momentum, RMSprop's centred average), equal to what a first
+    step makes (live storages, a few step counters aside) and to memory_report()."""
+    import torch
+
+    from zero_engine.memory import estimate_from_config
+    from zero_engine.testing.process_memory import live_tensor_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))  # 340 parameters
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": optimizer, "params": params}}
+    engine = zero_engine.initialize(model, config)
+    engine.backward(engine(torch.randn(2, 16)).pow(2).mean())
+    before = live_tensor_bytes()
+    engine.step()
+    made = live_tensor_bytes() - before
+    counters = 2 * 8  # a step counter per parameter tensor
+    estimated = estimate_from_config(load_config(config), 340, 1).optimizer_states
+    assert estimated == per_param * 340
+    assert estimated <= made <= estimated + 4 * counters, (made, estimated)
+    assert estimated <= engine.memory_report()["optimizer_states"] <= estimated + 4 * counters
+    engine.close()

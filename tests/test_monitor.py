@@ -142,3 +142,23 @@ def test_the_progress_line_is_seen_by_default_and_follows_the_applications_loggi
         assert fields["lr"] == "1.00e-03" and float(fields["grad norm"]) > 0, line
         assert "samples/s" in line and "tokens/s" in line, line
     assert all(re.search(rf"\| {phase} \d+\.\d ms", line) for line in lines for phase in ("forward", "backward", "step"))
+
+
+def test_the_progress_lines_rates_are_the_steps_samples_and_tokens_over_the_seconds(monkeypatch) -> None:
+    """Reliability review N21, N22: samples/s = steps x train_batch_size / seconds; tokens/s =
+    the tokens a rank's forwards were given x the data-parallel ranks (not the world: the ranks of
+    a sequence group read one batch) / seconds. A clock that reads 0, then 1 second at the line."""
+    import torch
+
+    from zero_engine import progress
+
+    clock = iter([0.0, 1.0, 1.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    line = progress.Progress(every=2, breakdown=False, train_batch_size=8, data_ranks=3,
+                             device=torch.device("cpu"), printing=True)
+    for step in range(2):
+        line.add_inputs((), {"input_ids": torch.zeros(2, 16, dtype=torch.long)})
+        said = line.after_step(step + 1, [1e-3], 0.5, None, 0)
+    assert said is not None
+    assert "16.0 samples/s" in said  # 2 steps x 8 samples in 1 s
+    assert "192 tokens/s" in said  # 2 forwards x 32 tokens x 3 data-parallel ranks in 1 s

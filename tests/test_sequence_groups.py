@@ -137,6 +137,7 @@ def refusals(rank: int) -> dict[str, str]:
     except NotImplementedError as error:
         found["heads"] = str(error)
     found["sliced"] = str(engine.sequence_slice(ids).shape[1])
+    found["progress_ranks"] = str(engine.progress.data_ranks)  # tokens/s counts data-parallel ranks (N22)
     # its all-to-alls on a communicator of their own, though the group is the world (GPU review R1)
     found["own_group"] = str(engine.comm.sequence_group.group is not engine.comm.shard_group.group)
     engine.close()
@@ -211,6 +212,7 @@ def test_what_the_split_does_not_know_is_refused_by_name(two_ranks: list[dict[st
                 "head_dim)), which do not split over 2 ranks") in found["heads"]
         assert found["sliced"] == "4"
         assert found["own_group"] == "True"
+        assert found["progress_ranks"] == "1"  # one data-parallel rank: the group reads one batch
 
 
 # -- a per-rank loader shared over the group ---------------------------------------------------
