@@ -463,3 +463,41 @@ def test_an_empty_send_of_the_matrix_exchange_names_its_dtype() -> None:
     on that rank alone, and the other waited until comm.timeout_s."""
     first, second = run_on_ranks(2, empty_sends_under_another_default_dtype, timeout=120)
     assert first == second
+
+
+class _ThreeMatrices(nn.Module):
+    """Registered largest first: the unit's flat buffer (in reverse order) starts with the
+    12x12 and the 8x8, both owned by rank 1 and lying whole in rank 0's shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(32, 32, bias=False), nn.Linear(8, 8, bias=False), nn.Linear(12, 12, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).sum() + self.b(x[:, :8]).pow(2).sum() + self.c(x[:, :12]).pow(3).sum()
+
+
+def two_matrices_from_one_rank(rank: int, world_size: int) -> dict[int, dict[str, torch.Tensor]]:
+    torch.set_num_threads(1)
+    states = {}
+    for stage in (0, 2):
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+                  "optimizer": {"type": "Muon", "params": {"lr": 0.02}}, "zero_optimization": {"stage": stage}}
+        engine = zero_engine.initialize(_ThreeMatrices(), config)
+        for step in range(3):
+            x = torch.randn(2, 32, generator=torch.Generator().manual_seed(step))  # the same on both ranks
+            engine.backward(engine(x))
+            engine.step()
+        states[stage] = engine.full_state_dict()
+        engine.close()
+    return states
+
+
+def test_an_owner_of_two_matrices_of_one_unit_from_one_rank_gets_both_right() -> None:
+    """Reliability review N09: where a matrix's owner receives pieces of two or more matrices of
+    one unit from the same rank, each must land in its own matrix: at stage 2 every matrix equal
+    to stage 0's (each rank orthogonalising whole matrices itself)."""
+    for states in run_on_ranks(2, two_matrices_from_one_rank, timeout=120):
+        for name, value in states[0].items():
+            assert (states[2][name] - value).abs().max().item() <= 1e-6, name
