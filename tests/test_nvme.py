@@ -718,3 +718,34 @@ def test_estimate_counts_parameter_shards_on_nvme_and_their_traffic(tmp_path: Pa
     assert float(out.split("on NVMe")[1].split()[0]) == pytest.approx((optimizer + shards) / gib, abs=1e-3)
     assert f"reads and writes the gradient once more, {4e9 / 4 / gib:.3f} GiB" in out
     assert "on the host" not in out  # no line for host memory: nothing of the model's size is there
+
+
+def test_a_cleared_step_gradient_waits_for_its_read_ahead_before_its_buffer_serves_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reliability review N17: a step skipped while a gradient's read ahead is still in flight
+    (a slow disk) must not give the read's buffer to the next shard before the read landed: the
+    late read would overwrite the next shard's values."""
+    import time
+
+    from zero_engine.sharding.storage.nvme_gradient import NvmeGrad
+    from zero_engine.sharding.storage.swap import SwapFile, SwapSpace
+
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
+        space = SwapSpace(directory, 0, buffer_count=2)
+        grad = NvmeGrad(1024, torch.device("cpu"), space)
+        grad.add(torch.ones(1024), 1.0)
+        space.drain()
+        read = SwapFile.read
+
+        def slow_read(self: SwapFile, region: Any, buffer: torch.Tensor) -> None:
+            time.sleep(0.5)
+            read(self, region, buffer)
+
+        monkeypatch.setattr(SwapFile, "read", slow_read)
+        grad.prefetch()  # the read ahead of a step, slow
+        grad.clear()  # the step skipped
+        taken = space.shard_buffers.take(1024, torch.float32)  # the next shard's read buffer
+        taken.fill_(7.0)
+        space.drain()
+        assert torch.equal(taken, torch.full((1024,), 7.0)), taken.sum()
+        space.close()
