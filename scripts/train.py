@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="engine config (.yaml/.json)")
     parser.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="GPT size preset")
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps at most")
-    parser.add_argument("--time-budget", type=float, default=90.0, help="stop training after this many seconds")
+    parser.add_argument("--time-budget", type=float, default=90.0,
+                        help="stop training after this many seconds of wall time (0: no limit, --steps alone)")
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the final loss")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     step = 0
-    while step < args.steps and time.perf_counter() - started < args.time_budget:
+    while step < args.steps and (args.time_budget <= 0 or time.perf_counter() - started < args.time_budget):
         for m in range(accum):
             loss = engine(*to_device(data.rank_batch(step, m, rank, world, micro, accum), device))
             engine.backward(loss)
@@ -109,10 +110,23 @@ def main(argv: list[str] | None = None) -> dict:
     engine.train()
     baseline = data.unigram_loss()
     log(f"done: {step} steps in {time.perf_counter() - started:.0f}s; held-out loss {held_out:.3f} nats "
-        f"(unigram baseline {baseline:.3f}, {'learned' if held_out < baseline - 0.5 else 'NOT below baseline'}); "
+        f"(unigram baseline {baseline:.3f}, {verdict(held_out, baseline, step, args)}); "
         f"rank 0 sent {sent / 2**20:.2f} MiB in the last step")
     engine.close()
     return {"steps": step, "held_out_loss": held_out, "baseline": baseline}
+
+
+LEARNED_BY = 0.5  # nats below the unigram baseline: the model has learned more than byte frequencies
+
+
+def verdict(held_out: float, baseline: float, steps: int, args: argparse.Namespace) -> str:
+    """Whether the run learned, and the bar it was held to; when it did not, why it may not have."""
+    if held_out < baseline - LEARNED_BY:
+        return f"learned: more than {LEARNED_BY} nats below it"
+    why = (f"{steps} steps fit the --time-budget of {args.time_budget:g} s of wall time (a loaded machine fits "
+           "fewer: give it more, or --time-budget 0 --steps N for a number of steps)"
+           if steps < args.steps else f"all {steps} --steps ran")
+    return f"not yet {LEARNED_BY} nats below it, the bar for learned: {why}"
 
 
 if __name__ == "__main__":

@@ -749,3 +749,29 @@ def test_a_cleared_step_gradient_waits_for_its_read_ahead_before_its_buffer_serv
         space.drain()
         assert torch.equal(taken, torch.full((1024,), 7.0)), taken.sum()
         space.close()
+
+
+def test_a_script_that_never_closes_its_engine_leaves_no_swap_file(tmp_path: Path) -> None:
+    """Reliability review item 8: the README's loop with NVMe offload, which never calls
+    engine.close(), left its swap file (the size of its optimizer state) in nvme_path; it is
+    removed when the interpreter exits."""
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
+        script = tmp_path / "loop.py"
+        script.write_text(
+            "import torch, zero_engine, pathlib\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))\n"
+            "config = {'train_micro_batch_size_per_gpu': 8, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}},\n"
+            f"          'zero_optimization': {{'stage': 2, 'offload_optimizer': {{'device': 'nvme', 'nvme_path': {directory!r}}}}}}}\n"
+            "engine = zero_engine.initialize(model, config)\n"
+            "for step in range(3):\n"
+            "    engine.backward(engine(torch.randn(8, 16)).pow(2).mean())\n"
+            "    engine.step()\n"
+            f"print(len(list(pathlib.Path({directory!r}).iterdir())), 'swap file(s) while running')\n"
+        )
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "1 swap file(s) while running" in done.stdout
+        assert list(Path(directory).iterdir()) == []

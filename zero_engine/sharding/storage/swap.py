@@ -18,6 +18,7 @@ parameter shards in `zero_engine.sharding.storage.nvme`, the step gradient in
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import re
@@ -74,6 +75,7 @@ class SwapFile:
     def __init__(self, directory: str | Path, rank: int) -> None:
         self.path = Path(directory) / f"{PREFIX}{socket.gethostname()}-rank{rank}-pid{os.getpid()}-{id(self):x}.swap"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        _left_at_exit.add(self.path)  # removed at the interpreter's exit unless closed before
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past a region
         self.end = 0
         self.bytes_read = 0
@@ -139,8 +141,25 @@ class SwapFile:
         os.posix_fadvise(self.fd, offset, -(-nbytes // ALIGN) * ALIGN, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.path.unlink(missing_ok=True)
+        _left_at_exit.discard(self.path)
+
+
+# Swap files of this process not closed yet: a script that never calls engine.close() (the
+# README's loop) would leave them on the disk at its end, the size of its optimizer state; they
+# are removed when the interpreter exits (a killed job's are removed by the next job's start,
+# `remove_stale`).
+_left_at_exit: set[Path] = set()
+
+
+@atexit.register
+def _remove_left_swap_files() -> None:
+    for path in list(_left_at_exit):
+        path.unlink(missing_ok=True)
+    _left_at_exit.clear()
 
 
 class SwapSpace:
