@@ -617,3 +617,32 @@ def test_the_estimate_counts_each_optimizers_state_as_the_process_holds_it(optim
     assert estimated <= made <= estimated + 4 * counters, (made, estimated)
     assert estimated <= engine.memory_report()["optimizer_states"] <= estimated + 4 * counters
     engine.close()
+
+
+def test_validate_refuses_the_nvme_directories_initialize_refuses(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Reliability review E4: zero-engine validate runs initialize's checks of an NVMe directory
+    (missing, a file, in memory, '~'), with the same message, and notes what needs the model."""
+    import torch
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for path, message in ((str(tmp_path / "missing"), "no such directory"), (str(a_file), "is a file, not a directory"),
+                          ("/dev/shm", "which is memory, not a disk"), ("~", "'~' is not expanded here")):
+        config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": path}},
+                  "train_micro_batch_size_per_gpu": 1}
+        written = tmp_path / "c.json"
+        written.write_text(json.dumps(config))
+        assert cli_main(["validate", str(written)]) == 1
+        said = capsys.readouterr().err
+        assert message in said, said
+        with pytest.raises(ConfigError) as refused:
+            zero_engine.initialize(torch.nn.Linear(2, 2), config)
+        assert message in str(refused.value)
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+              "train_micro_batch_size_per_gpu": 1, "tiled_mlp_tokens": 8}
+    written.write_text(json.dumps(config))
+    assert cli_main(["validate", str(written)]) == 0
+    said = capsys.readouterr().err
+    assert "the room for the swap files is checked at initialize" in said
+    assert "tiled_mlp_tokens: the model must be a model with modules named 'mlp' (checked at initialize)" in said

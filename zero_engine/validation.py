@@ -84,7 +84,14 @@ def check_config(config: ZeroEngineConfig, model: Any = None, ranks: int | None 
         f"{key} is 'auto': initialize fills it from the world size and the other batch keys" for key in batch_auto
     ]
     refuse_unbuilt_features(config)
-    notes += swap_directory_notes(config, without_model=isinstance(model, _Model))
+    zero, without_model = config.zero_optimization, isinstance(model, _Model)
+    offloads = [(f"zero_optimization.{name}.nvme_path", section.device, section.nvme_path)
+                for name in ("offload_optimizer", "offload_param") if (section := getattr(zero, name)) is not None]
+    notes += swap_directory_notes(offloads, without_model)
+    for key, what in (("tiled_loss_tokens", "a Hugging Face causal language model with an output head"),
+                      ("tiled_mlp_tokens", "a model with modules named 'mlp'")):
+        if without_model and getattr(config, key):
+            notes.append(f"{key}: the model must be {what} (checked at initialize)")
     if config.zero_optimization.stage != "auto":
         check_optimizer_for_stage(config.optimizer, stage_for(config.zero_optimization.stage))
     Precision.from_config(config)
@@ -97,28 +104,21 @@ def check_config(config: ZeroEngineConfig, model: Any = None, ranks: int | None 
     return Checked(config, batch, [*no_effect_settings(config), *notes])
 
 
-def swap_directory_notes(config: ZeroEngineConfig, without_model: bool) -> list[str]:
-    """NVMe offload's directories checked as `initialize` checks them (there, a `ConfigError`:
-    missing, a file, in memory, read-only, ``~``), their room left to `initialize` where the
-    model's size is unknown; and the notes of what cannot be checked without the model."""
+def swap_directory_notes(offloads: list[tuple[str, str, str | None]], without_model: bool) -> list[str]:
+    """NVMe offload's directories (``(key, device, nvme_path)`` of each offload section) checked
+    as `initialize` checks them (there, a `ConfigError`: missing, a file, in memory, read-only,
+    ``~``), their room left to `initialize` where the model's size is unknown; a path given with
+    another device noted."""
     notes = []
-    zero = config.zero_optimization
-    for name in ("offload_optimizer", "offload_param"):
-        section = getattr(zero, name)
-        if section is None or section.nvme_path is None:
+    for key, device, path in offloads:
+        if path is None:
             continue
-        key = f"zero_optimization.{name}.nvme_path"
-        if section.device != "nvme":
-            notes.append(f"{key} = {section.nvme_path!r} has no effect with device = {section.device!r}")
+        if device != "nvme":
+            notes.append(f"{key} = {path!r} has no effect with device = {device!r}")
             continue
-        check_swap_directory(section.nvme_path, 0, (key,))
+        check_swap_directory(path, 0, (key,))
         if without_model:
             notes.append(f"{key}: the room for the swap files is checked at initialize (it needs the model's size)")
-    if without_model:
-        for key, what in (("tiled_loss_tokens", "a Hugging Face causal language model with an output head"),
-                          ("tiled_mlp_tokens", "a model with modules named 'mlp'")):
-            if getattr(config, key):
-                notes.append(f"{key}: the model must be {what} (checked at initialize)")
     return notes
 
 
