@@ -16,10 +16,9 @@ import torch
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
-from test_sequence_parallel import _llama
+from test_sequence_parallel import _llama, assert_trains_as
 
 STEPS, ACCUM, LENGTH = 3, 2, 17
-TOL = 2e-5
 
 
 def _documents(step: int, data_rank: int, micro: int) -> list[list[torch.Tensor]]:
@@ -120,16 +119,7 @@ def packed_training(rank: int, world_size: int, cases: list[dict[str, Any]]) -> 
 
 
 def _check(case: dict[str, Any], per_rank: list[dict[str, Any]]) -> None:
-    expected = reference(case)
-    for rank, result in enumerate(per_rank):
-        data_rank = rank // case["k"]
-        for step in range(STEPS):
-            mine = expected["losses"][step][data_rank * ACCUM : (data_rank + 1) * ACCUM]
-            assert result["losses"][step] == pytest.approx(mine, abs=TOL), (case, rank, step)
-        assert result["norms"] == pytest.approx(expected["norms"], abs=TOL), (case, rank)
-        for name, value in expected["state"].items():
-            diff = (result["state"][name] - value).abs().max().item()
-            assert diff <= TOL, f"{case}, rank {rank}: {name} differs by {diff}"
+    assert_trains_as(reference(case), per_rank, case, STEPS, ACCUM)
 
 
 # k = 1: Hugging Face's own packed mask (the engine's training forward passes use_cache=False).
