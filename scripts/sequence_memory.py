@@ -2,7 +2,8 @@
 and the longest sequence that fits a fixed budget against k and against tiling.
 
     torchrun --nproc_per_node=4 scripts/sequence_memory.py --lengths 2048 8192
-    torchrun --nproc_per_node=4 scripts/sequence_memory.py --resident --hidden 256 --layers 4 --vocab 2048 --lengths 2048
+    torchrun --nproc_per_node=4 scripts/sequence_memory.py --resident --hidden 256 --layers 4 --vocab 2048 \
+        --lengths 2048
     torchrun --nproc_per_node=4 scripts/sequence_memory.py --budget-mb 64 --svg docs/figures/longest_sequence.svg
 
 A small Hugging Face Llama (needs ``transformers``: the ``hf`` extra), stage 0, one sequence a

@@ -472,7 +472,8 @@ class _ThreeMatrices(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b, self.c = nn.Linear(32, 32, bias=False), nn.Linear(8, 8, bias=False), nn.Linear(12, 12, bias=False)
+        self.a = nn.Linear(32, 32, bias=False)
+        self.b, self.c = nn.Linear(8, 8, bias=False), nn.Linear(12, 12, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.a(x).sum() + self.b(x[:, :8]).pow(2).sum() + self.c(x[:, :12]).pow(3).sum()

@@ -75,7 +75,7 @@ class WindowView:
     comm: Any  # zero_engine.comm.Comm
     transforms: Any  # zero_engine.sharding.transforms.seam.ModuleTransforms
     calls: Any  # zero_engine.sharding.gathering.calls.CallGuard or PassCallGuard
-    _split_forwards: int  # training forwards of this micro-step split over the sequence group
+    _split_forwards: int  # forwards of this micro-step split over the sequence group
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window: every

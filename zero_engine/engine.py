@@ -88,7 +88,7 @@ class Engine(ModelAccess, StepView, WindowView):
         self.window = AccumulationWindow(batch.gradient_accumulation_steps)  # where the loop is in its window
         self._window_opened = False
         self._train_row_sent = False  # this micro-step's call row (`_agree_on_training`)
-        self._split_forwards = 0  # training forwards of this micro-step split over the sequence group
+        self._split_forwards = 0  # forwards of this micro-step split over the sequence group
         self._scaling_backward = False  # inside engine.backward
         self._open_gathered: list[GatheredParameters] = []  # engine.gathered() contexts open (no step inside one)
         self._sync_from_rank0()

@@ -214,7 +214,8 @@ class MatrixExchange:
     def _exchange(self, sends: list[list[torch.Tensor]], sizes: list[int]) -> list[torch.Tensor]:
         send_sizes = [sum(part.numel() for part in parts) for parts in sends]
         flat = [part.to(self.device, torch.float32) for parts in sends for part in parts]
-        send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.float32, device=self.device)  # not the default dtype
+        # an empty send in float32 too, not the default dtype (the received buffer is float32)
+        send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.float32, device=self.device)
         received = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
         self.comm.exchange_pieces(send, send_sizes, received, sizes).wait()
         return list(received.split(sizes))
