@@ -869,3 +869,41 @@ def test_lightning_trains_on_one_gpu() -> None:
     trainer.fit(module)
     assert all(param.device.type == "cuda" for param in module.parameters())
     assert trainer.global_step == 2
+
+
+def offloaded_inputs_on_the_gpu(rank: int, world_size: int) -> dict[bool, dict]:
+    """A bf16 Llama at stage 3 on this GPU, each layer recomputed, its inputs kept on the GPU and
+    then in pinned host memory (side-stream copies there and back): the losses, the parameters,
+    and torch.cuda.max_memory_allocated of each."""
+    from test_recompute import _offload_llama
+
+    device = local_cuda_device()
+    results = {}
+    for offload in (False, True):
+        config = engine_config(3, micro=2, lr=1e-3, dtype="bf16", recompute_units=True, recompute_offload=offload)
+        torch.cuda.reset_peak_memory_stats(device)
+        engine = zero_engine.initialize(_offload_llama().to(device), config)
+        losses = []
+        for step in range(3):
+            ids = torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(step)).to(device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        results[offload] = {"losses": losses, "state": engine.full_state_dict(),
+                            "peak": torch.cuda.max_memory_allocated(device)}
+        engine.close()
+    return results
+
+
+def test_recompute_offload_on_the_gpu_is_bit_for_bit_with_a_lower_peak() -> None:
+    """Issue 82, item 7 on a GPU: the kept inputs through pinned memory and the side stream give
+    the same losses and parameters to the bit, and the peak (printed) no higher."""
+    pytest.importorskip("transformers")
+    results = run_on_ranks(1, offloaded_inputs_on_the_gpu, timeout=300, allow_numpy=True)[0]
+    kept, offloaded = results[False], results[True]
+    print(f"peak {kept['peak'] / 2**20:.1f} MiB kept on the GPU, {offloaded['peak'] / 2**20:.1f} MiB offloaded")
+    assert offloaded["losses"] == kept["losses"]
+    for name, value in kept["state"].items():
+        assert torch.equal(offloaded["state"][name], value), name
+    assert offloaded["peak"] <= kept["peak"]
