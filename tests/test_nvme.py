@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -776,3 +777,22 @@ def test_a_script_that_never_closes_its_engine_leaves_no_swap_file(tmp_path: Pat
         assert done.returncode == 0, done.stderr[-2000:]
         assert "1 swap file(s) while running" in done.stdout
         assert list(Path(directory).iterdir()) == []
+
+
+def test_the_swap_threads_start_on_the_ranks_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU review R4: the read and write threads make their first CUDA call (a copy's event) on
+    the rank's device, not on GPU 0 (a context there for every rank): each thread sets it first."""
+    from zero_engine.sharding.storage import swap
+
+    made: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(swap, "_set_cuda_device",
+                        lambda device: made.append((threading.current_thread().name, device)))
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
+        space = swap.SwapSpace(directory, 0, 2, torch.device("cuda", 3))
+        space.drain()  # a task on each thread: the threads exist, their initializer ran
+        space.close()
+        cpu = swap.SwapSpace(directory, 0, 2, torch.device("cpu"))
+        cpu.drain()
+        cpu.close()
+    assert [device for _, device in made] == [torch.device("cuda", 3)] * 2  # the CPU space's set nothing
+    assert {name.rsplit("_", 1)[0] for name, _ in made} == {"zero_engine-nvme-read", "zero_engine-nvme-write"}

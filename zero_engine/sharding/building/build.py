@@ -150,7 +150,8 @@ def build_units(
     stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
     # Where every unit's optimizer side lives, decided once.
     placement = place(
-        offload, lambda placed: nvme_masters(placed, comm.rank), lambda placed: nvme_shards(placed, comm.rank)
+        offload, lambda placed: nvme_masters(placed, comm.rank, device),
+        lambda placed: nvme_shards(placed, comm.rank, device),
     )
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:

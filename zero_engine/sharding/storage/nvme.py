@@ -331,15 +331,16 @@ class NvmeMasters:
         self.space.grad_buffers.allocate()
 
 
-def nvme_masters(placed: Placed, rank: int) -> NvmeMasters:
-    """The masters' NVMe tier: this rank's swap space (its file made now)."""
-    return NvmeMasters(SwapSpace(placed.nvme_path, rank, placed.buffer_count))
+def nvme_masters(placed: Placed, rank: int, device: torch.device | None = None) -> NvmeMasters:
+    """The masters' NVMe tier: this rank's swap space (its file made now; its I/O threads on
+    ``device``, the engine's)."""
+    return NvmeMasters(SwapSpace(placed.nvme_path, rank, placed.buffer_count, device))
 
 
-def nvme_shards(placed: Placed, rank: int) -> NvmeShards:
+def nvme_shards(placed: Placed, rank: int, device: torch.device | None = None) -> NvmeShards:
     """The parameter shards' NVMe tier: this rank's swap space of parameter shards (a file of
     its own, beside the masters' one)."""
-    return NvmeShards(SwapSpace(placed.nvme_path, rank, placed.buffer_count))
+    return NvmeShards(SwapSpace(placed.nvme_path, rank, placed.buffer_count, device))
 
 
 def swap_space(units: Iterable[Any]) -> SwapSpace | None:

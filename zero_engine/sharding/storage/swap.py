@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import os
 import re
 import socket
@@ -165,13 +166,18 @@ def _remove_left_swap_files() -> None:
 class SwapSpace:
     """A rank's swap file, its I/O thread, and the slots bounding the shards held in memory."""
 
-    def __init__(self, directory: str | Path, rank: int, buffer_count: int) -> None:
+    def __init__(
+        self, directory: str | Path, rank: int, buffer_count: int, device: torch.device | None = None
+    ) -> None:
         remove_stale(directory)
         self.file = SwapFile(directory, rank)
         # One thread reads, one writes, so a shard's read-ahead need not queue behind the last
-        # shard's write; a read of a shard still waits for that shard's own write.
-        self.readers = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme-read")
-        self.writers = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme-write")
+        # shard's write; a read of a shard still waits for that shard's own write. Each starts on
+        # the rank's device (GPU review R4): its first CUDA call (an event's wait) would otherwise
+        # make a context on GPU 0, on every rank.
+        start = functools.partial(on_device, device)
+        self.readers = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme-read", initializer=start)
+        self.writers = ThreadPoolExecutor(1, thread_name_prefix="zero_engine-nvme-write", initializer=start)
         self.slots = threading.Semaphore(buffer_count)
         self.buffer_count = buffer_count
         self.grad_buffers = GradBuffers(buffer_count)  # step gradients on their way in (`NvmeGrad`)
@@ -198,6 +204,16 @@ class SwapSpace:
         self.file.close()
         self.grad_buffers.clear()  # a closed engine holds no host memory, whoever still holds it
         self.shard_buffers.clear()
+
+
+def on_device(device: torch.device | None) -> None:
+    """A thread's first step: make ``device`` its current CUDA device (elsewhere, nothing)."""
+    if device is not None and device.type == "cuda":
+        _set_cuda_device(device)
+
+
+def _set_cuda_device(device: torch.device) -> None:
+    torch.cuda.set_device(device)
 
 
 class ReadBuffers:
