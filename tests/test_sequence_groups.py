@@ -341,3 +341,27 @@ def test_a_mixture_of_experts_under_the_split_trains_as_one_process() -> None:
         assert found[2]["overlap"] is False  # an expert may get no gradient on a rank of the group
         assert ("the unit blocks.0.experts.0 (Expert) lies inside the mixture of experts' block blocks.0"
                 in found["refused"])
+
+
+def one_rank_gathers(rank: int, world_size: int) -> str:
+    """After an evaluation forward, rank 0 gathers its logits whole and rank 1 goes on training."""
+    engine = zero_engine.initialize(_llama(), _config(0))
+    ids = _ids(0, "content")
+    with torch.no_grad():
+        out = engine(input_ids=ids, labels=ids)
+
+    def next_calls() -> None:
+        if rank == 0:
+            engine.sequence_gather(out.logits)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+
+    try:
+        return _raised(next_calls)
+    finally:
+        engine.close()
+
+
+def test_a_gather_of_a_split_output_on_one_rank_raises_on_every_rank() -> None:
+    for result in run_on_ranks(2, one_rank_gathers, allow_numpy=True, timeout=200):
+        message = _message(result)
+        assert "rank 0 is in sequence_gather()" in message, message

@@ -134,11 +134,13 @@ class WindowView:
         """Under ``sequence_parallel_size: k``: a split forward's output, the rank's slice along
         ``dim`` (a Hugging Face model's logits), gathered over the sequence group into the whole
         micro-batch's on every rank (the split's end padding cut; a plain model's loop cuts its
-        own), without gradient: evaluation's metrics. Collective over the group. ``tensor``
-        itself at ``k`` = 1."""
+        own), without gradient: evaluation's metrics. Collective: it opens with a call row, so a
+        rank that skips it makes every rank raise `DivergedRanksError`. ``tensor`` itself at
+        ``k`` = 1."""
         ulysses = self._ulysses()
         if ulysses is None:
             return tensor
+        self.calls.agree_at_once(Call.SEQUENCE_GATHER, self.window.micro_steps)
         if ulysses.plain:
             return gather_slices(self.comm.sequence_group, tensor.detach(), dim)
         return ulysses.whole_sequence(tensor, dim)

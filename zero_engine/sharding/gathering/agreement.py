@@ -84,6 +84,7 @@ class Call(IntEnum):
     SEQUENCE_LOSS = 10  # engine.sequence_loss() after a split forward (a plain model's loop)
     SPLIT_FORWARD = 11  # a training forward split over the sequence group (its facts: `split_forward_facts`)
     SEQUENCE_LOG_PROBS = 12  # engine.sequence_log_probs() after a split forward (a plain model's loop)
+    SEQUENCE_GATHER = 13  # engine.sequence_gather(): a split forward's output gathered over the group
 
     @property
     def label(self) -> str:
@@ -97,6 +98,8 @@ class Call(IntEnum):
             return "sequence_loss()"
         if self is Call.SEQUENCE_LOG_PROBS:
             return "sequence_log_probs()"
+        if self is Call.SEQUENCE_GATHER:
+            return "sequence_gather()"
         if self is Call.SPLIT_FORWARD:
             return "a training forward split over its sequence group"
         return f"{self.name.lower()}()"
@@ -168,9 +171,9 @@ def call_divergence(rows: list[list[int]], describe_unit: Callable[[int], str] =
     return (
         f"ranks are in different calls: {describe_rows(rows, describe_unit)}. save_checkpoint, load_checkpoint, "
         "save_pretrained, gathered(), named_full_parameters() (iterated to its end), generation at stage 3 and (when "
-        "state is sharded) full_state_dict are collective, and so are sequence_loss, sequence_log_probs and every "
-        "training forward under sequence_parallel_size: call them on every rank, at the same step. The ranks' "
-        "collectives are now out of step: end the job"
+        "state is sharded) full_state_dict are collective, and so are sequence_loss, sequence_log_probs, "
+        "sequence_gather and every training forward under sequence_parallel_size: call them on every rank, at "
+        "the same step. The ranks' collectives are now out of step: end the job"
     )
 
 
