@@ -88,21 +88,18 @@ class Call(IntEnum):
 
     @property
     def label(self) -> str:
-        if self is Call.TRAIN:
-            return "training"
-        if self is Call.FULL_PARAMETERS_BUCKET:
-            return "named_full_parameters(), gathering a bucket"
-        if self is Call.FULL_PARAMETERS_END:
-            return "the end of named_full_parameters()"
-        if self is Call.SEQUENCE_LOSS:
-            return "sequence_loss()"
-        if self is Call.SEQUENCE_LOG_PROBS:
-            return "sequence_log_probs()"
-        if self is Call.SEQUENCE_GATHER:
-            return "sequence_gather()"
-        if self is Call.SPLIT_FORWARD:
-            return "a training forward split over its sequence group"
-        return f"{self.name.lower()}()"
+        """How messages name the call: its method's name (``save_checkpoint()``,
+        ``sequence_loss()``), unless `_CALL_LABELS` says otherwise."""
+        return _CALL_LABELS.get(self, f"{self.name.lower()}()")
+
+
+# The calls not named by their method's name.
+_CALL_LABELS = {
+    Call.TRAIN: "training",
+    Call.FULL_PARAMETERS_BUCKET: "named_full_parameters(), gathering a bucket",
+    Call.FULL_PARAMETERS_END: "the end of named_full_parameters()",
+    Call.SPLIT_FORWARD: "a training forward split over its sequence group",
+}
 
 
 def make_row(passes: int, kind: PassKind, wants: Sequence[int], ready: int) -> list[int]:
