@@ -660,9 +660,21 @@ def count_syncs(rank: int, world_size: int, cases: list[dict]) -> list[list[str]
 
 def test_one_host_sync_per_optimizer_step() -> None:
     """The packed used-mask and norm read back once (`OptimizerStep._agree_on_used_params_and_norm`);
-    nothing else waits for the GPU, at any stage."""
-    syncs = run_on_ranks(1, count_syncs, CASES, backend=None, timeout=600)[0]
-    assert [len(where) for where in syncs] == [1] * len(CASES), list(zip(CASES, syncs))
+    nothing else waits for the GPU, at any stage. With stage 3's parameter shards on NVMe too (GPU
+    review K11): their read buffers are pinned and each gather's copy from one is asynchronous
+    (R3: a copy from pageable memory made the host wait for the GPU at every gather), with the
+    optimizer side on the device and on NVMe."""
+    import test_nvme
+
+    with tempfile.TemporaryDirectory(dir=test_nvme.DISK) as directory:
+        on_nvme = {"device": "nvme", "nvme_path": directory}
+        nvme = [
+            {"stage": 3, "dtype": "bf16", "accum": 2, "clip": 1.0, "zero": {"offload_param": on_nvme}},
+            {"stage": 3, "dtype": "bf16", "accum": 2, "clip": 1.0,
+             "zero": {"offload_param": on_nvme, "offload_optimizer": on_nvme}},
+        ]
+        syncs = run_on_ranks(1, count_syncs, [*CASES, *nvme], backend=None, timeout=600)[0]
+    assert [len(where) for where in syncs] == [1] * len([*CASES, *nvme]), list(zip([*CASES, *nvme], syncs))
 
 
 # -- offload on a real GPU -----------------------------------------------------------------------

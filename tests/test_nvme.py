@@ -190,7 +190,8 @@ def test_bit_for_bit_cpu_offload_files_per_rank_bytes_and_no_page_cache(world: i
                 # and as the process holds it (live storages): exactly the state and CPU offload's host
                 # gradient less, the few buffers gradients cross in and are read into (and their norms) more
                 saved = r["state_bytes"] + r["cpu_grad_bytes"] - r["grad_buffers"] - r["read_buffers"] - r["grad_norms"]
-                assert 0 < r["read_buffers"] <= r["buffer_count"] * r["largest_grad"], (case, r["read_buffers"])
+                # the pool read into (R3): buffer_count and one of the largest gradient's bytes
+                assert 0 < r["read_buffers"] <= (r["buffer_count"] + 1) * r["largest_grad"], (case, r["read_buffers"])
                 assert r["live_saved"] == saved, (case, r["live_saved"], saved)
                 # what the process asked of the disk (/proc/self/io): every region once each way, and the
                 # gradient's once more per later reduction, in whole pages (on this tiny model a page's
@@ -613,7 +614,11 @@ def test_parameter_shards_on_nvme_bit_for_bit_read_ahead_and_out_of_memory(world
             # the optimizer side on NVMe too, its masters and state besides
             assert r["live_saved"] == r["host_saved"], (case, r["live_saved"], r["host_saved"])
             held = r["memory"]["parameters"] + r["kept"]  # read ahead, and read buffers kept for the next reads
-            assert r["kept"] <= case.get("buffer_count", 5) * r["largest"], (case, r["kept"])
+            # the pool of read buffers: buffer_count and one of the largest shard's bytes (R3), and
+            # with the optimizer side on NVMe as many of the largest step gradient's besides
+            kept = (case.get("buffer_count", 5) + 1) * r["largest"]
+            kept += kept * 2 if case.get("optimizer") == "nvme" else 0  # an fp32 gradient's bytes: 2 bf16 shards'
+            assert r["kept"] <= kept, (case, r["kept"])
             if case.get("optimizer", "cpu") == "cpu":
                 shared_master = shards if case.get("dtype") == "fp32" else 0
                 assert r["host_saved"] == shards - held - shared_master, (case, r["host_saved"], shards, held)
@@ -745,7 +750,8 @@ def test_a_cleared_step_gradient_waits_for_its_read_ahead_before_its_buffer_serv
         monkeypatch.setattr(SwapFile, "read", slow_read)
         grad.prefetch()  # the read ahead of a step, slow
         grad.clear()  # the step skipped
-        taken = space.shard_buffers.take(1024, torch.float32)  # the next shard's read buffer
+        taken, copied = space.shard_buffers.take(1024, torch.float32)  # the next shard's read buffer
+        copied()
         taken.fill_(7.0)
         space.drain()
         assert torch.equal(taken, torch.full((1024,), 7.0)), taken.sum()

@@ -159,7 +159,7 @@ def build_units(
             deferred.materialize_all()
             _agree_on_drawn_values(model, [], comm)
         units = [_whole_unit(planned, comm, settings, placement) for planned in plan.whole]
-        placement.tier.settle()  # every unit built: what the tier sizes by the largest
+        placement.settle()  # every unit built: what the tiers size by the largest
         return _in_arrival_order(units, position), [], NoGather()
     sharded = [
         ShardedFlatUnit(
@@ -187,7 +187,7 @@ def build_units(
         model, gathered, hooked, comm, settings.prefetch_numel, settings.max_live_numel, lifecycle
     )
     resident = [_whole_unit(planned, comm, settings, placement) for planned in plan.whole]
-    placement.tier.settle()
+    placement.settle()
     return _in_arrival_order([*sharded, *resident], position), frozen, gatherer
 
 

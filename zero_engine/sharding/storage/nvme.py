@@ -34,6 +34,10 @@ from .placement import HostMaster
 from .swap import SwapSpace
 
 
+def _landed() -> None:
+    """A host buffer's values are there already (filled on the host)."""
+
+
 def _free(tensor: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(0)
 
@@ -194,12 +198,14 @@ class NvmeShard:
         self.future: Future | None = None  # the last read or write submitted
         self.buffer: torch.Tensor | None = None  # a read's destination, from its submission to its use
         self.holds_slot = False  # the read in ``buffer`` took a slot
-        self._write(values.detach().to(HOST, copy=True).reshape(-1))
+        space.shard_buffers.fit(self.numel, self.dtype)
+        self._write(values.detach().to(HOST, copy=True).reshape(-1), pooled=False)
 
     @property
     def nbytes(self) -> int:
-        """In memory between uses: a read ahead's buffer, if one is in."""
-        return 0 if self.buffer is None else self.nvme_bytes
+        """In memory between uses: a read ahead's buffer, if one is in and not the space's own
+        (`swap.ReadBuffers` counts those)."""
+        return 0 if self.buffer is None or self.space.shard_buffers.owns(self.buffer) else self.nvme_bytes
 
     host_bytes = nbytes
 
@@ -207,15 +213,18 @@ class NvmeShard:
         """Start reading the shard for a gather to come, if a slot is free (else the gather reads it)."""
         if self.buffer is None and self.space.slots.acquire(blocking=False):
             self.space.requested[0] += self.nvme_bytes
-            self.buffer, self.holds_slot = self._host_buffer(), True
-            self.future = self.space.readers.submit(self._read_into, self.buffer, self.future)
+            buffer, copied = self._host_buffer()
+            self.buffer, self.holds_slot = buffer, True
+            self.future = self.space.readers.submit(self._read_into, buffer, self.future, copied)
 
-    def _host_buffer(self) -> torch.Tensor:
+    def _host_buffer(self) -> tuple[torch.Tensor, Callable[[], None]]:
         """A host buffer of the shard's size (on the host whatever default device the user set:
-        its memory is handed to ``os.preadv``/``os.pwrite``), one a gather gave back if any."""
+        its memory is handed to ``os.preadv``/``os.pwrite``) from the space's pool, and the wait
+        for the copy that last read it (`swap.ReadBuffers`)."""
         return self.space.shard_buffers.take(self.numel, self.dtype)
 
-    def _read_into(self, buffer: torch.Tensor, written: Future | None) -> None:
+    def _read_into(self, buffer: torch.Tensor, written: Future | None, copied: Callable[[], None]) -> None:
+        copied()  # the last gather's copy out of this buffer is done
         if written is not None:
             written.result()
         self.space.file.read(self.region, buffer)
@@ -224,8 +233,8 @@ class NvmeShard:
         """The values in a host buffer that is now the caller's: the read ahead, or one read now."""
         if self.buffer is None:
             self.space.requested[0] += self.nvme_bytes
-            buffer = self._host_buffer()
-            self._read_into(buffer, self.future)
+            buffer, copied = self._host_buffer()
+            self._read_into(buffer, self.future, copied)
         else:
             assert self.future is not None
             self.future.result()
@@ -236,51 +245,64 @@ class NvmeShard:
         self.future = None
         return buffer
 
-    def _write(self, host: torch.Tensor) -> None:
-        """``host`` (the shard's values, a buffer nobody else holds) to the file: behind, on the
-        write thread, if a slot is free; else now."""
+    def _write(self, host: torch.Tensor, copied: Callable[[], None] = _landed, pooled: bool = True) -> None:
+        """``host`` (the shard's values, a buffer nobody else holds, filled once ``copied``
+        returns) to the file: behind, on the write thread, if a slot is free; else now. A
+        ``pooled`` buffer goes back to the pool after."""
         if self.buffer is not None:
-            self._take()  # a read in flight finishes first (into a buffer then dropped)
+            self.space.shard_buffers.give(self._take())  # a read in flight finishes first (its values dropped)
         self.space.requested[1] += self.nvme_bytes
         if self.space.slots.acquire(blocking=False):  # the write thread runs writes in order
-            self.future = self.space.writers.submit(self._write_from, host, True)
+            self.future = self.space.writers.submit(self._write_from, host, copied, True, pooled)
         else:
             if self.future is not None:
                 self.future.result()
-            self._write_from(host, False)
+            self._write_from(host, copied, False, pooled)
             self.future = None
 
-    def _write_from(self, host: torch.Tensor, holds_slot: bool) -> None:
+    def _write_from(self, host: torch.Tensor, copied: Callable[[], None], holds_slot: bool, pooled: bool) -> None:
         try:
+            copied()
             self.space.file.write([(self.region, host)])
         finally:
             if holds_slot:
                 self.space.slots.release()
+            if pooled:
+                self.space.shard_buffers.give(host)
 
     def values(self) -> torch.Tensor:
-        return self._take()
+        """A copy of the values, the caller's (exports, checkpoints): the read buffer goes back."""
+        buffer = self._take()
+        values = buffer.clone()
+        self.space.shard_buffers.give(buffer)
+        return values
 
     @contextmanager
     def writing(self) -> Iterator[torch.Tensor]:
         values = self._take()
         yield values
-        self._write(values)
+        self._write(values, offload.copies_done(self.space.device))  # the caller's copies into it, if any
 
     def assign(self, values: torch.Tensor) -> None:
-        """The whole shard from ``values`` (a master published), cast on the host as CPU
-        offload's host shard casts it. A shard read ahead (for the next forward, asked before
-        the step) keeps the new values as what was read: they are written behind from that
-        buffer, in its slot, and the gather takes them without reading the file again."""
-        host = self._host_buffer()
-        host.copy_(values.reshape(-1))
+        """The whole shard from ``values`` (a master published), cast as CPU offload's host
+        shard casts it (`offload.copy_across`: from a device master asynchronously, into the
+        pinned buffer; the write waits for that copy). A shard read ahead (for the next
+        forward, asked before the step) keeps the new values as what was read: they are written
+        behind from that buffer, in its slot, and the gather takes them without reading the
+        file again."""
+        host, last_copied = self._host_buffer()
+        last_copied()
+        offload.copy_across(host, values.reshape(-1))
+        copied = offload.copies_done(values.device)
         if self.buffer is None:
-            self._write(host)
+            self._write(host, copied)
             return
         assert self.future is not None
         self.future.result()  # the read ahead done: its values are replaced
+        self.space.shard_buffers.give(self.buffer)
         self.buffer = host
         self.space.requested[1] += self.nvme_bytes
-        self.future = self.space.writers.submit(self._write_from, host, False)
+        self.future = self.space.writers.submit(self._write_from, host, copied, False, False)
 
     def fill(self, into: torch.Tensor) -> None:
         """Into a gather's buffer. A read that failed fills zeros instead of raising here, on
@@ -294,8 +316,8 @@ class NvmeShard:
                 raise
             into.zero_()
             return
-        offload.copy_across(into, buffer)  # from pageable memory: done when it returns
-        self.space.shard_buffers.give(buffer)
+        offload.copy_across(into, buffer)  # from pinned memory where CUDA is: beside the device's work
+        self.space.shard_buffers.give(buffer, offload.copies_done(into.device))
 
 
 class NvmeShards:
@@ -306,6 +328,9 @@ class NvmeShards:
 
     def make(self, values: torch.Tensor) -> NvmeShard:
         return NvmeShard(values, self.space)
+
+    def settle(self) -> None:
+        self.space.shard_buffers.allocate()
 
 
 class NvmeMasters:
@@ -329,6 +354,7 @@ class NvmeMasters:
 
     def settle(self) -> None:
         self.space.grad_buffers.allocate()
+        self.space.shard_buffers.allocate()
 
 
 def nvme_masters(placed: Placed, rank: int, device: torch.device | None = None) -> NvmeMasters:

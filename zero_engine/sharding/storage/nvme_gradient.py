@@ -40,6 +40,7 @@ class NvmeGrad:
         self.nvme_bytes = numel * 4
         self.region = space.file.allocate(self.nvme_bytes)
         space.grad_buffers.fit(numel)
+        space.shard_buffers.fit(numel, torch.float32)  # read for the step, and to add a micro-step's into
         self._started = False  # the file holds this window's gradient (else the next write overwrites it)
         self._written: Future | None = None  # the last write submitted
         self._norm: torch.Tensor | None = None  # the last write's fp32 norm (set on the write thread)
@@ -48,8 +49,10 @@ class NvmeGrad:
 
     @property
     def nbytes(self) -> int:
-        """In host memory between uses: a read ahead, if one is in, and the last write's norm."""
-        return (0 if self._ahead is None else self.nvme_bytes) + (0 if self._norm is None else 4)
+        """In host memory between uses: a read ahead, if one is in and not in the space's own
+        buffers (`swap.ReadBuffers` counts those), and the last write's norm."""
+        ahead = self._ahead is not None and not self.space.shard_buffers.owns(self._ahead[1])
+        return (self.nvme_bytes if ahead else 0) + (0 if self._norm is None else 4)
 
     def add(self, reduced: torch.Tensor, scale: float) -> None:
         update = scaled_fp32(reduced, scale)
@@ -68,7 +71,8 @@ class NvmeGrad:
         try:
             copied()
             if accumulate:  # the window's sum so far, plus this micro-step's: CPU offload's order
-                values = self.space.shard_buffers.take(self.numel, torch.float32)
+                values, last_copied = self.space.shard_buffers.take(self.numel, torch.float32)
+                last_copied()
                 self.space.file.read(self.region, values)
                 values.add_(landed)
             self.space.file.write([(self.region, values)])
@@ -94,11 +98,12 @@ class NvmeGrad:
     def prefetch(self) -> None:
         """Start reading the gradient in for its shard's step, after its last write."""
         if self._started and self._ahead is None:
-            buffer = self.space.shard_buffers.take(self.numel, torch.float32)
+            buffer, copied = self.space.shard_buffers.take(self.numel, torch.float32)
             self.space.requested[0] += self.nvme_bytes
-            self._ahead = (self.space.readers.submit(self._read_into, buffer, self._written), buffer)
+            self._ahead = (self.space.readers.submit(self._read_into, buffer, self._written, copied), buffer)
 
-    def _read_into(self, buffer: torch.Tensor, written: Future | None) -> None:
+    def _read_into(self, buffer: torch.Tensor, written: Future | None, copied: Callable[[], None]) -> None:
+        copied()  # the last copy out of this buffer (a carry's) is done
         if written is not None:
             written.result()
         self.space.file.read(self.region, buffer)
@@ -132,8 +137,10 @@ class NvmeGrad:
             window = None
         self._started = False
         if window is not None:
-            destination.add_(window.to(destination.device))
-            self._give_back_handed()
+            moved = torch.empty(window.shape, dtype=window.dtype, device=destination.device)
+            offload.copy_across(moved, window)  # from the pinned buffer where CUDA is: no host sync
+            destination.add_(moved)
+            self._give_back_handed(offload.copies_done(destination.device))
 
     def finish(self) -> None:
         """Nothing to add at the backward's end: the write thread added it."""
@@ -153,7 +160,7 @@ class NvmeGrad:
             self.space.shard_buffers.give(buffer)
         self._started = False
 
-    def _give_back_handed(self) -> None:
+    def _give_back_handed(self, copied: Callable[[], None] | None = None) -> None:
         if self._handed is not None:
-            self.space.shard_buffers.give(self._handed)
+            self.space.shard_buffers.give(self._handed, copied)
             self._handed = None

@@ -122,15 +122,23 @@ class ShardTier(Protocol):
         """A shard holding ``values`` (a view of the full buffer about to be freed; any dtype)."""
         ...
 
+    def settle(self) -> None:
+        """Every unit is built: make what is sized by the largest shard (NVMe's read buffers)."""
+        ...
+
 
 class DeviceShards:
     def make(self, values: torch.Tensor) -> ParamShard:
         return DeviceShard(values.clone())
 
+    def settle(self) -> None: ...
+
 
 class HostShards:
     def make(self, values: torch.Tensor) -> ParamShard:
         return HostShard(offload.host_copy(values, offload.PIN_CROSSING))  # cast on the device first
+
+    def settle(self) -> None: ...
 
 
 DEVICE_SHARDS = DeviceShards()

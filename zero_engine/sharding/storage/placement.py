@@ -388,6 +388,11 @@ class Placement:
             return GradView(full_grad)
         return DeviceGrad(numel, dtype, device, releases)
 
+    def settle(self) -> None:
+        """Every unit is built: each tier makes what it sizes by the largest (NVMe's buffers)."""
+        self.tier.settle()
+        self.shards.settle()
+
 
 def place(
     plan: OffloadPlan,

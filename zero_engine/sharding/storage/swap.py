@@ -26,7 +26,7 @@ import re
 import socket
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -171,6 +171,7 @@ class SwapSpace:
     ) -> None:
         remove_stale(directory)
         self.file = SwapFile(directory, rank)
+        self.device = device or HOST  # the engine's: where the copies out of and into its buffers run
         # One thread reads, one writes, so a shard's read-ahead need not queue behind the last
         # shard's write; a read of a shard still waits for that shard's own write. Each starts on
         # the rank's device (GPU review R4): its first CUDA call (an event's wait) would otherwise
@@ -181,7 +182,7 @@ class SwapSpace:
         self.slots = threading.Semaphore(buffer_count)
         self.buffer_count = buffer_count
         self.grad_buffers = GradBuffers(buffer_count)  # step gradients on their way in (`NvmeGrad`)
-        self.shard_buffers = ReadBuffers(buffer_count)  # shards and step gradients read, given back after use
+        self.shard_buffers = ReadBuffers(buffer_count + 1)  # shards and step gradients read, given back after use
         self.requested = [0, 0]  # bytes asked to be read and written (a write completes behind the step)
         self._reported = (0, 0)
 
@@ -217,37 +218,74 @@ def _set_cuda_device(device: torch.device) -> None:
 
 
 class ReadBuffers:
-    """Host buffers that parameter shards were read into, given back once their gather copied
-    them and handed to the next read of that size (the ``keep`` given back last are kept). Reads
-    then do not churn the heap: on a CPU glibc kept each freed buffer between the device's own
-    allocations (its mmap threshold rises after the first free), and the resident high-water
-    grew with the count of units."""
+    """The host buffers parameter shards and step gradients are read into: ``count`` of the
+    largest region's bytes (`fit`; as many whatever the count of units, so host memory does
+    not grow with the model's depth), made once every unit is built
+    (`allocate`), each handed out as a view of the size asked (`take`) and given back after use
+    (`give`). Made once, reads do not churn the heap (on a CPU glibc kept each freed buffer
+    between the device's own allocations and the resident high-water grew with the count of
+    units), and made pinned where CUDA is (DeepSpeed's swap buffers are too): a gather's copy
+    from one then runs beside the device's work instead of making the host wait for everything
+    queued (GPU review R3). A buffer is given back with the wait for the copy that reads it
+    (CUDA's event), and the next read into it waits for that first, on the thread that fills
+    it: no copy in flight is overwritten. ``count`` is the space's ``buffer_count`` and one: the
+    slots bound the reads ahead and writes behind, and one more is read there and then (a
+    gather's without a read ahead, a step gradient's sum on the write thread). None free: a
+    pageable one is made, dropped when given back (a wait could close a cycle with the reads
+    ahead that hold the others)."""
 
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
-        self._kept: deque[torch.Tensor] = deque()
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.nbytes_each = 0
+        self._made: dict[int, torch.Tensor] = {}  # by address: the pool's own buffers (uint8)
+        self._free: deque[tuple[torch.Tensor, Callable[[], None]]] = deque()
         self._lock = threading.Lock()
+
+    def fit(self, numel: int, dtype: torch.dtype) -> None:
+        self.nbytes_each = max(self.nbytes_each, numel * dtype.itemsize)
+
+    def allocate(self) -> None:
+        if self.nbytes_each and not self._made:
+            made = [offload.host_empty(self.nbytes_each, torch.uint8, offload.PIN_CROSSING) for _ in range(self.count)]
+            self._made = {buffer.data_ptr(): buffer for buffer in made}
+            self._free = deque((buffer, _nothing_to_wait_for) for buffer in made)
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer.untyped_storage().nbytes() for buffer in list(self._kept))
+        """The pool's buffers, free or taken (what holds a taken one counts it only if it is
+        not the pool's: `owns`)."""
+        return sum(offload.held_bytes(buffer) for buffer in self._made.values())
 
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def owns(self, buffer: torch.Tensor) -> bool:
+        return buffer.data_ptr() in self._made
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A host buffer of ``numel`` ``dtype`` values, and the wait to call before filling it."""
+        nbytes = numel * dtype.itemsize
+        self.allocate()
         with self._lock:
-            for index, buffer in enumerate(self._kept):
-                if buffer.numel() == numel and buffer.dtype == dtype:
-                    del self._kept[index]  # by place: a tensor's == compares its values
-                    return buffer
-        return torch.empty(numel, dtype=dtype, device=HOST)
+            if self._free and nbytes <= self.nbytes_each:
+                buffer, copied = self._free.popleft()  # the oldest given back: its copy most likely done
+                return buffer[:nbytes].view(dtype), copied
+        # pageable: a page-locked allocation inside a pass would wait for the whole device, every
+        # stream's collectives included (CUDA's implicit synchronizations), a hang where another
+        # rank's progress waits on this one's launches
+        return offload.host_empty(numel, dtype, False), _nothing_to_wait_for
+
+    def give(self, buffer: torch.Tensor, copied: Callable[[], None] | None = None) -> None:
+        """``buffer`` (from `take`) back, once ``copied`` (the wait for a copy that reads it) returns."""
+        with self._lock:
+            own = self._made.get(buffer.data_ptr())
+            if own is not None:
+                self._free.append((own, copied or _nothing_to_wait_for))
 
     def clear(self) -> None:
-        self._kept.clear()
-
-    def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
-            self._kept.append(buffer)
-            if len(self._kept) > self.keep:
-                self._kept.popleft()
+            self._made, self._free = {}, deque()
+
+
+def _nothing_to_wait_for() -> None:
+    pass
 
 
 class GradBuffers:
