@@ -20,6 +20,7 @@ model must find all but N6. Hand-made traces check the checker's rules one by on
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -32,12 +33,13 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from moe import EXPERTS, SequenceMoEModel, make_moe, moe_batch, sequence_moe_loss
+from test_nvme import DISK
 from zero_engine.testing.nccl_model import Event, NcclModel, find_hang, find_mismatches, opposite_orders
 
 STEPS, MICRO = 2, 2
 
 
-def _config(case: dict[str, Any]) -> dict[str, Any]:
+def _config(case: dict[str, Any], directory: str = "") -> dict[str, Any]:
     zero: dict[str, Any] = {"shard_group_size": case.get("group"), "reduce_bucket_size": 200}
     if case["stage"] == 3:
         wrapped = ["Expert", "MoEBlock", *(["ValueHead"] if case.get("value_head") else [])]
@@ -50,11 +52,17 @@ def _config(case: dict[str, Any]) -> dict[str, Any]:
             zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     if case.get("offload_param"):  # the parameter shards alone on the host
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if case.get("nvme"):  # the optimizer side on NVMe; at stage 3 the parameter shards too
+        on_nvme = {"device": "nvme", "nvme_path": directory, "buffer_count": 2}
+        zero["offload_optimizer"] = on_nvme
+        if case["stage"] == 3:
+            zero["offload_param"] = on_nvme
     if case.get("recompute"):
         zero["recompute_units"] = True
     if case.get("quantized"):  # the encoded second phase: made on the side stream, decoded after its wait
         zero.update(zero_quantized_gradients=True, zero_quantized_weights=True)
-    config = engine_config(case["stage"], micro=MICRO, lr=0.05, accum=case.get("accum", 1), **zero)
+    optimizer = {"optimizer": "Muon", "optimizer_params": {"adam_lr": 0.05}} if case.get("muon") else {}
+    config = engine_config(case["stage"], micro=MICRO, lr=0.05, accum=case.get("accum", 1), **optimizer, **zero)
     config["comm"] = {"timeout_s": 60, "primitives": "native"}  # NCCL's: one collective per gather or reduction
     config["sequence_parallel_size"] = case.get("sp", 1)
     return config
@@ -205,7 +213,7 @@ def traced_cases(rank: int, world_size: int, cases: list[dict[str, Any]], direct
         with NcclModel(
             second_phase_on_compute_stream=case.get("plant_n1", False), run_data_collectives=not recorded_only
         ) as nccl:
-            engine = zero_engine.initialize(model, _config(case))
+            engine = zero_engine.initialize(model, _config(case, DISK))
             reference = None
             if case.get("reference"):  # frozen, no value head
                 reference = zero_engine.initialize(_reference(case["form"]), _config({**case, "value_head": False}))
@@ -274,6 +282,14 @@ GRID = [
     {"stage": 2, "form": "skip", "sp": 2},
     {"stage": 3, "form": "guard", "sp": 4},
     {"stage": 1, "form": "skip", "sp": 4, "accum": 2},
+    # Muon's matrix exchanges (M9): owners over the shard group and within hybrid groups
+    {"stage": 3, "form": "skip", "muon": True, "accum": 2},
+    {"stage": 2, "form": "guard", "muon": True, "group": 2},
+    # NVMe offload (M9): stage 3's parameter shards and the optimizer side in swap files, read
+    # into the pool's pinned buffers (R3); the hybrid carry of a window's gradient from a read
+    # buffer (accumulation over groups of 2)
+    {"stage": 3, "form": "skip", "nvme": True, "accum": 2},
+    {"stage": 2, "form": "guard", "nvme": True, "group": 2, "accum": 2},
     # planted, last (they stay patched in the rank processes). R1 first (it patches only what the
     # split decides): the experts units of their own at stage 3 (and at k = the world),
     # reductions during the backward at stage 2
@@ -405,6 +421,20 @@ def test_offload_with_pageable_memory_syncs_the_host_once_per_backward(
             assert _syncs_in_passes(trace) == ["wait_for_host_copies"] * backwards
 
 
+def test_nvme_offload_syncs_the_host_only_at_the_step(grid_traces: dict[int, list[list[Event]]]) -> None:
+    """GPU review R3 and M10: NVMe's read buffers are the pool's pinned ones (made through
+    `offload.host_empty` at build), so neither a gather's copy from a parameter shard read in nor
+    the hybrid carry of a window's gradient waits for the device inside a pass: the passes' only
+    host sync inside a pass at all (the gradients' copies out are waited for by the write thread).
+    Planted pageable (the buffers as they were), both cases sync at every gather or carry."""
+    cases = [index for index, case in enumerate(GRID) if case.get("nvme")]
+    assert len(cases) == 2
+    for index in cases:
+        case = GRID[index]
+        for trace in grid_traces[index]:
+            assert _syncs_in_passes(trace) == [], case
+
+
 def test_nothing_syncs_the_whole_device_once_training_runs(grid_traces: dict[int, list[list[Event]]]) -> None:
     """GPU review M2/P2: a page-locked allocation (an offload staging buffer made lazily, in a
     backward), ``torch.cuda.synchronize`` or ``empty_cache`` waits for every collective the rank
@@ -428,10 +458,10 @@ def test_the_export_gather_is_matched_point_to_point(grid_traces: dict[int, list
 
 # Pairs of (reduction, gather) launches two ranks made in opposite orders, per stage 3 case in
 # grid order: the most seen in three runs (2026-11-26, the last three 2026-11-27, the sequence
-# parallel two 2026-12-02; they vary by up to 40% between runs with the hosts' timing), times 1.6,
+# parallel two 2026-12-02, Muon's and NVMe's 2026-12-02 once; they vary by up to 40% between runs with the hosts' timing), times 1.6,
 # plus 10.
 CROSSINGS_CEILING = [165, 126, 410, 10, 915, 126, 408, 421, 405, 168, 256, 261, 278, 302, 238, 315, 432, 164, 477,
-                     20, 10]
+                     20, 10, 890, 910]
 
 
 def test_the_two_stage_3_communicators_cross_no_more_than_measured(grid_traces: dict[int, list[list[Event]]]) -> None:
@@ -454,6 +484,62 @@ def _syncs_in_passes(trace: list[Event]) -> list[str]:
         elif event.kind == "sync" and in_pass:
             found.append(event.what)
     return found
+
+
+def trained_both_ways(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case trained twice: on gloo's own paths, and under the NCCL model with real waits
+    (the engine's NCCL code paths: native collectives, storage kept until the stream's wait,
+    the side stream's second phases, ...); the losses and final state of each."""
+    results = []
+    for case in cases:
+        runs = []
+        for modelled in (False, True):
+            model = SequenceMoEModel(case["form"]) if case.get("sp") else make_moe(case["form"])
+            with NcclModel(real_waits=True) if modelled else contextlib.nullcontext():
+                engine = zero_engine.initialize(model, _config(case, DISK))
+                losses = []
+                for step in range(STEPS):
+                    for micro in range(case.get("accum", 1)):
+                        if case.get("sp"):
+                            loss = sequence_moe_loss(engine, *_batch(step, micro, rank // case["sp"], False))
+                        else:
+                            loss = engine(*_batch(step, micro, rank, case.get("untouched", False)))
+                        engine.backward(loss)
+                        engine.step()
+                        losses.append(loss.item())
+                state = engine.full_state_dict()
+                torch.distributed.barrier()
+            engine.close()
+            runs.append({"losses": losses, "state": state})
+        results.append(runs)
+    return results
+
+
+# Not stage 3 with hybrid sharding: its second phases wait for their first on the side stream,
+# behind the compute stream's later gathers, which a host that blocks at each wait cannot model
+# (each rank would wait in a gather its peers launch only after their own second phases).
+NUMERICS = [
+    {"stage": 2, "form": "guard", "accum": 2, "untouched": True},
+    {"stage": 2, "form": "skip", "group": 2, "accum": 2},
+    {"stage": 3, "form": "guard", "sp": 2, "accum": 2},
+    {"stage": 3, "form": "skip", "muon": True},
+    {"stage": 3, "form": "skip", "nvme": True, "accum": 2},
+]
+
+
+def test_training_under_nccls_ordering_equals_gloos() -> None:
+    """GPU review M8: the NCCL model's own runs defer every data wait, so their values mean
+    nothing; with real waits the same runs take the engine's NCCL code paths (native
+    reduce-scatters and gathers, storage kept until the stream's wait, hybrid second phases on
+    the side stream, the sequence groups' exchanges, Muon's and NVMe's paths) and must train as
+    on gloo's: the same losses and final parameters, at 4 ranks (measured: bit for bit)."""
+    per_rank = run_on_ranks(4, trained_both_ways, NUMERICS, timeout=400)
+    for index, case in enumerate(NUMERICS):
+        for rank_runs in per_rank:
+            gloo, nccl = rank_runs[index]
+            assert nccl["losses"] == gloo["losses"], case
+            for name, value in gloo["state"].items():
+                assert torch.equal(nccl["state"][name], value), (case, name)
 
 
 # -- the checker itself, on traces made by hand ---------------------------------------------------
@@ -518,6 +604,19 @@ def test_one_communicator_runs_its_collectives_in_launch_order() -> None:
     rank1 = [_launch("a", 0), _launch("a", 1), Event("swait", "a", 1), _launch("b", 0), Event("sync")]
     hang = find_hang([rank0, rank1])
     assert hang is not None and any("a#1" in step for step in hang.cycle) and any("a#0" in step for step in hang.cycle), hang
+
+
+def test_an_all_to_all_of_pieces_pairs_each_send_with_its_receivers_count() -> None:
+    """Muon's exchanges send pieces of different sizes to each rank (M9): the buffers differ by
+    rank, and what pairs is rank i's count for rank j with rank j's count from rank i. Counts
+    that agree are no mismatch; a rank that sends one element more than its receiver expects is
+    named (NCCL would hang or write past the receiver's piece)."""
+    def exchange(received: tuple[int, ...], sent: tuple[int, ...]) -> list[Event]:
+        return [Event("launch", "data[all]", 0, "all_to_all_single", -1, (received, sent))]
+
+    assert find_mismatches([exchange((0, 3), (0, 2)), exchange((2, 0), (3, 0))]) == []
+    found = find_mismatches([exchange((0, 3), (0, 2)), exchange((1, 0), (3, 0))])
+    assert found == ["data[all]#0: rank 0 sends 2 elements to rank 1, which expects 1"], found
 
 
 def test_the_side_stream_inherits_the_compute_streams_waits() -> None:

@@ -1,7 +1,7 @@
 """A whole-matrix optimizer (Muon) over the units: which parameters it takes as matrices, its
 param groups (each of the user's split in a matrix half and an elementwise half, as DeepSpeed
-splits them), and each unit's `MatrixExchange` with the matrices' owners, chosen once for the
-whole model."""
+splits them), and each unit's `MatrixExchange` with the matrices' owners, chosen per window of
+units that share their exchanges (`zero_engine.sharding.storage.compute_layout.plan_windows`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from .comm import Comm
 from .muon import matrix_shape, takes_muon
 from .param_groups import ParamGroup
-from .sharding.storage.compute_layout import Matrix, MatrixExchange, assign_owners, matrix_cost
+from .sharding.storage.compute_layout import Matrix, MatrixExchange, assign_owners_by_window, matrix_cost, plan_windows
 from .sharding.units.unit import FlatUnit
 from .stage import Stage
 
@@ -62,7 +62,14 @@ def plan_exchanges(
         (u, index, matrix_shape(units[u].shapes[index])) for u, unit in enumerate(units)
         for index in range(len(unit.names)) if (u, index) in matrices
     ]
-    owners = assign_owners([matrix_cost(shape) for _, _, shape in found], ranks)
+    costs = [matrix_cost(shape) for _, _, shape in found]
+    with_matrices = sorted({u for u, _, _ in found})  # the units with matrices, in step order
+    windows = [[with_matrices[w] for w in window] for window in plan_windows(
+        [[cost for (u, _, _), cost in zip(found, costs) if u == unit] for unit in with_matrices], ranks)]
+    owners = assign_owners_by_window(
+        costs, [[i for i, (u, _, _) in enumerate(found) if u in window] for window in windows], ranks
+    )
+    closing = {window[-1] for window in windows}
     per_unit: dict[int, list[Matrix]] = {}
     for (u, index, shape), owner in zip(found, owners):
         unit = units[u]
@@ -80,4 +87,5 @@ def plan_exchanges(
         unit.optimizer_shard.matrices = MatrixExchange(
             unit_matrices, ranges, group, unit.device, replicated=not stage.shard_optimizer_state
         )
+        unit.optimizer_shard.matrices.closes_window = u in closing
     return len(found)

@@ -46,6 +46,8 @@ class MemoryReport(NamedTuple):
     peak_quantized_buffers: int = 0  # most encoded (ZeRO++ quantized) communication buffers alive at once this step
     frozen_parameters: int = 0  # of `parameters`, the frozen ones (requires_grad False): sharded at stage 3
     nvme: int = 0  # offload_optimizer on NVMe: masters and optimizer state in the rank's swap file
+    # Muon: its exchange's buffers alive at once in the last step (an owner's whole matrices of a window)
+    peak_matrix_exchange: int = 0
 
     @property
     def model_states(self) -> int:

@@ -168,7 +168,9 @@ class ModelAccess:
         )
         # NVMe: the buffers gradients cross in, and those kept for the next shards read
         buffers = sum(swap.grad_buffers.nbytes + swap.shard_buffers.nbytes for swap in self.swaps)
-        return report._replace(host=report.host + buffers)._asdict()
+        return report._replace(
+            host=report.host + buffers, peak_matrix_exchange=self.optimizer_step.peak_matrix_bytes
+        )._asdict()
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank sent and received per collective kind in the current optimizer step;

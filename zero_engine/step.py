@@ -112,6 +112,7 @@ class OptimizerStep:
         self.grad_norm: float | None = None  # the last step's
         self.applied = False  # whether the last step updated the parameters
         self.peak_grad_bytes = 0  # fp32 copies of low-precision gradients alive at once in the last step
+        self.peak_matrix_bytes = 0  # a whole-matrix optimizer's exchange buffers alive at once in the last step
 
     @property
     def loss_scale(self) -> float:
@@ -189,8 +190,9 @@ class OptimizerStep:
         offload, the ranks then agree on whether every read and write so far went through."""
         shards = [unit.optimizer_shard for unit in self.units]
         with self._swap_failures_agreed():
-            self.peak_grad_bytes = step_shards(
-                self.optimizer, shards, used, multiplier, lambda: self._swap_failure() is not None
+            self.peak_grad_bytes, self.peak_matrix_bytes = step_shards(
+                self.optimizer, shards, used, multiplier, lambda: self._swap_failure() is not None,
+                windowed=not self.swap_files,
             )
         if self.swap_files:  # control traffic: the control group, off the data group (NCCL on GPUs)
             failed = sum(row for row in self.comm.each_rank(int(self._swap_failure() is not None)).values())
@@ -345,6 +347,7 @@ class NoOptimizerStep:
     grad_norm = None
     applied = False
     peak_grad_bytes = 0
+    peak_matrix_bytes = 0
     loss_scale = 1.0
 
     def __init__(self) -> None:

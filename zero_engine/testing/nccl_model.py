@@ -47,7 +47,9 @@ builds NCCL's dependency graph from every rank's trace and returns a cycle
 - a host sync depends on every collective the compute stream waited for, a device-wide sync on
   every collective the rank launched; a control round is read once every rank issued it.
 
-Tests only: the values a modelled run computes are not meaningful (waits are deferred).
+Tests only: the values a modelled run computes are not meaningful (waits are deferred), unless
+``real_waits`` makes every stream wait a real one: then the run takes NCCL's code paths with
+values that mean what they would on GPUs.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ class Event(NamedTuple):
     seq: int = -1
     what: str = ""  # the collective, or the cause of a sync
     size: int = -1  # a launch: bytes of its largest tensor (the same on every member, as NCCL pairs them)
+    # an all-to-all of pieces of any sizes: (elements received from, elements sent to) each
+    # group rank; its buffers' sizes differ by rank, and rank i's sent[j] is rank j's received[i]
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 class Hang(NamedTuple):
@@ -102,13 +107,20 @@ class NcclModel:
     on the compute stream, as before the side stream (the N1 hang of the GPU review, for
     tests that plant it)."""
 
-    def __init__(self, *, second_phase_on_compute_stream: bool = False, run_data_collectives: bool = True) -> None:
+    def __init__(
+        self, *, second_phase_on_compute_stream: bool = False, run_data_collectives: bool = True,
+        real_waits: bool = False,
+    ) -> None:
         self.events: list[Event] = []
         self.second_phase_on_compute_stream = second_phase_on_compute_stream
         # False: data collectives are recorded, not run (their outputs keep what they held), for
         # runs whose ranks pair different collectives (gloo would wait for its timeout); the
         # control rounds, and so the schedule, run as ever
         self.run_data_collectives = run_data_collectives
+        # True: a stream wait also waits for real, so the run computes what it would on GPUs
+        # (NCCL's code paths, meaningful values: a numerics check under NCCL's ordering); the
+        # trace is still recorded, but the deferral a GPU's host runs ahead with is gone
+        self.real_waits = real_waits
         self._started = False  # the caller's first mark: pinned allocations are device syncs from here
         self._seq: dict[str, int] = defaultdict(int)
         self._deferred: list[Any] = []  # real works whose wait a sync will do
@@ -158,8 +170,11 @@ class NcclModel:
 
     # -- recording -----------------------------------------------------------------------------
 
-    def _record(self, kind: str, group: str = "", seq: int = -1, what: str = "", size: int = -1) -> None:
-        self.events.append(Event(kind, group, seq, what, size))
+    def _record(
+        self, kind: str, group: str = "", seq: int = -1, what: str = "", size: int = -1,
+        splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    ) -> None:
+        self.events.append(Event(kind, group, seq, what, size, splits))
 
     def _next_seq(self, group: str) -> int:
         seq = self._seq[group]
@@ -177,7 +192,9 @@ class NcclModel:
                     self._record("read", name, seq, what)
                     return work
                 return _ControlWork(self, work, name, seq, what)
-            self._record("launch", name, seq, what, _largest_bytes(args, kwargs))
+            splits = _splits(what, args, kwargs)
+            size = -1 if splits is not None else _largest_bytes(args, kwargs)
+            self._record("launch", name, seq, what, size, splits)
             launched = real(*args, group=group, async_op=True, **kwargs) if self.run_data_collectives else None
             work = _DataWork(self, launched, name, seq)
             if not async_op:
@@ -189,6 +206,9 @@ class NcclModel:
 
     def _stream_wait(self, work: _DataWork) -> None:
         self._record("swait", work.group, work.seq)
+        if self.real_waits and work.real is not None:
+            work.real.wait()
+            return
         self._deferred.append(work.real)
 
     def _sync(self, what: str) -> None:
@@ -286,6 +306,19 @@ class NcclModel:
             real(destination, values)
 
         return copy_across
+
+
+def _splits(what: str, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """An all-to-all of pieces' (received, sent) element counts per group rank; None for any
+    other collective, and for an all-to-all of equal pieces (its sizes pair as any collective's)."""
+    if what != "all_to_all_single":
+        return None
+    named = ("output", "input", "output_split_sizes", "input_split_sizes")
+    bound = {**dict(zip(named, args)), **kwargs}
+    received, sent = bound.get("output_split_sizes"), bound.get("input_split_sizes")
+    if received is None or sent is None:
+        return None
+    return tuple(received), tuple(sent)
 
 
 def _largest_bytes(args: tuple, kwargs: dict[str, Any]) -> int:
@@ -402,12 +435,17 @@ def find_mismatches(traces: Sequence[Sequence[Event]]) -> list[str]:
     communicator must be the same operation on tensors of the same size on every member
     (`find_hang` pairs by number alone; an all-gather paired with an all-reduce of another
     size is undefined behaviour on NCCL, a hang or garbage). Point-to-point pairs (a send and
-    its receive) are exempt."""
+    its receive) are exempt. An all-to-all of pieces pairs each rank's sends with the
+    receivers' counts instead: rank i's ``sent[j]`` must be rank j's ``received[i]`` (the group
+    ranks are the members in rank order)."""
     seen: dict[tuple[str, int], dict[int, tuple[str, int]]] = defaultdict(dict)
+    pieces: dict[tuple[str, int], dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = defaultdict(dict)
     for rank, trace in enumerate(traces):
         for event in trace:
             if event.kind == "launch" and not event.group.startswith("p2p"):
                 seen[(event.group, event.seq)][rank] = (event.what, event.size)
+                if event.splits is not None:
+                    pieces[(event.group, event.seq)][rank] = event.splits
     found = []
     for (group, seq), by_rank in sorted(seen.items()):
         if len(set(by_rank.values())) > 1:
@@ -415,6 +453,20 @@ def find_mismatches(traces: Sequence[Sequence[Event]]) -> list[str]:
                 f"rank {rank} {what} of {size} bytes" for rank, (what, size) in sorted(by_rank.items())
             )
             found.append(f"{group}#{seq}: {launched}")
+        elif (group, seq) in pieces:
+            found.extend(f"{group}#{seq}: {unpaired}" for unpaired in _unpaired_pieces(pieces[(group, seq)]))
+    return found
+
+
+def _unpaired_pieces(by_rank: dict[int, tuple[tuple[int, ...], tuple[int, ...]]]) -> list[str]:
+    """An all-to-all of pieces' sends that their receivers do not expect in that size."""
+    members = sorted(by_rank)
+    found = []
+    for i, sender in enumerate(members):
+        for j, receiver in enumerate(members):
+            sent, expected = by_rank[sender][1][j], by_rank[receiver][0][i]
+            if sent != expected:
+                found.append(f"rank {sender} sends {sent} elements to rank {receiver}, which expects {expected}")
     return found
 
 

@@ -41,7 +41,7 @@ import torch
 
 from ... import offload
 from ...devices import saved_copy, tensor_bytes
-from .compute_layout import MatrixExchange
+from .compute_layout import MatrixExchange, finish_window
 from .layout import UnitLayout
 from .placement import Master, StepGrad
 
@@ -355,7 +355,8 @@ def step_shards(
     used: Sequence[bool],
     multiplier: float,
     swap_failed: Callable[[], bool] = lambda: False,
-) -> int:
+    windowed: bool = False,
+) -> tuple[int, int]:
     """Step ``optimizer`` on every shard's fp32 gradient (``used``: per parameter, in unit
     order, offsets from each unit's ``used_offset``); a parameter no rank used keeps its values
     and its state. The optimizer steps once per shard, so a low-precision gradient's fp32 copy
@@ -367,8 +368,13 @@ def step_shards(
     (asynchronous from pinned memory) then runs while the host steps the next shard. An
     `OSError` for which ``swap_failed()`` holds (an NVMe swap file's) ends this rank's stepping
     but not its part in the exchanges left (`MatrixExchange.stand_in`), then is raised: the
-    caller's agreement then raises on every rank. Returns the most fp32 copy bytes alive at once."""
-    peak = 0
+    caller's agreement then raises on every rank. ``windowed`` (no swap files: a master stays
+    in memory after its step): the units of a window of matrix exchanges
+    (`compute_layout.plan_windows`) finish together after the window's last one stepped, then
+    publish. Returns the most fp32 copy bytes alive at once, and the most bytes a matrix
+    exchange's buffers held at once (`compute_layout.finish_window`)."""
+    peak = matrix_peak = 0
+    window: list[tuple[OptimizerShard, Sequence[bool]]] = []
     if shards:
         shards[0].grad.prefetch()
     for index, shard in enumerate(shards):
@@ -383,18 +389,33 @@ def step_shards(
                 peak = max(peak, copy_bytes)
                 if attached:
                     optimizer.step()
-                if shard.matrices is not None:
-                    exchanged = True
-                    shard.matrices.finish(optimizer, shard.targets, unit_used)
                 for target in attached:
                     target.tensor.grad = None
                 shard.grad.stepped()
+                if shard.matrices is not None and windowed:
+                    window.append((shard, unit_used))
+                    if shard.matrices.closes_window or index + 1 == len(shards):
+                        matrix_peak = max(matrix_peak, _finish_window(optimizer, window))
+                    continue
+                if shard.matrices is not None:
+                    exchanged = True
+                    matrix_peak = max(matrix_peak, shard.matrices.finish(optimizer, shard.targets, unit_used))
                 shard.publish()
         except OSError:
             if not swap_failed():
                 raise
             _stand_in(shards[index:] if not exchanged else shards[index + 1 :], used)
             raise
+    return peak, matrix_peak
+
+
+def _finish_window(optimizer: Any, window: list[tuple[OptimizerShard, Sequence[bool]]]) -> int:
+    """A window's whole-matrix part, then its units published; the window emptied. Returns the
+    exchange's peak bytes."""
+    peak = finish_window(optimizer, [(shard.matrices, shard.targets, unit_used) for shard, unit_used in window])
+    for shard, _ in window:
+        shard.publish()
+    window.clear()
     return peak
 
 
