@@ -102,7 +102,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
             engine.step()
             if step >= args.warmup:
                 times[device].append(time.perf_counter() - started)
-    for swap in engines["nvme"].swaps:
+    for swap in engines["nvme"].held:
         swap.drain()  # the last writes behind (the others overlap the next step)
     moved = engines["nvme"].comm_report()["nvme"]
     for engine in engines.values():
@@ -203,7 +203,7 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
         engine.step()
         times.append(time.perf_counter() - began)
         losses.append(round(loss.item(), 4))
-    for swap in engine.swaps:
+    for swap in engine.held:
         swap.drain()
     row.update(
         step_s=statistics.median(times), losses=losses, nvme_report=engine.comm_report().get("nvme"),

@@ -482,3 +482,72 @@ def test_a_decay_must_end_after_its_warmup_at_the_boundary(name: str) -> None:
         zero_engine.load_config({"scheduler": {"type": name, "params": {"total_num_steps": 100, "warmup_num_steps": 100}}})
     config = zero_engine.load_config({"scheduler": {"type": name, "params": {"total_num_steps": 101, "warmup_num_steps": 100}}})
     assert config.scheduler.params["total_num_steps"] == 101
+
+
+# -- a held resource failing on one rank (STRUCTURE item 1) ---------------------------------------
+
+
+class _FakeHeld:
+    """A resource a feature holds (`zero_engine.sharding.storage.held.Held`), failing when told."""
+
+    kind, what, consequence, step_read_ahead = "fake", "a fake resource's read", "Start again.", 0
+    host_bytes = 0
+
+    def __init__(self) -> None:
+        self.failed: OSError | None = None
+
+    def failure(self) -> OSError | None:
+        return self.failed
+
+    def error(self, message: str) -> Exception:
+        return RuntimeError(message)
+
+    def report(self) -> dict[str, int]:
+        return {"read": 0}
+
+    def reset_report(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def a_held_resource_that_fails(rank: int, world_size: int) -> list[tuple[str, str, float]]:
+    """Stage 3 on 2 ranks with a fake held resource registered on both: rank 1's fails before a
+    step, then (in a new engine) before a forward. What each rank raised, and how fast."""
+    found = []
+    for when in ("step", "forward"):
+        config = engine_config(3, micro=MICRO, lr=0.05, stage3_param_persistence_threshold=0)
+        config["comm"] = {"timeout_s": 60}  # a rank left waiting would wait this long
+        engine = zero_engine.initialize(make_model(), config)
+        fake = engine.held.add(_FakeHeld())
+        _train(engine, rank, world_size, range(1))
+        started = time.monotonic()
+        if when == "step":
+            engine.backward(engine(*micro_batch(1, 0, rank, world_size, MICRO, 1)))
+            if rank == 1:
+                fake.failed = OSError(errno.EIO, "planted")
+            error, message = _outcome(engine.step)
+        else:
+            if rank == 1:
+                fake.failed = OSError(errno.EIO, "planted")
+            error, message = _outcome(lambda: engine(*micro_batch(1, 0, rank, world_size, MICRO, 1)))
+        found.append((error, message, time.monotonic() - started))
+        engine.close()
+    return found
+
+
+def test_a_held_resource_failing_on_one_rank_raises_on_every_rank_at_the_step_and_in_a_gather() -> None:
+    """Whatever a feature holds reaches the step's agreement and stage 3's rounds through the
+    build's registry, not by name: a fake resource failing on rank 1 makes both ranks raise its
+    error at the step (counted in the norm's all-reduce) and at the next forward's gather round,
+    at once, naming the ranks and this rank's own failure."""
+    per_rank = run_on_ranks(2, a_held_resource_that_fails, timeout=200)
+    for rank, outcomes in enumerate(per_rank):
+        (step_error, step_message, step_seconds), (gather_error, gather_message, gather_seconds) = outcomes
+        assert step_error == gather_error == "RuntimeError", outcomes
+        assert "a fake resource's read failed on 1 of 2 ranks at step 1, before its update" in step_message, step_message
+        assert "a fake resource's read failed on rank 1 (a read for a gather" in gather_message, gather_message
+        for message in (step_message, gather_message):
+            assert ("planted" if rank == 1 else "this rank's went through") in message, message
+        assert step_seconds < 20 and gather_seconds < 20, outcomes

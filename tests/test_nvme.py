@@ -21,6 +21,7 @@ import zero_engine
 from harness import run_on_ranks
 from test_muon import MICRO, make_gpt
 from test_muon import train_engine as train
+from zero_engine.sharding.storage.nvme import shard_swap_space, swap_space
 
 def _a_disk() -> str:
     """A directory on a disk (a swap file on tmpfs is refused): /var/tmp, the temporary
@@ -106,12 +107,12 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
             engine = zero_engine.initialize(make_gpt(), config(case["stage"], device, directory, **options))
             train(engine, rank, world, range(STEPS - 1), case.get("accum", 2))
             if device == "nvme":
-                engine.swap.drain()  # the last step's writes behind it done
+                swap_space(engine.units).drain()  # the last step's writes behind it done
                 io_before = _process_io()
                 train(engine, rank, world, range(STEPS - 1, STEPS), case.get("accum", 2))
-                engine.swap.drain()  # the writes behind the step done
+                swap_space(engine.units).drain()  # the writes behind the step done
                 io_after = _process_io()
-                swap = engine.swap.file.path
+                swap = swap_space(engine.units).file.path
                 report = {
                     "nvme": engine.comm_report()["nvme"],
                     "disk": {key: io_after[key] - io_before[key] for key in io_before},
@@ -119,13 +120,13 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
                                        for unit in engine.units) * 4 * 3,  # master, exp_avg, exp_avg_sq
                     "grad_bytes": sum(unit.optimizer_shard.grad.nvme_bytes for unit in engine.units),  # fp32
                     "grad_pages": sum(-(-unit.optimizer_shard.grad.nvme_bytes // 4096) * 4096 for unit in engine.units),
-                    "grad_buffers": engine.swap.grad_buffers.nbytes,  # host buffers gradients cross in
-                    "read_buffers": engine.swap.shard_buffers.nbytes,  # and those kept for the next reads
+                    "grad_buffers": swap_space(engine.units).grad_buffers.nbytes,  # host buffers gradients cross in
+                    "read_buffers": swap_space(engine.units).shard_buffers.nbytes,  # and those kept for the next reads
                     "largest_grad": max(unit.optimizer_shard.grad.nvme_bytes for unit in engine.units),
-                    "buffer_count": engine.swap.buffer_count,
+                    "buffer_count": swap_space(engine.units).buffer_count,
                     "grad_norms": 4 * len(engine.units),  # each gradient's fp32 norm, kept from its write
                     "memory": engine.memory_report(),
-                    "file": swap.name, "cached": cached_pages(swap), "regions": engine.swap.file.end,
+                    "file": swap.name, "cached": cached_pages(swap), "regions": swap_space(engine.units).file.end,
                 }
             else:
                 train(engine, rank, world, range(STEPS - 1, STEPS), case.get("accum", 2))
@@ -321,7 +322,7 @@ FAILING = [
     {"stage": 2, "accum": 2, "fails": "write", "when": "at step 2, before its update: nothing of it was applied",
      "error": "No space left on device"},
     {"stage": 1, "accum": 1, "fails": "read", "when": "at step 2, in its update", "error": "Input/output error"},
-    {"stage": 3, "accum": 2, "fails": "gather", "when": "the parameter shards' swap file failed on rank 1 (a read",
+    {"stage": 3, "accum": 2, "fails": "gather", "when": "a swap file's read or write failed on rank 1 (a read for a gather",
      "error": "Input/output error"},
     {"stage": 2, "accum": 3, "groups": 1, "fails": "carry", "when": "at step 2, before its update",
      "error": "Input/output error"},
@@ -521,10 +522,10 @@ def params_against_cpu(rank: int, world: int, directory: str, cases: list[dict[s
             served.clear()
             result: dict[str, Any] = {}
             if params == "nvme":
-                for swap in engine.swaps:
+                for swap in engine.held:
                     swap.drain()
                 io_before = _process_io()
-                result["file"] = engine.param_swap.file.path
+                result["file"] = shard_swap_space([*engine.units, *engine.frozen_units]).file.path
                 result["regions"] = 4 * sum(  # no local keeps the units alive into the next case's live count
                     1 for unit in [*engine.units, *engine.frozen_units] if unit.shard.nvme_bytes
                 )
@@ -538,13 +539,13 @@ def params_against_cpu(rank: int, world: int, directory: str, cases: list[dict[s
                 result["largest"] = max(unit.shard.nvme_bytes for unit in [*engine.units, *engine.frozen_units])
             losses += run(engine, range(STEPS - 1, STEPS))
             if params == "nvme":
-                for swap in engine.swaps:
+                for swap in engine.held:
                     swap.drain()
                 io_after = _process_io()
                 result.update(
                     disk={key: io_after[key] - io_before[key] for key in io_before},
                     report=engine.comm_report()["nvme"], memory=engine.memory_report(), served=list(served),
-                    kept=sum(swap.shard_buffers.nbytes for swap in engine.swaps),  # read buffers kept for reuse
+                    kept=sum(swap.shard_buffers.nbytes for swap in engine.held),  # read buffers kept for reuse
                     cached=cached_pages(result["file"]),
                 )
             others = sum(t.untyped_storage().nbytes() for run in runs.values() for t in run["state"].values())

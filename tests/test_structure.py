@@ -116,3 +116,48 @@ def test_at_most_20_functions_take_the_config_or_a_section():
             sys.argv = argv
     line = next(line for line in out.getvalue().splitlines() if line.startswith("functions that take the config"))
     assert int(line.split("(")[1].split(")")[0]) <= 20, line
+
+
+# The loop: what every feature's obligations used to be written into by name (STRUCTURE item 1).
+LOOP_FILES = ("engine.py", "model_access.py", "step.py", "entry.py")
+TIER_MODULES = ("nvme", "nvme_gradient", "swap", "host_gradient")
+
+
+def _names_and_imports(source: str) -> tuple[set[str], set[str]]:
+    """Every identifier a module's code uses (names, attributes, arguments, definitions) and the
+    last part of every module it imports."""
+    names, imported = set(), set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name.split(".")[-1])
+            imported.add(node.name.split(".")[-1])
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[-1])
+    return names, imported
+
+
+def test_the_loop_names_no_tier_and_imports_none():
+    """A feature's resources reach the loop through what the build registered
+    (`zero_engine.sharding.storage.held`): the engine, its state access, the step and
+    `initialize` import no tier module and use no name of NVMe or swap."""
+    found = []
+    for name in LOOP_FILES:
+        names, imported = _names_and_imports((ROOT / "zero_engine" / name).read_text())
+        found += [f"{name} imports {module}" for module in sorted(imported & set(TIER_MODULES))]
+        found += [f"{name} names {word}" for word in sorted(names) if "nvme" in word.lower() or "swap" in word.lower()]
+    assert found == []
+
+
+def test_the_name_check_sees_imports_attributes_and_arguments():
+    names, imported = _names_and_imports(
+        "from .sharding.storage.nvme import swap_space\nimport a.swap\ndef f(nvme_path):\n    self.param_swap = 1\n"
+    )
+    assert {"swap_space", "nvme_path", "param_swap"} <= names and {"nvme", "swap"} <= imported

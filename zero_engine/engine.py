@@ -31,7 +31,6 @@ from .precision import Precision
 from .progress import Progress
 from .sharding.building.build import BuildSettings, build_mechanism
 from .sharding.building.deferred_init import DeferredInit
-from .sharding.storage.nvme import shard_swap_space, swap_space
 from .sharding.units.lifecycle import Lifecycle
 from .sharding.units.unit_plan import UnitPlan
 from .sharding.gathering.agreement import Call
@@ -97,13 +96,11 @@ class Engine(ModelAccess, StepView, WindowView):
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
         cast_frozen(model, precision.compute_dtype)  # before any unit takes their values: no fp32 copy, ever
-        self.units, self.frozen_units, self.gatherer, self.reducer, self.calls, self.codecs = build_mechanism(
+        self.units, self.frozen_units, self.gatherer, self.reducer, self.calls, self.codecs, self.held = build_mechanism(
             model, plan, comm, build, self.device, self.lifecycle, self._begin_backward, deferred
         )
         cast_frozen(model, precision.compute_dtype)  # those materialized from the meta device while building
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype, self.frozen_units)
-        self.swap = swap_space(self.units)  # offload_optimizer on NVMe: this rank's swap file
-        self.param_swap = shard_swap_space([*self.units, *self.frozen_units])  # offload_param on NVMe: another
         self.checkpoint_writer: FileWriter = FILES  # where save_checkpoint writes (another storage: its own writer)
         self.guards = LoopGuards(model)  # what the loop may not do (requires_grad as built, among others)
         self.transforms = model_transforms(  # compiled later (compile()); close() puts it all back
@@ -114,7 +111,7 @@ class Engine(ModelAccess, StepView, WindowView):
         if self.units:
             self.optimizer_step = OptimizerStep(
                 settings.step, stage, self.units, groups, comm, self.reducer, self.device, self.offload,
-                lr_scheduler,
+                self.held, lr_scheduler,
             )
         self.step_log = StepLog(settings.monitors.writers() if comm.rank == 0 else [])  # DeepSpeed's monitor sections
         self.progress = Progress(  # rank 0's line every steps_per_print steps
@@ -143,8 +140,8 @@ class Engine(ModelAccess, StepView, WindowView):
         if self.precision.mixed:
             args, kwargs = map_tensors(self._to_compute_dtype, (args, kwargs))
         self.progress.add_inputs(args, kwargs)
-        if self.swap is not None and torch.is_grad_enabled() and self.is_gradient_accumulation_boundary():
-            self.optimizer_step.read_ahead(self.swap.buffer_count - 1)  # NVMe: the first shards read during the pass
+        if self.held.step_read_ahead and torch.is_grad_enabled() and self.is_gradient_accumulation_boundary():
+            self.optimizer_step.read_ahead(self.held.step_read_ahead)  # the step's first shards read during the pass
         try:
             with self.progress.timed("forward"):
                 output = self.module(*args, **kwargs)
@@ -290,8 +287,7 @@ class Engine(ModelAccess, StepView, WindowView):
         """The communication report covers one optimizer step, from its first micro-batch."""
         if not self._window_opened:
             self.comm.reset_report()
-            for swap in self.swaps:
-                swap.reset_report()
+            self.held.reset_reports()
             self.codecs.meter.reset()
             self._window_opened = True
 
@@ -337,8 +333,7 @@ class Engine(ModelAccess, StepView, WindowView):
         self.transforms.remove()
         self.lifecycle.remove_hooks()
         self.step_log.close()
-        for swap in self.swaps:  # their files removed
-            swap.close()
+        self.held.close()  # what the tiers opened (NVMe's files removed)
         _WRAPPED.pop(self.module, None)
         if whole is not None:
             with torch.no_grad():

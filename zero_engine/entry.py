@@ -26,8 +26,7 @@ from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer
 from .engine import Engine, is_wrapped, left_sharded
 from .engine_settings import EngineSettings
 from .logs import show_by_default
-from .memory import estimate_from_config, nvme_parts
-from .sharding.storage.nvme import check_swap_directories
+from .memory import check_offload_directories, estimate_from_config
 from .offload import offload_plan
 from .optim import check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
@@ -163,9 +162,7 @@ def _build_engine(
         trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
         formula = estimate_from_config(config, trainable, comm.mesh.world)
         _check_host_memory(formula.host, units, settings, comm)
-        check_swap_directories(  # NVMe: each rank's files
-            settings.offload, *nvme_parts(formula, settings.offload), offload.local_ranks()
-        )
+        check_offload_directories(settings.offload, formula, offload.local_ranks())  # NVMe: each rank's files
     if comm.rank == 0:
         _log_settings(config, stage, settled.groups)
         _warn_if_one_hardware_queue(stage, comm)

@@ -151,6 +151,14 @@ def nvme_parts(report: MemoryReport, plan: OffloadPlan) -> tuple[int, int]:
     return report.nvme - shards, shards
 
 
+def check_offload_directories(plan: OffloadPlan, formula: MemoryReport, local_ranks: int) -> None:
+    """At `initialize`: each NVMe offload's directory usable, with room for what this node's
+    ranks put there (the formula's bytes: `nvme_parts`); nothing without NVMe offload."""
+    from .sharding.storage.nvme import check_swap_directories
+
+    check_swap_directories(plan, *nvme_parts(formula, plan), local_ranks)
+
+
 def with_offload(
     report: MemoryReport, plan: OffloadPlan, num_params: int, shards: int, *, mixed: bool, stage: Stage
 ) -> MemoryReport:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .offload import OffloadPlan
     from .sharding.gathering.calls import CallGuard, PassCallGuard
     from .sharding.storage.codec import Codecs
-    from .sharding.storage.swap import SwapSpace
+    from .sharding.storage.held import Holdings
     from .sharding.units.frozen_unit import FrozenUnit
     from .sharding.gathering.gatherer import NoGather
     from .sharding.reduction.reducer import GradReducer
@@ -62,8 +62,7 @@ class ModelAccess:
     stage: Stage
     device: torch.device
     offload: OffloadPlan
-    swap: SwapSpace | None
-    param_swap: SwapSpace | None
+    held: Holdings
     checkpoint_writer: FileWriter
     global_step: int
     skipped_steps: int
@@ -166,10 +165,8 @@ class ModelAccess:
             optimizer_on_host=self.offload.optimizer,
             peak_encoded_bytes=self.codecs.meter.peak,
         )
-        # NVMe: the buffers gradients cross in, and those kept for the next shards read
-        buffers = sum(swap.grad_buffers.nbytes + swap.shard_buffers.nbytes for swap in self.swaps)
-        return report._replace(
-            host=report.host + buffers, peak_matrix_exchange=self.optimizer_step.peak_matrix_bytes
+        return report._replace(  # the host buffers of what the tiers hold (NVMe's: gradients cross and are read in)
+            host=report.host + self.held.host_bytes, peak_matrix_exchange=self.optimizer_step.peak_matrix_bytes
         )._asdict()
 
     def comm_report(self) -> dict[str, dict[str, int]]:
@@ -177,15 +174,8 @@ class ModelAccess:
         with ``device: nvme`` offload also its swap files' bytes (``"nvme"``: read, written, and
         the written bytes as terabytes per 1,000 such steps, what wears an SSD)."""
         report: dict[str, dict[str, Any]] = dict(self.comm.report())
-        if self.swaps:
-            moved = {key: sum(swap.report()[key] for swap in self.swaps) for key in ("read", "written")}
-            report["nvme"] = {**moved, "tb_written_per_1000_steps": moved["written"] * 1000 / 1e12}
+        report.update(self.held.reports())  # what the tiers hold moved: NVMe's swap files
         return report
-
-    @property
-    def swaps(self) -> list[SwapSpace]:
-        """This rank's swap spaces (NVMe offload of the optimizer side, of parameter shards)."""
-        return [swap for swap in (self.swap, self.param_swap) if swap is not None]
 
     def save_checkpoint(
         self,

@@ -13,10 +13,11 @@ optimizer shards, the learning-rate schedule, fp16's loss scaler, and the step's
    parameters where optimizer state is sharded (stage 3 units stay sharded until used);
 4. the schedule and the loss scaler advance on applied steps only.
 
-With NVMe offload a swap file's read or write that failed on some rank (a full disk) is agreed
-too: its count rides in phase 1's all-reduce (a write behind the last step, or this window's
-gradient), and one control-group round follows phase 3's update (its reads), so every rank
-raises `SwapError` at the same step instead of the others waiting in a collective until the
+A held resource's failure on some rank (`zero_engine.sharding.storage.held`: NVMe offload's
+swap file, a read or write on a full disk) is agreed too: the count of failed ranks rides in
+phase 1's all-reduce (a write behind the last step, or this window's gradient), and one
+control-group round follows phase 3's update (its reads), so every rank raises the resource's
+error (`SwapError`) at the same step instead of the others waiting in a collective until the
 timeout.
 """
 
@@ -40,8 +41,8 @@ from .optim import ComputeLayout, build_optimizer, optimizer_kind
 from .param_groups import ParamGroup
 from .precision import LossScaler, LossScaling
 from .schedules import build_scheduler, dry_run
-from .errors import CheckpointError, SwapError
-from .sharding.storage.nvme import shard_swap_space, swap_space
+from .errors import CheckpointError
+from .sharding.storage.held import Holdings
 from .sharding.storage.optimizer_shard import SavedPiece, SavedPieces, step_shards
 from .sharding.reduction.reducer import GradReducer
 from .stage import Stage
@@ -80,6 +81,7 @@ class OptimizerStep:
         reducer: GradReducer,
         device: torch.device,
         offload: OffloadPlan,
+        held: Holdings | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         self.settings = settings
@@ -88,8 +90,8 @@ class OptimizerStep:
         self.comm = comm
         self.reducer = reducer
         self.device = device
-        # NVMe offload: the swap files whose failures the step agrees on (their `failure`)
-        self.swap_files = [space.file for space in (swap_space(units), shard_swap_space(units)) if space is not None]
+        # what the tiers hold (NVMe's swap spaces): the failures the step agrees on
+        self.held = held if held is not None else Holdings()
         kind = optimizer_kind(settings.optimizer.type)
         matrices = matrix_params(units) if kind is not None and kind.layout is ComputeLayout.WHOLE_MATRIX else None
         torch_groups = _optimizer_groups(groups, units) if matrices is None else split_groups(groups, units, matrices)
@@ -147,22 +149,22 @@ class OptimizerStep:
         (still scaled) gradient norm summed over every rank's shard, so identical everywhere:
         non-finite on every rank when any rank's gradients overflowed. Packed on the device
         (the norm is computed there; the used-mask is kept on the host by the hooks) and read
-        back to the host once, as Python values: the one host sync of a step. With NVMe
-        offload, one number more: the ranks whose swap files failed (`_check_swap_files`)."""
-        norms: list[torch.Tensor] = []  # none where this rank's swap failed: every rank raises below
-        with self._swap_failures_agreed():
+        back to the host once, as Python values: the one host sync of a step. With held
+        resources (NVMe offload), one number more: the ranks where one failed (`_check_held`)."""
+        norms: list[torch.Tensor] = []  # none where this rank's resources failed: every rank raises below
+        with self._failures_agreed():
             norms = [self._shard_norm(unit) for unit in self.units]
         squares = _sum_of_squares(norms, self.device)
         if self.comm.replica_rank:  # every shard is counted once: by its copy in the first shard group
             squares = torch.where(squares.isfinite(), 0.0, squares)
         # non_blocking: a pageable host-to-device copy need not stall the host (sync debug mode)
         packed = torch.cat([self.reducer.used_mask().to(self.device, non_blocking=True), squares.view(1),
-                            *self._swap_failure_flag()])
+                            *self._failure_flag()])
         self.comm.all_reduce_sum(packed).wait()
         *used, total = devices.host_values(packed)
-        if self.swap_files:
+        if self.held:
             total, failed = used.pop(), total
-            self._check_swap_files(failed, step_number, "before its update: nothing of it was applied")
+            self._check_held(failed, step_number, "before its update: nothing of it was applied")
         return [count > 0 for count in used], total
 
     def _shard_norm(self, unit: FlatUnit) -> torch.Tensor:
@@ -189,48 +191,39 @@ class OptimizerStep:
         default on CUDA), then exist for one unit, never for the whole model. With NVMe
         offload, the ranks then agree on whether every read and write so far went through."""
         shards = [unit.optimizer_shard for unit in self.units]
-        with self._swap_failures_agreed():
+        with self._failures_agreed():
             self.peak_grad_bytes, self.peak_matrix_bytes = step_shards(
-                self.optimizer, shards, used, multiplier, lambda: self._swap_failure() is not None,
-                windowed=not self.swap_files,
+                self.optimizer, shards, used, multiplier, lambda: self.held.failure() is not None,
+                windowed=not self.held,
             )
-        if self.swap_files:  # control traffic: the control group, off the data group (NCCL on GPUs)
-            failed = sum(row for row in self.comm.each_rank(int(self._swap_failure() is not None)).values())
-            self._check_swap_files(failed, step_number, "in its update (partly applied)")
+        if self.held:  # control traffic: the control group, off the data group (NCCL on GPUs)
+            failed = sum(row for row in self.comm.each_rank(int(self.held.failure() is not None)).values())
+            self._check_held(failed, step_number, "in its update (partly applied)")
 
-    # -- NVMe offload: a swap file that failed on some rank ends the step on every rank ----------
-
-    def _swap_failure(self) -> OSError | None:
-        return next((file.failure for file in self.swap_files if file.failure is not None), None)
+    # -- a held resource that failed on some rank (a swap file's disk) ends the step on every rank --
 
     @contextlib.contextmanager
-    def _swap_failures_agreed(self) -> Iterator[None]:
-        """A swap file's failure raised inside is left to the ranks' agreement that follows
+    def _failures_agreed(self) -> Iterator[None]:
+        """A held resource's failure raised inside is left to the ranks' agreement that follows
         (this rank goes on to it, not into the next collective alone); any other error raises."""
         try:
             yield
         except OSError:
-            if self._swap_failure() is None:
+            if self.held.failure() is None:
                 raise
 
-    def _swap_failure_flag(self) -> list[torch.Tensor]:
-        """Whether this rank's swap files failed, as the one number ranks sum (none without NVMe)."""
-        if not self.swap_files:
+    def _failure_flag(self) -> list[torch.Tensor]:
+        """Whether this rank's held resources failed, as the one number ranks sum (none held: none)."""
+        if not self.held:
             return []
-        failed = float(self._swap_failure() is not None)
+        failed = float(self.held.failure() is not None)
         return [torch.tensor([failed], dtype=torch.float64, device=devices.HOST).to(self.device, non_blocking=True)]
 
-    def _check_swap_files(self, failed: float | int, step_number: int, when: str) -> None:
-        """Raise `SwapError` on every rank when ``failed`` (ranks, summed) is not 0."""
-        if not failed:
-            return
-        mine = self._swap_failure()
-        here = f"this rank's: {mine}" if mine is not None else "this rank's swap files went through"
-        raise SwapError(
-            f"NVMe offload: a swap file's read or write failed on {int(failed)} of {self.comm.mesh.world} ranks at "
-            f"step {step_number}, {when}; {here}. The engine cannot go on (its state lives in those files): load the "
-            "last checkpoint into a new engine"
-        ) from mine
+    def _check_held(self, failed: float | int, step_number: int, when: str) -> None:
+        """Raise the failed resource's error on every rank when ``failed`` (ranks, summed) is not 0."""
+        if failed:
+            raise self.held.agreed_failure(f"{int(failed)} of {self.comm.mesh.world} ranks", f" at step {step_number}, "
+                                           f"{when}")
 
     def _skip(self, step_number: int) -> None:
         """A non-finite gradient on some rank (fp16 overflow, or a NaN or inf loss or gradient

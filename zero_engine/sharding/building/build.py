@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -40,7 +40,8 @@ from ..gathering.gatherer import NoGather, ParamGatherer
 from ..units.lifecycle import Lifecycle
 from ..units.frozen_unit import FrozenUnit
 from ..units.quantized_frozen import NO_QUANTIZATION, FrozenQuantization, QuantizedFrozenUnit
-from ..storage.nvme import nvme_masters, nvme_shards, shard_swap_space
+from ..storage.held import Holdings
+from ..storage.nvme import nvme_masters, nvme_shards
 from ..storage.param_shard import DEVICE_SHARDS, ShardTier
 from ..storage.placement import Placement, place
 from ..reduction.bucket_reducer import ShardedGradReducer
@@ -103,6 +104,7 @@ class Mechanism(NamedTuple):
     reducer: GradReducer
     calls: CallGuard | PassCallGuard
     codecs: Codecs  # how gathers and reductions travel (quantized or not)
+    held: Holdings  # what the tiers opened besides (NVMe's swap spaces): counted, agreed on, closed
 
 
 def build_mechanism(
@@ -120,18 +122,18 @@ def build_mechanism(
     may wait for a reduction; the gatherer's rounds report the reducer's launches; the call
     guard reads its rows before the reducer's first launch (stages 0-2) or among the rounds
     (stage 3). ``on_unarmed_grad``: the engine's, for a gradient outside an armed backward."""
-    units, frozen_units, gatherer = build_units(model, plan, comm, settings, device, lifecycle, deferred)
+    held = Holdings()
+    units, frozen_units, gatherer = build_units(model, plan, comm, settings, device, lifecycle, deferred, held)
     calls = PassCallGuard(gatherer) if isinstance(gatherer, ParamGatherer) else CallGuard(comm)
-    shard_swap = shard_swap_space([*units, *frozen_units])
-    if shard_swap is not None and isinstance(gatherer, ParamGatherer):  # a gather's failed read, agreed in its rounds
-        gatherer.schedule.swap_failure = lambda: shard_swap.file.failure
+    if isinstance(gatherer, ParamGatherer):  # a held resource's failure (a gather's read), agreed in its rounds
+        gatherer.schedule.held = held
     reducer = build_reducer(
         settings, units, comm, lifecycle=lifecycle, on_unit_complete=gatherer.unit_complete,
         on_unarmed_grad=on_unarmed_grad, may_wait_for=gatherer.may_wait_for_reduction,
         before_launch=calls.before_reduction,
     )
     gatherer.attach_reducer(reducer)
-    return Mechanism(units, frozen_units, gatherer, reducer, calls, settings.codecs)
+    return Mechanism(units, frozen_units, gatherer, reducer, calls, settings.codecs, held)
 
 
 def build_units(
@@ -142,16 +144,19 @@ def build_units(
     device: torch.device,
     lifecycle: Lifecycle,
     deferred: DeferredInit | None = None,
+    held: Holdings | None = None,
 ) -> tuple[list[FlatUnit], list[FrozenUnit], NoGather]:
     """The planned units: all trainable units in reducer order, stage 3's frozen units, and what
     gathers them (nothing below stage 3). ``settings.offload`` puts sharded state on the host:
     optimizer state in every unit, parameter shards in the stage 3 units, frozen ones included
-    (resident parameters stay whole on the device, as DeepSpeed's persistent ones)."""
+    (resident parameters stay whole on the device, as DeepSpeed's persistent ones). What the
+    tiers open besides (NVMe's swap spaces) is registered in ``held``."""
+    held = held if held is not None else Holdings()
     stage, compute_dtype, offload = settings.stage, settings.compute_dtype, settings.offload
     # Where every unit's optimizer side lives, decided once.
     placement = place(
-        offload, lambda placed: nvme_masters(placed, comm.rank, device),
-        lambda placed: nvme_shards(placed, comm.rank, device),
+        offload, lambda placed: _opened(nvme_masters(placed, comm.rank, device), held),
+        lambda placed: _opened(nvme_shards(placed, comm.rank, device), held),
     )
     position = {param: index for index, param in enumerate(model.parameters())}
     if not stage.shard_parameters:
@@ -189,6 +194,12 @@ def build_units(
     resident = [_whole_unit(planned, comm, settings, placement) for planned in plan.whole]
     placement.settle()
     return _in_arrival_order([*sharded, *resident], position), frozen, gatherer
+
+
+def _opened(tier: Any, held: Holdings) -> Any:
+    """An NVMe tier, its swap space registered as held."""
+    held.add(tier.space)
+    return tier
 
 
 def _agree_on_drawn_values(

@@ -50,7 +50,8 @@ from enum import IntEnum
 from typing import NamedTuple, Protocol
 
 from ...comm import Comm, EachRank
-from ...errors import DivergedRanksError, SwapError
+from ...errors import DivergedRanksError
+from ..storage.held import Holdings
 
 NO_UNIT = -1  # a row that asks for no gather
 PASS_DONE = -2  # a row that asks for no gather and has nothing left to ask in this pass
@@ -66,7 +67,7 @@ class PassKind(IntEnum):
     FORWARD = 1
     BACKWARD = 2
     CALL = 3  # a call row: the third field is a `Call`
-    SWAP_FAILED = 4  # this rank's parameter shards' swap file failed (a read for a gather): every rank stops
+    FAILED = 4  # a resource this rank holds failed (a swap file's read for a gather): every rank stops
 
 
 class Call(IntEnum):
@@ -232,9 +233,9 @@ class CollectiveSchedule:
         self.kind = PassKind.BETWEEN
         self.agreed_ready = 0  # reductions (in the reducer's order) every rank has launched
         self.divergence = ""  # the DivergedRanksError's message once the ranks' passes parted
-        # offload_param on NVMe: the shards' swap file's first failure; once there is one, this
-        # rank's rows say so, and every rank raises `SwapError` on that round (`_check_same_pass`)
-        self.swap_failure: Callable[[], OSError | None] = lambda: None
+        # what this rank holds (`held.Holdings`: offload_param's swap space); once one failed, this
+        # rank's rows say so, and every rank raises its error on that round (`_check_same_pass`)
+        self.held = Holdings()
         self._rounds: deque[_Round] = deque()  # issued here, not read yet
         self._events: deque[_Event] = deque()  # gathers agreed, not launched here yet
 
@@ -262,7 +263,7 @@ class CollectiveSchedule:
         this rank's order of use; none to only report reductions; ``[PASS_DONE]`` to drain),
         without waiting."""
         ready = self.reductions.ready_units() if self.kind is PassKind.BACKWARD else 0
-        kind = PassKind.SWAP_FAILED if self.swap_failure() is not None else self.kind
+        kind = PassKind.FAILED if self.held.failure() is not None else self.kind
         row = make_row(self.passes, kind, wants, ready)
         self._rounds.append(_Round(tuple(wants), self.comm.each_rank(row)))
 
@@ -384,8 +385,11 @@ class CollectiveSchedule:
     # -- ranks in different passes ---------------------------------------------------------------
 
     def _check_same_pass(self, rows: list[list[int]]) -> None:
-        failed = [rank for rank, row in enumerate(rows) if row[1] == PassKind.SWAP_FAILED]
-        message = self._swap_failed(failed) if failed else None
+        failed = [rank for rank, row in enumerate(rows) if row[1] == PassKind.FAILED]
+        error = self.held.agreed_failure(
+            f"rank {', '.join(map(str, failed))}", " (a read for a gather, which filled zeros there)"
+        ) if failed else None
+        message = str(error) if error is not None else None
         message = message or call_divergence(rows, self.describe_unit) or self._pass_divergence(rows)
         if message is None:
             return
@@ -396,18 +400,10 @@ class CollectiveSchedule:
         self.launch_all()
         self._rounds.clear()
         self.divergence += self.comm.abort_data_groups()
-        if failed:
-            raise SwapError(self.divergence) from self.swap_failure()
+        if error is not None:
+            error.args = (self.divergence,)
+            raise error
         raise DivergedRanksError(self.divergence)
-
-    def _swap_failed(self, ranks: list[int]) -> str:
-        mine = self.swap_failure()
-        here = f"this rank's: {mine}" if mine is not None else "this rank's went through"
-        return (
-            f"NVMe offload: the parameter shards' swap file failed on rank {', '.join(map(str, ranks))} (a read for a "
-            f"gather, which filled zeros there); {here}. The engine cannot go on (its shards live in those files): "
-            "load the last checkpoint into a new engine"
-        )
 
     def _pass_divergence(self, rows: list[list[int]]) -> str | None:
         """The message when the rows come from different passes; None when they do not."""

@@ -360,7 +360,7 @@ class NvmeMasters:
 def nvme_masters(placed: Placed, rank: int, device: torch.device | None = None) -> NvmeMasters:
     """The masters' NVMe tier: this rank's swap space (its file made now; its I/O threads on
     ``device``, the engine's)."""
-    return NvmeMasters(SwapSpace(placed.nvme_path, rank, placed.buffer_count, device))
+    return NvmeMasters(SwapSpace(placed.nvme_path, rank, placed.buffer_count, device, step_read_ahead=True))
 
 
 def nvme_shards(placed: Placed, rank: int, device: torch.device | None = None) -> NvmeShards:

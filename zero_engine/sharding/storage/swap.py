@@ -164,10 +164,17 @@ def _remove_left_swap_files() -> None:
 
 
 class SwapSpace:
-    """A rank's swap file, its I/O thread, and the slots bounding the shards held in memory."""
+    """A rank's swap file, its I/O thread, and the slots bounding the shards held in memory: a
+    held resource (`zero_engine.sharding.storage.held.Held`) the build registers, so the loop
+    counts, reports, agrees on and closes it without naming NVMe."""
+
+    kind = "nvme"
+    what = "NVMe offload: a swap file's read or write"
+    consequence = "The engine cannot go on (its state lives in those files): load the last checkpoint into a new engine"
 
     def __init__(
-        self, directory: str | Path, rank: int, buffer_count: int, device: torch.device | None = None
+        self, directory: str | Path, rank: int, buffer_count: int, device: torch.device | None = None,
+        *, step_read_ahead: bool = False,
     ) -> None:
         remove_stale(directory)
         self.file = SwapFile(directory, rank)
@@ -185,6 +192,21 @@ class SwapSpace:
         self.shard_buffers = ReadBuffers(buffer_count + 1)  # shards and step gradients read, given back after use
         self.requested = [0, 0]  # bytes asked to be read and written (a write completes behind the step)
         self._reported = (0, 0)
+        # the masters' space: the step's first shards read during the last pass, one slot kept free
+        self.step_read_ahead = buffer_count - 1 if step_read_ahead else 0
+
+    @property
+    def host_bytes(self) -> int:
+        """The host buffers gradients cross in and shards and gradients are read into."""
+        return self.grad_buffers.nbytes + self.shard_buffers.nbytes
+
+    def failure(self) -> OSError | None:
+        return self.file.failure
+
+    def error(self, message: str) -> Exception:
+        from ...errors import SwapError
+
+        return SwapError(message)
 
     def drain(self) -> None:
         """Wait for every read and write submitted so far."""
