@@ -96,9 +96,8 @@ class Engine(ModelAccess, StepView, WindowView):
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
         self.lifecycle.track_forward(model)
         cast_frozen(model, precision.compute_dtype)  # before any unit takes their values: no fp32 copy, ever
-        self.units, self.frozen_units, self.gatherer, self.reducer, self.calls, self.codecs, self.held = build_mechanism(
-            model, plan, comm, build, self.device, self.lifecycle, self._begin_backward, deferred
-        )
+        mechanism = build_mechanism(model, plan, comm, build, self.device, self.lifecycle, self._begin_backward, deferred)
+        self.units, self.frozen_units, self.gatherer, self.reducer, self.calls, self.codecs, self.held = mechanism
         cast_frozen(model, precision.compute_dtype)  # those materialized from the meta device while building
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype, self.frozen_units)
         self.checkpoint_writer: FileWriter = FILES  # where save_checkpoint writes (another storage: its own writer)

@@ -181,17 +181,27 @@ def copy_across(destination: torch.Tensor, values: torch.Tensor) -> None:
         destination.copy_(values.to(destination.device, non_blocking=values.is_pinned()))
 
 
+def copied_to(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``values`` where ``device`` is, in their dtype: themselves when there already, else a new
+    tensor filled by `copy_across` (asynchronously from pinned memory)."""
+    if values.device == device:
+        return values
+    moved = torch.empty(values.shape, dtype=values.dtype, device=device)
+    copy_across(moved, values)
+    return moved
+
+
 def copies_done(device: torch.device) -> Callable[[], None]:
     """A wait for the copies the device has queued so far (its copies to the host among them),
     for any thread to call: CUDA's event recorded now; nothing to wait for elsewhere (a CPU
     copy is done when it returns)."""
     if device.type == "cuda":
         return _cuda_event_now(device)
-    return _done
+    return nothing_to_wait_for
 
 
-def _done() -> None:
-    pass
+def nothing_to_wait_for() -> None:
+    """The wait for a copy already done (a CPU copy, a buffer filled on the host)."""
 
 
 def _cuda_event_now(device: torch.device) -> Callable[[], None]:

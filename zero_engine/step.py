@@ -222,8 +222,8 @@ class OptimizerStep:
     def _check_held(self, failed: float | int, step_number: int, when: str) -> None:
         """Raise the failed resource's error on every rank when ``failed`` (ranks, summed) is not 0."""
         if failed:
-            raise self.held.agreed_failure(f"{int(failed)} of {self.comm.mesh.world} ranks", f" at step {step_number}, "
-                                           f"{when}")
+            ranks = f"{int(failed)} of {self.comm.mesh.world} ranks"
+            raise self.held.agreed_error(self.held.failure_message(ranks, f" at step {step_number}, {when}"))
 
     def _skip(self, step_number: int) -> None:
         """A non-finite gradient on some rank (fp16 overflow, or a NaN or inf loss or gradient

@@ -386,10 +386,9 @@ class CollectiveSchedule:
 
     def _check_same_pass(self, rows: list[list[int]]) -> None:
         failed = [rank for rank, row in enumerate(rows) if row[1] == PassKind.FAILED]
-        error = self.held.agreed_failure(
+        message = self.held.failure_message(
             f"rank {', '.join(map(str, failed))}", " (a read for a gather, which filled zeros there)"
         ) if failed else None
-        message = str(error) if error is not None else None
         message = message or call_divergence(rows, self.describe_unit) or self._pass_divergence(rows)
         if message is None:
             return
@@ -400,9 +399,8 @@ class CollectiveSchedule:
         self.launch_all()
         self._rounds.clear()
         self.divergence += self.comm.abort_data_groups()
-        if error is not None:
-            error.args = (self.divergence,)
-            raise error
+        if failed:
+            raise self.held.agreed_error(self.divergence)
         raise DivergedRanksError(self.divergence)
 
     def _pass_divergence(self, rows: list[list[int]]) -> str | None:

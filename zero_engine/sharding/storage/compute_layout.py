@@ -186,7 +186,8 @@ class MatrixExchange:
         return [[] for _ in self.ranges], [0] * len(self.ranges)
 
     def _pieces_to_owners(
-        self, matrices: list[Matrix], updates: dict[int, torch.Tensor], sends: list[list[torch.Tensor]], sizes: list[int]
+        self, matrices: list[Matrix], updates: dict[int, torch.Tensor],
+        sends: list[list[torch.Tensor]], sizes: list[int],
     ) -> None:
         """Add this rank's pieces of the matrices' updates to ``sends`` (per owner) and what it
         receives as their owner to ``sizes`` (per source rank)."""
@@ -206,7 +207,7 @@ class MatrixExchange:
         """The whole update of an owned matrix from its pieces (in the order `_to_owners` sent
         them: matrix order per source rank)."""
         if self.replicated or received is None:
-            return _on(updates[m.param_index].reshape(-1), self.device)
+            return offload.copied_to(updates[m.param_index].reshape(-1), self.device)
         whole = torch.empty(m.numel, dtype=torch.float32, device=self.device)
         for rank in range(len(self.ranges)):
             lo, hi = self.piece(m, rank)
@@ -227,7 +228,8 @@ class MatrixExchange:
         return self._exchange(sends, sizes)
 
     def _slices_from_owners(
-        self, matrices: list[Matrix], results: dict[int, torch.Tensor], sends: list[list[torch.Tensor]], sizes: list[int]
+        self, matrices: list[Matrix], results: dict[int, torch.Tensor],
+        sends: list[list[torch.Tensor]], sizes: list[int],
     ) -> None:
         """Add every rank's slice of this rank's results to ``sends`` and what it receives from
         each owner to ``sizes``."""
@@ -332,7 +334,7 @@ def finish_window(
                 orthogonal = slices[m.owner][cursors[m.owner] : cursors[m.owner] + hi - lo]
                 cursors[m.owner] += hi - lo
             param = part.mine[m.param_index]
-            optimizer.apply_orthogonal(param, _on(orthogonal, param.device), m.group, m.shape)
+            optimizer.apply_orthogonal(param, offload.copied_to(orthogonal, param.device), m.group, m.shape)
         part.results.clear()
     return meter.peak
 
@@ -349,13 +351,3 @@ class _Meter:
 
     def release(self, nbytes: int) -> None:
         self.held -= nbytes
-
-
-def _on(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``values`` where ``device`` is (a host master's: `offload.copy_across`, which the NCCL
-    model counts where it would sync a GPU's host)."""
-    if values.device == device:
-        return values
-    moved = torch.empty(values.shape, dtype=values.dtype, device=device)
-    offload.copy_across(moved, values)
-    return moved

@@ -6,7 +6,7 @@ A held resource (`Held`) says how it is counted (its host bytes, its line in ``c
 how long it reads ahead of the step, what its failure is and how the ranks raise it, and how it
 is let go. A failure is local (a disk on one rank): the rank goes on to the next agreement (the
 step's norm reduction, stage 3's rounds), which carries "this rank's resources failed" to every
-rank, and every rank raises the resource's error there (`Holdings.agreed_failure`).
+rank, and every rank raises the resource's error there (`Holdings.agreed_error`).
 """
 
 from __future__ import annotations
@@ -93,12 +93,20 @@ class Holdings:
         for item in self.items:
             item.close()
 
-    def agreed_failure(self, ranks: str, where: str) -> Exception:
-        """The error to raise on every rank once the ranks agreed that ``ranks`` (said in words)
-        failed ``where``: this rank's own failure named, or that its resources went through."""
+    def failure_message(self, ranks: str, where: str) -> str:
+        """What every rank says once the ranks agreed that ``ranks`` (in words) failed
+        ``where``: this rank's own failure named, or that its resources went through."""
+        failed = self._failed_or_first()
         mine = self.failure()
-        failed = next((item for item in self.items if item.failure() is not None), self.items[0])
         here = f"this rank's: {mine}" if mine is not None else "this rank's went through"
-        error = failed.error(f"{failed.what} failed on {ranks}{where}; {here}. {failed.consequence}")
-        error.__cause__ = mine
+        return f"{failed.what} failed on {ranks}{where}; {here}. {failed.consequence}"
+
+    def agreed_error(self, message: str) -> Exception:
+        """The failed resource's error (this rank's first, else the first held) with
+        ``message``, caused by this rank's own failure if any: to raise on every rank."""
+        error = self._failed_or_first().error(message)
+        error.__cause__ = self.failure()
         return error
+
+    def _failed_or_first(self) -> Held:
+        return next((item for item in self.items if item.failure() is not None), self.items[0])

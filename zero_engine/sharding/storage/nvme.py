@@ -34,10 +34,6 @@ from .placement import HostMaster
 from .swap import SwapSpace
 
 
-def _landed() -> None:
-    """A host buffer's values are there already (filled on the host)."""
-
-
 def _free(tensor: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(0)
 
@@ -245,7 +241,9 @@ class NvmeShard:
         self.future = None
         return buffer
 
-    def _write(self, host: torch.Tensor, copied: Callable[[], None] = _landed, pooled: bool = True) -> None:
+    def _write(
+        self, host: torch.Tensor, copied: Callable[[], None] = offload.nothing_to_wait_for, pooled: bool = True
+    ) -> None:
         """``host`` (the shard's values, a buffer nobody else holds, filled once ``copied``
         returns) to the file: behind, on the write thread, if a slot is free; else now. A
         ``pooled`` buffer goes back to the pool after."""

@@ -137,9 +137,7 @@ class NvmeGrad:
             window = None
         self._started = False
         if window is not None:
-            moved = torch.empty(window.shape, dtype=window.dtype, device=destination.device)
-            offload.copy_across(moved, window)  # from the pinned buffer where CUDA is: no host sync
-            destination.add_(moved)
+            destination.add_(offload.copied_to(window, destination.device))  # from a pinned buffer: no host sync
             self._give_back_handed(offload.copies_done(destination.device))
 
     def finish(self) -> None:

@@ -270,7 +270,7 @@ class ReadBuffers:
         if self.nbytes_each and not self._made:
             made = [offload.host_empty(self.nbytes_each, torch.uint8, offload.PIN_CROSSING) for _ in range(self.count)]
             self._made = {buffer.data_ptr(): buffer for buffer in made}
-            self._free = deque((buffer, _nothing_to_wait_for) for buffer in made)
+            self._free = deque((buffer, offload.nothing_to_wait_for) for buffer in made)
 
     @property
     def nbytes(self) -> int:
@@ -292,22 +292,18 @@ class ReadBuffers:
         # pageable: a page-locked allocation inside a pass would wait for the whole device, every
         # stream's collectives included (CUDA's implicit synchronizations), a hang where another
         # rank's progress waits on this one's launches
-        return offload.host_empty(numel, dtype, False), _nothing_to_wait_for
+        return offload.host_empty(numel, dtype, False), offload.nothing_to_wait_for
 
     def give(self, buffer: torch.Tensor, copied: Callable[[], None] | None = None) -> None:
         """``buffer`` (from `take`) back, once ``copied`` (the wait for a copy that reads it) returns."""
         with self._lock:
             own = self._made.get(buffer.data_ptr())
             if own is not None:
-                self._free.append((own, copied or _nothing_to_wait_for))
+                self._free.append((own, copied or offload.nothing_to_wait_for))
 
     def clear(self) -> None:
         with self._lock:
             self._made, self._free = {}, deque()
-
-
-def _nothing_to_wait_for() -> None:
-    pass
 
 
 class GradBuffers:
