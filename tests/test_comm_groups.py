@@ -58,7 +58,7 @@ def record_traffic(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
                 engine.load_checkpoint(directory)
                 engine.comm.barrier()
             engine.full_state_dict()
-        roles = {id(engine.comm.control_group): "control", id(engine.comm.group): "data"}
+        roles = {id(engine.comm.control_group): "control", id(engine.comm.world.group): "data"}
         if engine.comm.num_replicas > 1:  # hybrid: the shard and replica groups are groups of their own
             shard_group, replica_group = engine.comm.shard_group.group, engine.comm.replica_group.group
             roles.update({id(shard_group): "shard_group", id(replica_group): "replica_group"})
@@ -193,21 +193,24 @@ def test_the_mesh_lays_ranks_out_once():
     from zero_engine.comm import Comm, GroupComm, Mesh
 
     mesh = Mesh.for_world(6, 3)
-    assert (mesh.replicate, mesh.shard, mesh.world, mesh.batch, mesh.grad_divisor) == (2, 3, 6, 6, 6)
-    assert [list(r) for r in mesh.shard_groups()] == [[0, 1, 2], [3, 4, 5]]
-    assert [list(r) for r in mesh.replica_groups()] == [[0, 3], [1, 4], [2, 5]]
-    assert list(mesh.shard_group_of(4)) == [3, 4, 5] and list(mesh.replica_group_of(4)) == [1, 4]
+    assert mesh.names == ("replicate", "shard", "sequence")
+    assert (mesh.size("replicate"), mesh.size("zero"), mesh.world, mesh.batch, mesh.grad_divisor) == (2, 3, 6, 6, 6)
+    assert mesh.groups("zero") == [(0, 1, 2), (3, 4, 5)]
+    assert mesh.groups("replicate") == [(0, 3), (1, 4), (2, 5)]
+    assert mesh.group_of("zero", 4) == (3, 4, 5) and mesh.group_of("replicate", 4) == (1, 4)
     assert mesh.as_manifest() == {"replicate": 2, "shard": 3, "sequence": 1}
     with pytest.raises(ValueError, match="shard group size 4 does not divide the world size 6"):
         Mesh.for_world(6, 4)
     with pytest.raises(ValueError, match="mesh degree shard must be a positive integer, not 0"):
-        Mesh(replicate=1, shard=0)
+        Mesh.of(replicate=1, shard=0)
+    with pytest.raises(ValueError, match="are names of uses"):
+        Mesh.of(zero=2)
     alone = Comm.alone()
-    assert alone.mesh == Mesh() and alone.mesh.batch == 1
-    groups = [GroupComm(0, size, "none") for size in (6, 3, 2)]
-    assert Comm(*groups).mesh == mesh  # derived from the groups when not given
-    with pytest.raises(ValueError, match="does not match groups of 6, 3 and 2 ranks"):
-        Comm(*groups, mesh=Mesh(replicate=3, shard=2))
+    assert alone.mesh.world == 1 and alone.mesh.batch == 1 and alone.group("sequence").world_size == 1
+    groups = {"world": GroupComm(0, 6, "none"), "zero": GroupComm(0, 3, "none"), "replicate": GroupComm(0, 2, "none")}
+    assert Comm(mesh, groups).shard_group is groups["zero"]
+    with pytest.raises(ValueError, match="has 2 ranks in a group of 'zero', not the 3 of the group given"):
+        Comm(Mesh.for_world(6, 2), groups)
 
 
 def test_sequence_groups_are_consecutive_ranks_inside_shard_groups():
@@ -216,8 +219,76 @@ def test_sequence_groups_are_consecutive_ranks_inside_shard_groups():
     from zero_engine.comm import Mesh
 
     mesh = Mesh.for_world(8, 4, sequence=2)
-    assert (mesh.world, mesh.batch, mesh.grad_divisor) == (8, 4, 4)
-    assert [list(r) for r in mesh.sequence_groups()] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert [mesh.batch_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert (mesh.world, mesh.batch, mesh.grad_divisor, mesh.size("zero")) == (8, 4, 4, 4)
+    assert mesh.groups("sequence") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [mesh.rank_in("batch", rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert mesh.groups("zero") == [(0, 1, 2, 3), (4, 5, 6, 7)]
     with pytest.raises(ValueError, match="a shard group of 4 ranks does not hold whole sequence groups of 3"):
-        Mesh(replicate=2, shard=4, sequence=3)
+        Mesh.for_world(8, 4, sequence=3)
+
+
+def test_mesh_from_config_needs_no_processes():
+    from zero_engine import ConfigError, load_config
+    from zero_engine.comm import Mesh
+
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+                          "zero_optimization": {"stage": 3, "shard_group_size": 4}})
+    assert Mesh.from_config(config, 8) == Mesh.for_world(8, 4, sequence=2)
+    with pytest.raises(ConfigError, match="sequence_parallel_size = 2 does not divide the world size 3"):
+        Mesh.from_config(config, 3)
+    with pytest.raises(ConfigError, match="does not divide zero_optimization.shard_group_size 3"):
+        Mesh.from_config(config, 6, shard_group_size=3)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_any_axes_in_any_order_partition_the_world(seed: int):
+    """A property over random axis names, orders and degrees: each axis's and each use's groups
+    partition the world, ``rank_in`` and ``group_index`` agree with ``groups``, and the last axis's
+    ranks are neighbours."""
+    import random
+
+    from zero_engine.comm import Mesh
+
+    rng = random.Random(seed)
+    names = rng.sample(["replicate", "shard", "sequence", "expert", "tensor", "widget"], rng.randint(1, 5))
+    mesh = Mesh(tuple((name, rng.randint(1, 4)) for name in names))
+    uses = [*names, "world", "batch", "zero"]
+    for use in uses:
+        groups = mesh.groups(use)
+        assert sorted(rank for group in groups for rank in group) == list(range(mesh.world)), (mesh, use)
+        assert all(len(group) == mesh.size(use) for group in groups)
+        for index, group in enumerate(groups):
+            for place, rank in enumerate(group):
+                assert (mesh.group_index(use, rank), mesh.rank_in(use, rank)) == (index, place), (mesh, use, rank)
+                assert mesh.group_of(use, rank) == group
+    last, degree = mesh.axes[-1]
+    assert mesh.groups(last)[0] == tuple(range(degree))
+    assert mesh.size("world") == mesh.size("batch") * mesh.degree("sequence") * mesh.degree("tensor")
+
+
+def _a_test_axis(rank: int, world_size: int) -> dict:
+    """A mesh with an axis the engine does not know (``widget``) gets a group of its own by its
+    name from `make_comm`, whose collectives run over that axis's ranks only."""
+    import torch
+
+    from zero_engine.comm import GroupComm, Mesh
+    from zero_engine.comm.connecting import make_comm
+
+    mesh = Mesh.of(replicate=1, shard=2, sequence=1, widget=2)
+    world = GroupComm(rank, world_size, "gloo", None, None)
+    comm = make_comm(mesh, world, None, 60.0)
+    widget = comm.group("widget")
+    value = torch.tensor([float(rank)])
+    widget.all_reduce_sum(value).wait()
+    zero = torch.tensor([float(rank)])
+    comm.shard_group.all_reduce_sum(zero).wait()
+    return {"widget": (widget.rank, widget.world_size, value.item()), "zero": zero.item(),
+            "scopes": sorted(key for key in comm.report() if key.endswith("_group"))}
+
+
+def test_a_test_only_axis_gets_its_group_by_name():
+    found = run_on_ranks(4, _a_test_axis)
+    # widget is the last axis: ranks 0-1 and 2-3; zero (shard) is 0,2 and 1,3
+    assert [r["widget"] for r in found] == [(0, 2, 1.0), (1, 2, 1.0), (0, 2, 5.0), (1, 2, 5.0)]
+    assert [r["zero"] for r in found] == [2.0, 4.0, 2.0, 4.0]
+    assert found[0]["scopes"] == ["inter_group", "intra_group", "widget_group"]

@@ -100,7 +100,7 @@ def hybrid_grid(rank: int, world_size: int, groups: list[int], overflow_stages: 
                 "optimizer_tensors": len(engine.optimizer.state),
                 "shard_numels": [unit.layout.shard_numel for unit in engine.units],
                 "groups": (comm.shard_group_ranks, comm.replica_group_ranks),
-                "mesh": (comm.mesh.replicate, comm.mesh.shard, comm.mesh.batch, comm.mesh.grad_divisor),
+                "mesh": (comm.mesh.size("replicate"), comm.mesh.size("zero"), comm.mesh.batch, comm.mesh.grad_divisor),
                 "process_groups": [
                     dist.get_process_group_ranks(g) if g is not None else None
                     for g in (comm.shard_group.group, comm.replica_group.group)

@@ -65,7 +65,7 @@ def _per_group(engine, calls: list) -> dict[str, list[tuple[str, int]]]:
     """Each process group's collectives in issue order: (torch function, bytes). Named by
     role, with the members for the hybrid groups (ranks compare with their own group)."""
     comm = engine.comm
-    roles = {id(comm.control_group): "control", id(comm.group): "data"}
+    roles = {id(comm.control_group): "control", id(comm.world.group): "data"}
     if comm.num_replicas > 1:
         roles[id(comm.shard_group.group)] = f"shard_group {comm.shard_group_ranks}"
         roles[id(comm.replica_group.group)] = f"replica_group {comm.replica_group_ranks}"

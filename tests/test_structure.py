@@ -161,3 +161,26 @@ def test_the_name_check_sees_imports_attributes_and_arguments():
         "from .sharding.storage.nvme import swap_space\nimport a.swap\ndef f(nvme_path):\n    self.param_swap = 1\n"
     )
     assert {"swap_space", "nvme_path", "param_swap"} <= names and {"nvme", "swap"} <= imported
+
+
+def _sequence_degree_arithmetic(tree: ast.AST) -> list[int]:
+    """Lines that divide by or take a remainder of ``sequence_parallel_size`` (the key read as
+    an attribute or a mapping key): a count of ranks that only the mesh derives."""
+    def names_the_key(node: ast.AST) -> bool:
+        return any((isinstance(n, ast.Attribute) and n.attr == "sequence_parallel_size")
+                   or (isinstance(n, ast.Constant) and n.value == "sequence_parallel_size") for n in ast.walk(node))
+    return sorted({node.lineno for node in ast.walk(tree) if isinstance(node, ast.BinOp)
+                   and isinstance(node.op, (ast.FloorDiv, ast.Mod, ast.Div)) and names_the_key(node)})
+
+
+def test_no_sequence_degree_arithmetic_outside_comm_and_config():
+    """STRUCTURE item 2: the batch ranks, a rank's batch index and a slice's length come from the
+    mesh (`Mesh.from_config` needs no processes), not from ``// sequence_parallel_size``."""
+    found = []
+    for path in sorted((ROOT / "zero_engine").rglob("*.py")):
+        relative = path.relative_to(ROOT / "zero_engine").as_posix()
+        if not relative.startswith(("comm/", "config/")):
+            found += [f"{relative}:{line}" for line in _sequence_degree_arithmetic(ast.parse(path.read_text()))]
+    assert found == []
+    planted = "b = config.batch_sizes(ranks // config.sequence_parallel_size)\nr = rank % raw['sequence_parallel_size']\n"
+    assert _sequence_degree_arithmetic(ast.parse(planted)) == [1, 2]

@@ -111,7 +111,7 @@ class WindowView:
     def data_parallel_rank(self) -> int:
         """Which micro-batches this rank reads: the ranks of a sequence group read the same ones
         (a sampler's ``rank``; its ``num_replicas`` is `data_parallel_world_size`)."""
-        return self.comm.mesh.batch_rank(self.comm.rank)
+        return self.comm.mesh.rank_in("batch", self.comm.rank)
 
     @property
     def data_parallel_world_size(self) -> int:
@@ -182,7 +182,7 @@ class WindowView:
         the timeout (or the exchange joining halves of different sequences). The backward that
         follows sends its row before its first exchange too (`Engine._begin_backward`)."""
         self._split_forwards += 1
-        leader = self.comm.rank - self.comm.rank % self.comm.mesh.sequence
+        leader = self.comm.mesh.group_of("sequence", self.comm.rank)[0]
         facts = split_forward_facts(self._split_forwards, leader, batch.batch, batch.tokens, batch.fingerprint)
         self.calls.agree_at_once(Call.SPLIT_FORWARD, self.window.micro_steps, facts)
 

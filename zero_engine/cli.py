@@ -26,6 +26,7 @@ import warnings
 from typing import Any
 
 from . import __version__
+from .comm import Mesh
 from .config import ZeroEngineConfig, load_config, read_config_mapping
 from .errors import ConfigError
 from .activations import DecoderShape, activation_bytes
@@ -143,9 +144,9 @@ def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape
     """One micro-batch's activations, with and without recompute_units (`zero_engine.activations`)."""
     compute_bytes = 2 if config.fp16.enabled or config.bf16.enabled else 4
     on = config.zero_optimization.recompute_units
-    k = config.sequence_parallel_size  # each rank holds its slice of every sequence
-    tokens = -(-args.seq_len // k)
-    split = f", {tokens} of them on each rank (sequence_parallel_size {k})" if k > 1 else ""
+    group = Mesh.of(sequence=config.sequence_parallel_size)  # each rank holds its slice of every sequence
+    tokens = group.slice_length(args.seq_len)
+    split = f", {tokens} of them on each rank (sequence_parallel_size {group.world})" if group.world > 1 else ""
     print(f"activations of one micro-batch ({args.micro_batch} x {args.seq_len} tokens{split}; a Llama-style decoder "
           f"of {shape.layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}), not sharded by any stage:")
     tiles, mlp_tiles = config.tiled_loss_tokens, config.tiled_mlp_tokens

@@ -353,7 +353,7 @@ def model_transforms(
     on the host with ``recompute_offload``)."""
     transforms = ModuleTransforms(target)
     transforms.add(NoCacheInTraining())  # no key/value cache in training forwards
-    if target.mesh.sequence > 1:
+    if target.mesh.size("sequence") > 1:
         transforms.add(UlyssesAttention(sequence_group, before_exchanges, split_eval=settings.split_eval))
     if settings.tiled_loss_tokens:  # never the whole logits
         transforms.add(TiledLoss(settings.tiled_loss_tokens))

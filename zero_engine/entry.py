@@ -152,8 +152,9 @@ def _build_engine(
     zero = config.zero_optimization
     placement = offload_plan(zero, stage, batch.gradient_accumulation_steps)
     settings = BuildSettings.derive(zero, stage, precision.compute_dtype, precision.reduce_dtype, placement)
-    if comm.mesh.sequence > 1:  # a mixture of experts under the split: see `settings_under_split`
-        settings = settings_under_split(model, settled.plan, settings, comm.mesh.sequence, log=comm.rank == 0)
+    sequence = comm.mesh.size("sequence")
+    if sequence > 1:  # a mixture of experts under the split: see `settings_under_split`
+        settings = settings_under_split(model, settled.plan, settings, sequence, log=comm.rank == 0)
     units = UnitPlan.derive(
         model, settled.plan, settled.groups, stage.shard_parameters, precision.compute_dtype, settings.bucket_numel,
         settings.frozen_quantization,

@@ -27,7 +27,7 @@ from enum import Enum
 
 import torch
 
-from .config import OffloadConfig, ZeroOptimizationConfig
+from .config import ZeroOptimizationConfig
 from .devices import HOST
 from .stage import Stage
 
@@ -96,8 +96,10 @@ def offload_plan(zero: ZeroOptimizationConfig, stage: Stage, accumulation: int =
     """The plan from a ``zero_optimization`` section (validated: `zero_engine.config`);
     ``offload_param`` counts at stage 3 only (below it parameters are whole, as in DeepSpeed).
     ``accumulation``: micro-steps per optimizer step (stages 2-3 reduce at every one)."""
-    state = _placed(zero.offload_optimizer)
-    param_shards = _placed(zero.offload_param) if stage.shard_parameters else ON_DEVICE
+    state, param_shards = (ON_DEVICE if section is None else _placed(section.device, section.nvme_path,
+                                                                     section.buffer_count)
+                           for section in (zero.offload_optimizer, zero.offload_param))
+    param_shards = param_shards if stage.shard_parameters else ON_DEVICE
     pin = any(section is not None and section.device == "cpu" and section.pin_memory
               for section in (zero.offload_optimizer, zero.offload_param))
     optimizer = state.tier is not Tier.DEVICE
@@ -105,13 +107,13 @@ def offload_plan(zero: ZeroOptimizationConfig, stage: Stage, accumulation: int =
     return OffloadPlan(state, param_shards, pin, staged)
 
 
-def _placed(section: OffloadConfig | None) -> Placed:
-    """An ``offload_optimizer`` / ``offload_param`` section's tier (None or device none: the device)."""
-    if section is None or section.device not in ("cpu", "nvme"):
-        return ON_DEVICE
-    if section.device == "cpu":
+def _placed(device: str, nvme_path: str | None, buffer_count: int) -> Placed:
+    """The tier of an offload device (none: the device)."""
+    if device == "cpu":
         return Placed(Tier.HOST)
-    return Placed(Tier.NVME, section.nvme_path, section.buffer_count)
+    if device == "nvme":
+        return Placed(Tier.NVME, nvme_path, buffer_count)
+    return ON_DEVICE
 
 
 # Host buffers that cross to or from the device in every forward or backward are pinned

@@ -37,7 +37,7 @@ class SequenceGroupLoader:
 
     @property
     def _k(self) -> int:
-        return self.engine.comm.mesh.sequence
+        return self.engine.comm.mesh.size("sequence")
 
     def __len__(self) -> int:
         return len(self.loader) * self._k  # type: ignore[arg-type]
@@ -58,8 +58,8 @@ def share_over_group(engine: Any, batch: Any) -> list[Any] | None:
     """Every batch of this rank's sequence group, in group rank order (collective over every
     rank: each calls it once per step); None once some rank's loader has ended (``batch`` None)."""
     comm = engine.comm
-    k = comm.mesh.sequence
-    leader = comm.rank - comm.rank % k
+    k = comm.mesh.size("sequence")
+    leader = comm.mesh.group_of("sequence", comm.rank)[0]
     mine = [] if batch is None else list(iter_tensors(batch))
     layout = None if batch is None else [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in mine]
     layouts = comm.all_gather_json(layout)

@@ -18,6 +18,7 @@ import copy
 from typing import Any, NamedTuple
 
 from .auto_values import fill_auto
+from .comm import Mesh
 from .config import BatchSizes, ZeroEngineConfig, auto_keys, no_effect_settings
 from .errors import ConfigError
 from .config.deepspeed_compat import AUTO_BATCH_KEYS
@@ -97,10 +98,7 @@ def check_config(config: ZeroEngineConfig, model: Any = None, ranks: int | None 
     Precision.from_config(config)
     batch = None
     if ranks is not None:
-        if ranks % config.sequence_parallel_size:
-            raise ConfigError(f"sequence_parallel_size = {config.sequence_parallel_size} does not divide the world "
-                              f"size {ranks}")
-        batch = config.batch_sizes(ranks // config.sequence_parallel_size)
+        batch = config.batch_sizes(Mesh.from_config(config, ranks, shard_group_size=ranks).batch)
     return Checked(config, batch, [*no_effect_settings(config), *notes])
 
 

@@ -2,12 +2,14 @@
 
 - `handles`: what a collective in flight returns (`Pending`, `Finishing`, `TwoPhase`) and the
   byte counter's kinds; no ``torch.distributed``, so codecs and reducers import it alone;
-- `mesh`: `Mesh`, the rank layout (replicate x shard) and the rank counts by use (batch,
-  gradient divisor, shard): what code outside `comm/` asks instead of the world size;
+- `mesh`: `Mesh`, the rank layout as named axes (replicate, shard, sequence, any other) and the
+  ranks by use (world, batch, zero: groups, counts, a rank's place): what code outside `comm/`
+  asks instead of the world size;
 - `groups`: `GroupComm` (one process group, its primitives and byte counts) and `Comm` (the
-  engine's groups: data, control, shard, replica, reduce);
-- `connecting`: making those groups from the caller's process group or torchrun's environment,
-  and (NCCL) their communicators, in one order on every rank.
+  engine's groups by use: world and control, zero, replicate, sequence, reduce, `Comm.group`);
+- `connecting`: making those groups from the caller's process group or torchrun's environment
+  (`make_comm`: one per use of the mesh), and (NCCL) their communicators, in one order on every
+  rank.
 """
 
 from .connecting import choose_backend, connect, device_backend, make_data_communicators, with_stage_groups

@@ -1,8 +1,9 @@
 """Connecting: the engine's process groups, made from the caller's group or torchrun's environment.
 
 `connect` settles the `Mesh` (the rank layout) and makes the data group (the device's backend),
-the control group (gloo) and, with hybrid sharding, each rank's shard and replica groups; `with_stage_groups` adds stage 3's group
-for reduce-scatters once the stage is known. Every rank calls them at the same point
+the control group (gloo) and a group per use the mesh names (`make_comm`: the shard and replica
+groups of hybrid sharding, the sequence groups, any other axis); `with_stage_groups` adds stage
+3's group for reduce-scatters once the stage is known. Every rank calls them at the same point
 (``new_group`` is collective).
 """
 
@@ -52,43 +53,34 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     force = config.comm.force_collectives
     world = GroupComm(rank, world_size, backend, data, own_group(timeout, "control", "gloo"), primitives, force)
-    mesh = _mesh(config.sequence_parallel_size, config.zero_optimization.shard_group_size_for, world)
-    shard_group, replica_group = _hybrid_groups(timeout, mesh, rank, data)
-    shards = GroupComm(rank % mesh.shard, mesh.shard, backend, shard_group, None, primitives, force)
-    replicas = GroupComm(rank // mesh.shard, mesh.replicate, backend, replica_group, None, primitives, force)
-    sequence = GroupComm(rank % mesh.sequence, mesh.sequence, backend, _sequence_group(timeout, mesh, rank, data),
-                         None, primitives, force)
-    return Comm(world, shards, replicas, mesh=mesh, sequence_group=sequence, timeout_s=timeout)
+    if world_size % config.sequence_parallel_size:  # before the agreement on the shard group size
+        Mesh.from_config(config, world_size, shard_group_size=world_size)  # raises naming the key
+    size = _agreed_shard_group_size(config.zero_optimization.shard_group_size_for, world)
+    return make_comm(Mesh.from_config(config, world_size, shard_group_size=size), world, data, timeout)
 
 
-def _mesh(sequence: int, shard_group_size_for: Callable[[int], int], world: GroupComm) -> Mesh:
-    """The layout: the shard group size the ranks agree on (``shard_group_size_for`` the world
-    size, from the config) and ``sequence_parallel_size``, checked against the world (a
-    `ConfigError` with the numbers)."""
-    if world.world_size % sequence:
-        raise ConfigError(
-            f"sequence_parallel_size = {sequence} does not divide the world size {world.world_size}: the ranks are "
-            f"data-parallel groups of {sequence} consecutive ranks"
-        )
-    size = _agreed_shard_group_size(shard_group_size_for, world)
-    if size % sequence:
-        raise ConfigError(
-            f"sequence_parallel_size = {sequence} does not divide zero_optimization.shard_group_size {size}: a "
-            "sequence group must lie inside one shard group"
-        )
-    return Mesh.for_world(world.world_size, size, sequence)
+def make_comm(mesh: Mesh, world: GroupComm, data: Any, timeout_s: float) -> Comm:
+    """The `Comm` of ``mesh`` over ``world`` (``data``: its process group): a group per use of
+    ``mesh.communicators()``, made in that order on every rank."""
+    groups = {"world": world}
+    for use, role, own in mesh.communicators():
+        group = _group_of_use(timeout_s, mesh, use, role, own, world.rank, data)
+        groups[use] = GroupComm(mesh.rank_in(use, world.rank), mesh.size(use), world.backend, group, None,
+                                world.primitives, world.force_collectives)
+    return Comm(mesh, groups, timeout_s)
 
 
-def _sequence_group(timeout_s: float, mesh: Mesh, rank: int, data: Any) -> Any:
-    """This rank's sequence group (every rank makes every group: ``new_group`` is collective),
-    a communicator of its own even when it spans the world: Ulysses' all-to-alls are waited at
-    once, inside forward and backward, and on the data group they would have to interleave alike
-    on every rank with the gathers and reductions, whose order follows each rank's data (GPU
-    review R1)."""
-    if mesh.sequence == 1:
+def _group_of_use(timeout_s: float, mesh: Mesh, use: str, role: str, own: bool, rank: int, data: Any) -> Any:
+    """This rank's process group of ``use``: none for a group of one rank, the data group for
+    one spanning the world (unless it needs its own: ``own``), else one of its own per group
+    (every rank makes every group: ``new_group`` is collective), shared by ``role``."""
+    size = mesh.size(use)
+    if size == 1:
         return None
-    groups = [own_group(timeout_s, "sequence", None, ranks) for ranks in mesh.sequence_groups()]
-    return groups[rank // mesh.sequence]
+    if size == mesh.world and not own:
+        return data
+    groups = [own_group(timeout_s, role, None, ranks) for ranks in mesh.groups(use)]
+    return groups[mesh.group_index(use, rank)]
 
 
 def with_stage_groups(comm: Comm, stage: Stage) -> Comm:
@@ -103,9 +95,7 @@ def with_stage_groups(comm: Comm, stage: Stage) -> Comm:
     reduces = GroupComm(
         comm.shard_rank, size, comm.backend, group, None, comm.world.primitives, comm.world.force_collectives
     )
-    return Comm(
-        comm.world, comm.shard_group, comm.replica_group, reduces, comm.mesh, comm.sequence_group, comm.timeout_s
-    )
+    return comm.with_group("reduce", reduces)
 
 
 def make_data_communicators(comm: Comm, device: torch.device) -> None:
@@ -144,26 +134,12 @@ def _agreed_shard_group_size(size_for: Callable[[int, int | None], int], world: 
     return size
 
 
-def _hybrid_groups(timeout_s: float, mesh: Mesh, rank: int, data: Any) -> tuple[Any, Any]:
-    """This rank's shard group and replica group, as ``mesh`` lays them out. A single group
-    is the data group itself, and a group of one rank needs none. Every rank makes every group
-    (``new_group`` is collective)."""
-    if mesh.replicate == 1:
-        return data, None
-    if mesh.shard == 1:
-        return None, data
-    shard_groups = [own_group(timeout_s, "data", None, ranks) for ranks in mesh.shard_groups()]
-    replica_groups = [own_group(timeout_s, "data", None, ranks) for ranks in mesh.replica_groups()]
-    return shard_groups[rank // mesh.shard], replica_groups[rank % mesh.shard]
-
-
 def _reduce_group(timeout_s: float, mesh: Mesh, rank: int) -> Any:
     """Stage 3: a group of this rank's shard group's ranks for reduce-scatters alone. Gathers
     launch in the order the ranks agree on (`zero_engine.sharding.gathering.agreement`), reductions in
     unit order as gradients complete; on one group the two orders would have to interleave
     alike on every rank, which depends on which parameters got gradients where."""
-    groups = [own_group(timeout_s, "reduce", None, ranks) for ranks in mesh.shard_groups()]
-    return groups[rank // mesh.shard]
+    return _group_of_use(timeout_s, mesh, "zero", "reduce", True, rank, None)
 
 
 def choose_backend(requested: str, device: torch.device) -> str:

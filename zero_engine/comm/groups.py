@@ -30,13 +30,14 @@ import atexit
 import datetime
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..devices import HOST, tensor_bytes
+from .mesh import COMMUNICATORS as COMMON_USES
 from .mesh import Mesh
 from .handles import (
     DONE, ON_SIDE_STREAM, CollectiveKind, EachRank, Finishing, Pending, SecondPhaseStarter, SecondPhaseThread, TwoPhase,
@@ -267,8 +268,9 @@ class GroupComm:
 
 
 class Comm:
-    """The engine's collectives, over ranks laid out as its `Mesh` says: shard groups that
-    replicate each other.
+    """The engine's collectives, over ranks laid out as its `Mesh` says, with one `GroupComm`
+    per use of the mesh (`group`): shard groups (``zero``) that replicate each other, sequence
+    groups inside them, any other axis by its name.
 
     Shard group ``g`` is ranks ``[g G, (g + 1) G)`` (``G``: ``zero_optimization.shard_group_size``,
     all ranks by default); a rank's replicas are the ranks at its place in the other groups.
@@ -279,32 +281,26 @@ class Comm:
     ranks. With one group (the default) this is plain ZeRO over every rank.
     """
 
-    def __init__(
-        self,
-        world: GroupComm,
-        shard_group: GroupComm,
-        replica_group: GroupComm,
-        reduce_group: GroupComm | None = None,
-        mesh: Mesh | None = None,
-        sequence_group: GroupComm | None = None,
-        timeout_s: float | None = None,
-    ) -> None:
-        self.world, self.shard_group, self.replica_group = world, shard_group, replica_group
+    def __init__(self, mesh: Mesh, groups: Mapping[str, GroupComm], timeout_s: float | None = None) -> None:
+        """``groups``: ``world`` and the groups of ``mesh.communicators()`` (one that is
+        missing: a group of one rank, which its use must have); ``reduce``, stage 3's
+        reduce-scatters on a group of the zero ranks of their own (the zero group itself when
+        missing), so their order needs no agreement with the gathers'."""
+        world = groups["world"]
+        self.world = world
+        self.mesh = mesh  # the layout and the rank counts by use
         self.timeout_s = timeout_s  # the engine's groups' (``comm.timeout_s``): groups made later take it too
-        # The layout and the rank counts by use (batch, gradient divisor, shard, replicate).
-        self.mesh = mesh or Mesh(replicate=replica_group.world_size, shard=shard_group.world_size)
-        # The ranks that split one sequence between them (Ulysses; a group of one without it).
-        self.sequence_group = sequence_group or GroupComm(0, 1, world.backend)
-        if mesh is not None and (mesh.world, mesh.shard, mesh.replicate) != (
-            world.world_size, shard_group.world_size, replica_group.world_size
-        ):
-            raise ValueError(f"{self.mesh} does not match groups of {world.world_size}, {shard_group.world_size} and "
-                             f"{replica_group.world_size} ranks")
-        # Reduce-scatters inside the shard group: the shard group itself, or (stage 3) a group
-        # of the same ranks of their own, so their order needs no agreement with the gathers'.
-        self.reduce_group = reduce_group or shard_group
+        self._groups = {"world": world}
+        for use, _, _ in mesh.communicators():
+            self._groups[use] = groups.get(use) or GroupComm(0, 1, world.backend, primitives=world.primitives)
+        self._groups["reduce"] = groups.get("reduce") or self._groups["zero"]
+        for name, group in self._groups.items():
+            expected = mesh.size("zero" if name == "reduce" else name)
+            if group.world_size != expected:
+                raise ValueError(f"{mesh} has {expected} ranks in a group of {name!r}, not the {group.world_size} "
+                                 "of the group given")
         self.rank, self.world_size, self.backend = world.rank, world.world_size, world.backend
-        self.group, self.control_group = world.group, world.control_group
+        self.control_group = world.control_group  # the data process group: `world.group`
         self.shard_rank, self.num_shards = self.shard_group.rank, self.shard_group.world_size
         self.replica_rank, self.num_replicas = self.replica_group.rank, self.replica_group.world_size
         # Who launches a hybrid reduction's second phase (`TwoPhase`): never this rank's host.
@@ -313,7 +309,39 @@ class Comm:
     @classmethod
     def alone(cls, primitives: str = "auto") -> Comm:
         """World size 1, without ``torch.distributed``: every collective is a no-op."""
-        return cls(*(GroupComm(0, 1, "none", primitives=primitives) for _ in range(3)))
+        return cls(Mesh.for_world(1, 1), {"world": GroupComm(0, 1, "none", primitives=primitives)})
+
+    def group(self, use: str) -> GroupComm:
+        """This rank's group of a use or axis of the mesh (``world``, ``zero``, ``replicate``,
+        ``sequence``, ``reduce``, any other axis by its name)."""
+        if use not in self._groups:
+            raise KeyError(f"no group {use!r}: this engine's groups are {sorted(self._groups)}")
+        return self._groups[use]
+
+    def with_group(self, use: str, group: GroupComm) -> Comm:
+        """This `Comm` with ``group`` as its group of ``use`` (stage 3's reduce group)."""
+        return Comm(self.mesh, {**self._groups, use: group}, self.timeout_s)
+
+    @property
+    def shard_group(self) -> GroupComm:
+        """The ranks a sharded state is split over (the ``zero`` use)."""
+        return self._groups["zero"]
+
+    @property
+    def replica_group(self) -> GroupComm:
+        """The ranks holding the same shard in every shard group."""
+        return self._groups["replicate"]
+
+    @property
+    def sequence_group(self) -> GroupComm:
+        """The ranks that split one sequence between them (Ulysses; a group of one without it)."""
+        return self._groups["sequence"]
+
+    @property
+    def reduce_group(self) -> GroupComm:
+        """Reduce-scatters inside the shard group: the shard group itself, or (stage 3) a group
+        of the same ranks of their own."""
+        return self._groups["reduce"]
 
     @property
     def orders_on_device(self) -> bool:
@@ -323,12 +351,12 @@ class Comm:
     @property
     def shard_group_ranks(self) -> list[int]:
         """The global ranks this rank shards with (itself included)."""
-        return list(self.mesh.shard_group_of(self.rank))
+        return list(self.mesh.group_of("zero", self.rank))
 
     @property
     def replica_group_ranks(self) -> list[int]:
         """The global ranks holding the same shard as this one (itself included)."""
-        return list(self.mesh.replica_group_of(self.rank))
+        return list(self.mesh.group_of("replicate", self.rank))
 
     # -- data --------------------------------------------------------------------------------
 
@@ -383,8 +411,10 @@ class Comm:
     @property
     def data_groups(self) -> tuple[GroupComm, ...]:
         """Every group the data collectives run on, in one order on every rank: the world, the
-        shard, replica and reduce groups, the sequence group (some may be the same group)."""
-        return (self.world, self.shard_group, self.replica_group, self.reduce_group, self.sequence_group)
+        shard, replica and reduce groups, the sequence group, then any other axis's (some may be
+        the same group)."""
+        first = (self.world, self.shard_group, self.replica_group, self.reduce_group, self.sequence_group)
+        return first + tuple(self._groups[use] for use, _, _ in self.mesh.communicators()[len(COMMON_USES):])
 
     def abort_data_groups(self) -> str:
         """After the ranks diverged, on NCCL: abort the engine's data communicators, whose
@@ -430,6 +460,9 @@ class Comm:
         per_scope = {name: comm.report() for name, comm in scopes.items()}
         if self.sequence_group.world_size > 1:  # Ulysses' all-to-alls, inside each sequence group
             per_scope["sequence_group"] = self.sequence_group.report()
+        for use, _, _ in self.mesh.communicators()[len(COMMON_USES):]:  # any other axis's
+            if self._groups[use].world_size > 1:
+                per_scope[f"{use}_group"] = self._groups[use].report()
         if self.reduce_group is not self.shard_group:
             per_scope["intra_group"] = _sum_reports(per_scope["intra_group"], self.reduce_group.report())
         report = {

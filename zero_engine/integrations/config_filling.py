@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import ConfigError
+from ..comm import Mesh
 from ..config import optimizer_options
 
 AUTO = "auto"
@@ -168,8 +169,9 @@ def shard_over_data_ranks(loader: Any, processes: int, rank: int, k: int, framew
             "not shard a map-style dataset's batches over ranks (an iterable dataset, or dispatched batches), so the "
             "ranks of a sequence group cannot be given the same batches; use a map-style dataset"
         )
-    shard.num_processes = processes // k
-    shard.process_index = rank // k
+    mesh = Mesh.for_world(processes, processes, sequence=k)  # the shard group size does not matter here
+    shard.num_processes = mesh.batch
+    shard.process_index = mesh.rank_in("batch", rank)
     if shard.num_processes == 1:  # one data-parallel rank: as Accelerate's own loader of one process, no padding
         shard.even_batches = False  # of the last batch with samples from the start
     return loader
