@@ -182,5 +182,6 @@ def test_no_sequence_degree_arithmetic_outside_comm_and_config():
         if not relative.startswith(("comm/", "config/")):
             found += [f"{relative}:{line}" for line in _sequence_degree_arithmetic(ast.parse(path.read_text()))]
     assert found == []
-    planted = "b = config.batch_sizes(ranks // config.sequence_parallel_size)\nr = rank % raw['sequence_parallel_size']\n"
+    planted = ("b = config.batch_sizes(ranks // config.sequence_parallel_size)\n"
+               "r = rank % raw['sequence_parallel_size']\n")
     assert _sequence_degree_arithmetic(ast.parse(planted)) == [1, 2]

@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 from .auto_values import fill_auto
 from .comm import Mesh
 from .config import BatchSizes, ZeroEngineConfig, auto_keys, no_effect_settings
-from .errors import ConfigError
 from .config.deepspeed_compat import AUTO_BATCH_KEYS
 from .config.refusals import refuse as refuse_unbuilt_features
 from .optim import check_optimizer_for_stage
