@@ -18,7 +18,7 @@ from . import offload
 from .memory import measure_memory
 from .values import check_switch
 from .sharding.gathering.agreement import Call
-from .state import checkpoint, export, streaming
+from .state import checkpoint, export, formats, streaming
 from .state.adapters import AdapterMerge
 from .state.gathered import GatheredParameters
 
@@ -185,6 +185,7 @@ class ModelAccess:
         *,
         within_window: bool = False,
         exclude_frozen_parameters: bool = False,
+        format: str | None = None,
     ) -> Path:
         """Save everything needed to resume, at any stage and world size (collective).
 
@@ -198,8 +199,13 @@ class ModelAccess:
         ``exclude_frozen_parameters=True`` (DeepSpeed's keyword) saves the trainable state only: a
         LoRA run's checkpoint then holds its adapters, not the base. Resuming it takes the frozen
         weights from the model as built, or from ``weights=`` at `initialize`.
+
+        ``format``: the checkpoint format to write (`zero_engine.state.formats`; default the
+        ``checkpoint_format`` key's, this engine's own unless set). `load_checkpoint` finds any
+        registered format by its files.
         """
         self.calls.check_usable()
+        written = formats.writing(format or self.settings.checkpoint_format)  # a wrong name raises before any collective
         if self.window.in_window and not within_window:
             raise RuntimeError(
                 f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "
@@ -210,7 +216,8 @@ class ModelAccess:
         counters = checkpoint.Counters(self.global_step, self.skipped_steps)
         tag = tag or f"global_step{self.global_step}"
         return checkpoint.save(
-            self._resumable(exclude_frozen_parameters), counters, directory, tag, client_state, self.checkpoint_writer
+            self._resumable(exclude_frozen_parameters), counters, directory, tag, client_state, self.checkpoint_writer,
+            written.name,
         )
 
     def load_checkpoint(

@@ -85,6 +85,11 @@ class ZeroEngineConfig(_Section):
         "at a time in training forwards, each tile recomputed in backward, so its intermediate activations exist "
         "for one tile, not the whole sequence; 0: off."
     )
+    checkpoint_format: str = Field(
+        "zero_engine", description="Ours: the format save_checkpoint writes when its format= is not given: "
+        "'zero_engine' (this engine's own, any stage and world size), or a format registered with "
+        "zero_engine.state.formats.register. load_checkpoint reads any registered format, found by its files."
+    )
     managed_gradient_accumulation: bool = Field(
         True, description="DeepSpeed: false makes every step() an accumulation boundary; refused when false "
         "(set_gradient_accumulation_boundary says where a window ends)."

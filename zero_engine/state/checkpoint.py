@@ -1,83 +1,35 @@
-"""Checkpoints: one format for every stage and world size.
-
-Format (``docs/checkpoint-format.md``): a checkpoint is a directory ``DIR/TAG`` holding
-
-- ``rank{r}.pt`` from every rank: its *pieces*, one per parameter range it owns
-  (``name``, ``start``, ``numel`` in the flattened parameter), each with the fp32 master
-  values and the optimizer state of that range, plus the rank's RNG states. Ranks own
-  1/G of every unit at every stage (stage 0 too; G is the shard group size, all ranks by
-  default), so saving is parallel and balanced. With hybrid sharding only the first shard
-  group writes pieces: one copy per shard, not per replica (the others write their RNG).
-- ``extra.pt`` from rank 0: what is not sharded (frozen parameters, buffers, parameters
-  outside every param group), the engine's counters, the optimizer's param-group options,
-  and the user's ``client_state``.
-- ``manifest.json``: format version, shapes and aliases of every trainable parameter, the
-  config, and every file with its size and SHA-256.
-
-Nothing in it depends on the stage, the world size or the bucket size: loading assembles
-each range a rank needs from whichever saved pieces cover it. ``DIR/latest`` names the newest
-tag. How the files reach the disk atomically, are verified and read without running code is
-`zero_engine.state.storage`'s; the plain ``state_dict`` of one process,
-`zero_engine.state.consolidate`'s.
+"""Checkpoints: saved in a format of `formats` (this engine's own by default: `own_format`,
+``docs/checkpoint-format.md``), loaded from whichever format a probe finds there (ours,
+DeepSpeed's, a registered one), at any stage and world size: every format reads into the same
+`sources.Source` (pieces of each parameter, loose state, counters), which loading assembles
+into the ranges each rank owns.
 
 Failures: every phase ends with the ranks exchanging their outcome (`on_every_rank`), so an
 error on one rank (a full disk, a read-only directory, a ``client_state`` that would not load
-back) raises the same `CheckpointError` on every rank, and the staging directory is removed.
+back) raises the same `CheckpointError` on every rank. A load reads and checks everything first
+(names and shapes, the optimizer's type, the schedule), then every rank restores or none does.
 """
 
 from __future__ import annotations
 
-import io
-import json
-import shutil
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from ..comm import Comm
 from ..errors import CheckpointError
-from . import storage
-from .payload import (
-    Counters, Resumable, extra_payload, manifest_of, rank_payload, restore_rng,
-)
-from .sources import Source, open_source
+from . import formats, storage
+from .every_rank import on_every_rank
+from .own_format import NAME as OWN_NAME
+from .payload import Counters, Resumable, restore_rng
+from .sources import Source
 from .state_dict import ModelState
-from .storage import EXTRA, MANIFEST, Checkpoint, rank_file
+from .storage import MANIFEST, Checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
 # Saving
-
-
-def on_every_rank(
-    comm: Comm, action: str, work: Callable[[], Any], on_failure: Callable[[], None] | None = None
-) -> list[Any]:
-    """Run ``work`` here, then exchange every rank's outcome: its (JSON) result, or the error it
-    raised. When any rank failed, every rank raises the same error naming each failed rank and
-    its error, so no rank goes on into collectives the others never join: a `CheckpointError`,
-    or a `FileNotFoundError` when every failure was one (a job's "no checkpoint yet, start
-    fresh" test). One process raises its own error unchanged. ``on_failure`` runs first on
-    every rank, and no rank raises before every rank has run it."""
-    local: Exception | None = None
-    try:
-        outcome: dict[str, Any] = {"result": work()}
-    except Exception as err:  # noqa: BLE001 (every failure must reach the other ranks)
-        local, outcome = err, {"error": f"{type(err).__name__}: {err}", "type": type(err).__name__}
-    outcomes = comm.all_gather_json(outcome)
-    failed = [item for item in outcomes if "error" in item]
-    if failed and on_failure is not None:
-        on_failure()
-        comm.each_rank(0).values()  # every rank has run it (on the control group, as every agreement)
-    if local is not None and len(outcomes) == 1:
-        raise local
-    if failed:
-        described = "; ".join(f"rank {rank}: {item['error']}" for rank, item in enumerate(outcomes) if "error" in item)
-        error = FileNotFoundError if all(item["type"] == "FileNotFoundError" for item in failed) else CheckpointError
-        raise error(f"{action} failed on {len(failed)} of {len(outcomes)} ranks (every rank raises this): {described}") from local
-    return [item["result"] for item in outcomes]
 
 
 def save(
@@ -87,75 +39,12 @@ def save(
     tag: str,
     client_state: Any = None,
     writer: storage.FileWriter = storage.FILES,
+    format: str = OWN_NAME,
 ) -> Path:
-    """Write a checkpoint of ``state`` under ``directory``/``tag`` through ``writer``; returns
-    its path. Collective."""
-    root = Path(directory)
-    staging = root / f".tmp-{tag}"
-    comm = state.model.comm
-
-    def checked_tag() -> str:
-        storage.check_tag(tag)
-        storage.check_root(root)
-        return tag
-
-    tags = on_every_rank(comm, "save_checkpoint", checked_tag)
-    if len(set(tags)) > 1:
-        raise CheckpointError(f"save_checkpoint: the ranks gave different tags ({', '.join(map(repr, tags))})")
-
-    def prepare() -> None:
-        if comm.rank == 0:
-            _check_client_state(client_state)
-            writer.finish_publish(root, tag)  # a re-save of this tag killed half-way
-            shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
-            staging.mkdir(parents=True)
-
-    on_every_rank(comm, "save_checkpoint", prepare)
-
-    def write() -> dict[str, dict[str, int | str]]:
-        written = {rank_file(comm.rank): writer.write_file(staging / rank_file(comm.rank), rank_payload(state))}
-        if comm.rank == 0:
-            written[EXTRA] = writer.write_file(staging / EXTRA, extra_payload(state, counters, client_state))
-        return written
-
-    def publish_files() -> None:
-        if comm.rank == 0:
-            manifest = manifest_of(state, counters, tag, files)
-            writer.write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
-            writer.publish(root, staging, tag)
-
-    def remove_staging() -> None:  # nothing half-written stays behind
-        if comm.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    try:
-        files: dict[str, dict[str, int | str]] = {}
-        for rank_files in on_every_rank(comm, f"save_checkpoint to {staging}", write, remove_staging):
-            files.update(rank_files)
-        on_every_rank(comm, f"save_checkpoint publishing {root / tag}", publish_files, remove_staging)
-    except BaseException:  # a peer that died mid-save, an interrupt: remove what this rank can
-        remove_staging()
-        raise
-    return root / tag
-
-
-def _check_client_state(client_state: Any) -> None:
-    """``client_state`` must load back with ``weights_only=True`` (as every checkpoint file is
-    read): checked in memory before anything is written, or the saved checkpoint, model
-    included, would be refused at load."""
-    buffer = io.BytesIO()
-    try:
-        torch.save(client_state, buffer)
-        buffer.seek(0)
-        torch.load(buffer, map_location="cpu", weights_only=True)  # a GPU tensor is not copied back to the GPU
-    except Exception as err:  # noqa: BLE001 (pickling and weights-only refusals alike)
-        detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), str(err).splitlines()[0])
-        raise ValueError(
-            f"client_state would not load back ({detail.strip()}): checkpoints are read with "
-            "torch.load(weights_only=True), which takes tensors, numbers, strings, None and lists, tuples and dicts "
-            "of them; convert the rest (vars(args) for an argparse.Namespace, str() or .isoformat() for a datetime, "
-            ".item() for a numpy scalar)"
-        ) from None
+    """Write a checkpoint of ``state`` under ``directory``/``tag`` in ``format`` (this engine's
+    own by default, any written format of `formats`) through ``writer``; returns its path.
+    Collective."""
+    return formats.writing(format).save(state, counters, Path(directory), tag, client_state, writer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +72,7 @@ def load(
     read: list[Any] = []  # checkpoint, piece index, extra.pt
 
     def open_and_check() -> None:
-        source = open_source(directory, tag)
+        source = formats.open_source(directory, tag)
         read.append(source)
         _check_fit(model, source.checkpoint, source.extra, strict)
         if load_optimizer_states and state.optimizer is not None:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
-from .sources import open_source
+from .formats import open_source
 from .storage import write_atomically
 
 def load_consolidated(directory: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:

@@ -33,12 +33,12 @@ from torch import nn
 from ..errors import CheckpointError
 from ..sharding.units.frozen_unit import FrozenUnit
 from ..sharding.units.unit import FlatUnit
-from .checkpoint import on_every_rank
+from .every_rank import on_every_rank
 from .consolidate import excluded_frozen, trainable_only_message
 from .payload import PieceIndex
 from .safetensors_file import SafetensorsWriter, TensorSpec
 from .state_dict import ModelState
-from .sources import open_source
+from .formats import open_source
 from .storage import write_atomically
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"

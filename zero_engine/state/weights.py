@@ -31,8 +31,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..sharding.units.unit import FlatUnit
 from .checkpoint import misfit_message
-from .deepspeed_checkpoint import find_deepspeed_tag
-from .sources import open_source
+from .formats import finds_any, open_source
 from .storage import LATEST, MANIFEST, refused_pickle
 from .safetensors_reader import SafetensorsFile
 from .state_dict import ModelState
@@ -166,7 +165,7 @@ def open_weights(source: WeightsSource) -> WeightsFile:
     if path.is_dir():
         if (path / LATEST).is_file():
             return CheckpointWeights(path, None)
-        if (path / MANIFEST).is_file() or find_deepspeed_tag(path.parent, path.name) is not None:
+        if finds_any(path.parent, path.name):
             return CheckpointWeights(path.parent, path.name)  # one tag's directory
         if (path / "model.safetensors.index.json").is_file():
             return SafetensorsWeights.from_index(path / "model.safetensors.index.json")
