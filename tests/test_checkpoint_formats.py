@@ -37,8 +37,8 @@ def _toy_save(state: Resumable, counters: Counters, directory: Path, tag: str, c
         path.mkdir(parents=True, exist_ok=True)
         torch.save(rank_payload(state), path / f"toy-{comm.rank}.pt")
         if comm.rank == 0:
-            head = {"manifest": manifest_of(state, counters, tag, {}), "extra": extra_payload(state, counters, client_state)}
-            torch.save(head, path / HEAD)
+            manifest = manifest_of(state, counters, tag, {})
+            torch.save({"manifest": manifest, "extra": extra_payload(state, counters, client_state)}, path / HEAD)
 
     on_every_rank(comm, "toy save", write)
     return path
@@ -47,7 +47,8 @@ def _toy_save(state: Resumable, counters: Counters, directory: Path, tag: str, c
 def _toy_read(directory: Path, tag: str | None) -> Source:
     path = directory / str(tag)
     head = torch.load(path / HEAD, weights_only=True)
-    payloads = [torch.load(path / f"toy-{rank}.pt", weights_only=True) for rank in range(head["manifest"]["world_size"])]
+    ranks = range(head["manifest"]["world_size"])
+    payloads = [torch.load(path / f"toy-{rank}.pt", weights_only=True) for rank in ranks]
     index = PieceIndex((piece for payload in payloads for piece in payload["pieces"]), [p["rng"] for p in payloads])
     return Source(Checkpoint(path, head["manifest"]), index, head["extra"], [], "toy")
 

@@ -205,7 +205,7 @@ class ModelAccess:
         registered format by its files.
         """
         self.calls.check_usable()
-        written = formats.writing(format or self.settings.checkpoint_format)  # a wrong name raises before any collective
+        written = formats.writing(format or self.settings.checkpoint_format)  # a wrong name: before any collective
         if self.window.in_window and not within_window:
             raise RuntimeError(
                 f"save_checkpoint in the middle of a gradient-accumulation window (micro-step "

@@ -5,7 +5,6 @@ consolidation, export and ``initialize(weights=...)`` read every format through 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from .payload import PieceIndex

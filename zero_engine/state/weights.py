@@ -32,7 +32,7 @@ from ..errors import CheckpointError
 from ..sharding.units.unit import FlatUnit
 from .checkpoint import misfit_message
 from .formats import finds_any, open_source
-from .storage import LATEST, MANIFEST, refused_pickle
+from .storage import LATEST, refused_pickle
 from .safetensors_reader import SafetensorsFile
 from .state_dict import ModelState
 
