@@ -28,6 +28,7 @@ from .engine_settings import EngineSettings
 from .logs import show_by_default
 from .memory import check_offload_directories, estimate_from_config
 from .offload import offload_plan
+from .matrix_step import compute_layouts
 from .optim import check_optimizer_for_stage
 from .param_groups import ParamGroup, resolve_param_groups
 from .precision import Precision
@@ -157,7 +158,7 @@ def _build_engine(
         settings = settings_under_split(model, settled.plan, settings, sequence, log=comm.rank == 0)
     units = UnitPlan.derive(
         model, settled.plan, settled.groups, stage.shard_parameters, precision.compute_dtype, settings.bucket_numel,
-        settings.frozen_quantization,
+        settings.frozen_quantization, compute_layouts(config.optimizer.type),
     )  # every unit, planned once: built by the engine, sized for the host check before
     if settings.offload.any:  # the formula's host bytes, before any of them is allocated
         trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)

@@ -5,12 +5,15 @@ units that share their exchanges (`zero_engine.sharding.storage.compute_layout.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from .comm import Comm
 from .muon import matrix_shape, takes_muon
+from .optim import ComputeLayout, optimizer_kind
 from .param_groups import ParamGroup
 from .sharding.storage.compute_layout import Matrix, MatrixExchange, assign_owners_by_window, matrix_cost, plan_windows
 from .sharding.units.unit import FlatUnit
@@ -19,20 +22,34 @@ from .stage import Stage
 MatrixParams = set[tuple[int, int]]  # (unit's index, parameter's index in the unit)
 
 
+def compute_layouts(optimizer_type: str) -> Callable[[str, nn.Parameter], ComputeLayout] | None:
+    """How ``optimizer_type`` computes on each parameter, for the unit plan: None for an
+    elementwise optimizer (every parameter elementwise); for a whole-matrix one, whole-matrix on
+    the parameters it takes as matrices (`zero_engine.muon.takes_muon`), a ``use_muon`` set on a
+    parameter of fewer than two dimensions refused, naming it."""
+    kind = optimizer_kind(optimizer_type)
+    if kind is None or kind.layout is not ComputeLayout.WHOLE_MATRIX:
+        return None
+
+    def layout(name: str, param: nn.Parameter) -> ComputeLayout:
+        if not takes_muon(name, param):
+            return ComputeLayout.ELEMENTWISE
+        if param.dim() < 2:
+            raise ValueError(
+                f"parameter {name!r} has use_muon = True but shape {tuple(param.shape)}: Muon updates "
+                "matrices (two or more dimensions); leave use_muon unset or False for it"
+            )
+        return ComputeLayout.WHOLE_MATRIX
+
+    return layout
+
+
 def matrix_params(units: list[FlatUnit]) -> MatrixParams:
-    """The parameters the whole-matrix optimizer takes (`zero_engine.muon.takes_muon`); a
-    ``use_muon`` set on a parameter of fewer than two dimensions is refused, naming it."""
-    taken = set()
-    for u, unit in enumerate(units):
-        for index, (name, param) in enumerate(zip(unit.names, unit.params)):
-            if takes_muon(name, param, unit.shapes[index]):
-                if len(unit.shapes[index]) < 2:
-                    raise ValueError(
-                        f"parameter {name!r} has use_muon = True but shape {tuple(unit.shapes[index])}: Muon updates "
-                        "matrices (two or more dimensions); leave use_muon unset or False for it"
-                    )
-                taken.add((u, index))
-    return taken
+    """The parameters the plan gave a whole-matrix compute layout (`compute_layouts`)."""
+    return {
+        (u, index) for u, unit in enumerate(units) for index, placement in enumerate(unit.placements)
+        if placement.compute is ComputeLayout.WHOLE_MATRIX
+    }
 
 
 def split_groups(groups: list[ParamGroup], units: list[FlatUnit], matrices: MatrixParams) -> list[dict[str, Any]]:
@@ -59,7 +76,7 @@ def plan_exchanges(
     every matrix whole). Returns the number of matrices."""
     group, ranks = (comm.shard_group, comm.num_shards) if stage.shard_optimizer_state else (comm.world, comm.mesh.world)
     found = [
-        (u, index, matrix_shape(units[u].shapes[index])) for u, unit in enumerate(units)
+        (u, index, matrix_shape(units[u].global_shape(index))) for u, unit in enumerate(units)
         for index in range(len(unit.names)) if (u, index) in matrices
     ]
     costs = [matrix_cost(shape) for _, _, shape in found]

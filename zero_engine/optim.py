@@ -19,12 +19,8 @@ from typing import Any
 import torch
 
 from .config import OptimizerConfig, optimizer_class
+from .sharding.units.param_placement import ComputeLayout
 from .stage import Stage
-
-
-class ComputeLayout(str, Enum):
-    ELEMENTWISE = "elementwise"  # each element's update depends on that element alone
-    WHOLE_MATRIX = "whole_matrix"  # part of the update needs the whole matrix (gathered on one rank)
 
 
 @dataclass(frozen=True)

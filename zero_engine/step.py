@@ -92,7 +92,7 @@ class OptimizerStep:
         self.device = device
         # what the tiers hold (NVMe's swap spaces): the failures the step agrees on
         self.held = held if held is not None else Holdings()
-        kind = optimizer_kind(settings.optimizer.type)
+        kind = optimizer_kind(settings.optimizer.type)  # the plan gave each parameter its compute layout
         matrices = matrix_params(units) if kind is not None and kind.layout is ComputeLayout.WHOLE_MATRIX else None
         torch_groups = _optimizer_groups(groups, units) if matrices is None else split_groups(groups, units, matrices)
         self.optimizer = build_optimizer(settings.optimizer, stage, torch_groups, on_host=offload.optimizer)

@@ -153,7 +153,7 @@ class ModelState:
         shards, in their own dtype, with no state (the trainable masters are the step's); a unit
         every rank keeps whole (int8, replicated), from rank 0 alone."""
         return [
-            saved_piece(unit.names[index], start, numel, saved_copy(values), {})
+            saved_piece(unit.names[index], unit.global_start(index, start), numel, saved_copy(values), {})
             for unit in (self.frozen_units if with_frozen else ())
             if not unit.replicated or self.comm.rank == 0
             for index, start, numel, values in unit.shard_pieces()
@@ -166,10 +166,11 @@ class ModelState:
         for name, param in self.module.named_parameters(remove_duplicate=False):
             aliases[id(param)].append(name)
         return {
-            name: {"shape": list(shape), "aliases": aliases[id(param)], **({"frozen": True} if unit.frozen else {})}
+            name: {"shape": list(unit.global_shape(index)), "aliases": aliases[id(param)],
+                   **({"frozen": True} if unit.frozen else {})}
             for unit in self.units_in_model_order()
             if with_frozen or not unit.frozen
-            for name, param, shape in zip(unit.names, unit.params, unit.shapes)
+            for index, (name, param) in enumerate(zip(unit.names, unit.params))
         }
 
     def fitting(self, saved_params: dict[str, dict[str, Any]]) -> set[str]:
@@ -189,11 +190,11 @@ class ModelState:
         fitting = self.fitting(saved_params)
 
         def values_for(unit: FlatUnit, param_index: int, start: int, numel: int) -> torch.Tensor | None:
-            name = unit.names[param_index]
+            name, start = unit.names[param_index], unit.global_start(param_index, start)  # in the whole parameter
             if name in fitting:
                 return saved.assemble(name, start, numel)
             whole = loose.get(name)
-            if whole is not None and list(whole.shape) == list(unit.shapes[param_index]):
+            if whole is not None and list(whole.shape) == list(unit.global_shape(param_index)):
                 return whole.reshape(-1)[start : start + numel]
             return None
 
@@ -209,7 +210,7 @@ class ModelState:
 
     def unit_param_shapes(self) -> dict[str, list[int]]:
         """Shape of every parameter held in units, by its name."""
-        return {name: list(shape) for unit in self.all_units for name, shape in zip(unit.names, unit.shapes)}
+        return {name: list(unit.global_shape(index)) for unit in self.all_units for index, name in enumerate(unit.names)}
 
     # -- writing -----------------------------------------------------------------------------
 

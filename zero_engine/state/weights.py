@@ -212,6 +212,7 @@ def load_weights(model: ModelState, weights: WeightsFile, file_names: dict[int, 
 
     def file_values(unit: FlatUnit, index: int, start: int, numel: int) -> torch.Tensor:
         dtype = unit.dtype if unit.frozen else torch.float32  # a frozen unit keeps its own dtype
+        start = unit.global_start(index, start)  # in the whole parameter, as the file holds it
         return weights.read(file_names[id(unit.params[index])], start, numel).to(unit.device, dtype)
 
     model.load_kept(file_values)

@@ -171,6 +171,7 @@ def build_units(
             planned.tensors, planned.names, planned.group_indices, comm.shard_rank, comm.num_shards,
             label=planned.label, compute_dtype=compute_dtype, device=device,
             materialize=_materializer(deferred, planned.tensors), placement=placement, codec=settings.codecs.gather,
+            placements=planned.placements,
         )
         for planned in plan.sharded
     ]
@@ -267,6 +268,7 @@ def _whole_unit(planned: PlannedUnit, comm: Comm, settings: BuildSettings, place
     return FlatUnit(
         planned.tensors, planned.names, planned.group_indices, comm.shard_rank, comm.num_shards,
         compute_dtype=settings.compute_dtype, spec=settings.unit_spec, placement=placement,
+        placements=planned.placements,
     )
 
 

@@ -57,6 +57,8 @@ class OwningUnit(Protocol):
     device: torch.device
     used_offset: int  # the unit's first parameter in the used-mask
 
+    def global_start(self, index: int, local_start: int) -> int: ...  # in the whole parameter (`param_placement`)
+
 
 class SavedPiece(TypedDict):
     """One parameter's saved range, as every checkpoint file holds it (this engine's rank files,
@@ -237,7 +239,8 @@ class OptimizerShard:
                 holds_start = target.param_offset <= start < target.param_offset + target.tensor.numel()
                 if optimizer is not None and target.name == name and holds_start:
                     saved = _slice_state(optimizer.state.get(target.tensor, {}), target, start, numel)
-            pieces.append(saved_piece(name, start, numel, saved_copy(master), saved))
+            global_start = unit.global_start(segment.param_index, start)  # where the piece lies in the whole parameter
+            pieces.append(saved_piece(name, global_start, numel, saved_copy(master), saved))
         return pieces
 
     def load_state(self, saved: SavedPieces, fitting: set[str]) -> None:
@@ -254,12 +257,13 @@ class OptimizerShard:
             if target.name not in fitting:
                 continue
             numel = target.tensor.numel()
-            pieces = saved.covering(target.name, target.param_offset, numel)
+            start = self.unit.global_start(target.piece.param_index, target.param_offset)  # in the whole parameter
+            pieces = saved.covering(target.name, start, numel)
             restored: dict[str, Any] = {}
             for key in {key for piece in pieces for key in piece["state"]}:
                 sample = next(p["state"][key] for p in pieces if key in p["state"])
                 if _is_elementwise(pieces, key):
-                    values = saved.assemble(target.name, target.param_offset, numel, key)
+                    values = saved.assemble(target.name, start, numel, key)
                     assert values is not None
                     restored[key] = values.view(target.tensor.shape).to(target.tensor.device)
                 elif torch.is_tensor(sample):  # a scalar (step), or saved whole (stage 0 only)

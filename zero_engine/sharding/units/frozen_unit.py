@@ -25,6 +25,7 @@ from ...comm.handles import CollectiveKind
 from ..storage.codec import Gathering
 from ..storage.layout import UnitLayout
 from ..storage.param_shard import DEVICE_SHARDS, ShardTier
+from .param_placement import PlacedParams, Placement
 from .unit import FlatUnit, GatheredStorage, _point_meta_param
 
 
@@ -35,7 +36,7 @@ def frozen_dtype(param: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype
     return compute_dtype if mixed and param.is_floating_point() else param.dtype
 
 
-class FrozenUnit(GatheredStorage):
+class FrozenUnit(GatheredStorage, PlacedParams):
     """Frozen parameters of one dtype, of one unit module, flattened and sharded."""
 
     frozen = True
@@ -59,6 +60,7 @@ class FrozenUnit(GatheredStorage):
         self.params = list(params)
         self.names = list(names)
         self.shapes = [param.shape for param in self.params]
+        self.placements = [Placement.whole(shape) for shape in self.shapes]  # frozen parameters: whole today
         self.dtype = dtype  # what the unit stores and gathers: the parameters' own, or the compute dtype
         self.rank = rank
         self.device = device

@@ -34,9 +34,11 @@ from ..storage.layout import UnitLayout
 from ..storage.param_shard import ParamShard
 from ..storage.placement import ON_DEVICE, Placement
 from ..storage.optimizer_shard import OptimizerShard
+from .param_placement import Placement as ParamPlacement
+from .param_placement import PlacedParams
 
 
-class FlatUnit:
+class FlatUnit(PlacedParams):
     """Parameters flattened in order into padded flat buffers (whole between steps)."""
 
     sharded_params = False  # stage 3 units hold only their shard between uses
@@ -56,11 +58,14 @@ class FlatUnit:
         materialize: Callable[[], None] | None = None,
         placement: Placement = ON_DEVICE,
         codec: GatherCodec = IDENTITY,
+        placements: Sequence[ParamPlacement] | None = None,
     ) -> None:
         self.params = list(params)
         self.placement = placement  # where the optimizer's side lives (host with offload)
         self.codec = codec  # how the unit's compute values travel in its all-gathers (`gather`)
-        self.shapes = [param.shape for param in self.params]  # stage 3 empties the parameters
+        self.shapes = [param.shape for param in self.params]  # what this rank holds; stage 3 empties the parameters
+        # each parameter's global shape, this rank's box of it and its compute layout (`param_placement`)
+        self.placements = list(placements) if placements is not None else [ParamPlacement.whole(s) for s in self.shapes]
         self.names = list(names)
         self.group_indices = list(group_indices)  # each parameter's optimizer param group
         self.rank = rank
@@ -305,10 +310,11 @@ class ShardedFlatUnit(GatheredStorage, FlatUnit):
         materialize: Callable[[], None] | None = None,
         placement: Placement = ON_DEVICE,
         codec: GatherCodec = IDENTITY,
+        placements: Sequence[ParamPlacement] | None = None,
     ) -> None:
         FlatUnit.__init__(
             self, params, names, group_indices, rank, num_shards, compute_dtype=compute_dtype, spec=SHARDED_UNIT,
-            device=device, materialize=materialize, placement=placement, codec=codec,
+            device=device, materialize=materialize, placement=placement, codec=codec, placements=placements,
         )
         self._start_sharded(label)
 

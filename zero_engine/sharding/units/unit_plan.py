@@ -14,7 +14,7 @@ the model, not two that must agree.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -26,6 +26,7 @@ from .frozen_unit import frozen_dtype
 from .quantized_frozen import NO_QUANTIZATION, FrozenQuantization
 from ..storage.layout import plan_units
 from .module_plan import ModulePlan, ModuleUnitPlan, frozen_params
+from .param_placement import ComputeLayout, Placement
 
 
 class UnitKind(Enum):
@@ -37,11 +38,17 @@ class UnitKind(Enum):
 @dataclass(frozen=True)
 class PlannedParam:
     """One parameter's place in its unit, as FSDP2's ``FSDPParam`` declares it: its name, the
-    parameter, its optimizer param group (None: frozen)."""
+    parameter, its optimizer param group (None: frozen), and its placement (global shape, the
+    box this rank holds, compute layout; default: whole, elementwise)."""
 
     name: str
     param: nn.Parameter
     group: int | None
+    placement: Placement | None = None
+
+    def __post_init__(self) -> None:
+        if self.placement is None:
+            object.__setattr__(self, "placement", Placement.whole(self.param.shape))
 
     @property
     def numel(self) -> int:
@@ -75,6 +82,10 @@ class PlannedUnit:
         return [planned.group if planned.group is not None else -1 for planned in self.params]
 
     @property
+    def placements(self) -> list[Placement]:
+        return [planned.placement for planned in self.params]  # type: ignore[misc]
+
+    @property
     def numel(self) -> int:
         return sum(planned.numel for planned in self.params)
 
@@ -98,20 +109,27 @@ class UnitPlan:
         compute_dtype: torch.dtype,
         bucket_numel: int,
         quantization: FrozenQuantization = NO_QUANTIZATION,
+        compute_layout: Callable[[str, nn.Parameter], ComputeLayout] | None = None,
     ) -> UnitPlan:
         """The plan of a stage that shards parameters (stage 3) or does not; ``quantization``
-        says which frozen parameters stage 3 keeps in int8."""
+        says which frozen parameters stage 3 keeps in int8, ``compute_layout`` how the optimizer
+        computes on each trainable parameter (None: elementwise on every one)."""
         position = {param: index for index, param in enumerate(model.parameters())}
+
+        def trainable(name: str, param: nn.Parameter, group: int) -> PlannedParam:
+            layout = compute_layout(name, param) if compute_layout is not None else ComputeLayout.ELEMENTWISE
+            return PlannedParam(name, param, group, Placement.whole(param.shape, layout))
+
         if not shard_parameters:
             per_group = [
-                [PlannedParam(name, param, index) for name, param in zip(group.names, group.params)]
+                [trainable(name, param, index) for name, param in zip(group.names, group.params)]
                 for index, group in enumerate(groups)
             ]
             return cls(modules, whole=_whole_units(per_group, position, bucket_numel))
         sharded = [
             PlannedUnit(
                 UnitKind.SHARDED,
-                [PlannedParam(n, p, g) for n, p, g in zip(unit.names, unit.params, unit.group_indices)],
+                [trainable(n, p, g) for n, p, g in zip(unit.names, unit.params, unit.group_indices)],
                 unit.label, module=unit,
             )
             for unit in modules.units
@@ -123,7 +141,7 @@ class UnitPlan:
         ]
         per_group: list[list[PlannedParam]] = [[] for _ in groups]
         for item in modules.resident:
-            per_group[item.group_index].append(PlannedParam(item.name, item.param, item.group_index))
+            per_group[item.group_index].append(trainable(item.name, item.param, item.group_index))
         return cls(modules, sharded, frozen, _whole_units(per_group, position, bucket_numel))
 
 
