@@ -79,8 +79,8 @@ def test_on_nccl_the_second_phase_starts_at_once_on_the_side_stream(monkeypatch:
     monkeypatch.setattr(comm_handles, "second_phase_stream", side)
     waits: list[str] = []
     started: list[str] = []
-    nccl = Comm(*(GroupComm(0, 1, "nccl") for _ in range(3)))
-    gloo = Comm(*(GroupComm(0, 1, "gloo") for _ in range(3)))
+    nccl = Comm.of_groups(*(GroupComm(0, 1, "nccl") for _ in range(3)))
+    gloo = Comm.of_groups(*(GroupComm(0, 1, "gloo") for _ in range(3)))
     assert nccl.orders_on_device and not gloo.orders_on_device
     assert isinstance(gloo.second_phases, SecondPhaseThread)  # gloo: tests/test_hybrid.py
     second = _NotDone(waits, stream)
@@ -259,19 +259,20 @@ def test_on_nccl_a_divergence_aborts_each_data_group_once_and_forgets_it(monkeyp
     log: list[str] = []
     data, shards, reduces = _Group(log, "data"), _Group(log, "shards"), _Group(log, "reduces")
     monkeypatch.setattr(comm_groups, "_OWN_GROUPS", {(0, 1.0, "data", None): data, (0, 1.0, "other", None): _Group(log, "x")})
-    nccl = Comm(GroupComm(0, 4, "nccl", data), GroupComm(0, 2, "nccl", shards), GroupComm(0, 2, "nccl", data),
-                GroupComm(0, 2, "nccl", reduces))
+    nccl = Comm.of_groups(GroupComm(0, 4, "nccl", data), GroupComm(0, 2, "nccl", shards),
+                          GroupComm(0, 2, "nccl", data), GroupComm(0, 2, "nccl", reduces))
     assert nccl.abort_data_groups() == comm_groups.ABORTED
     assert sorted(log) == ["data", "reduces", "shards"]
     assert list(comm_groups._OWN_GROUPS) == [(0, 1.0, "other", None)]
-    gloo = Comm(GroupComm(0, 4, "gloo", _Group(log, "gloo")), *(GroupComm(0, 2, "gloo") for _ in range(2)))
+    gloo = Comm.of_groups(GroupComm(0, 4, "gloo", _Group(log, "gloo")),
+                          *(GroupComm(0, 2, "gloo") for _ in range(2)))
     assert gloo.abort_data_groups() == "" and "gloo" not in log
 
 
 def test_a_torch_that_cannot_abort_says_the_job_must_be_killed() -> None:
     """GPU review P7: on torch 2.4-2.5 (no ``ProcessGroup.abort``) the divergence message must
     not claim the communicators were aborted."""
-    old = Comm(*(GroupComm(0, 2, "nccl", object()) for _ in range(3)))
+    old = Comm.of_groups(*(GroupComm(0, 2, "nccl", object()) for _ in range(3)))
     note = old.abort_data_groups()
     assert note == comm_groups.NOT_ABORTED and "Kill the job" in note and "were aborted" not in note
 
@@ -296,7 +297,8 @@ def test_the_nccl_paths_follow_the_devices_backend_not_the_groups_string(
     monkeypatch.setattr(dist, "get_backend", lambda group=None: made_with or "undefined")
     backend = comm_connect.device_backend(torch.device(device))
     assert backend == expected
-    assert Comm(*(GroupComm(0, 2, backend) for _ in range(3))).orders_on_device is (expected == "nccl")
+    comm = Comm.of_groups(*(GroupComm(0, 2, backend) for _ in range(3)))
+    assert comm.orders_on_device is (expected == "nccl")
 
 
 def test_stage_3_on_nccl_warns_about_a_single_hardware_queue(
@@ -307,8 +309,8 @@ def test_stage_3_on_nccl_warns_about_a_single_hardware_queue(
     from zero_engine import entry
     from zero_engine.stage import stage_for
 
-    nccl = Comm(*(GroupComm(0, 1, "nccl") for _ in range(3)))
-    gloo = Comm(*(GroupComm(0, 1, "gloo") for _ in range(3)))
+    nccl = Comm.of_groups(*(GroupComm(0, 1, "nccl") for _ in range(3)))
+    gloo = Comm.of_groups(*(GroupComm(0, 1, "gloo") for _ in range(3)))
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     with caplog.at_level("WARNING", logger="zero_engine"):
         entry._warn_if_one_hardware_queue(stage_for(2), nccl)

@@ -60,7 +60,7 @@ def test_round_trip_error_is_within_half_a_block_scale(bits: int) -> None:
 
 def _plain_comm(rank: int, world_size: int) -> Comm:
     group = GroupComm(rank, world_size, "gloo")
-    return Comm(group, group, GroupComm(0, 1, "gloo"))
+    return Comm.of_groups(group, group, GroupComm(0, 1, "gloo"))
 
 
 def codecs_over_ranks(rank: int, world_size: int) -> list[str]:

@@ -281,7 +281,9 @@ class Comm:
     ranks. With one group (the default) this is plain ZeRO over every rank.
     """
 
-    def __init__(self, mesh: Mesh, groups: Mapping[str, GroupComm], timeout_s: float | None = None) -> None:
+    def __init__(
+        self, mesh: Mesh, groups: Mapping[str, GroupComm], timeout_s: float | None = None, *, checked: bool = True
+    ) -> None:
         """``groups``: ``world`` and the groups of ``mesh.communicators()`` (one that is
         missing: a group of one rank, which its use must have); ``reduce``, stage 3's
         reduce-scatters on a group of the zero ranks of their own (the zero group itself when
@@ -294,7 +296,7 @@ class Comm:
         for use, _, _ in mesh.communicators():
             self._groups[use] = groups.get(use) or GroupComm(0, 1, world.backend, primitives=world.primitives)
         self._groups["reduce"] = groups.get("reduce") or self._groups["zero"]
-        for name, group in self._groups.items():
+        for name, group in self._groups.items() if checked else ():
             expected = mesh.size("zero" if name == "reduce" else name)
             if group.world_size != expected:
                 raise ValueError(f"{mesh} has {expected} ranks in a group of {name!r}, not the {group.world_size} "
@@ -310,6 +312,16 @@ class Comm:
     def alone(cls, primitives: str = "auto") -> Comm:
         """World size 1, without ``torch.distributed``: every collective is a no-op."""
         return cls(Mesh.for_world(1, 1), {"world": GroupComm(0, 1, "none", primitives=primitives)})
+
+    @classmethod
+    def of_groups(
+        cls, world: GroupComm, shard_group: GroupComm, replica_group: GroupComm, reduce_group: GroupComm | None = None,
+    ) -> Comm:
+        """Tests and fakes: a `Comm` over the groups given, its mesh read from the shard and
+        replica groups' sizes (the world group's own size not checked against it)."""
+        mesh = Mesh.of(replicate=replica_group.world_size, shard=shard_group.world_size)
+        groups = {"world": world, "zero": shard_group, "replicate": replica_group}
+        return cls(mesh, {**groups, **({"reduce": reduce_group} if reduce_group else {})}, checked=False)
 
     def group(self, use: str) -> GroupComm:
         """This rank's group of a use or axis of the mesh (``world``, ``zero``, ``replicate``,
