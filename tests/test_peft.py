@@ -25,6 +25,10 @@ TOL = 2e-5
 # the loss and 2e-4 of an adapter (lr 5e-3) by the third step; 2 ranks agree within TOL, and on 3
 # ranks stages 0 and 3 agree with each other bit for bit (measured).
 TOL_BF16_3 = 5e-4
+# bf16 on 2 ranks: the same carry, smaller; how small follows the CPU's bf16 kernels (under 2e-5
+# where first measured; 2.6e-5 of an adapter on an AMD EPYC, 2026-12-03, at every revision back
+# to f172809: not a change of the engine's).
+TOL_BF16_2 = 5e-5
 
 
 def lora_llama(dtype: Any = None) -> Any:
@@ -151,7 +155,7 @@ def _check(results: list[dict], world: int, names: list[str]) -> None:
     for name in names:
         losses = [sum(r[name]["losses"][step] for r in results) / world for step in range(STEPS)]
         ref_losses, ref_state = (bf16_losses, bf16_state) if name in bf16 else (fp32_losses, fp32_state)
-        tol = TOL_BF16_3 if name in bf16 and world == 3 else TOL
+        tol = (TOL_BF16_3 if world == 3 else TOL_BF16_2) if name in bf16 else TOL
         assert losses == pytest.approx(ref_losses, abs=tol), name
         for result in results:
             state = result[name]["state"]
