@@ -140,8 +140,8 @@ def test_training_forwards_build_no_cache_until_removed():
     from peft import LoraConfig, get_peft_model
 
     from zero_engine.comm import Mesh
-    from zero_engine.sharding.transforms.no_cache import NoCacheInTraining
-    from zero_engine.sharding.transforms.seam import ModuleTransforms, TransformTarget
+    from zero_engine.transforms.no_cache import NoCacheInTraining
+    from zero_engine.transforms.seam import ModuleTransforms, TransformTarget
 
     for model in (_llama(), get_peft_model(_llama(), LoraConfig(r=2, target_modules=["q_proj"]))):
         ids = torch.randint(0, SHAPE.vocab, (1, 8))

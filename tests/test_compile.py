@@ -20,7 +20,7 @@ from configs import engine_config
 from harness import run_on_ranks
 from models import BlockStack
 from zero_engine import load_consolidated
-from zero_engine.sharding.transforms.seam import COMPILE
+from zero_engine.transforms.seam import COMPILE
 
 STEPS, MICRO, WIDTH = 4, 8, 16
 
@@ -118,8 +118,8 @@ def test_transforms_apply_in_one_order_and_come_off_together():
     compilation would wrap outside the compiled forward, and is refused; remove() puts the
     class's own forwards back."""
     from zero_engine.comm import Mesh
-    from zero_engine.sharding.transforms.seam import ModuleTransforms, TransformTarget
-    from zero_engine.sharding.transforms.unit_forwards import Compile, Recompute
+    from zero_engine.transforms.seam import ModuleTransforms, TransformTarget
+    from zero_engine.transforms.unit_forwards import Compile, Recompute
 
     model = BlockStack(4, 2)
     blocks = list(model.blocks)

@@ -103,7 +103,7 @@ def offloaded_runs(rank: int, world_size: int, cases: list[dict[str, Any]]) -> l
     decoder layer recomputed, its sequence split over the 2 ranks, with its kept inputs offloaded
     or not (by our key or DeepSpeed's): the losses and parameters, what the device and the host
     hold once a forward is done, and the host syncs of the steps."""
-    from zero_engine.sharding.transforms.seam import RECOMPUTE
+    from zero_engine.transforms.seam import RECOMPUTE
     from zero_engine.testing.device_guard import DeviceGuard
     from zero_engine.testing.process_memory import live_tensor_bytes
 

@@ -1,4 +1,4 @@
-"""``sequence_parallel_size``: Ulysses sequence parallelism (`zero_engine.sharding.transforms.ulysses`)
+"""``sequence_parallel_size``: Ulysses sequence parallelism (`zero_engine.transforms.ulysses`)
 against the same Hugging Face model trained in one process on the same global batches, in real
 processes on gloo: the per-step loss, gradient norm and every parameter after the steps."""
 
@@ -610,7 +610,7 @@ def test_the_exchange_frees_its_buffers_when_it_returns_whoever_still_holds_them
     which sees the calling thread, counted a peak that changed run to run). The exchange frees
     its send and receive buffers itself once the collective is done."""
     from zero_engine.comm.handles import DONE
-    from zero_engine.sharding.transforms.ulysses import exchange
+    from zero_engine.transforms.ulysses import exchange
 
     class HoldingGroup:  # one rank of two, whose "collective" keeps its tensors, as gloo's work does
         world_size, rank = 2, 0

@@ -58,7 +58,7 @@ def test_a_section_typed_any_is_still_counted():
 
 
 # sharding/'s sub-packages, bottom first: each may import those before it, never one after.
-SHARDING_ORDER = ["storage", "units", "reduction", "gathering", "transforms", "building"]
+SHARDING_ORDER = ["storage", "units", "reduction", "gathering", "building"]
 
 
 def _sharding_imports(path: Path) -> set[str]:
@@ -80,11 +80,22 @@ def test_shardings_sub_packages_import_only_downward():
     for sub in SHARDING_ORDER:
         for path in sorted((ROOT / "zero_engine" / "sharding" / sub).glob("*.py")):
             allowed = set(SHARDING_ORDER[: SHARDING_ORDER.index(sub) + 1])
-            if sub == "transforms":
-                allowed = {"transforms"}  # the seam needs only the mesh
             upward += [f"{path.name} imports sharding.{other}" for other in _sharding_imports(path) - allowed]
     assert upward == []
     assert sorted(p.name for p in (ROOT / "zero_engine" / "sharding").glob("*.py")) == ["__init__.py"]
+
+
+def test_transforms_take_of_sharding_only_the_call_rows():
+    """STRUCTURE item 3: the transforms live beside `sharding/`, not in it; of the mechanism they
+    use the call agreement's rows alone, and nothing in `sharding/` imports them."""
+    used = set()
+    for path in sorted((ROOT / "zero_engine" / "transforms").glob("*.py")):
+        used |= _sharding_imports(path)
+    assert used <= {"gathering"}, used
+    for path in sorted((ROOT / "zero_engine" / "sharding").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not any("transforms" in module for module in modules), path
 
 
 def test_no_class_over_300_lines_and_initialize_under_60():

@@ -96,8 +96,8 @@ def test_tiled_mlps_give_the_untiled_loss_gradients_and_parameters() -> None:
 
 def test_tiled_mlps_are_the_modules_named_mlp_until_close() -> None:
     from zero_engine.comm import Mesh
-    from zero_engine.sharding.transforms.seam import ModuleTransforms, TransformTarget
-    from zero_engine.sharding.transforms.tiled_mlp import TiledMLP
+    from zero_engine.transforms.seam import ModuleTransforms, TransformTarget
+    from zero_engine.transforms.tiled_mlp import TiledMLP
 
     model = llama()
     transforms = ModuleTransforms(TransformTarget(model, lambda: [], Mesh()))

@@ -9,7 +9,7 @@ from .engine import Engine
 from .entry import initialize
 from .errors import CheckpointError, ConfigError, DivergedRanksError, ShardedParameterError, SwapError
 from .sequence_loader import SequenceGroupLoader
-from .sharding.transforms.ulysses import SequenceParallelAttention
+from .transforms.ulysses import SequenceParallelAttention
 from .state.consolidate import load_consolidated
 
 __all__ = [

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from .accumulation import AccumulationWindow, WindowView
-from .comm import Comm, GroupComm
+from .comm import Comm
 from .config import BatchSizes
-from .engine_settings import EngineSettings, TransformSettings
+from .engine_settings import EngineSettings
 from .errors import ShardedParameterError
 from .loop_guards import LoopGuards
 from .model_access import ModelAccess
@@ -35,12 +35,9 @@ from .sharding.units.lifecycle import Lifecycle
 from .sharding.units.unit_plan import UnitPlan
 from .sharding.gathering.agreement import Call
 from .stage import Stage
-from .sharding.transforms.seam import COMPILE, ModuleTransforms, TransformTarget
-from .sharding.transforms.no_cache import NoCacheInTraining
-from .sharding.transforms.tiled_loss import TiledLoss
-from .sharding.transforms.tiled_mlp import TiledMLP
-from .sharding.transforms.ulysses import SplitBatch, UlyssesAttention
-from .sharding.transforms.unit_forwards import Compile, Recompute
+from .sequence_view import SequenceView
+from .transforms.seam import COMPILE, LoopHooks, ModuleTransforms, TransformTarget
+from .transforms.table import compiled, planned_transforms
 from .state.gathered import GatheredParameters
 from .state.state_dict import ModelState, cast_frozen
 from .state.storage import FILES, FileWriter
@@ -51,10 +48,11 @@ from .tree import iter_tensors, map_tensors
 logger = logging.getLogger("zero_engine")
 
 
-class Engine(ModelAccess, StepView, WindowView):
+class Engine(ModelAccess, StepView, WindowView, SequenceView):
     """A model wrapped for data-parallel training with ZeRO sharding: the training loop here,
     the model's state out and in (`zero_engine.model_access.ModelAccess`), the optimizer step's
-    readings (`zero_engine.step_view.StepView`)."""
+    readings (`zero_engine.step_view.StepView`), the sequence loop's calls
+    (`zero_engine.sequence_view.SequenceView`)."""
 
     def __init__(
         self,
@@ -71,6 +69,7 @@ class Engine(ModelAccess, StepView, WindowView):
         device: torch.device | None = None,
         deferred: DeferredInit | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        transforms: ModuleTransforms | None = None,
     ) -> None:
         self.module = model
         _WRAPPED[model] = None
@@ -87,7 +86,7 @@ class Engine(ModelAccess, StepView, WindowView):
         self.window = AccumulationWindow(batch.gradient_accumulation_steps)  # where the loop is in its window
         self._window_opened = False
         self._train_row_sent = False  # this micro-step's call row (`_agree_on_training`)
-        self._split_forwards = 0  # forwards of this micro-step split over the sequence group
+        self.loop_hooks = LoopHooks()  # what the loop tells the transforms, and asks them
         self._scaling_backward = False  # inside engine.backward
         self._open_gathered: list[GatheredParameters] = []  # engine.gathered() contexts open (no step inside one)
         self._sync_from_rank0()
@@ -102,10 +101,13 @@ class Engine(ModelAccess, StepView, WindowView):
         self.model_state = ModelState(model, self.units, comm, precision.compute_dtype, self.frozen_units)
         self.checkpoint_writer: FileWriter = FILES  # where save_checkpoint writes (another storage: its own writer)
         self.guards = LoopGuards(model)  # what the loop may not do (requires_grad as built, among others)
-        self.transforms = model_transforms(  # compiled later (compile()); close() puts it all back
-            TransformTarget(model, plan.modules.leaf_modules, comm.mesh), comm.sequence_group,
-            self._agree_on_split_forward, settings.transforms,
-        )
+        # the table's transforms (converted before the plan by `initialize`), applied now; compiled
+        # later (compile()); close() puts it all back
+        self.transforms = transforms if transforms is not None else planned_transforms(settings.transforms)
+        self.transforms.apply_planned(TransformTarget(
+            model, plan.modules.leaf_modules, comm.mesh, rank=comm.rank, groups=comm.group, calls=self.calls,
+            window=self.window, loop=self.loop_hooks,
+        ))
         self.optimizer_step: OptimizerStep | NoOptimizerStep = NoOptimizerStep()  # nothing to train
         if self.units:
             self.optimizer_step = OptimizerStep(
@@ -213,7 +215,7 @@ class Engine(ModelAccess, StepView, WindowView):
                 "at the accumulation boundary): call engine.step() after each backward, or add the losses and "
                 "call backward once"
             )
-        if self._split_forwards:  # its exchanges come before any reduction: the row is read first
+        if self.loop_hooks.exchanges_in_backward():  # before any reduction: the row is read first
             self.calls.agree_at_once(Call.TRAIN, self.window.micro_steps)
             self._train_row_sent = True
         else:
@@ -239,7 +241,7 @@ class Engine(ModelAccess, StepView, WindowView):
             self.gatherer.check_resharded("step() on an accumulation boundary")
         boundary = self.window.end_micro_step()
         self._train_row_sent = False
-        self._split_forwards = 0
+        self.loop_hooks.micro_step_ended()
         if not boundary:
             return
         self.calls.read()  # before the step's collectives (stages 0-2: a row sent and not read yet)
@@ -305,7 +307,7 @@ class Engine(ModelAccess, StepView, WindowView):
             raise RuntimeError(
                 "engine.compile() was called already; call engine.close() and build a new engine to change it"
             )
-        self.transforms.add(Compile(options))
+        self.transforms.add(compiled(options))
         return self
 
     # -- the module's mode, and letting it go -----------------------------------------------------
@@ -325,11 +327,13 @@ class Engine(ModelAccess, StepView, WindowView):
         (collective: call it on every rank) first gathers the whole model and puts each
         parameter's values back into it, as given to `initialize` (fp32 masters in their
         dtype): every rank then holds the whole model, as FSDP's unshard leaves it. Below
-        stage 3 the parameters are whole already and ``unshard`` changes nothing."""
+        stage 3 the parameters are whole already and ``unshard`` changes nothing. A transform's
+        first phase (modules it replaced before the plan) is undone once the parameters are
+        whole again."""
         whole = self.full_state_dict() if unshard and self.stage.shard_parameters else None
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
-        self.transforms.remove()
+        self.transforms.remove_forwards()
         self.lifecycle.remove_hooks()
         self.step_log.close()
         self.held.close()  # what the tiers opened (NVMe's files removed)
@@ -340,28 +344,8 @@ class Engine(ModelAccess, StepView, WindowView):
                     param.data = whole[name].to(device=self.device, dtype=self._dtypes_as_given[name])
         elif self.stage.shard_parameters and (self.units or self.frozen_units):
             _LEFT_SHARDED[self.module] = None
-
-
-def model_transforms(
-    target: TransformTarget, sequence_group: GroupComm, before_exchanges: Callable[[SplitBatch], None],
-    settings: TransformSettings,
-) -> ModuleTransforms:
-    """What the model's modules compute, changed in one order: no key/value cache in training
-    forwards (a Hugging Face model's ``use_cache``), attention exchanged over the sequence group
-    (``sequence_parallel_size``), the loss and the MLPs in tiles (``tiled_loss_tokens``,
-    ``tiled_mlp_tokens``), each unit recomputed in backward (``recompute_units``, its input kept
-    on the host with ``recompute_offload``)."""
-    transforms = ModuleTransforms(target)
-    transforms.add(NoCacheInTraining())  # no key/value cache in training forwards
-    if target.mesh.size("sequence") > 1:
-        transforms.add(UlyssesAttention(sequence_group, before_exchanges, split_eval=settings.split_eval))
-    if settings.tiled_loss_tokens:  # never the whole logits
-        transforms.add(TiledLoss(settings.tiled_loss_tokens))
-    if settings.tiled_mlp_tokens:  # never an MLP's intermediates for the whole sequence
-        transforms.add(TiledMLP(settings.tiled_mlp_tokens))
-    if settings.recompute:
-        transforms.add(Recompute(offload=settings.recompute_offload))
-    return transforms
+            return  # the transforms' first phase stays: what it made holds the shards
+        self.transforms.revert()  # the modules and parameters the first phase replaced, back with their values
 
 
 # Models an engine has hooked (until its close()): a second engine on one would run both

@@ -9,24 +9,13 @@ each checkpoint's manifest.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
-
 from .config import ZeroEngineConfig
 from .errors import ConfigError
 from .monitor import Monitors
 from .precision import LossScaling
 from .state import formats
 from .step import StepSettings
-
-
-class TransformSettings(NamedTuple):
-    """The module transforms the config asks for besides sequence parallelism's degree (the mesh's)."""
-
-    split_eval: bool  # sequence_parallel_eval: forwards without gradients split too
-    tiled_loss_tokens: int  # 0: the loss whole
-    tiled_mlp_tokens: int  # 0: each MLP whole
-    recompute: bool  # each unit recomputed in backward (``recompute_units``)
-    recompute_offload: bool = False  # its kept input in host memory (recompute_offload, DeepSpeed's cpu_checkpointing)
+from .transforms.table import TransformSettings
 
 
 @dataclass(frozen=True)
@@ -56,6 +45,7 @@ class EngineSettings:
                 config.sequence_parallel_eval, config.tiled_loss_tokens, config.tiled_mlp_tokens, zero.recompute_units,
                 # DeepSpeed's activation_checkpointing.cpu_checkpointing: with recompute_units, recompute_offload
                 zero.recompute_units and (zero.recompute_offload or bool(checkpointing.get("cpu_checkpointing"))),
+                config.sequence_parallel_size,
             ),
             config.steps_per_print, config.wall_clock_breakdown, Monitors.from_config(config),
             _written_format(config.checkpoint_format), config,

@@ -10,6 +10,7 @@ the engine's shards last, each rank reading only what it keeps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -25,6 +26,8 @@ from .devices import local_cuda_device
 from .config import ZeroEngineConfig, load_config, no_effect_settings, optimizer_class
 from .engine import Engine, is_wrapped, left_sharded
 from .engine_settings import EngineSettings
+from .transforms.seam import ModuleTransforms
+from .transforms.table import planned_transforms
 from .logs import show_by_default
 from .memory import check_offload_directories, estimate_from_config
 from .offload import offload_plan
@@ -74,8 +77,9 @@ def initialize(
     show_by_default()  # the engine's lines on stdout, unless the application configured logging
     settled, comm, stage_table = _settle(model, config, param_groups, lr_scheduler)
     config, stage, device = settled.config, settled.stage, settled.device
-    weights_file = open_weights(weights) if weights is not None else None
+    weights_file, engine = None, None
     try:
+        weights_file = open_weights(weights) if weights is not None else None
         file_names = match_weights(model, weights_file) if weights_file is not None else {}
         _check_device(device)
         comm = with_stage_groups(comm or connect(config, device), stage)
@@ -86,6 +90,10 @@ def initialize(
         engine = _build_engine(model, settled, comm, deferred, lr_scheduler)
         if weights_file is not None:
             load_weights(engine.model_state, weights_file, file_names)
+    except BaseException:
+        if engine is None:  # the model as it was given: the transforms' first phase undone
+            settled.transforms.revert()
+        raise
     finally:
         if weights_file is not None:
             weights_file.close()
@@ -102,6 +110,7 @@ class Settled(NamedTuple):
     plan: ModulePlan
     device: torch.device
     engine: EngineSettings
+    transforms: ModuleTransforms  # planned, their first phase run: applied by the engine
 
 
 def _settle(
@@ -110,23 +119,33 @@ def _settle(
     param_groups: Iterable[Any] | None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
 ) -> tuple[Settled, Comm | None, str | None]:
-    """The config checked (what `zero-engine validate` checks too), the parameter groups and the
-    module plan decided once, the stage settled: ``stage: auto`` is agreed between the ranks, so
-    they connect first (the connection is returned, with the table of the stages weighed)."""
+    """The config checked (what `zero-engine validate` checks too), the module transforms
+    planned and their first phase run (a transform may replace modules and parameters: the
+    groups and the plan see what it made; reverted if anything after fails), the parameter
+    groups and the module plan decided once, the stage settled: ``stage: auto`` is agreed
+    between the ranks, so they connect first (the connection is returned, with the table of the
+    stages weighed)."""
     config = check_config(load_config(config), model).config
     _check_scheduler_factory(lr_scheduler, config.scheduler.type if config.scheduler else None)
-    groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
-    device = materialization_device(model)
-    plan = ModulePlan(model, groups, config.zero_optimization)  # decided once, for everything that asks
-    _make_current(device)
-    comm = connect(config, device) if config.zero_optimization.stage == "auto" else None
-    config, stage_table = resolve_stage(config, plan, groups, device, comm)
-    stage = stage_for(config.zero_optimization.stage)
-    check_optimizer_for_stage(config.optimizer, stage)  # again: stage: auto is settled only now
-    precision = Precision.from_config(config)
-    _check_params(model, precision)
     engine = EngineSettings.derive(config)  # a monitor without its package fails here
-    return Settled(config, stage, precision, groups, plan, device, engine), comm, stage_table
+    transforms = planned_transforms(engine.transforms)
+    transforms.convert(model)
+    try:
+        groups = resolve_param_groups(model, param_groups, optimizer_class(config.optimizer.type))
+        device = materialization_device(model)
+        plan = ModulePlan(model, groups, config.zero_optimization)  # decided once, for everything that asks
+        _make_current(device)
+        comm = connect(config, device) if config.zero_optimization.stage == "auto" else None
+        config, stage_table = resolve_stage(config, plan, groups, device, comm)
+        stage = stage_for(config.zero_optimization.stage)
+        check_optimizer_for_stage(config.optimizer, stage)  # again: stage: auto is settled only now
+        precision = Precision.from_config(config)
+        _check_params(model, precision)
+    except BaseException:
+        transforms.revert()
+        raise
+    engine = dataclasses.replace(engine, config=config)  # resolved: engine.config and the manifest's
+    return Settled(config, stage, precision, groups, plan, device, engine, transforms), comm, stage_table
 
 
 def _deferred_init(
@@ -170,7 +189,7 @@ def _build_engine(
         _warn_if_one_hardware_queue(stage, comm)
     return Engine(
         model, settled.engine, comm, stage, batch, settled.groups, precision, units, settings, device=settled.device,
-        deferred=deferred, lr_scheduler=lr_scheduler,
+        deferred=deferred, lr_scheduler=lr_scheduler, transforms=settled.transforms,
     )
 
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..sharding.transforms.seam import MODEL
-from ..sharding.transforms.ulysses import UlyssesAttention
+from ..transforms.seam import MODEL
+from ..transforms.ulysses import UlyssesAttention
 from .config_filling import shard_over_data_ranks
 
 

@@ -114,7 +114,7 @@ class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
         """Whether the trainer is TRL's. Under the split, TRL's losses computed from its fused LM
         head's per-token outputs (SFT's sum of token losses, DPO's sigmoid of sequences' summed
         log-probabilities) train as in one process: the split gathers those outputs whole over the
-        group (`zero_engine.sharding.transforms.ulysses`). Refused at ``sequence_parallel_size``
+        group (`zero_engine.transforms.ulysses`). Refused at ``sequence_parallel_size``
         above 1: losses read from the logits (``compute_loss_func``, label smoothing), a rank
         holding a slice of them, and TRL's other trainers (GRPO's and RLOO's completions are
         generated on each rank, so the ranks of a group would be given different sequences)."""

@@ -12,11 +12,9 @@ Sub-packages by concern, each importing only those listed before it (and the cor
 4. `gathering`: stage 3's gathers around forward and backward (`gatherer`, `holds`,
    `prefetch`, `param_access`, `root_methods`) and the agreement that orders them on every
    rank (`agreement`, `calls`);
-5. `transforms`: the one ordered seam of module transforms (`seam`) and its entries
-   (`unit_forwards`: recompute, compile);
-6. `building`: the mechanism a stage needs, built from the plan (`build`), and models
+5. `building`: the mechanism a stage needs, built from the plan (`build`), and models
    materialized from the meta device (`deferred_init`).
 
-It uses `zero_engine.comm` for every collective and never imports `zero_engine.state` or the
-engine.
+It uses `zero_engine.comm` for every collective and never imports `zero_engine.state`,
+`zero_engine.transforms` (the module transforms, beside it) or the engine.
 """

@@ -65,7 +65,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import devices, offload
 from ..comm import connecting, groups, handles
-from ..sharding.transforms import ulysses
+from ..transforms import ulysses
 from ..sharding.units import unit as unit_module
 
 _DATA_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_to_all_single", "all_gather")

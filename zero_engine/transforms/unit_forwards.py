@@ -1,4 +1,4 @@
-"""Two entries of the module transforms (`zero_engine.sharding.transforms.seam`): each unit module's
+"""Two entries of the module transforms (`zero_engine.transforms.seam`): each unit module's
 forward recomputed in backward (``recompute_units``) and compiled (``engine.compile``).
 
 Both replace the module's ``forward`` on the instance and keep its ``__call__``, so names, state
@@ -11,7 +11,7 @@ outputs has gathered it: that gather serves it, and nothing gathers a second tim
 #777 and transformers #30404 are that bug in other engines). Units holding other units are left
 whole, since recomputing them would run the inner units' hooks inside the backward.
 
-A training forward builds no key/value cache (`zero_engine.sharding.transforms.no_cache`): under
+A training forward builds no key/value cache (`zero_engine.transforms.no_cache`): under
 recomputation a cache would be all that keeps each layer's keys and values.
 
 Compilation: ``torch.compile`` of the forward (as FSDP2 and torchtitan compile each block and
@@ -36,7 +36,7 @@ from .seam import COMPILE, RECOMPUTE, TransformTarget, WrappedForwards, Wrapper
 class Recompute:
     """``recompute_units``: each leaf unit module's forward under torch's non-reentrant checkpoint;
     with ``offload`` (``recompute_offload``), what each checkpoint keeps in host memory
-    (`zero_engine.sharding.transforms.offloaded_inputs`)."""
+    (`zero_engine.transforms.offloaded_inputs`)."""
 
     ORDER = RECOMPUTE
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ... import offload
-from ...devices import HOST
+from .. import offload
+from ..devices import HOST
 
 
 class _Kept:

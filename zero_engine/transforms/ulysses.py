@@ -62,7 +62,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ...comm import CollectiveKind, GroupComm
+from ..comm import CollectiveKind, GroupComm
+from ..sharding.gathering.agreement import Call, split_forward_facts
 from .seam import MODEL, TransformTarget
 
 IGNORE_INDEX = -100
@@ -246,13 +247,12 @@ class UlyssesAttention:
 
     ORDER = MODEL
 
-    def __init__(self, group: GroupComm, before_exchanges: Callable[[SplitBatch], None] = lambda batch: None,
-                 split_eval: bool = True) -> None:
-        self.group = group
+    def __init__(self, split_eval: bool = True) -> None:
+        self.group = GroupComm(0, 1, "none")  # the sequence group, the target's (`apply`)
         self.split_eval = split_eval  # forwards without gradients split too (`sequence_parallel_eval`)
-        # Called before a split forward's first exchange with what the group compares: the
-        # engine's call row, agreed and read.
-        self.before_exchanges = before_exchanges
+        self._target: TransformTarget | None = None  # the call agreement, the mesh (`apply`)
+        self._leader = 0  # the global rank of the sequence group's first rank
+        self.split_forwards = 0  # forwards of this micro-step split over the group (their rows sent)
         self._noted: torch.Tensor | None = None  # fingerprints of what a plain loop sliced since its last forward
         # Whether the last forward split its batch: its attention exchanges, and so does its
         # recomputation in backward (recompute_units), until the next forward decides again.
@@ -286,6 +286,10 @@ class UlyssesAttention:
 
     def apply(self, target: TransformTarget) -> None:
         model = target.model
+        self.group, self._target = target.group("sequence"), target
+        self._leader = target.mesh.group_of("sequence", target.rank)[0]
+        target.loop.on_micro_step_end(self._micro_step_ended)
+        target.loop.on_exchanges_in_backward(lambda: self.split_forwards > 0)
         refuse_sequence_mixers(model, self.group.world_size)
         named = [(name, module) for name, module in model.named_modules()
                  if isinstance(module, SequenceParallelAttention)]
@@ -320,6 +324,30 @@ class UlyssesAttention:
             self._config._attn_implementation = self._previous_implementation
             self._previous_implementation = None
             del self._registry[self._name]
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def before_exchanges(self, batch: SplitBatch) -> None:
+        """A split forward (training's, or evaluation's) exchanges over its sequence group, so
+        each one sends a row of its own, read before its first exchange (at every stage): which
+        split forward of the micro-step it is, and, compared within the sequence group, the
+        micro-batch's shape and fingerprint. A collective call on some ranks only, an extra
+        forward on one rank, or a group given different micro-batches then makes every rank
+        raise `DivergedRanksError` at once, instead of one rank waiting in an exchange until
+        the timeout (or the exchange joining halves of different sequences). The backward that
+        follows sends its row before its first exchange too (`LoopHooks.exchanges_in_backward`)."""
+        self.split_forwards += 1
+        if self._target is not None:
+            facts = split_forward_facts(self.split_forwards, self._leader, batch.batch, batch.tokens, batch.fingerprint)
+            self._target.agree(Call.SPLIT_FORWARD, facts)
+
+    def _micro_step_ended(self) -> None:
+        self.split_forwards = 0
+
+    def agree(self, call: Call) -> None:
+        """A call row of the sequence loop's (`sequence_loop`), sent and read at once."""
+        if self._target is not None:
+            self._target.agree(call)
 
     # -- attention ------------------------------------------------------------------------
 
