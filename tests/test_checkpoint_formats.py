@@ -102,14 +102,15 @@ def _unknown_key(rank: int, world_size: int) -> str:
     return "accepted"
 
 
-def test_a_registered_format_saves_at_stage_3_on_2_ranks_and_resumes_on_3(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stages", [(3,), pytest.param((1,), marks=pytest.mark.slow)])
+def test_a_registered_format_saves_at_stage_3_on_2_ranks_and_resumes_on_3(tmp_path: Path, stages: tuple) -> None:
     saved = run_on_ranks(2, _save_both, str(tmp_path))[0]
     assert (saved["toy"], saved["own"]) == ("toy", "own")
     assert saved["files"] == ["toy-0.pt", "toy-1.pt", HEAD]  # the toy's own layout: no manifest
     assert "'deepspeed' is read, not written" in saved["refusals"]["deepspeed"]
     assert "'nope' is not a registered format" in saved["refusals"]["nope"]
     assert saved["left"] == ["latest", "own", "toy"]  # nothing written for a refused name
-    for stage in (3, 1):
+    for stage in stages:
         resumed = run_on_ranks(3, _resume, str(tmp_path), stage)
         for rank, found in enumerate(resumed):
             toy, own = found["toy"], found["own"]

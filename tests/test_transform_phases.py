@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -104,20 +105,20 @@ def _train(rank: int, world_size: int, stage: int, split: bool) -> dict:
             "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def test_a_transform_that_splits_a_linear_before_the_plan_is_planned_as_two_parameters() -> None:
-    for stage in (0, 3):
-        split = run_on_ranks(2, _train, stage, True)
-        plain = run_on_ranks(2, _train, stage, False)
-        for rank in range(2):
-            names = split[rank]["names"]
-            assert "fc.a.weight" in names and "fc.b.weight" in names and "fc.weight" not in names, names
-            assert "fc.weight" in plain[rank]["names"]
-            assert split[rank]["fc"] == "Linear"  # close() undid the first phase
-            assert split[rank]["forwards"] == (4, 4)  # the forward phase saw each forward, and is gone
-            for a, b in zip(split[rank]["losses"], plain[rank]["losses"]):
-                assert abs(a - b) < 1e-6, (stage, split[rank]["losses"], plain[rank]["losses"])
-            for name, value in plain[rank]["state"].items():
-                torch.testing.assert_close(split[rank]["state"][name], value, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("stage", [3, pytest.param(0, marks=pytest.mark.slow)])
+def test_a_transform_that_splits_a_linear_before_the_plan_is_planned_as_two_parameters(stage: int) -> None:
+    split = run_on_ranks(2, _train, stage, True)
+    plain = run_on_ranks(2, _train, stage, False)
+    for rank in range(2):
+        names = split[rank]["names"]
+        assert "fc.a.weight" in names and "fc.b.weight" in names and "fc.weight" not in names, names
+        assert "fc.weight" in plain[rank]["names"]
+        assert split[rank]["fc"] == "Linear"  # close() undid the first phase
+        assert split[rank]["forwards"] == (4, 4)  # the forward phase saw each forward, and is gone
+        for a, b in zip(split[rank]["losses"], plain[rank]["losses"]):
+            assert abs(a - b) < 1e-6, (stage, split[rank]["losses"], plain[rank]["losses"])
+        for name, value in plain[rank]["state"].items():
+            torch.testing.assert_close(split[rank]["state"][name], value, rtol=1e-5, atol=1e-6)
 
 
 def _imports(path: Path) -> set[str]:

@@ -215,9 +215,9 @@ class ModelAccess:
         self._agree_on_call(Call.SAVE_CHECKPOINT)
         counters = checkpoint.Counters(self.global_step, self.skipped_steps)
         tag = tag or f"global_step{self.global_step}"
-        return checkpoint.save(
-            self._resumable(exclude_frozen_parameters), counters, directory, tag, client_state, self.checkpoint_writer,
-            written.name,
+        return written.save(
+            self._resumable(exclude_frozen_parameters), counters, Path(directory), tag, client_state,
+            self.checkpoint_writer,
         )
 
     def load_checkpoint(

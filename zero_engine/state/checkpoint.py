@@ -1,6 +1,6 @@
-"""Checkpoints: saved in a format of `formats` (this engine's own by default: `own_format`,
-``docs/checkpoint-format.md``), loaded from whichever format a probe finds there (ours,
-DeepSpeed's, a registered one), at any stage and world size: every format reads into the same
+"""Loading a checkpoint (saving is each format's writer: `formats.writing`, this engine's own
+in `own_format`), from whichever format a probe finds there (ours, DeepSpeed's, a registered
+one), at any stage and world size: every format reads into the same
 `sources.Source` (pieces of each parameter, loose state, counters), which loading assembles
 into the ranges each rank owns.
 
@@ -19,32 +19,12 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import CheckpointError
-from . import formats, storage
+from . import formats
 from .every_rank import on_every_rank
-from .own_format import NAME as OWN_NAME
 from .payload import Counters, Resumable, restore_rng
 from .sources import Source
 from .state_dict import ModelState
 from .storage import MANIFEST, Checkpoint
-
-
-# ---------------------------------------------------------------------------------------------
-# Saving
-
-
-def save(
-    state: Resumable,
-    counters: Counters,
-    directory: str | Path,
-    tag: str,
-    client_state: Any = None,
-    writer: storage.FileWriter = storage.FILES,
-    format: str = OWN_NAME,
-) -> Path:
-    """Write a checkpoint of ``state`` under ``directory``/``tag`` in ``format`` (this engine's
-    own by default, any written format of `formats`) through ``writer``; returns its path.
-    Collective."""
-    return formats.writing(format).save(state, counters, Path(directory), tag, client_state, writer)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``zero-engine convert``: a DeepSpeed ZeRO checkpoint rewritten in this engine's format, in one
 process, one DeepSpeed rank's pieces at a time (each becomes a rank file of ours; loading
-re-shards them to any stage and world size). Published as `checkpoint.save` publishes: staged,
+re-shards them to any stage and world size). Published as `own_format.save_own` publishes: staged,
 then renamed into place, then ``latest``."""
 
 from __future__ import annotations
