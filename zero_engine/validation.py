@@ -20,10 +20,12 @@ from typing import Any, NamedTuple
 from .auto_values import fill_auto
 from .comm import Mesh
 from .config import BatchSizes, ZeroEngineConfig, auto_keys, no_effect_settings
+from .errors import ConfigError
 from .config.deepspeed_compat import AUTO_BATCH_KEYS
 from .config.refusals import refuse as refuse_unbuilt_features
 from .optim import check_optimizer_for_stage
 from .precision import Precision
+from .sharding.storage.codec import asked_wire_forms
 from .sharding.storage.nvme import check_swap_directory
 from .stage import stage_for
 
@@ -95,6 +97,11 @@ def check_config(config: ZeroEngineConfig, model: Any = None, ranks: int | None 
     if config.zero_optimization.stage != "auto":
         check_optimizer_for_stage(config.optimizer, stage_for(config.zero_optimization.stage))
     Precision.from_config(config)
+    try:  # the wire forms named exist, and agree with the ZeRO++ keys
+        asked_wire_forms(zero.weight_wire_format, zero.gradient_wire_format, zero.zero_quantized_weights,
+                         zero.zero_quantized_gradients, zero.zero_quantized_gradients_bits)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     batch = None
     if ranks is not None:
         batch = config.batch_sizes(Mesh.from_config(config, ranks, shard_group_size=ranks).batch)

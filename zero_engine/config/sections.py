@@ -353,6 +353,16 @@ class ZeroOptimizationConfig(_Section):
         8, description="Ours, not DeepSpeed's: the integer width of zero_quantized_gradients. 8 by default (within "
         "1.5% of unquantized training's loss here); 4 is DeepSpeed's width, a further half of the bytes.",
     )
+    weight_wire_format: str | None = Field(
+        None, description="Ours: how stage 3's parameter all-gathers travel, by the name of a wire form "
+        "(zero_engine.sharding.storage.codec.GATHER_WIRE_FORMS: 'exact', 'int8'); unset: what "
+        "zero_quantized_weights says. Both given and different: refused. No effect below stage 3.",
+    )
+    gradient_wire_format: str | None = Field(
+        None, description="Ours: how gradient reduce-scatters (stages 1-3) travel, by the name of a wire form "
+        "(zero_engine.sharding.storage.codec.GRAD_WIRE_FORMS: 'exact', 'int8', 'int4'); unset: what "
+        "zero_quantized_gradients and its bits say. Both given and different: refused. No effect at stage 0.",
+    )
     zero_quantized_nontrainable_weights: bool = Field(
         False, description="ZeRO++ int8 frozen weights, at stage 3: each frozen weight matrix is quantized once at "
         "initialize (int8, one fp32 scale per block of 2048) and kept so, each rank's shard (frozen_weights 'shard': "

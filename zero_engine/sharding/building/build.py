@@ -34,7 +34,7 @@ from ...offload import NO_OFFLOAD, OffloadPlan
 from ...quantize import BlockQuantizer
 from ...stage import Stage, UnitSpec
 from ..gathering.calls import CallGuard, PassCallGuard
-from ..storage.codec import Codecs, choose_codecs
+from ..storage.codec import Codecs, asked_wire_forms, choose_codecs
 from .deferred_init import DeferredInit
 from ..gathering.gatherer import NoGather, ParamGatherer
 from ..units.lifecycle import Lifecycle
@@ -78,16 +78,19 @@ class BuildSettings:
         offload: OffloadPlan = NO_OFFLOAD,
     ) -> BuildSettings:
         each = zero.reduce_scatter_each_micro_step
+        weights, grads = asked_wire_forms(
+            zero.weight_wire_format, zero.gradient_wire_format, zero.zero_quantized_weights,
+            zero.zero_quantized_gradients, zero.zero_quantized_gradients_bits,
+        )
         return cls(
             stage, stage.unit_spec(each), stage.streams_gradients(each), zero.reduce_bucket_size,
             zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters, zero.overlap_comm,
-            # ZeRO++'s quantized communication where the stage has it: weights where stage 3 gathers its
-            # units for compute (below stage 3 parameters are whole, and DeepSpeed ignores the key too),
+            # the wire forms asked for where the stage has them: weights where stage 3 gathers its units
+            # for compute (below stage 3 parameters are whole, and DeepSpeed ignores its key too),
             # gradients wherever they are reduce-scattered (stages 1-3; stage 0 all-reduces)
             choose_codecs(
-                quantize_weights=zero.zero_quantized_weights and stage.shard_parameters,
-                quantize_grads=zero.zero_quantized_gradients and stage.shard_optimizer_state,
-                grad_bits=zero.zero_quantized_gradients_bits,
+                weights=weights if stage.shard_parameters else "exact",
+                grads=grads if stage.shard_optimizer_state else "exact",
             ),
             compute_dtype, reduce_dtype, offload,
             FrozenQuantization.from_config(zero, stage.shard_parameters),

@@ -32,7 +32,8 @@ Reductions. Every gradient reduce-scatter of stages 1-3 goes through the reducer
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -196,9 +197,48 @@ class Codecs(NamedTuple):
     meter: BufferMeter
 
 
-def choose_codecs(quantize_weights: bool, quantize_grads: bool, grad_bits: int) -> Codecs:
-    """Quantized codecs where asked for (the caller says at which stages they apply)."""
+# How values travel, by wire form: one table for stage 3's parameter gathers, one for gradient
+# reduce-scatters. A new form (fp8) is a row here; the config names it
+# (``zero_optimization.weight_wire_format`` / ``gradient_wire_format``, or DeepSpeed's ZeRO++ keys).
+GATHER_WIRE_FORMS: dict[str, Callable[[BufferMeter], GatherCodec]] = {
+    "exact": lambda meter: IDENTITY,
+    "int8": lambda meter: QuantizedGatherCodec(BlockQuantizer(8), meter),
+}
+GRAD_WIRE_FORMS: dict[str, Callable[[BufferMeter], GradCodec]] = {
+    "exact": lambda meter: EXACT_GRADS,
+    "int8": lambda meter: QuantizedGrads(BlockQuantizer(8), meter),
+    "int4": lambda meter: QuantizedGrads(BlockQuantizer(4), meter),
+}
+
+
+def wire_form(key: str, asked: str | None, deepspeed_form: str, table: dict[str, Any]) -> str:
+    """The wire form ``key`` names (None: what DeepSpeed's keys say, ``deepspeed_form``),
+    checked against ``table``: a `ValueError` naming the key, the forms known, or the DeepSpeed
+    key it contradicts."""
+    if asked is None:
+        return deepspeed_form
+    if asked not in table:
+        raise ValueError(f"zero_optimization.{key} = {asked!r} is not a wire form: the forms are {sorted(table)}")
+    if deepspeed_form != "exact" and asked != deepspeed_form:
+        raise ValueError(f"zero_optimization.{key} = {asked!r} contradicts the ZeRO++ keys, which ask for "
+                         f"{deepspeed_form!r}: give one of them")
+    return asked
+
+
+def asked_wire_forms(
+    weights: str | None, grads: str | None, quantized_weights: bool, quantized_grads: bool, grad_bits: int
+) -> tuple[str, str]:
+    """The wire forms of the parameter gathers and the gradient reductions the config asks for:
+    its own keys (``weight_wire_format``, ``gradient_wire_format``) or DeepSpeed's ZeRO++ ones
+    (``zero_quantized_weights``; ``zero_quantized_gradients`` and its bits)."""
+    return (
+        wire_form("weight_wire_format", weights, "int8" if quantized_weights else "exact", GATHER_WIRE_FORMS),
+        wire_form("gradient_wire_format", grads, f"int{grad_bits}" if quantized_grads else "exact", GRAD_WIRE_FORMS),
+    )
+
+
+def choose_codecs(weights: str = "exact", grads: str = "exact") -> Codecs:
+    """The codecs of the wire forms named (`GATHER_WIRE_FORMS`, `GRAD_WIRE_FORMS`), sharing one
+    meter of their encoded buffers."""
     meter = BufferMeter()
-    gather: GatherCodec = QuantizedGatherCodec(BlockQuantizer(8), meter) if quantize_weights else IDENTITY
-    grads: GradCodec = QuantizedGrads(BlockQuantizer(grad_bits), meter) if quantize_grads else EXACT_GRADS
-    return Codecs(gather, grads, meter)
+    return Codecs(GATHER_WIRE_FORMS[weights](meter), GRAD_WIRE_FORMS[grads](meter), meter)
