@@ -25,14 +25,15 @@ MatrixParams = set[tuple[int, int]]  # (unit's index, parameter's index in the u
 def compute_layouts(optimizer_type: str) -> Callable[[str, nn.Parameter], ComputeLayout] | None:
     """How ``optimizer_type`` computes on each parameter, for the unit plan: None for an
     elementwise optimizer (every parameter elementwise); for a whole-matrix one, whole-matrix on
-    the parameters it takes as matrices (`zero_engine.muon.takes_muon`), a ``use_muon`` set on a
-    parameter of fewer than two dimensions refused, naming it."""
+    the parameters its table row takes as matrices (``takes``; Muon's: `zero_engine.muon.takes_muon`),
+    a ``use_muon`` set on a parameter of fewer than two dimensions refused, naming it."""
     kind = optimizer_kind(optimizer_type)
     if kind is None or kind.layout is not ComputeLayout.WHOLE_MATRIX:
         return None
+    takes = kind.takes or takes_muon
 
     def layout(name: str, param: nn.Parameter) -> ComputeLayout:
-        if not takes_muon(name, param):
+        if not takes(name, param):
             return ComputeLayout.ELEMENTWISE
         if param.dim() < 2:
             raise ValueError(

@@ -11,46 +11,15 @@ parameters. A *whole-matrix* one (Muon) steps its matrices through the units' ma
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .config import OptimizerConfig, optimizer_class
-from .sharding.units.param_placement import ComputeLayout
+from .optimizer_kinds import OPTIMIZERS, ComputeLayout, OptimizerKind, optimizer_kind  # noqa: F401 (re-exported)
 from .stage import Stage
 
 
-@dataclass(frozen=True)
-class OptimizerKind:
-    """How an optimizer computes, and its fp32 state bytes per element it updates (from its
-    params); a whole-matrix optimizer's partner (Muon's AdamW) has its own for the rest."""
-
-    layout: ComputeLayout
-    state_bytes: Callable[[dict[str, Any]], int]
-    partner_state_bytes: Callable[[dict[str, Any]], int] | None = None
-
-
-def _adam(params: dict[str, Any]) -> int:
-    return 8 + (4 if params.get("amsgrad") else 0)
-
-
-def _rmsprop(params: dict[str, Any]) -> int:
-    return 4 + (4 if params.get("momentum", 0) else 0) + (4 if params.get("centered") else 0)
-
-
-# By lower-case name, as ``optimizer.type`` is matched.
-OPTIMIZERS = {
-    **{name: OptimizerKind(ComputeLayout.ELEMENTWISE, _adam) for name in ("adam", "adamw", "adamax", "nadam", "radam")},
-    "adadelta": OptimizerKind(ComputeLayout.ELEMENTWISE, lambda p: 8),  # square averages of gradients and updates
-    "sgd": OptimizerKind(ComputeLayout.ELEMENTWISE, lambda p: 4 if p.get("momentum", 0) else 0),
-    "rmsprop": OptimizerKind(ComputeLayout.ELEMENTWISE, _rmsprop),
-    "rprop": OptimizerKind(ComputeLayout.ELEMENTWISE, lambda p: 8),  # previous gradient and step size
-    "adagrad": OptimizerKind(ComputeLayout.ELEMENTWISE, lambda p: 4),  # sum of squares
-    "asgd": OptimizerKind(ComputeLayout.ELEMENTWISE, lambda p: 4),  # averaged parameter
-    "muon": OptimizerKind(ComputeLayout.WHOLE_MATRIX, lambda p: 4, _adam),  # momentum; AdamW for the rest
-}
 # Updates that depend on each element alone (plus per-tensor step counts), so splitting a
 # parameter into pieces changes nothing.
 ELEMENTWISE_OPTIMIZERS = frozenset(
@@ -58,11 +27,6 @@ ELEMENTWISE_OPTIMIZERS = frozenset(
 )
 # Need a closure or whole-parameter structure at every stage.
 UNSUPPORTED_OPTIMIZERS = frozenset({"LBFGS", "SparseAdam"})
-
-
-def optimizer_kind(name: str) -> OptimizerKind | None:
-    """The table's entry for ``optimizer.type`` ``name`` (None: not in the table)."""
-    return OPTIMIZERS.get(name.lower())
 
 
 def check_optimizer_for_stage(config: OptimizerConfig, stage: Stage) -> type[torch.optim.Optimizer]:

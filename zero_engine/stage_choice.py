@@ -31,6 +31,7 @@ from .devices import tensor_bytes
 from .errors import ConfigError
 from .memory import estimate_from_config
 from .muon import takes_muon
+from .optimizer_kinds import optimizer_kind
 from .param_groups import ParamGroup
 from .precision import Precision
 from .sharding.units.module_plan import ModulePlan, frozen_params
@@ -155,7 +156,9 @@ def resolve_stage(
     assert comm is not None, "stage: auto is agreed between the ranks: connect first"
     num_params = sum(param.numel() for group in groups for param in group.params)
     frozen = sum(param.numel() for param in frozen_params(plan.model))
-    matrices = sum(p.numel() for g in groups for n, p in zip(g.names, g.params) if takes_muon(n, p))
+    kind = optimizer_kind(config.optimizer.type)
+    takes = kind.takes if kind is not None and kind.takes is not None else takes_muon  # its matrices
+    matrices = sum(p.numel() for g in groups for n, p in zip(g.names, g.params) if takes(n, p))
     # ZeRO shards over every rank
     table = candidates(config, num_params, comm.mesh.world, plan.largest_unit_numel(), frozen, matrices)
     zero = config.zero_optimization

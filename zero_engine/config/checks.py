@@ -11,6 +11,7 @@ import torch
 
 from ..errors import suggest
 from ..muon import MuonWithAdamW, check_choices
+from ..optimizer_kinds import table_classes
 from ..schedules import check_schedule_param, check_schedule_params, scheduler_class
 from ..values import check_value_type
 
@@ -33,14 +34,15 @@ _OPTIONAL_FLAGS = {"foreach", "fused", "capturable", "differentiable", "maximize
 
 
 def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
-    """Every torch.optim optimizer, by lower-case class name; ``muon`` is DeepSpeed's meaning
-    of the name (Muon for the matrices, AdamW for the rest: `zero_engine.muon`)."""
+    """Every torch.optim optimizer, by lower-case class name, and those the optimizer table
+    names itself (`zero_engine.optimizer_kinds`): ``muon`` is DeepSpeed's meaning of the name
+    (Muon for the matrices, AdamW for the rest: `zero_engine.muon`)."""
     classes = {
         name.lower(): cls
         for name, cls in vars(torch.optim).items()
         if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
     }
-    return {**classes, "muon": MuonWithAdamW}
+    return {**classes, **table_classes()}
 
 
 # DeepSpeed's own optimizers, and the nearest torch.optim one to use instead.

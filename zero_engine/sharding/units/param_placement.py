@@ -18,15 +18,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import NamedTuple
 
-
-class ComputeLayout(str, Enum):
-    """How an optimizer computes on a parameter."""
-
-    ELEMENTWISE = "elementwise"  # each element from its own state (AdamW, SGD, ...): pieces as they lie
-    WHOLE_MATRIX = "whole_matrix"  # part of the update needs the whole matrix (Muon: gathered on one rank)
+from ...optimizer_kinds import ComputeLayout
 
 
 class Box(NamedTuple):
