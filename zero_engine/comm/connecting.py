@@ -22,7 +22,7 @@ from ..devices import local_cuda_device
 from ..errors import ConfigError
 from ..stage import Stage
 from .groups import Comm, GroupComm, own_group
-from .mesh import Mesh
+from .mesh import Mesh, check_sequence_fits
 
 def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     """The engine's `Comm`: groups of its own beside the caller's default group (so its
@@ -53,8 +53,7 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     force = config.comm.force_collectives
     world = GroupComm(rank, world_size, backend, data, own_group(timeout, "control", "gloo"), primitives, force)
-    if world_size % config.sequence_parallel_size:  # before the agreement on the shard group size
-        Mesh.from_config(config, world_size, shard_group_size=world_size)  # raises naming the key
+    check_sequence_fits(config.sequence_parallel_size, world_size)  # before the agreement on the shard group size
     size = _agreed_shard_group_size(config.zero_optimization.shard_group_size_for, world)
     return make_comm(Mesh.from_config(config, world_size, shard_group_size=size), world, data, timeout)
 

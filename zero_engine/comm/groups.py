@@ -302,7 +302,7 @@ class Comm:
                 raise ValueError(f"{mesh} has {expected} ranks in a group of {name!r}, not the {group.world_size} "
                                  "of the group given")
         self.rank, self.world_size, self.backend = world.rank, world.world_size, world.backend
-        self.control_group = world.control_group  # the data process group: `world.group`
+        self.control_group = world.control_group  # agreements; the data process group is `world.group`
         self.shard_rank, self.num_shards = self.shard_group.rank, self.shard_group.world_size
         self.replica_rank, self.num_replicas = self.replica_group.rank, self.replica_group.world_size
         # Who launches a hybrid reduction's second phase (`TwoPhase`): never this rank's host.

@@ -57,6 +57,15 @@ USES: dict[str, tuple[str, ...]] = {
 COMMUNICATORS = (("zero", "data", False), ("replicate", "data", False), ("sequence", "sequence", True))
 
 
+def check_sequence_fits(sequence: int, world_size: int) -> None:
+    """``sequence_parallel_size`` must divide the world: a `ConfigError` naming the key."""
+    if world_size % sequence:
+        raise ConfigError(
+            f"sequence_parallel_size = {sequence} does not divide the world size {world_size}: the ranks are "
+            f"data-parallel groups of {sequence} consecutive ranks"
+        )
+
+
 @dataclass(frozen=True)
 class Mesh:
     """Named axes, outermost first: ``((name, degree), ...)``. An axis not in the mesh has
@@ -100,11 +109,7 @@ class Mesh:
         (``shard_group_size`` when the ranks agreed on one, else the config's for this world),
         checked against the world with a `ConfigError` naming the keys."""
         sequence = config.sequence_parallel_size
-        if world_size % sequence:
-            raise ConfigError(
-                f"sequence_parallel_size = {sequence} does not divide the world size {world_size}: the ranks are "
-                f"data-parallel groups of {sequence} consecutive ranks"
-            )
+        check_sequence_fits(sequence, world_size)
         if shard_group_size is None:
             shard_group_size = config.zero_optimization.shard_group_size_for(world_size, local_world_size)
         if shard_group_size % sequence:
