@@ -13,6 +13,7 @@ import torch
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
+from tiny import llama
 from zero_engine.activations import DecoderShape, activation_bytes
 from zero_engine.testing.process_memory import step_allocations
 
@@ -21,14 +22,8 @@ MICRO, SEQ = 2, 256
 
 
 def _llama() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=SHAPE.hidden, num_hidden_layers=SHAPE.layers, num_attention_heads=SHAPE.heads,
-        num_key_value_heads=SHAPE.kv_heads, intermediate_size=SHAPE.ffn, vocab_size=SHAPE.vocab,
-        max_position_embeddings=SEQ, tie_word_embeddings=False, attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
+    return llama(vocab=SHAPE.vocab, hidden=SHAPE.hidden, ffn=SHAPE.ffn, layers=SHAPE.layers, heads=SHAPE.heads,
+                 kv_heads=SHAPE.kv_heads, positions=SEQ, attention="sdpa")
 
 
 def measured_steps(rank: int, world_size: int, cases: list[tuple[int, str, bool, int, int]]) -> dict[Any, Any]:

@@ -10,10 +10,10 @@ import torch
 import yaml
 
 import zero_engine
+from disk import DISK
 from zero_engine import ConfigError, load_config
 from zero_engine.cli import main as cli_main
 from zero_engine.config import auto_keys, no_effect_settings, resolve_batch_sizes
-from test_nvme import DISK
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*"))
 

@@ -24,10 +24,12 @@ import torch
 
 import zero_engine
 from configs import engine_config
+from disk import DISK
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch, train_engine
 from precision_cases import MICRO, STEPS, precision_config, precision_grid
 from precision_cases import check_precision as _check
+from tiny import make_gpt
 from tower import BATCH, BLOCK_NUMEL, WIDTH, Tower
 from zero_engine.devices import local_cuda_device
 from zero_engine.memory import HELD_NOW
@@ -319,17 +321,9 @@ def test_the_int8_decode_on_the_gpu_is_the_cpus_bit_for_bit(monkeypatch: pytest.
 
 
 def _lora_llama(device: torch.device):  # noqa: ANN202
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny import llama, with_lora
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    return get_peft_model(model, lora).to(device)
+    return with_lora(llama(hidden=64, ffn=128).to(torch.bfloat16)).to(device)
 
 
 def _lora_config(force: bool, dtype: str = "bf16", **zero: object) -> dict:
@@ -448,15 +442,15 @@ def muon_and_nvme(rank: int, world_size: int, directory: str) -> dict:
     collective forced; gloo between ranks sharing the GPU), offloaded masters brought to the GPU
     for the matrix; and NVMe offload of the optimizer side (and of parameter shards) on a CUDA
     model, against CPU offload."""
-    import test_muon
-    import test_nvme
+    import muon_cases
+    import nvme_cases
 
     device = local_cuda_device()
     force = {"comm": {"force_collectives": True}} if world_size == 1 else {}
     muon = []
     for case in MUON_CASES:
-        engine = zero_engine.initialize(test_muon.make_gpt().to(device), {**test_muon.muon_config(case), **force})
-        test_muon.train_engine(engine, rank, world_size, range(test_muon.STEPS // 2), 1, device)
+        engine = zero_engine.initialize(make_gpt().to(device), {**muon_cases.muon_config(case), **force})
+        muon_cases.train_engine(engine, rank, world_size, range(muon_cases.STEPS // 2), 1, device)
         muon.append({name: t.cpu() for name, t in engine.full_state_dict().items()})
         engine.close()
     nvme = []
@@ -464,11 +458,11 @@ def muon_and_nvme(rank: int, world_size: int, directory: str) -> dict:
         states = []
         for where in ("cpu", "nvme"):
             options = {key: case[key] for key in ("dtype", "accum", "optimizer") if key in case}
-            config = {**test_nvme.config(case["stage"], where, directory, **options), **force}
+            config = {**nvme_cases.config(case["stage"], where, directory, **options), **force}
             if case.get("params"):
-                config = test_nvme.param_config(config, where, where, directory)
-            engine = zero_engine.initialize(test_muon.make_gpt().to(device), config)
-            test_muon.train_engine(engine, rank, world_size, range(6), case.get("accum", 2), device)
+                config = nvme_cases.param_config(config, where, where, directory)
+            engine = zero_engine.initialize(make_gpt().to(device), config)
+            muon_cases.train_engine(engine, rank, world_size, range(6), case.get("accum", 2), device)
             states.append({name: t.cpu() for name, t in engine.full_state_dict().items()})
             engine.close()
         nvme.append([name for name in states[0] if not torch.equal(states[0][name], states[1][name])])
@@ -477,13 +471,12 @@ def muon_and_nvme(rank: int, world_size: int, directory: str) -> dict:
 
 @pytest.mark.parametrize("world_size", [1, 2], ids=["one rank on NCCL", "two ranks over gloo"])
 def test_muon_and_nvme_offload_on_the_gpu(world_size: int) -> None:
-    import test_muon
-    import test_nvme
+    import muon_cases
 
     backend = None if world_size == 1 else "gloo"
-    with tempfile.TemporaryDirectory(dir=test_nvme.DISK) as directory:
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
         per_rank = run_on_ranks(world_size, muon_and_nvme, directory, backend=backend, timeout=400)
-    reference = test_muon.train_reference(test_muon.STEPS // 2, test_muon.MICRO * world_size, device="cuda")
+    reference = muon_cases.train_reference(muon_cases.STEPS // 2, muon_cases.MICRO * world_size, device="cuda")
     for rank, out in enumerate(per_rank):
         for case, state in zip(MUON_CASES, out["muon"]):
             # CUDA's embedding backward adds in any order; the reference's kernels are the same otherwise
@@ -502,16 +495,16 @@ SP_CASE = {"world": 2, "k": 2, "stage": 3, "attention": "sdpa", "length": 15, "p
 def sequence_parallel_on_the_gpu(rank: int, world_size: int, tiles: int) -> dict:
     """Two ranks sharing the GPU over gloo as one sequence-parallel group: the attention's
     all-to-alls on CUDA tensors, HF's sdpa on the GPU, a padded length, the loss a tile at a time."""
-    import test_sequence_parallel as sp
+    import sequence_cases as sp
 
     device = local_cuda_device()
     config = engine_config(3, micro=sp.MICRO, accum=sp.ACCUM, lr=1e-3, clip=1.0, optimizer_params={"weight_decay": 0.0})
     config.update(sequence_parallel_size=2, tiled_loss_tokens=tiles)
-    engine = zero_engine.initialize(sp._llama("sdpa").to(device), config)
+    engine = zero_engine.initialize(sp.sequence_llama("sdpa").to(device), config)
     losses = []
-    for step in sp._batches(SP_CASE["length"], 1):
+    for step in sp.batches(SP_CASE["length"], 1):
         for micro in range(sp.ACCUM):
-            inputs = {key: t.to(device) for key, t in sp._inputs(SP_CASE, step[0][micro]).items()}
+            inputs = {key: t.to(device) for key, t in sp.case_inputs(SP_CASE, step[0][micro]).items()}
             loss = engine(**inputs).loss
             engine.backward(loss)
             engine.step()
@@ -523,7 +516,7 @@ def sequence_parallel_on_the_gpu(rank: int, world_size: int, tiles: int) -> dict
 
 def test_sequence_parallelism_and_the_tiled_loss_on_the_gpu() -> None:
     pytest.importorskip("transformers")
-    import test_sequence_parallel as sp
+    import sequence_cases as sp
 
     per_rank = run_on_ranks(2, sequence_parallel_on_the_gpu, 4, timeout=300, allow_numpy=True)
     expected = sp.reference(SP_CASE)  # one process on the CPU: the GPU's kernels sum in other orders
@@ -664,9 +657,8 @@ def test_one_host_sync_per_optimizer_step() -> None:
     review K11): their read buffers are pinned and each gather's copy from one is asynchronous
     (R3: a copy from pageable memory made the host wait for the GPU at every gather), with the
     optimizer side on the device and on NVMe."""
-    import test_nvme
 
-    with tempfile.TemporaryDirectory(dir=test_nvme.DISK) as directory:
+    with tempfile.TemporaryDirectory(dir=DISK) as directory:
         on_nvme = {"device": "nvme", "nvme_path": directory}
         nvme = [
             {"stage": 3, "dtype": "bf16", "accum": 2, "clip": 1.0, "zero": {"offload_param": on_nvme}},
@@ -887,14 +879,14 @@ def offloaded_inputs_on_the_gpu(rank: int, world_size: int) -> dict[bool, dict]:
     """A bf16 Llama at stage 3 on this GPU, each layer recomputed, its inputs kept on the GPU and
     then in pinned host memory (side-stream copies there and back): the losses, the parameters,
     and torch.cuda.max_memory_allocated of each."""
-    from test_recompute import _offload_llama
+    from tiny import llama
 
     device = local_cuda_device()
     results = {}
     for offload in (False, True):
         config = engine_config(3, micro=2, lr=1e-3, dtype="bf16", recompute_units=True, recompute_offload=offload)
         torch.cuda.reset_peak_memory_stats(device)
-        engine = zero_engine.initialize(_offload_llama().to(device), config)
+        engine = zero_engine.initialize(llama(vocab=97, hidden=64, ffn=128, layers=4, positions=256, attention="sdpa").to(device), config)
         losses = []
         for step in range(3):
             ids = torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(step)).to(device)

@@ -19,6 +19,7 @@ import zero_engine
 from adapted import make_model
 from configs import engine_config
 from harness import recorded_collectives, run_on_ranks
+from tiny import llama, lora_config, with_lora
 from zero_engine.state.adapters import adapter_names
 from zero_engine.testing.process_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 
@@ -235,24 +236,13 @@ def test_full_parameters_with_hybrid_sharding(cases: list) -> None:
 
 
 def lora_llama():
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=8, tie_word_embeddings=False,
-    )
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    return get_peft_model(LlamaForCausalLM(config), lora)
+    return with_lora(llama(positions=8))
 
 
 def with_inactive_adapter(model):  # noqa: ANN001, ANN201
     """A second adapter, trained by nobody and not active: the merge must leave it out (N17)."""
-    from peft import LoraConfig
 
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    model.add_adapter("other", lora)
+    model.add_adapter("other", lora_config())
     model.requires_grad_(False)
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name and ".default." in name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tiny
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
@@ -20,20 +21,8 @@ NEW_TOKENS = 6
 
 
 def llama(lora: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        lora_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        model = get_peft_model(model, lora_config)
-    return model.eval()
+    model = tiny.llama()
+    return (tiny.with_lora(model) if lora else model).eval()
 
 
 def prompt(rank: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from harness import run_on_ranks
+from tiny import llama, with_lora
 
 pytest.importorskip("transformers", reason="the [hf] extra: pip install -e '.[hf]'")  # CI installs it
 
@@ -22,15 +23,7 @@ TOLERANCE = 1e-4
 
 
 def _lora_llama() -> Any:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-                         attn_implementation="sdpa")
-    return get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    return with_lora(llama(vocab=VOCAB, attention="sdpa"), random_init=False)
 
 
 class _Tokens:
@@ -64,7 +57,7 @@ def sft_run(world: int, root: str, k: int) -> dict[str, Any]:
     outputs: at k = 2 a rank's slice's, made the micro-batch's by the engine's trainer)."""
     from trl import SFTConfig, SFTTrainer
 
-    from test_trl import base_model, datasets, lora, tokenizer
+    from trl_cases import base_model, datasets, lora, tokenizer
     from zero_engine.integrations.transformers import ZeroEngineTrainer
 
     args = SFTConfig(
@@ -85,7 +78,7 @@ def dpo_run(world: int, root: str, k: int) -> dict[str, Any]:
     """TRL's DPOTrainer with LoRA (its reference: the adapters disabled): plain TRL at k = 1, as
     `class ZeroDPOTrainer(ZeroEngineTrainer, DPOTrainer)` split over k ranks (its per-token
     log-probabilities gathered over the group, each sequence's sum through DPO's sigmoid)."""
-    from test_trl import trainer
+    from trl_cases import trainer
 
     if k == 1:
         run = trainer("dpo", False, f"{root}/dpo{k}")

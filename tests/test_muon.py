@@ -10,9 +10,7 @@ is a tiny GPT whose shapes put partition boundaries inside matrices at every wor
 from __future__ import annotations
 
 import itertools
-import math
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,129 +18,20 @@ from torch import nn
 
 import zero_engine
 from harness import run_on_ranks
-from zero_engine.muon import newton_schulz, takes_muon
+from muon_cases import (
+    ADAM_LR,
+    MICRO,
+    STEPS,
+    batch,
+    deepspeed_rule,
+    muon_config,
+    train_engine,
+    train_reference,
+)
+from tiny import GPT_LAYERS as LAYERS
+from tiny import TinyGPT, make_gpt
 
-HIDDEN, VOCAB, SEQ, LAYERS, MICRO = 48, 97, 8, 2, 2
-LR, ADAM_LR, TOL = 0.02, 3e-3, 2e-5
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.attn = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)  # a key bias has no gradient but noise, which AdamW would amplify
-        self.proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.up = nn.Linear(HIDDEN, 4 * HIDDEN)
-        self.down = nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.attn(self.norm(x)).chunk(3, dim=-1)
-        x = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
-        return x + self.down(nn.functional.gelu(self.up(x)))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, layers: int = LAYERS) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.norm(x))
-        return nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.reshape(-1))
-
-
-def make_gpt(layers: int = LAYERS) -> TinyGPT:
-    torch.manual_seed(0)
-    return TinyGPT(layers)
-
-
-def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, VOCAB, (size, SEQ + 1), generator=generator)
-    return ids[:, :-1], ids[:, 1:]
-
-
-def muon_config(case: dict[str, Any]) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": case.get("accum", 1),
-        "gradient_clipping": case.get("clip", 0.0),
-        "optimizer": {"type": "Muon", "params": {"lr": LR, "adam_lr": ADAM_LR, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": case["stage"]},
-    }
-    if case.get("offload"):
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    if case.get("dtype") == "bf16":
-        config["bf16"] = {"enabled": True}
-    return config
-
-
-def train_engine(engine: Any, rank: int, world: int, steps: range, accum: int, device: str = "cpu") -> list[float]:
-    """This rank's micro-batches of each global batch, on ``device``; the losses."""
-    losses = []
-    for step in steps:
-        ids, labels = batch(step, MICRO * accum * world)
-        for micro in range(accum):
-            rows = slice((micro * world + rank) * MICRO, (micro * world + rank + 1) * MICRO)
-            loss = engine(ids[rows].to(device), labels[rows].to(device))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
-
-
-@contextmanager
-def fp32_newton_schulz() -> Iterator[None]:
-    """torch.optim.Muon with its iteration in fp32 (the one difference from torch's)."""
-    from torch.optim import _muon
-
-    original = _muon._zeropower_via_newtonschulz
-
-    def in_fp32(grad: torch.Tensor, ns_coefficients: Any, ns_steps: int, eps: float) -> torch.Tensor:
-        return newton_schulz(grad, steps=ns_steps, coefficients=ns_coefficients, eps=eps, dtype=torch.float32)
-
-    _muon._zeropower_via_newtonschulz = in_fp32
-    try:
-        yield
-    finally:
-        _muon._zeropower_via_newtonschulz = original
-
-
-def deepspeed_rule(name: str, param: torch.Tensor) -> bool:
-    """Which parameters DeepSpeed 0.19.8 gives Muon (``set_optimizer_flags``), written out here
-    so that the engine's rule is checked against it rather than against itself."""
-    return param.ndim >= 2 and "embed" not in name.lower() and "lm_head" not in name.lower()
-
-
-def train_reference(
-    steps: int, global_size: int, clip: float = 0.0, frozen: tuple[str, ...] = (), device: str = "cpu"
-) -> dict[str, torch.Tensor]:
-    """One process: torch's Muon on DeepSpeed's matrices, torch's AdamW on the rest."""
-    model = make_gpt().to(device)
-    for name, param in model.named_parameters():
-        param.requires_grad_(name not in frozen)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    matrices = [p for n, p in named if deepspeed_rule(n, p)]
-    rest = [p for n, p in named if not deepspeed_rule(n, p)]
-    muon = torch.optim.Muon(matrices, lr=LR, weight_decay=0.01)
-    adamw = torch.optim.AdamW(rest, lr=ADAM_LR, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.01)
-    with fp32_newton_schulz():
-        for step in range(steps):
-            ids, labels = batch(step, global_size)
-            model(ids.to(device), labels.to(device)).backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            muon.step()
-            adamw.step()
-            muon.zero_grad()
-            adamw.zero_grad()
-    return {name: p.detach().cpu() for name, p in model.named_parameters()}
+TOL = 2e-5
 
 
 def parity_grid(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -171,7 +60,6 @@ def check_parity(case: dict[str, Any], world: int, per_rank: list[dict[str, Any]
             assert diff <= TOL, f"{case} world {world} rank {rank}: {name} differs by {diff}"
 
 
-STEPS = 20
 FULL_GRID = [
     {"stage": stage, "steps": STEPS, "accum": accum, "clip": 0.05, "offload": offload}
     for stage, accum, offload in itertools.product((0, 1, 2, 3), (1, 4), (False, True))
@@ -354,7 +242,10 @@ def test_windows_of_exchanges_keep_the_step_near_the_busiest_ranks_share() -> No
     per layer and owners balanced over the model that sum was 1.26-16.9x the balanced ideal at
     2-64 ranks; with windows and owners balanced within each, at most 1.15x."""
     from zero_engine.sharding.storage.compute_layout import (
-        assign_owners_by_window, matrix_cost, plan_windows, serialized_work,
+        assign_owners_by_window,
+        matrix_cost,
+        plan_windows,
+        serialized_work,
     )
 
     shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]

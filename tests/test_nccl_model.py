@@ -31,9 +31,9 @@ import torch
 
 import zero_engine
 from configs import engine_config
+from disk import DISK
 from harness import run_on_ranks
 from moe import EXPERTS, SequenceMoEModel, make_moe, moe_batch, sequence_moe_loss
-from test_nvme import DISK
 from zero_engine.testing.nccl_model import Event, NcclModel, find_hang, find_mismatches, opposite_orders
 
 STEPS, MICRO = 2, 2

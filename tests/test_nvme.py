@@ -2,7 +2,7 @@
 offload computes, its swap files per rank, the bytes it moves, the page cache it leaves, bad
 paths refused at `initialize`, and checkpoints that do not care where the state waited.
 
-Swap directories are made on a disk (`_a_disk`: /var/tmp here; /tmp may be tmpfs elsewhere, which
+Swap directories are made on a disk (`tests/disk.py`: /var/tmp here; /tmp may be tmpfs elsewhere, which
 `check_swap_directory` refuses, as it refuses /dev/shm below)."""
 
 from __future__ import annotations
@@ -18,24 +18,12 @@ import pytest
 import torch
 
 import zero_engine
+from disk import DISK
 from harness import run_on_ranks
-from test_muon import MICRO, make_gpt
-from test_muon import train_engine as train
+from muon_cases import train_engine as train
+from nvme_cases import config, param_config
+from tiny import make_gpt
 from zero_engine.sharding.storage.nvme import shard_swap_space, swap_space
-
-def _a_disk() -> str:
-    """A directory on a disk (a swap file on tmpfs is refused): /var/tmp, the temporary
-    directory, or this checkout."""
-    from zero_engine.sharding.storage.nvme import MEMORY_FILESYSTEMS, filesystem_of
-
-    for candidate in ("/var/tmp", tempfile.gettempdir(), str(Path(__file__).resolve().parent)):
-        if os.path.isdir(candidate) and os.access(candidate, os.W_OK) and \
-                filesystem_of(Path(candidate)) not in MEMORY_FILESYSTEMS:
-            return candidate
-    raise RuntimeError("no writable directory on a disk for the swap files")
-
-
-DISK = _a_disk()
 
 
 def _in_memory() -> str:
@@ -44,23 +32,6 @@ def _in_memory() -> str:
         points = [line.split()[1] for line in mounts if line.split()[2] == "tmpfs"]
     return next(point for point in ["/dev/shm", *points] if point in points and os.path.isdir(point))
 STEPS = 20
-
-
-def config(stage: int, device: str, directory: str, *, dtype: str = "fp32", accum: int = 2,
-           offload_param: bool = False, optimizer: str = "AdamW", shard_group_size: int = 0) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage, "offload_optimizer": {"device": device, "nvme_path": directory}}
-    if shard_group_size:  # hybrid: a window's gradient carried across groups once (read back from NVMe)
-        zero["shard_group_size"] = shard_group_size
-    if offload_param:
-        zero["offload_param"] = {"device": "cpu"}
-    params = {"lr": 1e-3, "weight_decay": 0.01} if optimizer == "AdamW" else {"lr": 0.02, "adam_lr": 1e-3}
-    result = {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accum, "gradient_clipping": 0.5,
-        "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero,
-    }
-    if dtype == "bf16":
-        result["bf16"] = {"enabled": True}
-    return result
 
 
 def cached_pages(path: Path) -> int:
@@ -448,29 +419,19 @@ def test_a_rank_killed_mid_step_resumes_from_the_last_checkpoint(layout: str) ->
 
 # -- parameter shards on NVMe (offload_param.device: nvme), frozen ones included -------------------
 
-def param_config(stage_config: dict[str, Any], params: str, optimizer: str, directory: str) -> dict[str, Any]:
-    """``stage_config`` (a stage 3 config, every parameter sharded) with the parameter shards on
-    ``params`` and the optimizer side on ``optimizer`` (each 'cpu' or 'nvme')."""
-    zero = {**stage_config["zero_optimization"], "stage3_param_persistence_threshold": 0,
-            "offload_param": {"device": params, "nvme_path": directory}}
-    if "offload_optimizer" in zero or stage_config.get("optimizer"):
-        zero["offload_optimizer"] = {"device": optimizer, "nvme_path": directory}
-    return {**stage_config, "zero_optimization": zero}
-
-
 def lora_case(int8: bool) -> tuple[Any, dict[str, Any], Any]:
     """A PEFT LoRA Llama whose bf16 base is frozen (kept in int8 with ``int8``), its config and
     its training step."""
-    import test_peft
+    import peft_cases
 
     zero = {"zero_quantized_nontrainable_weights": True} if int8 else {}
-    model = test_peft.lora_llama(torch.bfloat16)
-    config = test_peft.config(3, "bf16", **zero)
+    model = peft_cases.lora_llama(torch.bfloat16)
+    config = peft_cases.config(3, "bf16", **zero)
 
     def train_lora(engine: Any, rank: int, world: int, steps: range) -> list[float]:
         losses = []
         for step in steps:
-            ids = test_peft.tokens(step, rank, world)
+            ids = peft_cases.tokens(step, rank, world)
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
@@ -650,7 +611,10 @@ def host_high_water(rank: int, world: int, directory: str, blocks: int, device: 
     resident set before `initialize`, and the largest shard's state (master and Adam, 12 bytes
     an element)."""
     from zero_engine.testing.process_memory import (
-        map_large_allocations, peak_resident_bytes, reset_peak_resident, resident_bytes,
+        map_large_allocations,
+        peak_resident_bytes,
+        reset_peak_resident,
+        resident_bytes,
     )
 
     # On a CPU the "device" is host memory too: its gathered units, gradients and buckets are

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from configs import engine_config
 from harness import run_on_ranks
+from peft_cases import LR, config, lora_llama, tokens
 
 pytest.importorskip("peft", reason="the [test] extra installs peft")
 
-VOCAB, SEQ, MICRO, STEPS, LR = 64, 8, 2, 3, 5e-3
+STEPS = 3
 TOL = 2e-5
 # bf16 on 3 ranks against the engine in one process: the fp32 sum of three bf16 gradients runs in
 # another order on the ranks (gloo's) than in one window, and AdamW's first steps (elements whose
@@ -29,34 +29,6 @@ TOL_BF16_3 = 5e-4
 # where first measured; 2.6e-5 of an adapter on an AMD EPYC, 2026-12-03, at every revision back
 # to f172809: not a change of the engine's).
 TOL_BF16_2 = 5e-5
-
-
-def lora_llama(dtype: Any = None) -> Any:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    if dtype is not None:
-        model = model.to(dtype)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    return get_peft_model(model, lora)  # adapters in fp32 over a bf16 base (autocast_adapter_dtype)
-
-
-def tokens(step: int, rank: int, world: int, micro: int = MICRO) -> Any:
-    import torch
-
-    rows = torch.randint(0, VOCAB, (micro * world, SEQ), generator=torch.Generator().manual_seed(step))
-    return rows[rank * micro : (rank + 1) * micro]
-
-
-def config(stage: int, dtype: str = "fp32", **zero: Any) -> dict:
-    return engine_config(stage, micro=MICRO, lr=LR, dtype=dtype, stage3_param_persistence_threshold=0, **zero)
 
 
 def train(engine: Any, rank: int, world: int) -> list[float]:

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import math
 import time
+
 import pytest
 import torch
 from torch import nn
 
+import tiny
 import zero_engine
 from configs import engine_config
 from harness import recorded_collectives, run_on_ranks
@@ -276,14 +278,7 @@ def chain_tokens(rows: int, seed: int) -> torch.Tensor:
 
 
 def llama(state: dict | None = None):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny.llama(vocab=VOCAB, hidden=64, ffn=128, positions=SEQ)
     if state is not None:
         model.load_state_dict(state)
     return model
@@ -302,10 +297,7 @@ def pretrained_base() -> dict[str, torch.Tensor]:
 
 
 def lora(state: dict):
-    from peft import LoraConfig, get_peft_model
-
-    model = llama(state).to(torch.bfloat16)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    return tiny.with_lora(llama(state).to(torch.bfloat16), random_init=False)
 
 
 def llama_config(quantized: bool) -> dict:

@@ -16,6 +16,7 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import BlockStack
+from tiny import llama
 from zero_engine.testing.process_memory import (
     SavedTensorMeter,
     peak_resident_bytes,
@@ -89,13 +90,7 @@ HIDDEN, LAYERS, TOKENS = 64, 4, 256  # a rank's slice at k = 2: 128 tokens
 
 
 def _offload_llama() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=97, max_position_embeddings=TOKENS, attn_implementation="sdpa",
-    ))
+    return llama(vocab=97, hidden=HIDDEN, ffn=128, layers=LAYERS, positions=TOKENS, attention="sdpa")
 
 
 def offloaded_runs(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -103,9 +98,9 @@ def offloaded_runs(rank: int, world_size: int, cases: list[dict[str, Any]]) -> l
     decoder layer recomputed, its sequence split over the 2 ranks, with its kept inputs offloaded
     or not (by our key or DeepSpeed's): the losses and parameters, what the device and the host
     hold once a forward is done, and the host syncs of the steps."""
-    from zero_engine.transforms.seam import RECOMPUTE
     from zero_engine.testing.device_guard import DeviceGuard
     from zero_engine.testing.process_memory import live_tensor_bytes
+    from zero_engine.transforms.seam import RECOMPUTE
 
     torch.set_num_threads(1)
     results = []

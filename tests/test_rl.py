@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
+from tiny import llama, with_lora
 
 pytest.importorskip("peft", reason="the [test] extra installs peft")
 
@@ -23,23 +24,14 @@ TOL = 2e-5
 
 
 def base_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return llama(vocab=VOCAB, positions=SEQ)
 
 
 def policy_and_reference():
-    from peft import LoraConfig, get_peft_model
 
     base = base_llama()
     reference = copy.deepcopy(base).requires_grad_(False).eval()
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    return get_peft_model(base, lora), reference
+    return with_lora(base), reference
 
 
 def pair(step: int, rank: int, world: int) -> torch.Tensor:

@@ -15,8 +15,7 @@ import torch
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
-from test_sequence_parallel import _llama
-from test_sequence_parallel_plain import TinyGPT, _positions, _targets
+from sequence_cases import WrappedGPT, next_tokens, positions, sequence_llama
 
 TIMEOUT_S = 60  # comm.timeout_s: each case below must raise long before it
 
@@ -49,7 +48,7 @@ def _raised(run: Any) -> str:
 
 
 def hugging_face_batches(rank: int, stage: int, how: str) -> str:
-    engine = zero_engine.initialize(_llama(), _config(stage))
+    engine = zero_engine.initialize(sequence_llama(), _config(stage))
     ids = _ids(rank, how)
 
     def train() -> None:
@@ -64,12 +63,12 @@ def hugging_face_batches(rank: int, stage: int, how: str) -> str:
 
 def plain_batches(rank: int, stage: int, how: str) -> str:
     """A plain model's loop slicing its micro-batch with engine.sequence_slice."""
-    engine = zero_engine.initialize(TinyGPT(), _config(stage))
+    engine = zero_engine.initialize(WrappedGPT(), _config(stage))
     ids = _ids(rank, how) % 50
 
     def train() -> None:
-        logits = engine(engine.sequence_slice(ids), engine.sequence_slice(_positions(ids)))
-        targets = engine.sequence_slice(_targets(ids), pad_value=-100)
+        logits = engine(engine.sequence_slice(ids), engine.sequence_slice(positions(ids)))
+        targets = engine.sequence_slice(next_tokens(ids), pad_value=-100)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         engine.backward(engine.sequence_loss(loss))
         engine.step()
@@ -83,12 +82,12 @@ def plain_batches(rank: int, stage: int, how: str) -> str:
 def extra_forward(rank: int, stage: int, plain: bool) -> str:
     """Rank 0 runs a second training forward in the micro-step (a metric in train mode, its
     output dropped) before the one it trains on; rank 1 does not."""
-    engine = zero_engine.initialize(TinyGPT() if plain else _llama(), _config(stage))
+    engine = zero_engine.initialize(WrappedGPT() if plain else sequence_llama(), _config(stage))
     ids = _ids(0, "content") % 50
 
     def forward() -> Any:
         if plain:
-            logits = engine(engine.sequence_slice(ids), engine.sequence_slice(_positions(ids)))
+            logits = engine(engine.sequence_slice(ids), engine.sequence_slice(positions(ids)))
             return engine.sequence_loss(logits.float().pow(2).mean())
         return engine(input_ids=ids, labels=ids).loss
 
@@ -124,7 +123,7 @@ def refusals(rank: int) -> dict[str, str]:
     found = {}
     bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       intermediate_size=64, attn_implementation="sdpa"))
-    classifier = LlamaForSequenceClassification(_llama().config)
+    classifier = LlamaForSequenceClassification(sequence_llama().config)
     for name, model in (("bert", bert), ("classifier", classifier)):
         try:
             zero_engine.initialize(model, _config(0))
@@ -238,7 +237,7 @@ def shared_loader(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     config = {**engine_config(0, micro=2, accum=2, lr=1e-3, optimizer_params={"weight_decay": 0.0}),
               "sequence_parallel_size": world_size}
-    engine = zero_engine.initialize(_llama(), config)
+    engine = zero_engine.initialize(sequence_llama(), config)
     sampler = DistributedSampler(_dataset(), num_replicas=world_size, rank=rank, shuffle=False)
     loader = zero_engine.SequenceGroupLoader(DataLoader(_dataset(), batch_size=2, sampler=sampler,
                                                         collate_fn=_collate), engine)
@@ -262,7 +261,7 @@ def test_a_per_rank_loader_shared_over_the_group_trains_as_one_process_on_its_sa
     for step in range(SAMPLES // 4):
         for source in range(2):
             order.append([data[i] for i in range(source + 4 * step, SAMPLES, 2)][:2])
-    model = _llama()
+    model = sequence_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     losses = []
     for index, samples in enumerate(order):
@@ -345,7 +344,7 @@ def test_a_mixture_of_experts_under_the_split_trains_as_one_process() -> None:
 
 def one_rank_gathers(rank: int, world_size: int) -> str:
     """After an evaluation forward, rank 0 gathers its logits whole and rank 1 goes on training."""
-    engine = zero_engine.initialize(_llama(), _config(0))
+    engine = zero_engine.initialize(sequence_llama(), _config(0))
     ids = _ids(0, "content")
     with torch.no_grad():
         out = engine(input_ids=ids, labels=ids)

@@ -16,7 +16,7 @@ import torch
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
-from test_sequence_parallel import _llama, assert_trains_as
+from sequence_cases import assert_trains_as, sequence_llama
 
 STEPS, ACCUM, LENGTH = 3, 2, 17
 
@@ -72,7 +72,7 @@ def _separate_loss(model: Any, rows: list[list[torch.Tensor]], padded: bool) -> 
 
 
 def _model(case: dict[str, Any]) -> Any:
-    return _llama(case["attention"], heads=12, window=case.get("window"))
+    return sequence_llama(case["attention"], heads=12, window=case.get("window"))
 
 
 def reference(case: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +161,7 @@ def largest_allocation(rank: int, world_size: int, attention: str) -> int:
 
     torch.set_num_threads(1)
     config = {**engine_config(0, micro=1, lr=1e-3), "sequence_parallel_size": world_size}
-    engine = zero_engine.initialize(_llama(attention, heads=12), config)
+    engine = zero_engine.initialize(sequence_llama(attention, heads=12), config)
     ids = torch.randint(0, 97, (1, 2048), generator=torch.Generator().manual_seed(2))
     positions = (torch.arange(2048) % 128)[None]
     engine.backward(engine(input_ids=ids, position_ids=positions, labels=ids).loss)

@@ -13,102 +13,19 @@ import torch
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
-
-STEPS, MICRO, ACCUM = 4, 2, 2  # optimizer steps of the fast run's cases; the slow run's take the issue's 10
-TOL = 2e-5
-
-
-def _llama(
-    attention: str = "sdpa", heads: int = 8, kv_heads: int = 2, window: int | None = None, qwen3: bool = False,
-    **extra: Any,
-) -> Any:
-    """A tiny Llama; with ``window``, its Mistral twin (sliding-window attention of that width);
-    with ``qwen3``, its Qwen3 twin (an RMSNorm on each head's queries and keys)."""
-    from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-    )
-
-    torch.manual_seed(0)
-    if window is not None:
-        Config, Model, extra = MistralConfig, MistralForCausalLM, {**extra, "sliding_window": window}
-    elif qwen3:
-        Config, Model, extra = Qwen3Config, Qwen3ForCausalLM, {**extra, "head_dim": 4}
-    else:
-        Config, Model = LlamaConfig, LlamaForCausalLM
-    config = Config(
-        hidden_size=4 * heads, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, vocab_size=97, max_position_embeddings=128, attn_implementation=attention,
-        **extra,
-    )
-    return Model(config)
-
-
-def _model(case: dict[str, Any]) -> Any:
-    return _llama(case["attention"], case.get("heads", 8), window=case.get("window"), qwen3=case.get("qwen3", False))
-
-
-def _batches(length: int, data_ranks: int, steps_count: int = STEPS) -> list[list[torch.Tensor]]:
-    """Per step, per data-parallel rank: micro-batches of token ids (labels = the ids, some -100)."""
-    generator = torch.Generator().manual_seed(1)
-    steps = []
-    for _ in range(steps_count):
-        per_rank = []
-        for _ in range(data_ranks):
-            ids = torch.randint(0, 97, (ACCUM, MICRO, length), generator=generator)
-            per_rank.append(ids)
-        steps.append(per_rank)
-    return steps
-
-
-def _labels(ids: torch.Tensor) -> torch.Tensor:
-    labels = ids.clone()
-    labels[:, : ids.shape[1] // 3] = -100  # a prompt without targets: slices differ in valid tokens
-    return labels
-
-
-def _inputs(case: dict[str, Any], ids: torch.Tensor, micro: int = 0) -> dict[str, torch.Tensor]:
-    """A micro-batch's arguments: packed (two documents, ``position_ids`` restarting at 0), or
-    padded (the first sample's last 3 tokens; ``"left"``: its first 5, labelled as collators
-    label them, -100 on the pads alone, so the last pad's output is read: it predicts the first
-    real token; ``"alternate"``: on every other micro-batch, so masks change between forwards),
-    as the case says."""
-    inputs = {"input_ids": ids, "labels": _labels(ids)}
-    length = ids.shape[1]
-    if case.get("packed"):
-        first = length // 2 + 1
-        inputs["position_ids"] = torch.cat([torch.arange(first), torch.arange(length - first)])[None].expand_as(ids)
-    padded = case.get("padded")
-    if padded and not (padded == "alternate" and micro % 2):
-        mask = torch.ones_like(ids)
-        if padded == "left":
-            mask[0, :5] = 0
-            inputs["labels"] = ids.masked_fill(mask == 0, -100)
-        else:
-            mask[0, -3:] = 0
-            inputs["labels"] = inputs["labels"].masked_fill(mask == 0, -100)
-        inputs["attention_mask"] = mask
-    return inputs
-
-
-def reference(case: dict[str, Any]) -> dict[str, Any]:
-    """One process, the whole global batch: the mean over data-parallel ranks of each rank's
-    micro-batch loss (each over its valid tokens), as data parallelism averages them."""
-    model = _model(case)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    data_ranks = case["world"] // case["k"]
-    losses, norms = [], []
-    for step in _batches(case["length"], data_ranks, case.get("steps", STEPS)):
-        optimizer.zero_grad()
-        step_losses = []
-        for ids in step:
-            for micro in range(ACCUM):
-                loss = model(**_inputs(case, ids[micro], micro), use_cache=False).loss
-                (loss / (ACCUM * data_ranks)).backward()
-                step_losses.append(loss.item())
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
-        optimizer.step()
-        losses.append(step_losses)
-    return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+from sequence_cases import (
+    ACCUM,
+    MICRO,
+    STEPS,
+    TOL,
+    assert_trains_as,
+    batches,
+    case_inputs,
+    case_model,
+    prompt_labels,
+    reference,
+    sequence_llama,
+)
 
 
 def sequence_parallel(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,15 +35,15 @@ def sequence_parallel(rank: int, world_size: int, cases: list[dict[str, Any]]) -
         config = engine_config(case["stage"], micro=MICRO, accum=ACCUM, lr=1e-3, clip=1.0,
                                optimizer_params={"weight_decay": 0.0}, recompute_units=case.get("recompute"))
         config["sequence_parallel_size"] = case["k"]
-        model = _model(case)
+        model = case_model(case)
         engine = zero_engine.initialize(model, config)
         data_rank = engine.data_parallel_rank
         losses, norms = [], []
-        for step in _batches(case["length"], engine.data_parallel_world_size, case.get("steps", STEPS)):
+        for step in batches(case["length"], engine.data_parallel_world_size, case.get("steps", STEPS)):
             ids = step[data_rank]
             step_losses = []
             for micro in range(ACCUM):
-                loss = engine(**_inputs(case, ids[micro], micro)).loss
+                loss = engine(**case_inputs(case, ids[micro], micro)).loss
                 engine.backward(loss)
                 step_losses.append(loss.item())
                 engine.step()
@@ -136,21 +53,6 @@ def sequence_parallel(rank: int, world_size: int, cases: list[dict[str, Any]]) -
                         "batch": engine.train_batch_size(), "all_to_all": engine.comm_report()["all_to_all"]})
         engine.close()
     return results
-
-
-def assert_trains_as(expected: dict[str, Any], per_rank: list[dict[str, Any]], case: dict[str, Any],
-                     steps: int, accum: int = ACCUM) -> None:
-    """Each rank's losses (its data-parallel rank's micro-batches), gradient norms and every
-    parameter against the one-process run ``expected``, within `TOL`."""
-    for rank, result in enumerate(per_rank):
-        data_rank = rank // case["k"]
-        for step in range(steps):
-            mine = expected["losses"][step][data_rank * accum : (data_rank + 1) * accum]
-            assert result["losses"][step] == pytest.approx(mine, abs=TOL), (case, rank, step)
-        assert result["norms"] == pytest.approx(expected["norms"], abs=TOL), (case, rank)
-        for name, value in expected["state"].items():
-            diff = (result["state"][name] - value).abs().max().item()
-            assert diff <= TOL, f"{case}, rank {rank}: {name} differs by {diff}"
 
 
 def _check(case: dict[str, Any], per_rank: list[dict[str, Any]]) -> None:
@@ -224,7 +126,7 @@ COMPOSED = {
 
 
 def _composed_model(case: dict[str, Any]) -> Any:
-    model = _llama()
+    model = sequence_llama()
     for name, param in model.named_parameters():
         param.requires_grad_(not (case.get("frozen") == "all" or case.get("frozen") and name.startswith(FROZEN)))
     return model
@@ -250,10 +152,10 @@ def composed(rank: int, world_size: int, cases: list[dict[str, Any]], directory:
         engine = zero_engine.initialize(_composed_model(case), _composed_config(case, directory))
         first = engine.full_state_dict()
         losses = []
-        for step in _batches(15, engine.data_parallel_world_size, 3):
+        for step in batches(15, engine.data_parallel_world_size, 3):
             step_losses = []
             for micro in range(ACCUM):
-                loss = engine(**_inputs(case, step[engine.data_parallel_rank][micro])).loss
+                loss = engine(**case_inputs(case, step[engine.data_parallel_rank][micro])).loss
                 if engine.optimizer is not None:
                     engine.backward(loss)
                     engine.step()
@@ -273,7 +175,7 @@ def composed_reference(case: dict[str, Any], first: dict[str, torch.Tensor], dat
     the rest (Newton-Schulz in fp32, as `test_muon`'s reference), or no optimizer."""
     from contextlib import nullcontext
 
-    from test_muon import deepspeed_rule, fp32_newton_schulz
+    from muon_cases import deepspeed_rule, fp32_newton_schulz
 
     model = _composed_model(case)
     model.load_state_dict(first)
@@ -286,11 +188,11 @@ def composed_reference(case: dict[str, Any], first: dict[str, torch.Tensor], dat
         optimizers = [torch.optim.AdamW([p for _, p in trained], lr=1e-3, weight_decay=0.0)] if trained else []
     losses = []
     with fp32_newton_schulz() if case.get("muon") else nullcontext():
-        for step in _batches(15, data_ranks, 3):
+        for step in batches(15, data_ranks, 3):
             step_losses = []
             for ids in step:
                 for micro in range(ACCUM):
-                    loss = model(**_inputs(case, ids[micro]), use_cache=False).loss
+                    loss = model(**case_inputs(case, ids[micro]), use_cache=False).loss
                     if optimizers:
                         (loss / (ACCUM * data_ranks)).backward()
                     step_losses.append(loss.item())
@@ -310,7 +212,7 @@ def test_sequence_parallelism_composes_with_what_else_the_engine_holds(world: in
     split (the all-to-alls moved bytes) and the feature in force."""
     import tempfile
 
-    from test_nvme import DISK
+    from disk import DISK
 
     with tempfile.TemporaryDirectory(dir=DISK) as directory:
         per_rank = run_on_ranks(world, composed, COMPOSED[world], directory, allow_numpy=True, timeout=400)
@@ -331,7 +233,7 @@ def test_sequence_parallelism_composes_with_what_else_the_engine_holds(world: in
             assert result["replicas"] == (2 if "shard_group_size" in case.get("zero", {}) else 1)
         if case.get("zero", {}).get("zero_quantized_nontrainable_weights"):  # the base the engine trains on is int8's
             assert not torch.equal(results[0]["first"]["model.embed_tokens.weight"],
-                                   _llama().state_dict()["model.embed_tokens.weight"])
+                                   sequence_llama().state_dict()["model.embed_tokens.weight"])
 
 
 def refusals(rank: int, world_size: int) -> dict[str, str]:
@@ -339,8 +241,8 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     found = {}
     base = engine_config(0, micro=1, lr=1e-3)
     for name, model, k in (
-        ("heads", _llama(heads=3, kv_heads=1), 2),
-        ("world", _llama(), 3),
+        ("heads", sequence_llama(heads=3, kv_heads=1), 2),
+        ("world", sequence_llama(), 3),
     ):
         try:
             zero_engine.initialize(model, {**base, "sequence_parallel_size": k})
@@ -348,25 +250,25 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
             found[name] = str(err)
     # a config that asks for windows on a model whose attention calls name none (Llama's): the
     # first split forward raises, on every rank, rather than train full causal attention
-    engine = zero_engine.initialize(_llama(sliding_window=8), {**base, "sequence_parallel_size": 2})
+    engine = zero_engine.initialize(sequence_llama(sliding_window=8), {**base, "sequence_parallel_size": 2})
     try:
         engine(input_ids=torch.randint(0, 97, (1, 8)), labels=torch.randint(0, 97, (1, 8)))
     except NotImplementedError as err:
         found["window"] = str(err)
     engine.close()
-    model = _llama()
+    model = sequence_llama()
     engine = zero_engine.initialize(model, {**base, "sequence_parallel_size": 2})
     found["routed"] = model.config._attn_implementation
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
     engine.eval()
     with torch.no_grad():  # evaluation split as training is: the loss whole, the logits the rank's slice
-        out = engine(input_ids=ids, labels=_labels(ids))
+        out = engine(input_ids=ids, labels=prompt_labels(ids))
         found["eval"] = {"tokens": out.logits.shape[1], "loss": out.loss.item(),
                          "logits": engine.sequence_gather(out.logits)}
         found["generated"] = engine.module.generate(ids[:, :4], max_new_tokens=3, do_sample=False)  # whole
     engine.close()
     found["closed"] = model.config._attn_implementation  # close() puts the model's own back
-    engine = zero_engine.initialize(_llama(), {**base, "sequence_parallel_size": 2, "sequence_parallel_eval": False})
+    engine = zero_engine.initialize(sequence_llama(), {**base, "sequence_parallel_size": 2, "sequence_parallel_eval": False})
     engine.eval()
     with torch.no_grad():  # opted out: evaluation sees the whole sequence, on every rank
         found["eval_whole_tokens"] = engine(input_ids=ids).logits.shape[1]
@@ -388,7 +290,7 @@ def one_rank_saves(rank: int, world_size: int, root: str) -> str:
     import time
 
     config = {**engine_config(0, micro=MICRO, lr=1e-3), "sequence_parallel_size": 2, "comm": {"timeout_s": 120}}
-    engine = zero_engine.initialize(_llama(), config)
+    engine = zero_engine.initialize(sequence_llama(), config)
     ids = torch.randint(0, 97, (MICRO, 16))
     start = time.monotonic()
     try:
@@ -405,14 +307,14 @@ def one_rank_saves(rank: int, world_size: int, root: str) -> str:
 
 def _bf16_batch() -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 97, (MICRO, 15), generator=torch.Generator().manual_seed(3))
-    return {"input_ids": ids, "labels": _labels(ids)}
+    return {"input_ids": ids, "labels": prompt_labels(ids)}
 
 
 def bf16_loss(rank: int, world_size: int) -> float:
     """The first micro-batch's loss of a bf16 engine at k = 2 (compute in bf16, fp32 masters)."""
     config = engine_config(3, micro=MICRO, lr=1e-3, dtype="bf16")
     config["sequence_parallel_size"] = 2
-    engine = zero_engine.initialize(_llama(), config)
+    engine = zero_engine.initialize(sequence_llama(), config)
     loss = engine(**_bf16_batch()).loss
     engine.backward(loss)
     engine.step()
@@ -440,10 +342,10 @@ def test_evaluation_is_split_as_training_is_and_generation_stays_whole(two_ranks
     evaluation at k = 8). A forward without gradients is split by default: its loss is one
     process's on every rank, its logits the rank's slice, gathered whole by
     ``engine.sequence_gather``; ``generate`` runs whole, as one process's."""
-    model = _llama().eval()
+    model = sequence_llama().eval()
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        expected = model(input_ids=ids, labels=_labels(ids))
+        expected = model(input_ids=ids, labels=prompt_labels(ids))
         generated = model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)
     for found in (result["refusals"] for result in two_ranks):
         assert found["eval"]["tokens"] == 5  # 9 tokens padded to 10, 5 a rank
@@ -464,7 +366,7 @@ def activation_peaks(rank: int, world_size: int, lengths: list[int]) -> dict[tup
         for k in (1, 2):
             config = engine_config(0, micro=1, lr=1e-3)
             config["sequence_parallel_size"] = k
-            engine = zero_engine.initialize(_llama(heads=8, kv_heads=8), config)
+            engine = zero_engine.initialize(sequence_llama(heads=8, kv_heads=8), config)
             peaks[length, k] = step_allocations(engine, ids)[1]
             engine.close()
     return peaks
@@ -522,7 +424,7 @@ def resumes(rank: int, world_size: int, root: str) -> dict[str, bool]:
     for k in (2, 1):
         config = engine_config(3, micro=MICRO, lr=1e-3)
         config["sequence_parallel_size"] = k
-        engines[k] = zero_engine.initialize(_llama(), config)
+        engines[k] = zero_engine.initialize(sequence_llama(), config)
     engine = engines[2]
     for _ in range(2):
         engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -581,7 +483,7 @@ def test_estimate_counts_each_ranks_slice_of_the_activations(tmp_path, capsys) -
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 4,
                                 "zero_optimization": {"stage": 3}}))
     model = tmp_path / "config.json"
-    model.write_text(_llama().config.to_json_string())
+    model.write_text(sequence_llama().config.to_json_string())
     assert main(["estimate", str(path), "--model-config", str(model), "--seq-len", "1001", "--world-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "1 x 1001 tokens, 251 of them on each rank (sequence_parallel_size 4)" in out
@@ -592,7 +494,7 @@ def test_estimate_counts_each_ranks_slice_of_the_activations(tmp_path, capsys) -
 def test_a_bf16_loss_is_one_process_s_in_bf16(two_ranks: list[dict[str, Any]]) -> None:
     """The loss in bf16, split over 2 ranks, against the same model cast to bf16 in one process
     (its fp32 loss of bf16 logits: within 1e-3, 4e-6 measured)."""
-    expected = _llama().to(torch.bfloat16)(**_bf16_batch()).loss.item()
+    expected = sequence_llama().to(torch.bfloat16)(**_bf16_batch()).loss.item()
     for result in two_ranks:
         assert result["bf16_loss"] == pytest.approx(expected, abs=1e-3)  # 4e-6 measured
 

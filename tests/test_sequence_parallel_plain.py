@@ -15,49 +15,11 @@ from torch import nn
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
+from sequence_cases import GPT_VOCAB as VOCAB
+from sequence_cases import WrappedGPT, next_tokens, positions
 
-STEPS, MICRO, ACCUM, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 3, 2, 2, 50, 6, 2, 4
+STEPS, MICRO, ACCUM = 3, 2, 2
 TOL = 2e-5
-
-
-class Attention(nn.Module):
-    """Causal self-attention with fewer key/value heads than query heads; its core, SDPA, wrapped."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        dim = HEADS * HEAD_DIM
-        self.query = nn.Linear(dim, dim)
-        # no bias: a key bias has no gradient but rounding, which Adam would make a step of
-        self.key_value = nn.Linear(dim, 2 * KV_HEADS * HEAD_DIM, bias=False)
-        self.out = nn.Linear(dim, dim)
-        self.core = zero_engine.SequenceParallelAttention(F.scaled_dot_product_attention)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, tokens, dim = x.shape
-        query = self.query(x).view(batch, tokens, HEADS, HEAD_DIM).transpose(1, 2)
-        key, value = self.key_value(x).view(batch, tokens, 2 * KV_HEADS, HEAD_DIM).transpose(1, 2).chunk(2, dim=1)
-        attended = self.core(query, key, value, is_causal=True, enable_gqa=True)
-        return self.out(attended.transpose(1, 2).reshape(batch, tokens, dim))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        dim = HEADS * HEAD_DIM
-        self.embed, self.position = nn.Embedding(VOCAB, dim), nn.Embedding(64, dim)
-        self.blocks = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(dim), "attention": Attention(),
-                                                   "mlp": nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(),
-                                                                        nn.Linear(2 * dim, dim))})
-                                    for _ in range(2))
-        self.head = nn.Linear(dim, VOCAB)
-
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids) + self.position(positions)
-        for block in self.blocks:
-            x = x + block["attention"](block["norm"](x))
-            x = x + block["mlp"](x)
-        return self.head(x)
 
 
 def _batches(length: int, data_ranks: int) -> list[torch.Tensor]:
@@ -66,19 +28,8 @@ def _batches(length: int, data_ranks: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (data_ranks, ACCUM, MICRO, length), generator=generator) for _ in range(STEPS)]
 
 
-def _targets(ids: torch.Tensor) -> torch.Tensor:
-    """Each token's next, shifted before any split; none on a prompt's first third, none at the end."""
-    targets = F.pad(ids[:, 1:], (0, 1), value=-100)
-    targets[:, : ids.shape[1] // 3] = -100
-    return targets
-
-
-def _positions(ids: torch.Tensor) -> torch.Tensor:
-    return torch.arange(ids.shape[1]).expand_as(ids)
-
-
 def reference(case: dict[str, Any]) -> dict[str, Any]:
-    model = TinyGPT()
+    model = WrappedGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     data_ranks = case["world"] // case["k"]
     losses = []
@@ -87,13 +38,13 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
         step_losses = []
         for rank_ids in step:
             for ids in rank_ids:
-                logits = model(ids, _positions(ids))
+                logits = model(ids, positions(ids))
                 if case.get("pairs"):  # a preference loss of whole sequences: row 0 preferred to row 1
-                    targets = _targets(ids)
+                    targets = next_tokens(ids)
                     token = torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
                     loss = _preference(((targets != -100) * token).sum(1))
                 else:
-                    loss = F.cross_entropy(logits.flatten(0, 1), _targets(ids).flatten(), ignore_index=-100)
+                    loss = F.cross_entropy(logits.flatten(0, 1), next_tokens(ids).flatten(), ignore_index=-100)
                 (loss / (ACCUM * data_ranks)).backward()
                 step_losses.append(loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -115,14 +66,14 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, 
         config = engine_config(case["stage"], micro=MICRO, accum=ACCUM, lr=1e-3, clip=1.0,
                                optimizer_params={"weight_decay": 0.0})
         config["sequence_parallel_size"] = case["k"]
-        engine = zero_engine.initialize(TinyGPT(), config)
+        engine = zero_engine.initialize(WrappedGPT(), config)
         losses = []
         for step in _batches(case["length"], engine.data_parallel_world_size):
             step_losses = []
             for ids in step[engine.data_parallel_rank]:
-                targets = _targets(ids)
+                targets = next_tokens(ids)
                 mine = engine.sequence_slice(targets, pad_value=-100)
-                logits = engine(engine.sequence_slice(ids), engine.sequence_slice(_positions(ids)))
+                logits = engine(engine.sequence_slice(ids), engine.sequence_slice(positions(ids)))
                 if case.get("pairs"):  # each sequence's log-probability, whole on every rank of the group
                     loss = _preference(engine.sequence_log_probs(logits, mine))
                 else:
@@ -135,7 +86,7 @@ def train(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, 
         ids = _batches(case["length"], 1)[0][0, 0]
         engine.eval()
         with torch.no_grad():  # evaluation: the whole sequence, the core as it is
-            evaluated = engine(ids, _positions(ids))
+            evaluated = engine(ids, positions(ids))
         results.append({"losses": losses, "state": engine.full_state_dict(), "eval": evaluated,
                         "slice": tuple(engine.sequence_slice(ids).shape)})
         engine.close()
@@ -183,11 +134,11 @@ def test_a_plain_models_wrapped_attention_matches_one_process(world: int) -> Non
             for name, value in expected["state"].items():
                 assert (result["state"][name] - value).abs().max().item() <= TOL, (case, rank, name)
             assert result["slice"] == (MICRO, -(-case["length"] // k))  # padded to a multiple of k, then split
-            model = TinyGPT()
+            model = WrappedGPT()
             model.load_state_dict(result["state"])
             ids = _batches(case["length"], 1)[0][0, 0]
             with torch.no_grad():
-                assert torch.allclose(result["eval"], model(ids, _positions(ids)), atol=1e-5)
+                assert torch.allclose(result["eval"], model(ids, positions(ids)), atol=1e-5)
     for found in (results[-1] for results in per_rank if world == 2):
         assert "blocks" not in found["conv"] and "0 (Conv1d) mixes tokens along the sequence" in found["conv"]
         assert "mixer (MambaMixer) mixes tokens along the sequence other than by attention" in found["mamba"]
@@ -204,13 +155,13 @@ def one_rank_skips_the_loss(rank: int, world: int, stages: list[int]) -> list[st
     for stage in stages:
         config = engine_config(stage, micro=MICRO, lr=1e-3)
         config.update(sequence_parallel_size=2, comm={"timeout_s": 60})
-        engine = zero_engine.initialize(TinyGPT(), config)
+        engine = zero_engine.initialize(WrappedGPT(), config)
         ids = _batches(15, 1)[0][0, 0]
-        targets = _targets(ids)
+        targets = next_tokens(ids)
         start = time.monotonic()
         try:
             for _ in range(2):  # a first micro-step in step, then the skip
-                logits = engine(engine.sequence_slice(ids), engine.sequence_slice(_positions(ids)))
+                logits = engine(engine.sequence_slice(ids), engine.sequence_slice(positions(ids)))
                 mine = engine.sequence_slice(targets, pad_value=-100)
                 loss = F.cross_entropy(logits.flatten(0, 1), mine.flatten(), ignore_index=-100, reduction="sum")
                 loss = loss / (targets != -100).sum()

@@ -196,3 +196,26 @@ def test_no_sequence_degree_arithmetic_outside_comm_and_config():
     planted = ("b = config.batch_sizes(ranks // config.sequence_parallel_size)\n"
                "r = rank % raw['sequence_parallel_size']\n")
     assert _sequence_degree_arithmetic(ast.parse(planted)) == [1, 2]
+
+
+def _test_modules_imported(tree: ast.AST) -> list[str]:
+    """The test modules (``test_*``) an import statement anywhere in ``tree`` names."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.split(".")[-1].startswith("test_")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1].startswith("test_"):
+            found.append(node.module)
+    return found
+
+
+def test_no_test_module_imports_another():
+    """STRUCTURE item 9: what tests share lives in helper modules (`tiny`, `disk`, the ``*_cases``
+    modules), so a test module can change without breaking another, and collecting one module
+    never runs another's module-level code."""
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        found += [f"{path.name} imports {module}" for module in _test_modules_imported(ast.parse(path.read_text()))]
+    assert found == []
+    planted = "from test_nvme import DISK\ndef f():\n    import test_muon\n    from tests.test_trl import lora\n"
+    assert _test_modules_imported(ast.parse(planted)) == ["test_nvme", "test_muon", "tests.test_trl"]

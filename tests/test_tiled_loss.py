@@ -12,27 +12,9 @@ import torch
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
+from tiled_cases import LENGTH, MICRO, VOCAB, batch, llama
 
-VOCAB, HIDDEN, LENGTH, MICRO, STEPS = 512, 32, 64, 2, 3
-
-
-def llama() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=LENGTH, tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
-
-
-def batch(step: int, rank: int, length: int = LENGTH) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (MICRO, length), generator=torch.Generator().manual_seed(100 * step + rank))
-    labels = ids.clone()
-    labels[:, : LENGTH // 4] = -100  # a prompt without targets
-    return {"input_ids": ids, "labels": labels}
+STEPS = 3
 
 
 def _refused(logits: Any) -> bool:

@@ -14,7 +14,7 @@ import torch
 import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
-from test_tiled_loss import LENGTH, MICRO, VOCAB, batch, llama
+from tiled_cases import LENGTH, MICRO, VOCAB, batch, llama
 
 STEPS = 4  # optimizer steps of 2 micro-steps each; the bound, 2e-5, on the parameters after them
 

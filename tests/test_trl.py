@@ -18,85 +18,11 @@ from typing import Any
 import pytest
 
 from harness import run_on_ranks
+from trl_cases import SAVE_AT, STEPS, base_model, datasets, lora, tokenizer, trainer
 
 pytest.importorskip("trl", reason="the [trl] extra: pip install -e '.[trl]' (the [test] extra includes it)")
 
-STEPS, SAVE_AT, TOLERANCE = 6, 3, 1e-4
-WORDS = [f"w{i}" for i in range(60)]
-
-
-def tokenizer() -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, **{word: i + 4 for i, word in enumerate(WORDS)}}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
-    )
-
-
-def base_model() -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
-        eos_token_id=1, bos_token_id=2,
-    ))
-
-
-def lora() -> Any:
-    from peft import LoraConfig
-
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-
-
-def datasets(kind: str) -> Any:
-    import torch
-    from datasets import Dataset
-
-    generator = torch.Generator().manual_seed(0)
-
-    def sentence(n: int) -> str:
-        return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=generator))
-
-    rows = 2 * 2 * STEPS  # 2 ranks, 2 per micro-batch, one epoch of STEPS steps
-    if kind == "sft":
-        return Dataset.from_dict({"text": [sentence(10) for _ in range(rows)]})
-    return Dataset.from_dict({
-        "prompt": [sentence(4) for _ in range(rows)],
-        "chosen": [sentence(5) for _ in range(rows)],
-        "rejected": [sentence(5) for _ in range(rows)],
-    })
-
-
-def trainer(kind: str, engine: bool, directory: str, zero_config: dict[str, Any] | None = None) -> Any:
-    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
-
-    from zero_engine.integrations.transformers import ZeroEngineTrainer
-
-    options = dict(
-        output_dir=directory, per_device_train_batch_size=2, gradient_accumulation_steps=1, learning_rate=3e-3,
-        num_train_epochs=1, logging_steps=1, save_strategy="steps", save_steps=SAVE_AT, report_to=[], seed=0,
-        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
-    )
-    if kind == "sft":
-        args, cls = SFTConfig(max_length=16, **options), SFTTrainer
-    else:
-        args, cls = DPOConfig(**options), DPOTrainer
-    arguments = dict(model=base_model(), args=args, train_dataset=datasets(kind), processing_class=tokenizer(),
-                     peft_config=lora())
-    if not engine:
-        return cls(**arguments)
-    zero = type(f"Zero{cls.__name__}", (ZeroEngineTrainer, cls), {})  # the documented pattern
-    zero_config = zero_config or {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    return zero(**arguments, zero_config=zero_config)
-
-
+TOLERANCE = 1e-4
 def runs(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch
 
