@@ -174,6 +174,51 @@ def test_the_name_check_sees_imports_attributes_and_arguments():
     assert {"swap_space", "nvme_path", "param_swap"} <= names and {"nvme", "swap"} <= imported
 
 
+# What names a tier or an optimizer: a word of these, the tier enum, a table key as a string.
+NAMING_WORDS = ("nvme", "swap", "muon", "adam", "sgd")
+
+
+def _names_a_tier_or_optimizer(source: str, allowed: set[str]) -> list[str]:
+    """Identifiers (but ``allowed``) and string constants (not docstrings) that name a tier or
+    an optimizer, and imports of a tier module."""
+    from zero_engine.optimizer_kinds import OPTIMIZERS
+
+    names, imported = _names_and_imports(source)
+    found = [f"imports {module}" for module in sorted(imported & set(TIER_MODULES))]
+    found += [name for name in sorted(names - allowed)
+              if name == "Tier" or any(word in name.lower() for word in NAMING_WORDS)]
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value.lower()
+            if text in OPTIMIZERS or any(word in text for word in NAMING_WORDS):
+                found.append(repr(node.value))
+    return found
+
+
+def test_the_formula_and_the_estimate_name_no_tier_and_no_optimizer():
+    """STRUCTURE item 6: the memory formula sums what each tier and each optimizer kind declares
+    (`zero_engine.accounting`, `zero_engine.optimizer_kinds`), and `zero-engine estimate` prints
+    the report's parts with each tier's and optimizer's own note: neither decides by a tier's or
+    an optimizer's name. The report's fields (a part per tier among them) and the units'
+    measurement of each (``<field>_bytes``) are the report's words, allowed."""
+    from zero_engine.memory import MemoryReport
+
+    allowed = set(MemoryReport._fields) | {f"{field}_bytes" for field in MemoryReport._fields}
+    found = {name: _names_a_tier_or_optimizer((ROOT / "zero_engine" / name).read_text(), allowed)
+             for name in ("memory.py", "cli.py")}
+    assert found == {"memory.py": [], "cli.py": []}
+    planted = ("from .sharding.storage.nvme import check_swap_directories\n"
+               "def f(report, plan):\n    '''A docstring may say Muon.'''\n"
+               "    if config.optimizer.type.lower() == 'muon':\n        return report.nvme + plan.on_nvme\n"
+               "    return Tier.HOST, 'SGD'\n")
+    assert _names_a_tier_or_optimizer(planted, allowed) == [
+        "imports nvme", "Tier", "check_swap_directories", "on_nvme", "'muon'", "'SGD'"]
+
+
 def _sequence_degree_arithmetic(tree: ast.AST) -> list[int]:
     """Lines that divide by or take a remainder of ``sequence_parallel_size`` (the key read as
     an attribute or a mapping key): a count of ranks that only the mesh derives."""

@@ -30,8 +30,9 @@ from .comm import Mesh
 from .config import ZeroEngineConfig, load_config, read_config_mapping
 from .errors import ConfigError
 from .activations import DecoderShape, activation_bytes
-from .memory import estimate_from_config, nvme_parts
-from .offload import offload_plan
+from .accounting import Counted, tier_lines, tier_notes
+from .memory import estimate_from_config, report_of
+from .optimizer_kinds import state_note
 from .stage import stage_for
 from .stage_choice import candidates, choose, format_table
 from .state.consolidate import load_consolidated, write_state_dict
@@ -102,14 +103,15 @@ def _estimate(args: argparse.Namespace) -> int:
                 _print_activations(config, args, shape)
             return code
         group = args.shard_group_size or config.zero_optimization.shard_group_size_for(args.world_size)
-        report = estimate_from_config(
+        counted: list[Counted] = []
+        estimate_from_config(
             config, args.params, args.world_size, group, frozen_params=args.frozen_params,
-            matrix_params=args.matrix_params,
+            matrix_params=args.matrix_params, terms=counted,
         )
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    _print_states(config, args, group, report)
+    _print_states(config, args, group, counted)
     if shape is not None:
         _print_activations(config, args, shape)
     return 0
@@ -118,7 +120,7 @@ def _estimate(args: argparse.Namespace) -> int:
 def _decoder_shape(args: argparse.Namespace, config: ZeroEngineConfig) -> DecoderShape | None:
     """The model's shape from ``--model-config``, which also settles ``--params`` (and the
     micro-batch, from the config, when not given)."""
-    args.matrix_params = 0  # Muon's matrices, known from a model's shape alone
+    args.matrix_params = 0  # a whole-matrix optimizer's matrices, known from a model's shape alone
     if args.model_config is None:
         for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
             if value is not None:
@@ -173,8 +175,10 @@ def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape
     print("  (the peak adds to the model states; stage 3 adds its gathered units; docs/guides/out-of-memory.md)")
 
 
-def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int, report: Any) -> None:
+def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int, counted: list[Counted]) -> None:
+    """The formula's states per rank, with each tier's note and line and the optimizer's note."""
     zero = config.zero_optimization
+    stage, report = stage_for(zero.stage), report_of(counted)
     dtype = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
     sharding = ""
     if group < args.world_size:
@@ -185,47 +189,22 @@ def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int
     if zero.shard_group_size == "auto" and not args.shard_group_size:
         print("  (shard_group_size: auto is settled at launch, one group per node of LOCAL_WORLD_SIZE ranks; "
               f"estimated here for one group of all {args.world_size}: --shard-group-size G for nodes of G ranks)")
-    if config.optimizer.type.lower() == "muon":
-        print(f"  (Muon: {args.matrix_params:,} matrix parameters with 4 bytes of state, the rest AdamW's 8"
-              + ("; --model-config counts the matrices)" if args.model_config is None else ")"))
-    if report.nvme:
-        _print_nvme(config, report)
+    note = state_note(config.optimizer.type, config.optimizer.params, args.matrix_params)
+    if note:
+        print(f"  ({note}" + ("; --model-config counts the matrices)" if args.model_config is None else ")"))
+    for line in tier_notes(counted, stage):
+        print(f"  {line}")
     for key in ("parameters", "gradients", "optimizer_states", "master_parameters"):
         print(f"  {key:18s} {getattr(report, key) / 2**30:10.3f} GiB")
         if key == "parameters" and args.frozen_params:
             print(f"  {'  of which frozen':18s} {report.frozen_parameters / 2**30:10.3f} GiB")
     total = report.model_states
     print(f"  {'total':18s} {total / 2**30:10.3f} GiB")
-    if report.nvme:
-        print(f"  {'on NVMe':18s} {report.nvme / 2**30:10.3f} GiB  "
-              "(in host memory only around its use: a step, a gather)")
-    if report.host:
-        print(f"  {'on the host':18s} {report.host / 2**30:10.3f} GiB  (offload; on the device: "
-              f"{(total - report.host - report.nvme) / 2**30:.3f} GiB)")
-    stage = stage_for(zero.stage)
+    for line in tier_lines(counted, total):
+        print(f"  {line}")
     if stage.shard_gradients and not stage.shard_parameters:  # stage 2: a bucket filling, one reducing
         print(f"  + during backward up to two gradient buckets: "
               f"{2 * zero.reduce_bucket_size * 4 / 2**30:.3f} GiB (reduce_bucket_size)")
-
-
-def _print_nvme(config: ZeroEngineConfig, report: Any) -> None:
-    """What NVMe offload keeps in each rank's swap files and moves through them per step: the
-    optimizer side (masters, state, step gradient) read and written once, the gradient once more
-    each way for each further reduction into a window (stages 2-3: a micro-step); parameter
-    shards read at each gather (a forward and a backward per micro-batch) and the trainable ones
-    written once (frozen ones never)."""
-    zero = config.zero_optimization
-    optimizer, shards = nvme_parts(report, offload_plan(zero, stage_for(zero.stage)))
-    gradient = optimizer - report.master_parameters - report.optimizer_states if optimizer else 0
-    written = optimizer + shards - (report.frozen_parameters if shards else 0)
-    parts = [f"masters, optimizer state and step gradient {optimizer / 2**30:.3f} GiB"] if optimizer else []
-    parts += [f"parameter shards {shards / 2**30:.3f} GiB"] if shards else []
-    reads = f"reads {optimizer / 2**30:.3f} GiB" if optimizer else "reads"
-    reads += f"{' +' if optimizer else ''} {2 * shards / 2**30:.3f} GiB a micro-batch" if shards else ""
-    further = (f"; each further micro-step reducing into a window reads and writes the gradient once more, "
-               f"{gradient / 2**30:.3f} GiB" if gradient and zero.stage in (2, 3) else "")
-    print(f"  (NVMe offload, in each rank's swap files: {', '.join(parts)}; a step {reads} and writes "
-          f"{written / 2**30:.3f} GiB, {written * 1000 / 1e12:.3f} TB written per 1,000 steps{further})")
 
 
 def _estimate_auto(config: ZeroEngineConfig, args: argparse.Namespace) -> int:

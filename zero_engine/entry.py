@@ -29,7 +29,8 @@ from .engine_settings import EngineSettings
 from .transforms.seam import ModuleTransforms
 from .transforms.table import planned_transforms
 from .logs import show_by_default
-from .memory import check_offload_directories, estimate_from_config
+from .accounting import Counted, check_room
+from .memory import estimate_from_config
 from .offload import offload_plan
 from .matrix_step import compute_layouts
 from .optim import check_optimizer_for_stage
@@ -181,9 +182,10 @@ def _build_engine(
     )  # every unit, planned once: built by the engine, sized for the host check before
     if settings.offload.any:  # the formula's host bytes, before any of them is allocated
         trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
-        formula = estimate_from_config(config, trainable, comm.mesh.world)
+        counted: list[Counted] = []
+        formula = estimate_from_config(config, trainable, comm.mesh.world, terms=counted)
         _check_host_memory(formula.host, units, settings, comm)
-        check_offload_directories(settings.offload, formula, offload.local_ranks())  # NVMe: each rank's files
+        check_room(settings.offload, counted, offload.local_ranks())  # NVMe: each rank's files
     if comm.rank == 0:
         _log_settings(config, stage, settled.groups)
         _warn_if_one_hardware_queue(stage, comm)

@@ -22,7 +22,8 @@ from torch import nn
 from .devices import tensor_bytes
 from .config import ZeroEngineConfig
 from .stage import Stage, stage_for
-from .offload import OffloadPlan, offload_plan
+from .accounting import Counted, Holding, by_tier, declared
+from .offload import offload_plan
 from .optim import state_bytes_per_param
 from .quantize import BLOCK
 from .sharding.reduction.reducer import GradReducer
@@ -45,8 +46,9 @@ class MemoryReport(NamedTuple):
     host: int = 0  # of the held-now kinds, what lives in host memory (offload); the rest is on the device
     peak_quantized_buffers: int = 0  # most encoded (ZeRO++ quantized) communication buffers alive at once this step
     frozen_parameters: int = 0  # of `parameters`, the frozen ones (requires_grad False): sharded at stage 3
-    nvme: int = 0  # offload_optimizer on NVMe: masters and optimizer state in the rank's swap file
-    # Muon: its exchange's buffers alive at once in the last step (an owner's whole matrices of a window)
+    nvme: int = 0  # of the held-now kinds, what lives in the rank's swap files (offload to NVMe)
+    # a whole-matrix optimizer: its exchange's buffers alive at once in the last step (an owner's
+    # whole matrices of a window)
     peak_matrix_exchange: int = 0
 
     @property
@@ -69,7 +71,8 @@ def formula_bytes(
     optimizer_bytes: float = 8,
     master_bytes: int = 0,
 ) -> MemoryReport:
-    """Per-rank bytes for ``num_params`` trainable parameters, ignoring padding.
+    """Per-rank bytes for ``num_params`` trainable parameters, ignoring padding, without offload:
+    the paper's formula as the tests state it (`estimate_from_config` is a config's).
 
     ``optimizer_bytes`` is optimizer state per parameter (fp32 Adam: 8, SGD with momentum: 4).
     """
@@ -94,43 +97,51 @@ def estimate_from_config(
     shard_group_size: int | None = None,
     frozen_params: int = 0,
     matrix_params: int = 0,
+    *,
+    terms: list[Counted] | None = None,
 ) -> MemoryReport:
-    """The formula for a config: its stage, precision, optimizer and offload (state bytes from
-    `zero_engine.optim.OPTIMIZERS`; with Muon, ``matrix_params`` of the trainable ones are its
-    matrices, the rest AdamW's). States are
-    sharded over the shard group (``shard_group_size``, else the config's for ``ranks``: every rank, sequence
-    ranks too),
-    not over every rank: with hybrid sharding ``G`` takes the place of ``N``. ``num_params``
-    trainable parameters; ``frozen_params`` frozen ones add their storage alone (2 bytes under
-    fp16/bf16, else 4; about 1 in int8 at stage 3 under ``zero_quantized_nontrainable_weights``),
-    sharded at stage 3 unless ``frozen_weights`` is ``replicate``."""
+    """The formula for a config: the terms `zero_engine.accounting.declared` gives for its stage,
+    precision, optimizer (state bytes from its kind, `zero_engine.optimizer_kinds`; for a
+    whole-matrix one, ``matrix_params`` of the trainable ones are its matrices, the rest its
+    partner's) and offload plan, summed by kind of state and by tier off the device (``terms``,
+    a list given, receives them: the estimate prints them by tier, `initialize` checks each
+    tier's room). States are sharded over the shard group (``shard_group_size``, else the
+    config's for ``ranks``: every rank, sequence ranks too), not over every rank: with hybrid
+    sharding ``G`` takes the place of ``N``. ``num_params`` trainable parameters;
+    ``frozen_params`` frozen ones add their storage alone (2 bytes under fp16/bf16, else 4; about
+    1 in int8 at stage 3 under ``zero_quantized_nontrainable_weights``), sharded at stage 3 unless
+    ``frozen_weights`` is ``replicate``."""
     mixed = config.fp16.enabled or config.bf16.enabled
+    zero = config.zero_optimization
     if shard_group_size is None:
-        shard_group_size = config.zero_optimization.shard_group_size_for(ranks)
+        shard_group_size = zero.shard_group_size_for(ranks)
     elif ranks % shard_group_size:
         raise ValueError(f"shard group size {shard_group_size} does not divide the world size {ranks}")
-    stage = stage_for(config.zero_optimization.stage)
-    report = formula_bytes(
-        num_params,
-        stage,
-        shard_group_size,
-        param_bytes=2 if mixed else 4,
-        grad_bytes=2 if mixed else 4,
+    stage = stage_for(zero.stage)
+    holding = Holding(
+        trainable=num_params, frozen=frozen_params, group=shard_group_size, mixed=mixed,
         optimizer_bytes=state_bytes_per_param(
             config.optimizer.type, config.optimizer.params, matrix_params / num_params if num_params else 0.0
         ),
-        master_bytes=4 if mixed else 0,
+        frozen_bytes=frozen_element_bytes(stage, mixed=mixed, int8_frozen=zero.zero_quantized_nontrainable_weights),
+        frozen_sharded=stage.shard_parameters and zero.frozen_weights == "shard",
     )
-    plan = offload_plan(config.zero_optimization, stage)
-    report = with_offload(report, plan, num_params, shard_group_size, mixed=mixed, stage=stage)
-    sharded = stage.shard_parameters and config.zero_optimization.frozen_weights == "shard"
-    frozen = int(frozen_params * frozen_element_bytes(
-        stage, mixed=mixed, int8_frozen=config.zero_optimization.zero_quantized_nontrainable_weights
-    )) // (shard_group_size if sharded else 1)
-    moved = frozen if plan.params and sharded else 0  # offload_param moves frozen shards too
-    host = report.host + (moved if plan.params_on_host else 0)
-    nvme = report.nvme + (0 if plan.params_on_host else moved)
-    return report._replace(parameters=report.parameters + frozen, frozen_parameters=frozen, host=host, nvme=nvme)
+    counted = declared(offload_plan(zero, stage), stage, holding)
+    if terms is not None:
+        terms.extend(counted)
+    return report_of(counted)
+
+
+def report_of(counted: Sequence[Counted]) -> MemoryReport:
+    """The report of the formula's terms: each kind of state's bytes, the frozen parameters'
+    among them, and each tier's off the device (the report's field of the tier's name)."""
+    kinds = {kind: sum(term.nbytes for term in counted if term.kind == kind)
+             for kind in ("parameters", "gradients", "optimizer_states", "master_parameters")}
+    return MemoryReport(
+        **kinds, buffers=0, peak_gradients=kinds["gradients"],
+        frozen_parameters=sum(term.nbytes for term in counted if term.part == "frozen parameters"),
+        **{tier.value: nbytes for tier, nbytes in by_tier(counted).items()},
+    )
 
 
 def frozen_element_bytes(stage: Stage, *, mixed: bool, int8_frozen: bool) -> float:
@@ -141,52 +152,6 @@ def frozen_element_bytes(stage: Stage, *, mixed: bool, int8_frozen: bool) -> flo
     if stage.shard_parameters and int8_frozen:
         return 1 + 4 / BLOCK
     return 2 if mixed else 4
-
-
-def nvme_parts(report: MemoryReport, plan: OffloadPlan) -> tuple[int, int]:
-    """A formula's NVMe bytes (`with_offload`) as the two swap files hold them: the optimizer
-    side's (masters, optimizer state and step gradient) and the parameter shards' (frozen ones
-    too)."""
-    shards = report.parameters if plan.param_shards.on_nvme else 0  # frozen shards among them
-    return report.nvme - shards, shards
-
-
-def check_offload_directories(plan: OffloadPlan, formula: MemoryReport, local_ranks: int) -> None:
-    """At `initialize`: each NVMe offload's directory usable, with room for what this node's
-    ranks put there (the formula's bytes: `nvme_parts`); nothing without NVMe offload."""
-    from .sharding.storage.nvme import check_swap_directories
-
-    check_swap_directories(plan, *nvme_parts(formula, plan), local_ranks)
-
-
-def with_offload(
-    report: MemoryReport, plan: OffloadPlan, num_params: int, shards: int, *, mixed: bool, stage: Stage
-) -> MemoryReport:
-    """The formula with `OffloadPlan` applied: offloaded, the shard's master is a separate fp32
-    host copy (also in fp32 training, except when the parameter shard is on the host too), its
-    gradient an fp32 host tensor (4 bytes, whatever the compute dtype; at stage 1 beside the
-    device's full gradients), and the optimizer state host memory; on NVMe all three are in the
-    swap file (host memory keeps a few buffers in flight, bounded by ``buffer_count``, not counted)."""
-    if not plan.any:
-        return report
-    per_rank = num_params * 4 // shards
-    host = 0
-    if plan.optimizer:
-        device_grads = 0 if stage.shard_gradients else report.gradients  # stage 1 keeps full gradients for backward
-        shared_master = plan.params_on_host and not mixed
-        report = report._replace(
-            gradients=device_grads + per_rank, peak_gradients=device_grads + per_rank,
-            master_parameters=0 if shared_master else per_rank,
-        )
-        host = report.master_parameters + per_rank + report.optimizer_states
-        if plan.state.on_nvme:  # masters, state and the step gradient in the swap file
-            report = report._replace(nvme=report.master_parameters + report.optimizer_states + per_rank)
-            host = 0
-    if plan.params_on_host:
-        host += report.parameters
-    elif plan.params:  # offload_param on NVMe: the shards in the swap file
-        report = report._replace(nvme=report.nvme + report.parameters)
-    return report._replace(host=host)
 
 
 def measure_memory(

@@ -44,6 +44,7 @@ class OptimizerKind:
     partner_state_bytes: Callable[[dict[str, Any]], int] | None = None
     cls: type[torch.optim.Optimizer] | None = None
     takes: Callable[[str, torch.Tensor], bool] | None = None
+    names: tuple[str, str] | None = None  # a whole-matrix optimizer's and its partner's, for the estimate
 
 
 def _adam(params: dict[str, Any]) -> int:
@@ -66,13 +67,25 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
     "adagrad": OptimizerKind(ELEMENTWISE, lambda p: 4),  # sum of squares
     "asgd": OptimizerKind(ELEMENTWISE, lambda p: 4),  # averaged parameter
     # momentum; AdamW for the rest; DeepSpeed's rule (or use_muon) for which parameters are matrices
-    "muon": OptimizerKind(WHOLE_MATRIX, lambda p: 4, _adam, cls=MuonWithAdamW, takes=takes_muon),
+    "muon": OptimizerKind(WHOLE_MATRIX, lambda p: 4, _adam, cls=MuonWithAdamW, takes=takes_muon,
+                          names=("Muon", "AdamW")),
 }
 
 
 def optimizer_kind(name: str) -> OptimizerKind | None:
     """The table's entry for ``optimizer.type`` ``name`` (None: not in the table)."""
     return OPTIMIZERS.get(name.lower())
+
+
+def state_note(name: str, params: dict[str, Any], matrix_params: int) -> str | None:
+    """What `zero-engine estimate` says of an optimizer's state when it is not one size for every
+    parameter (a whole-matrix optimizer: its matrices', its partner's for the rest); None else."""
+    kind = optimizer_kind(name)
+    if kind is None or kind.partner_state_bytes is None:
+        return None
+    own, partner = kind.names or (name, "its partner")
+    return (f"{own}: {matrix_params:,} matrix parameters with {kind.state_bytes(params)} bytes of state, "
+            f"the rest {partner}'s {kind.partner_state_bytes(params)}")
 
 
 def table_classes() -> dict[str, type[torch.optim.Optimizer]]:

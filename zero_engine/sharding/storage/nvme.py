@@ -393,8 +393,8 @@ PARAM_KEY = "zero_optimization.offload_param.nvme_path"
 
 def check_swap_directories(plan: Any, optimizer: int, shards: int, local_ranks: int) -> None:
     """Each NVMe offload's directory (`check_swap_directory`), with room for what every rank of
-    this node puts there (a rank's ``optimizer`` and ``shards`` bytes: `zero_engine.memory.nvme_parts`;
-    both offloads' where they share a directory)."""
+    this node puts there (a rank's ``optimizer`` and ``shards`` bytes:
+    `zero_engine.accounting.swap_file_bytes`; both offloads' where they share a directory)."""
     needs: dict[str, tuple[str, list[str], int]] = {}
     for key, placed, nbytes in ((OPTIMIZER_KEY, plan.state, optimizer), (PARAM_KEY, plan.param_shards, shards)):
         path = placed.nvme_path
