@@ -31,7 +31,7 @@ import zero_engine  # noqa: E402
 from gpt import GPT, PRESETS, decay_groups  # noqa: E402
 from stdlib_text import TextBatches, load_corpus  # noqa: E402
 from zero_engine.muon import takes_muon  # noqa: E402
-from zero_engine.sharding.storage.compute_layout import matrix_cost  # noqa: E402
+from zero_engine.sharding.optimizer_side.compute_layout import matrix_cost  # noqa: E402
 
 OPTIMIZERS = {
     "AdamW": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},

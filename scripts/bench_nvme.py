@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_engine  # noqa: E402
 from gpt import GPT, PRESETS  # noqa: E402
 from stdlib_text import TextBatches, load_corpus  # noqa: E402
-from zero_engine.sharding.storage.swap import SwapFile  # noqa: E402
+from zero_engine.sharding.tiers.swap import SwapFile  # noqa: E402
 
 
 def config(device: str, path: str, micro: int, layout: str = "stage1", buffer_count: int = 4) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _a_disk() -> str:
-    from zero_engine.sharding.storage.nvme import MEMORY_FILESYSTEMS, filesystem_of
+    from zero_engine.sharding.tiers.nvme import MEMORY_FILESYSTEMS, filesystem_of
 
     for candidate in ("/var/tmp", tempfile.gettempdir(), str(Path(__file__).resolve().parent)):
         if os.path.isdir(candidate) and os.access(candidate, os.W_OK) and \

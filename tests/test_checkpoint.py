@@ -409,7 +409,7 @@ def test_restored_optimizer_state_sits_where_torch_keeps_it() -> None:
     """``step`` stays on the host unless the group is capturable or fused (on a GPU a device
     ``step`` makes every update wait for the device); other state goes beside the parameter.
     A meta tensor stands for a parameter on a device that is not the host."""
-    from zero_engine.sharding.storage.optimizer_shard import state_device as _state_device
+    from zero_engine.sharding.optimizer_side.optimizer_shard import state_device as _state_device
 
     on_device = torch.empty(3, device="meta")
     assert _state_device("step", {"capturable": False, "fused": None}, on_device) == torch.device("cpu")

@@ -22,7 +22,7 @@ import zero_engine
 from configs import engine_config
 from harness import run_on_ranks
 from models import decay_groups, make_model, micro_batch
-from zero_engine.sharding.storage import optimizer_shard
+from zero_engine.sharding.optimizer_side import optimizer_shard
 from zero_engine.testing.device_guard import GUARDED_DEVICE, DeviceGuard, DeviceMistake, HostSync
 from zero_engine.engine import Engine
 from zero_engine.step import OptimizerStep, _sum_of_squares

@@ -488,7 +488,7 @@ def test_a_decay_must_end_after_its_warmup_at_the_boundary(name: str) -> None:
 
 
 class _FakeHeld:
-    """A resource a feature holds (`zero_engine.sharding.storage.held.Held`), failing when told."""
+    """A resource a feature holds (`zero_engine.sharding.tiers.held.Held`), failing when told."""
 
     kind, what, consequence, step_read_ahead = "fake", "a fake resource's read", "Start again.", 0
     host_bytes = 0

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from zero_engine.sharding.storage.layout import UnitLayout, plan_units
+from zero_engine.sharding.shards.layout import UnitLayout, plan_units
 
 SIZE_LISTS = [[1], [5], [7, 3], [1, 1, 1, 1, 1], [91, 88, 84, 14, 5], [0, 4, 0], [13, 1, 2, 30]]
 

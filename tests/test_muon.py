@@ -206,7 +206,7 @@ def work_and_traffic(rank: int, world: int, layers: int) -> dict[str, Any]:
 
 
 def test_each_matrix_once_spread_over_ranks_traffic_bounded_and_hybrid_sharding() -> None:
-    from zero_engine.sharding.storage.compute_layout import matrix_cost
+    from zero_engine.sharding.optimizer_side.compute_layout import matrix_cost
 
     world, layers = 4, 12
     per_rank = run_on_ranks(world, work_and_traffic, layers)
@@ -241,7 +241,7 @@ def test_windows_of_exchanges_keep_the_step_near_the_busiest_ranks_share() -> No
     so the step's whole-matrix work is the sum of the windows' largest shares. With an exchange
     per layer and owners balanced over the model that sum was 1.26-16.9x the balanced ideal at
     2-64 ranks; with windows and owners balanced within each, at most 1.15x."""
-    from zero_engine.sharding.storage.compute_layout import (
+    from zero_engine.sharding.optimizer_side.compute_layout import (
         assign_owners_by_window,
         matrix_cost,
         plan_windows,

@@ -23,7 +23,7 @@ from harness import run_on_ranks
 from muon_cases import train_engine as train
 from nvme_cases import config, param_config
 from tiny import make_gpt
-from zero_engine.sharding.storage.nvme import shard_swap_space, swap_space
+from zero_engine.sharding.tiers.nvme import shard_swap_space, swap_space
 
 
 def _in_memory() -> str:
@@ -59,7 +59,7 @@ def against_cpu(rank: int, world: int, directory: str, cases: list[dict[str, Any
     """Each case trained with CPU offload and with NVMe offload; the NVMe run also reports its
     files, the bytes its swap moved in the last step (and the process's disk I/O), the state's
     bytes, and whether the page cache holds any of its file."""
-    from zero_engine.sharding.storage.swap import SwapFile
+    from zero_engine.sharding.tiers.swap import SwapFile
     from zero_engine.testing.process_memory import live_tensor_bytes
 
     results = []
@@ -195,7 +195,7 @@ def test_a_bad_swap_directory_is_refused(path: str, fragment: str, section: str)
 
 
 def test_a_swap_directory_too_small_or_a_file_is_refused(tmp_path: Path) -> None:
-    from zero_engine.sharding.storage.nvme import check_swap_directory
+    from zero_engine.sharding.tiers.nvme import check_swap_directory
 
     with tempfile.TemporaryDirectory(dir=DISK) as directory:
         with pytest.raises(zero_engine.ConfigError, match="GiB free, what this node.s ranks offload there needs"):
@@ -217,7 +217,7 @@ def test_the_room_asked_is_every_local_ranks_and_both_offloads_in_one_directory(
     from types import SimpleNamespace
 
     from zero_engine.offload import Placed, Tier
-    from zero_engine.sharding.storage.nvme import check_swap_directories, readable_size
+    from zero_engine.sharding.tiers.nvme import check_swap_directories, readable_size
 
     with tempfile.TemporaryDirectory(dir=DISK) as directory:
         stats = os.statvfs(directory)
@@ -372,7 +372,7 @@ def killed_after_saving(rank: int, world: int, root: str, layout: str) -> None:
     """Save at step 3, then rank 1 is killed (SIGKILL) inside the next step's write."""
     import signal
 
-    from zero_engine.sharding.storage.swap import SwapFile
+    from zero_engine.sharding.tiers.swap import SwapFile
 
     engine = zero_engine.initialize(make_gpt(), layout_config(layout, "nvme", root))
     train(engine, rank, world, range(3), 2)
@@ -446,8 +446,8 @@ def params_against_cpu(rank: int, world: int, directory: str, cases: list[dict[s
     memory, then on NVMe: the states, the losses, the swap file's traffic in the last step
     against the shards' bytes, the page cache it leaves, the live storages it saves, and how
     many gathers found their shard read ahead."""
-    from zero_engine.sharding.storage.nvme import NvmeShard
-    from zero_engine.sharding.storage.swap import SwapFile
+    from zero_engine.sharding.tiers.nvme import NvmeShard
+    from zero_engine.sharding.tiers.swap import SwapFile
     from zero_engine.testing.process_memory import live_tensor_bytes
 
     taken = NvmeShard._take
@@ -698,8 +698,8 @@ def test_a_cleared_step_gradient_waits_for_its_read_ahead_before_its_buffer_serv
     late read would overwrite the next shard's values."""
     import time
 
-    from zero_engine.sharding.storage.nvme_gradient import NvmeGrad
-    from zero_engine.sharding.storage.swap import SwapFile, SwapSpace
+    from zero_engine.sharding.tiers.nvme_gradient import NvmeGrad
+    from zero_engine.sharding.tiers.swap import SwapFile, SwapSpace
 
     with tempfile.TemporaryDirectory(dir=DISK) as directory:
         space = SwapSpace(directory, 0, buffer_count=2)
@@ -753,7 +753,7 @@ def test_a_script_that_never_closes_its_engine_leaves_no_swap_file(tmp_path: Pat
 def test_the_swap_threads_start_on_the_ranks_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """GPU review R4: the read and write threads make their first CUDA call (a copy's event) on
     the rank's device, not on GPU 0 (a context there for every rank): each thread sets it first."""
-    from zero_engine.sharding.storage import swap
+    from zero_engine.sharding.tiers import swap
 
     made: list[tuple[str, torch.device]] = []
     monkeypatch.setattr(swap, "_set_cuda_device",

@@ -477,7 +477,7 @@ def test_a_host_gradient_accumulates_a_window_and_starts_the_next_anew() -> None
     the backward's wait), ``value()`` of a window nothing wrote is zeros, a whole-window
     ``replace`` overwrites, and ``move_into`` hands the window so far to the device and starts the
     next copy anew; ``clear()`` after a step likewise."""
-    from zero_engine.sharding.storage.host_gradient import HostGradient
+    from zero_engine.sharding.tiers.host_gradient import HostGradient
 
     device = torch.device("cpu")
     first, second, third = (torch.full((5,), value) for value in (1.0, 2.0, 4.0))

@@ -17,7 +17,7 @@ from models import DeepModel, make_model, train_engine
 from zero_engine.comm import groups as comm_module
 from zero_engine.comm import Comm, GroupComm
 from zero_engine.quantize import BLOCK, BlockQuantizer, BufferMeter
-from zero_engine.sharding.storage.codec import QuantizedGatherCodec, QuantizedGrads, encoded_all_reduce_is_smaller
+from zero_engine.sharding.shards.codec import QuantizedGatherCodec, QuantizedGrads, encoded_all_reduce_is_smaller
 
 
 def _blockwise_bound(values: torch.Tensor, quantizer: BlockQuantizer) -> torch.Tensor:

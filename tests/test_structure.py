@@ -58,7 +58,7 @@ def test_a_section_typed_any_is_still_counted():
 
 
 # sharding/'s sub-packages, bottom first: each may import those before it, never one after.
-SHARDING_ORDER = ["storage", "units", "reduction", "gathering", "building"]
+SHARDING_ORDER = ["shards", "tiers", "optimizer_side", "units", "reduction", "gathering", "building"]
 
 
 def _sharding_imports(path: Path) -> set[str]:
@@ -83,6 +83,32 @@ def test_shardings_sub_packages_import_only_downward():
             upward += [f"{path.name} imports sharding.{other}" for other in _sharding_imports(path) - allowed]
     assert upward == []
     assert sorted(p.name for p in (ROOT / "zero_engine" / "sharding").glob("*.py")) == ["__init__.py"]
+
+
+def _modules_unnamed(package: Path) -> list[str]:
+    """The modules of ``package`` its ``__init__`` docstring does not name (as `` `module` ``)."""
+    docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    return [path.stem for path in sorted(package.glob("*.py"))
+            if path.name != "__init__.py" and f"`{path.stem}`" not in docstring]
+
+
+def test_each_sharding_package_names_every_module_it_holds():
+    """STRUCTURE item 8: a reader finds every module from its package's docstring, and
+    `sharding/`'s names every sub-package in its order."""
+    sharding = ROOT / "zero_engine" / "sharding"
+    found = {sub: _modules_unnamed(sharding / sub) for sub in SHARDING_ORDER}
+    assert found == {sub: [] for sub in SHARDING_ORDER}
+    assert sorted(p.name for p in sharding.iterdir() if (p / "__init__.py").exists()) == sorted(SHARDING_ORDER)
+    docstring = ast.get_docstring(ast.parse((sharding / "__init__.py").read_text())) or ""
+    listed = [line.split("`")[1] for line in docstring.splitlines() if line[:1].isdigit()]
+    assert listed == SHARDING_ORDER
+
+
+def test_the_docstring_check_sees_a_module_left_out(tmp_path: Path):
+    (tmp_path / "__init__.py").write_text('"""Holds `kept`, and a kept_too without quotes."""\n')
+    for name in ("kept", "kept_too", "new"):
+        (tmp_path / f"{name}.py").write_text("")
+    assert _modules_unnamed(tmp_path) == ["kept_too", "new"]
 
 
 def test_transforms_take_of_sharding_only_the_call_rows():
@@ -157,7 +183,7 @@ def _names_and_imports(source: str) -> tuple[set[str], set[str]]:
 
 def test_the_loop_names_no_tier_and_imports_none():
     """A feature's resources reach the loop through what the build registered
-    (`zero_engine.sharding.storage.held`): the engine, its state access, the step and
+    (`zero_engine.sharding.tiers.held`): the engine, its state access, the step and
     `initialize` import no tier module and use no name of NVMe or swap."""
     found = []
     for name in LOOP_FILES:
@@ -169,7 +195,7 @@ def test_the_loop_names_no_tier_and_imports_none():
 
 def test_the_name_check_sees_imports_attributes_and_arguments():
     names, imported = _names_and_imports(
-        "from .sharding.storage.nvme import swap_space\nimport a.swap\ndef f(nvme_path):\n    self.param_swap = 1\n"
+        "from .sharding.tiers.nvme import swap_space\nimport a.swap\ndef f(nvme_path):\n    self.param_swap = 1\n"
     )
     assert {"swap_space", "nvme_path", "param_swap"} <= names and {"nvme", "swap"} <= imported
 
@@ -211,7 +237,7 @@ def test_the_formula_and_the_estimate_name_no_tier_and_no_optimizer():
     found = {name: _names_a_tier_or_optimizer((ROOT / "zero_engine" / name).read_text(), allowed)
              for name in ("memory.py", "cli.py")}
     assert found == {"memory.py": [], "cli.py": []}
-    planted = ("from .sharding.storage.nvme import check_swap_directories\n"
+    planted = ("from .sharding.tiers.nvme import check_swap_directories\n"
                "def f(report, plan):\n    '''A docstring may say Muon.'''\n"
                "    if config.optimizer.type.lower() == 'muon':\n        return report.nvme + plan.on_nvme\n"
                "    return Tier.HOST, 'SGD'\n")

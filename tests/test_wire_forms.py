@@ -19,7 +19,7 @@ def _config(stage: int, **zero) -> dict:
 
 def _train(rank: int, world_size: int, stage: int, zero: dict) -> dict:
     from zero_engine.quantize import BlockQuantizer
-    from zero_engine.sharding.storage import codec
+    from zero_engine.sharding.shards import codec
 
     codec.GRAD_WIRE_FORMS["int8_block64"] = lambda meter: codec.QuantizedGrads(BlockQuantizer(8, 64), meter)
     codec.GATHER_WIRE_FORMS["int8_block64"] = lambda meter: codec.QuantizedGatherCodec(BlockQuantizer(8, 64), meter)

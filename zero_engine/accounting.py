@@ -6,7 +6,7 @@ shard group, and the optimizer kind its state bytes (`zero_engine.optimizer_kind
 `zero_engine.memory` sums the declarations into the report, `zero-engine estimate` prints them
 by tier with each tier's own note, and `initialize` asks each tier to check its room
 (`check_room`), so neither names a tier. A new tier is a `Tier`, its class
-(`sharding/storage/placement.py`) and its rows here.
+(`sharding/tiers/placement.py`) and its rows here.
 
 On the device every kind is held in the compute dtype, masters in fp32 under mixed precision or
 when the parameter shards are off the device (``offload_param`` with the optimizer on the device:
@@ -126,7 +126,7 @@ def swap_file_bytes(counted: Sequence[Counted]) -> tuple[int, int]:
 
 
 def _check_nvme_room(plan: OffloadPlan, counted: Sequence[Counted], local_ranks: int) -> None:
-    from .sharding.storage.nvme import check_swap_directories
+    from .sharding.tiers.nvme import check_swap_directories
 
     check_swap_directories(plan, *swap_file_bytes(counted), local_ranks)
 

@@ -1,7 +1,7 @@
 """A whole-matrix optimizer (Muon) over the units: which parameters it takes as matrices, its
 param groups (each of the user's split in a matrix half and an elementwise half, as DeepSpeed
 splits them), and each unit's `MatrixExchange` with the matrices' owners, chosen per window of
-units that share their exchanges (`zero_engine.sharding.storage.compute_layout.plan_windows`)."""
+units that share their exchanges (`zero_engine.sharding.optimizer_side.compute_layout.plan_windows`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .comm import Comm
 from .muon import matrix_shape, takes_muon
 from .optim import ComputeLayout, optimizer_kind
 from .param_groups import ParamGroup
-from .sharding.storage.compute_layout import Matrix, MatrixExchange, assign_owners_by_window, matrix_cost, plan_windows
+from .sharding.optimizer_side.compute_layout import Matrix, MatrixExchange, assign_owners_by_window, matrix_cost, plan_windows
 from .sharding.units.unit import FlatUnit
 from .stage import Stage
 

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from .engine_settings import EngineSettings
     from .offload import OffloadPlan
     from .sharding.gathering.calls import CallGuard, PassCallGuard
-    from .sharding.storage.codec import Codecs
-    from .sharding.storage.held import Holdings
+    from .sharding.shards.codec import Codecs
+    from .sharding.tiers.held import Holdings
     from .sharding.units.frozen_unit import FrozenUnit
     from .sharding.gathering.gatherer import NoGather
     from .sharding.reduction.reducer import GradReducer

@@ -9,7 +9,7 @@ under the same optimizer, in param groups of their own (``use_muon`` False), as 
 
 On its own (one process, or stage 0 without the engine) `MuonWithAdamW` is an ordinary torch
 optimizer. In the engine each rank holds only pieces of a matrix, so the step is split where
-the math splits (`zero_engine.sharding.storage.compute_layout`): `step` does the elementwise
+the math splits (`zero_engine.sharding.optimizer_side.compute_layout`): `step` does the elementwise
 part on the pieces and leaves each piece's update in ``pending``; the engine gathers each
 matrix's update on one rank, which calls `orthogonalise_matrix`; every rank then applies its
 slice with `apply_orthogonal`. One difference from torch on purpose: the iteration runs in

@@ -3,7 +3,7 @@
 `OffloadPlan` names a tier (`Tier`: device, host, NVMe) per kind of state: the optimizer side
 (``offload_optimizer``: the fp32 master and the optimizer's state of this rank's shard, and off
 the device its fp32 step gradient with them) and stage 3's parameter shards (``offload_param``);
-`zero_engine.sharding.storage.placement.place` maps each to its tier class. The rest of this
+`zero_engine.sharding.tiers.placement.place` maps each to its tier class. The rest of this
 module is the few operations that cross between the device and the host, kept here so the
 CUDA-only lines (pinned memory, stream waits) are in small named functions:
 

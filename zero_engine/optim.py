@@ -6,7 +6,7 @@ them (1-D views into its shard), each piece its own optimizer tensor, so torch.o
 usual semantics piece by piece: a piece whose parameter got no gradient is skipped, state and
 step count included. An *elementwise* optimizer gives the same result on pieces as on whole
 parameters. A *whole-matrix* one (Muon) steps its matrices through the units' matrix exchanges
-(`zero_engine.sharding.storage.compute_layout`). Any other is refused from stage 1 on.
+(`zero_engine.sharding.optimizer_side.compute_layout`). Any other is refused from stage 1 on.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ is one row here.
 
 An *elementwise* optimizer gives the same result on pieces of a parameter as on the whole
 parameter (AdamW, SGD, ...). A *whole-matrix* one (Muon) needs each matrix whole for part of its
-update: the engine gathers each on one owner (`zero_engine.sharding.storage.compute_layout`).
+update: the engine gathers each on one owner (`zero_engine.sharding.optimizer_side.compute_layout`).
 Its class must implement that split (`zero_engine.muon.MuonWithAdamW`: ``pending``,
 ``orthogonalise_matrix``, ``apply_orthogonal``, param groups marked ``use_muon``).
 

@@ -11,7 +11,7 @@ segments side by side in one uint8 tensor and each receiver finds its segments w
 header. The segments of one collective are encoded and decoded together, as the rows of one
 tensor (`encode_rows`, `decode_rows`): a fixed number of kernels whatever the number of ranks
 (GPU review P3: one encode per destination launched O(ranks) small kernels per bucket). Nothing
-here communicates; the codecs in `zero_engine.sharding.storage.codec` do.
+here communicates; the codecs in `zero_engine.sharding.shards.codec` do.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ optimizer shards, the learning-rate schedule, fp16's loss scaler, and the step's
 2. a non-finite norm skips the step on every rank (parameters, optimizer state and schedule
    untouched; the fp16 scale drops);
 3. otherwise unscale and clip (one multiplier), update this rank's masters one unit at a time
-   (`zero_engine.sharding.storage.optimizer_shard.step_shards`), and all-gather the updated
+   (`zero_engine.sharding.optimizer_side.optimizer_shard.step_shards`), and all-gather the updated
    parameters where optimizer state is sharded (stage 3 units stay sharded until used);
 4. the schedule and the loss scaler advance on applied steps only.
 
-A held resource's failure on some rank (`zero_engine.sharding.storage.held`: NVMe offload's
+A held resource's failure on some rank (`zero_engine.sharding.tiers.held`: NVMe offload's
 swap file, a read or write on a full disk) is agreed too: the count of failed ranks rides in
 phase 1's all-reduce (a write behind the last step, or this window's gradient), and one
 control-group round follows phase 3's update (its reads), so every rank raises the resource's
@@ -42,8 +42,8 @@ from .param_groups import ParamGroup
 from .precision import LossScaler, LossScaling
 from .schedules import build_scheduler, dry_run
 from .errors import CheckpointError
-from .sharding.storage.held import Holdings
-from .sharding.storage.optimizer_shard import SavedPiece, SavedPieces, step_shards
+from .sharding.tiers.held import Holdings
+from .sharding.optimizer_side.optimizer_shard import SavedPiece, SavedPieces, step_shards
 from .sharding.reduction.reducer import GradReducer
 from .stage import Stage
 from .sharding.units.unit import FlatUnit

@@ -25,8 +25,8 @@ from .config.deepspeed_compat import AUTO_BATCH_KEYS
 from .config.refusals import refuse as refuse_unbuilt_features
 from .optim import check_optimizer_for_stage
 from .precision import Precision
-from .sharding.storage.codec import asked_wire_forms
-from .sharding.storage.nvme import check_swap_directory
+from .sharding.shards.codec import asked_wire_forms
+from .sharding.tiers.nvme import check_swap_directory
 from .stage import stage_for
 
 # What Hugging Face's Trainer fills from its arguments (`zero_engine.integrations.training_arguments`),

@@ -47,7 +47,7 @@ class Pending(NamedTuple):
 
 class Finishing:
     """Collectives in flight and the local work, if any, that completes their result once
-    they are done (decoding a quantized buffer into place, `zero_engine.sharding.storage.codec`);
+    they are done (decoding a quantized buffer into place, `zero_engine.sharding.shards.codec`);
     `wait` runs it once. Stands wherever a `Pending` does."""
 
     def __init__(self, pending: Pending, finish: Callable[[], None] | None = None) -> None:

@@ -355,12 +355,12 @@ class ZeroOptimizationConfig(_Section):
     )
     weight_wire_format: str | None = Field(
         None, description="Ours: how stage 3's parameter all-gathers travel, by the name of a wire form "
-        "(zero_engine.sharding.storage.codec.GATHER_WIRE_FORMS: 'exact', 'int8'); unset: what "
+        "(zero_engine.sharding.shards.codec.GATHER_WIRE_FORMS: 'exact', 'int8'); unset: what "
         "zero_quantized_weights says. Both given and different: refused. No effect below stage 3.",
     )
     gradient_wire_format: str | None = Field(
         None, description="Ours: how gradient reduce-scatters (stages 1-3) travel, by the name of a wire form "
-        "(zero_engine.sharding.storage.codec.GRAD_WIRE_FORMS: 'exact', 'int8', 'int4'); unset: what "
+        "(zero_engine.sharding.shards.codec.GRAD_WIRE_FORMS: 'exact', 'int8', 'int4'); unset: what "
         "zero_quantized_gradients and its bits say. Both given and different: refused. No effect at stage 0.",
     )
     zero_quantized_nontrainable_weights: bool = Field(

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..sharding.storage.optimizer_shard import SavedPiece, saved_piece
+from ..sharding.optimizer_side.optimizer_shard import SavedPiece, saved_piece
 from . import storage
 from .deepspeed_pickle import read_deepspeed_file
 from .payload import PieceIndex

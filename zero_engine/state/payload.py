@@ -20,7 +20,7 @@ import torch
 from ..config import ZeroEngineConfig
 from ..errors import CheckpointError
 from ..devices import saved_copy
-from ..sharding.storage.optimizer_shard import SavedPiece
+from ..sharding.optimizer_side.optimizer_shard import SavedPiece
 from .state_dict import ModelState
 from . import storage
 from .storage import FORMAT, Checkpoint, rank_file

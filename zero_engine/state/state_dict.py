@@ -29,7 +29,7 @@ from torch import nn
 from ..comm import Comm
 from ..devices import saved_copy
 from ..sharding.units.frozen_unit import FrozenUnit, frozen_dtype
-from ..sharding.storage.optimizer_shard import SavedPiece, saved_piece
+from ..sharding.optimizer_side.optimizer_shard import SavedPiece, saved_piece
 from ..sharding.units.unit import FlatUnit
 
 # Values of elements [start, start + numel) of a unit's parameter ``index``, or None to leave it.

@@ -34,16 +34,16 @@ from ...offload import NO_OFFLOAD, OffloadPlan
 from ...quantize import BlockQuantizer
 from ...stage import Stage, UnitSpec
 from ..gathering.calls import CallGuard, PassCallGuard
-from ..storage.codec import Codecs, asked_wire_forms, choose_codecs
+from ..shards.codec import Codecs, asked_wire_forms, choose_codecs
 from .deferred_init import DeferredInit
 from ..gathering.gatherer import NoGather, ParamGatherer
 from ..units.lifecycle import Lifecycle
 from ..units.frozen_unit import FrozenUnit
 from ..units.quantized_frozen import NO_QUANTIZATION, FrozenQuantization, QuantizedFrozenUnit
-from ..storage.held import Holdings
-from ..storage.nvme import nvme_masters, nvme_shards
-from ..storage.param_shard import DEVICE_SHARDS, ShardTier
-from ..storage.placement import Placement, place
+from ..tiers.held import Holdings
+from ..tiers.nvme import nvme_masters, nvme_shards
+from ..shards.param_shard import DEVICE_SHARDS, ShardTier
+from ..tiers.placement import Placement, place
 from ..reduction.bucket_reducer import ShardedGradReducer
 from ..reduction.reducer import AllReduceGrads, FullGradReducer, GradReducer, ReduceScatterGrads
 from ..units.unit import FlatUnit, ShardedFlatUnit

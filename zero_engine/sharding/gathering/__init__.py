@@ -4,5 +4,5 @@ outside the modules that gather them (`param_access`), the root's own methods (`
 and the one order of collectives every rank derives from the rows they exchange (`agreement`,
 `calls`).
 
-Imports `sharding.storage`, `sharding.units`, `sharding.reduction` and the core; nothing above.
+Imports `sharding.shards` to `sharding.reduction` and the core; nothing above.
 """

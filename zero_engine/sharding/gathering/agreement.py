@@ -51,7 +51,7 @@ from typing import NamedTuple, Protocol
 
 from ...comm import Comm, EachRank
 from ...errors import DivergedRanksError
-from ..storage.held import Holdings
+from ..tiers.held import Holdings
 
 NO_UNIT = -1  # a row that asks for no gather
 PASS_DONE = -2  # a row that asks for no gather and has nothing left to ask in this pass

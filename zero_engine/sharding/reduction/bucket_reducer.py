@@ -20,7 +20,7 @@ import torch
 from ...comm import Comm
 from ...comm.handles import TwoPhase
 from ...devices import tensor_bytes
-from ..storage.codec import EXACT_GRADS, GradCodec, Reduction
+from ..shards.codec import EXACT_GRADS, GradCodec, Reduction
 from .reducer import GradReducer
 from ..units.unit import FlatUnit
 

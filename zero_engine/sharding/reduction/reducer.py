@@ -37,7 +37,7 @@ from ... import offload
 from ...comm import Comm
 from ...comm.handles import Pending
 from ...devices import HOST, tensor_bytes
-from ..storage.codec import EXACT_GRADS, GradCodec, Reduction
+from ..shards.codec import EXACT_GRADS, GradCodec, Reduction
 from ..units.lifecycle import Lifecycle, TrainingState
 from ..units.unit import FlatUnit
 

@@ -4,6 +4,6 @@ the hooks share (`lifecycle`), and the plan that decides every unit before any i
 (`module_plan` for stage 3's modules, `unit_plan`), with each planned parameter's placement
 (`param_placement`: global shape, this rank's box, compute layout).
 
-Imports `sharding.storage` and the core (`comm`, `devices`, `stage`, `param_groups`,
+Imports `sharding.shards`, `sharding.tiers`, `sharding.optimizer_side` and the core (`comm`, `devices`, `stage`, `param_groups`,
 `quantize`, `errors`); nothing above.
 """

@@ -22,9 +22,9 @@ from torch import nn
 from ... import offload
 from ...comm import Comm
 from ...comm.handles import CollectiveKind
-from ..storage.codec import Gathering
-from ..storage.layout import UnitLayout
-from ..storage.param_shard import DEVICE_SHARDS, ShardTier
+from ..shards.codec import Gathering
+from ..shards.layout import UnitLayout
+from ..shards.param_shard import DEVICE_SHARDS, ShardTier
 from .param_placement import PlacedParams, Placement
 from .unit import FlatUnit, GatheredStorage, _point_meta_param
 

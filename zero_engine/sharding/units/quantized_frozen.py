@@ -40,8 +40,8 @@ from ...comm.handles import DONE, CollectiveKind
 from ...config import ZeroOptimizationConfig
 from ...errors import ConfigError
 from ...quantize import BlockQuantizer, BufferMeter
-from ..storage.codec import Gathering
-from ..storage.param_shard import EncodedShard
+from ..shards.codec import Gathering
+from ..shards.param_shard import EncodedShard
 from .frozen_unit import FrozenUnit
 
 EXACT_KEY = "zero_optimization.zero_quantized_nontrainable_exact"

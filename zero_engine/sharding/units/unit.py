@@ -29,11 +29,11 @@ from torch import nn
 from ...comm import Comm
 from ...devices import tensor_bytes
 from ...stage import UnitSpec
-from ..storage.codec import IDENTITY, GatherCodec, Gathering
-from ..storage.layout import UnitLayout
-from ..storage.param_shard import ParamShard
-from ..storage.placement import ON_DEVICE, Placement
-from ..storage.optimizer_shard import OptimizerShard
+from ..shards.codec import IDENTITY, GatherCodec, Gathering
+from ..shards.layout import UnitLayout
+from ..shards.param_shard import ParamShard
+from ..tiers.placement import ON_DEVICE, Placement
+from ..optimizer_side.optimizer_shard import OptimizerShard
 from .param_placement import Placement as ParamPlacement
 from .param_placement import PlacedParams
 
@@ -203,7 +203,7 @@ class ShardedState(Enum):
 class GatheredStorage:
     """Stage 3's storage of a unit: its shard between uses, the full buffer while gathered.
 
-    Between uses the rank holds ``shard`` (`zero_engine.sharding.storage.param_shard`: on the
+    Between uses the rank holds ``shard`` (`zero_engine.sharding.shards.param_shard`: on the
     device, on the host, on NVMe, encoded), never asking where it lives. The full buffer ``flat_param`` is one tensor
     for the unit's whole life; resharding frees its *storage* (``resize_(0)``) and gathering
     allocates it again in place. That matters because autograd saves the weights a forward

@@ -24,7 +24,7 @@ from torch import nn
 from ...param_groups import ParamGroup
 from .frozen_unit import frozen_dtype
 from .quantized_frozen import NO_QUANTIZATION, FrozenQuantization
-from ..storage.layout import plan_units
+from ..shards.layout import plan_units
 from .module_plan import ModulePlan, ModuleUnitPlan, frozen_params
 from .param_placement import ComputeLayout, Placement
 

@@ -17,7 +17,7 @@ optimizer updates (the rank's shard when optimizer state is sharded, the whole u
   so torch optimizers keep their per-tensor semantics piece by piece.
 
 Where the master and the gradient live is decided once for the engine
-(`zero_engine.sharding.storage.placement`): on the unit's device, or on the host with
+(`zero_engine.sharding.tiers.placement`): on the unit's device, or on the host with
 ``offload_optimizer``: then the step gradient is a `HostGrad` that reductions are copied into,
 the optimizer steps the host masters, and `publish` copies them back. The step gradient's kind
 is an object (`StepGrad`), so nothing here branches on where it lives. Nothing outside this
@@ -42,8 +42,8 @@ import torch
 from ... import offload
 from ...devices import saved_copy, tensor_bytes
 from .compute_layout import MatrixExchange, finish_window
-from .layout import UnitLayout
-from .placement import Master, StepGrad
+from ..shards.layout import UnitLayout
+from ..tiers.placement import Master, StepGrad
 
 
 class OwningUnit(Protocol):
@@ -130,7 +130,7 @@ class OptimizerShard:
     ) -> None:
         self.unit = unit
         self.owned_range = owned_range
-        self.master_kind = master  # where the master lives (`zero_engine.sharding.storage.placement`)
+        self.master_kind = master  # where the master lives (`zero_engine.sharding.tiers.placement`)
         self.master = master.tensor
         self.grad = grad  # the step gradient (a view of the full buffer, a device tensor, or on the host)
         self.targets = [
@@ -290,7 +290,7 @@ class OptimizerShard:
         (offload to NVMe)."""
         return self.master_kind.nvme_bytes + self.grad.nvme_bytes
 
-    # -- the step gradient (its kind: `zero_engine.sharding.storage.placement`) -----------------------
+    # -- the step gradient (its kind: `zero_engine.sharding.tiers.placement`) -----------------------
 
     @property
     def grad_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """A stage 3 parameter shard: what a rank keeps of a unit's values between uses, one kind per
 place it can live, behind one interface (`ParamShard`), made by a tier (`ShardTier`) that
-`zero_engine.sharding.storage.placement.place` picks once from the offload plan.
+`zero_engine.sharding.tiers.placement.place` picks once from the offload plan.
 
 - `DeviceShard`: on the unit's device (also the compute copy a master publishes into below
   stage 3: the owned range of the unit's flat buffer);
@@ -8,7 +8,7 @@ place it can live, behind one interface (`ParamShard`), made by a tier (`ShardTi
   crosses in every gather);
 - `EncodedShard`: an int8 frozen shard (``zero_quantized_nontrainable_weights``), its bytes kept
   in any of the other kinds, decoded when read;
-- `NvmeShard` (`zero_engine.sharding.storage.nvme`): ``offload_param.device: nvme``, in the
+- `NvmeShard` (`zero_engine.sharding.tiers.nvme`): ``offload_param.device: nvme``, in the
   rank's swap file, read ahead of its gather.
 
 The unit that holds one (`GatheredStorage`, `FrozenUnit`) never asks where it lives: it fills

@@ -14,17 +14,17 @@ The step gradient is one of three kinds, behind one interface (`StepGrad`):
 - `DeviceGrad` (stages 2-3): a tensor of its own that reductions add into; at stage 3 it exists
   only from a backward to its step (``releases``);
 - `HostGrad` (``offload_optimizer``): fp32 in host memory, written by asynchronous copies
-  (`zero_engine.sharding.storage.host_gradient.HostGradient`), ready after the backward's one wait.
+  (`zero_engine.sharding.tiers.host_gradient.HostGradient`), ready after the backward's one wait.
 
 The master is one of three kinds, behind one interface (`Master`): on the unit's device,
 `HostMaster` (``offload_optimizer.device: cpu``), or `NvmeMaster`
-(`zero_engine.sharding.storage.nvme`); a tier (`DeviceTier`, `HostTier`, `nvme.NvmeMasters`),
+(`zero_engine.sharding.tiers.nvme`); a tier (`DeviceTier`, `HostTier`, `nvme.NvmeMasters`),
 picked once by `place`, makes them. The master kind also keeps the optimizer state of its range
 where it keeps the master (`Master.bind_state`), and the optimizer step enters
 `Master.resident` around each shard's update (on NVMe: read in before, written behind after)
 and calls `Master.prefetch` for the next one.
 
-A stage 3 parameter shard is one of the kinds of `zero_engine.sharding.storage.param_shard`
+A stage 3 parameter shard is one of the kinds of `zero_engine.sharding.shards.param_shard`
 (device, host, NVMe), made by the shard tier `place` picks; a master publishes into its shard
 (below stage 3: a `DeviceShard` over its range of the unit's flat buffer).
 
@@ -44,7 +44,7 @@ from ... import offload
 from ...devices import tensor_bytes
 from ...offload import OffloadPlan, Placed, Tier
 from .host_gradient import HostGradient
-from .param_shard import DEVICE_SHARDS, DeviceShard, HostShards, ParamShard, ShardTier
+from ..shards.param_shard import DEVICE_SHARDS, DeviceShard, HostShards, ParamShard, ShardTier
 
 
 class Master:
@@ -67,7 +67,7 @@ class Master:
 
     def bind_state(self, states: Callable[[], Any]) -> None:
         """The optimizer state that lives where the master lives (kept in place here; on NVMe
-        swapped with it: `zero_engine.sharding.storage.nvme.NvmeMaster`)."""
+        swapped with it: `zero_engine.sharding.tiers.nvme.NvmeMaster`)."""
 
     def settle(self) -> None:
         """After the optimizer's targets were made as views of the master."""
@@ -401,7 +401,7 @@ def place(
 ) -> Placement:
     """The placement of an offload plan: each kind of state's tier class, picked from a table by
     the plan's tier for it. NVMe's tiers are made by the caller's ``nvme_masters`` and
-    ``nvme_shards`` (each opens the rank's swap space: `zero_engine.sharding.storage.nvme`)."""
+    ``nvme_shards`` (each opens the rank's swap space: `zero_engine.sharding.tiers.nvme`)."""
     masters: dict[Tier, Callable[[Placed], MasterTier]] = {
         Tier.DEVICE: lambda placed: DeviceTier(), Tier.HOST: lambda placed: HostTier(plan.pin_memory),
     }

@@ -2,13 +2,13 @@
 master and elementwise optimizer state live in this rank's swap file between steps, and in host
 memory only around their shard's step) and of stage 3's parameter shards (``offload_param``: in
 a swap file of their own, in host memory only from a read ahead of their gather to its use).
-The swap file and its threads and slots: `zero_engine.sharding.storage.swap`; the step gradient
-there: `zero_engine.sharding.storage.nvme_gradient`.
+The swap file and its threads and slots: `zero_engine.sharding.tiers.swap`; the step gradient
+there: `zero_engine.sharding.tiers.nvme_gradient`.
 
 - `NvmeMaster`: the master's kind on NVMe. Between steps its tensors keep their identity (the
   optimizer's targets are views of the master, its state is keyed by them) but their storage is
   resized to nothing; `resident()` reads master and state back, and writes them behind after;
-- `NvmeShard`: the parameter shard's kind on NVMe (`zero_engine.sharding.storage.param_shard`).
+- `NvmeShard`: the parameter shard's kind on NVMe (`zero_engine.sharding.shards.param_shard`).
 
 The values a step computes are the same as ``device: cpu``'s: the same host tensors, the same
 kernels, only where they wait between steps differs.
@@ -176,7 +176,7 @@ class NvmeMaster(HostMaster):
 
 class NvmeShard:
     """``offload_param.device: nvme``: a stage 3 parameter shard in the rank's swap file
-    (`zero_engine.sharding.storage.param_shard`). It is in host memory only from a read (ahead
+    (`zero_engine.sharding.shards.param_shard`). It is in host memory only from a read (ahead
     of its gather: `prefetch`; or when asked) to the use that takes it, and from a write until
     the write is done. Reads ahead and writes behind each take one of the space's slots (at
     most ``buffer_count`` shards in host memory for them); when none is free the read or write
@@ -319,7 +319,7 @@ class NvmeShard:
 
 
 class NvmeShards:
-    """The NVMe tier of parameter shards (`zero_engine.sharding.storage.param_shard.ShardTier`)."""
+    """The NVMe tier of parameter shards (`zero_engine.sharding.shards.param_shard.ShardTier`)."""
 
     def __init__(self, space: SwapSpace) -> None:
         self.space = space
@@ -332,7 +332,7 @@ class NvmeShards:
 
 
 class NvmeMasters:
-    """The NVMe tier of masters (`zero_engine.sharding.storage.placement.MasterTier`), over one
+    """The NVMe tier of masters (`zero_engine.sharding.tiers.placement.MasterTier`), over one
     rank's swap space: a master of its own always (never the parameters' storage)."""
 
     def __init__(self, space: SwapSpace) -> None:

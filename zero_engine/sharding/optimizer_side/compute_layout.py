@@ -43,7 +43,7 @@ class WholeMatrixOptimizer(Protocol):
 
 
 class Piece(Protocol):
-    """A stepped tensor and where it lies (`zero_engine.sharding.storage.optimizer_shard.OptimizerTarget`)."""
+    """A stepped tensor and where it lies (`zero_engine.sharding.optimizer_side.optimizer_shard.OptimizerTarget`)."""
 
     tensor: torch.Tensor
 

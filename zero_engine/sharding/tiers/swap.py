@@ -12,8 +12,8 @@
   are read into (`ReadBuffers`).
 
 What lives in the file, and when it is in host memory, is the kinds' business: the masters and
-parameter shards in `zero_engine.sharding.storage.nvme`, the step gradient in
-`zero_engine.sharding.storage.nvme_gradient`.
+parameter shards in `zero_engine.sharding.tiers.nvme`, the step gradient in
+`zero_engine.sharding.tiers.nvme_gradient`.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def _remove_left_swap_files() -> None:
 
 class SwapSpace:
     """A rank's swap file, its I/O thread, and the slots bounding the shards held in memory: a
-    held resource (`zero_engine.sharding.storage.held.Held`) the build registers, so the loop
+    held resource (`zero_engine.sharding.tiers.held.Held`) the build registers, so the loop
     counts, reports, agrees on and closes it without naming NVMe."""
 
     kind = "nvme"
