@@ -10,7 +10,10 @@ table, so that another format (DCP) is a module and a row.
   back; None for a format only read (DeepSpeed's).
 
 Readers are picked by probe, in table order, this engine's own last: a directory no other
-format claims is read as ours, whose errors name what is missing. `register` puts a format
+format claims is read as ours, whose errors name what is missing. A format recognised but not
+yet read nor written (DCP's, `torch.distributed.checkpoint`, until issue 86 lands) has a
+``refusal``: reading or writing it raises that, naming the directory, instead of our reader's
+"manifest missing". `register` puts a format
 ahead of the built-in ones; ``save_checkpoint(format=...)`` and the ``checkpoint_format`` key
 choose the writer (`writing`).
 """
@@ -24,6 +27,7 @@ from typing import Any
 
 from . import own_format
 from .deepspeed_checkpoint import find_deepspeed_tag, read_deepspeed
+from ..errors import CheckpointError
 from .payload import Counters, Resumable
 from .sources import Source
 from .storage import FileWriter
@@ -37,6 +41,19 @@ class CheckpointFormat:
     finds: Callable[[Path, str | None], bool]
     read: Callable[[Path, str | None], Source]
     save: Save | None = None  # None: read only
+    refusal: str | None = None  # recognised, neither read nor written yet: why, and what to do
+
+
+def _refusing(name: str, refusal: str) -> Callable[[Path, str | None], Source]:
+    """A reader that refuses, naming the directory, the format and ``refusal``."""
+    def read(directory: Path, tag: str | None) -> Source:
+        raise CheckpointError(f"{directory / tag if tag else directory}: a {name} checkpoint; {refusal}")
+    return read
+
+
+def _finds_dcp(directory: Path, tag: str | None) -> bool:
+    """A DCP directory (``torch.distributed.checkpoint.save``): its ``.metadata`` file."""
+    return ((directory / tag) if tag else directory).joinpath(".metadata").is_file()
 
 
 def _read_deepspeed(directory: Path, tag: str | None) -> Source:
@@ -46,7 +63,15 @@ def _read_deepspeed(directory: Path, tag: str | None) -> Source:
 
 DEEPSPEED = CheckpointFormat("deepspeed", lambda d, t: find_deepspeed_tag(d, t) is not None, _read_deepspeed)
 OWN = CheckpointFormat(own_format.NAME, own_format.finds_own, own_format.read_own, own_format.save_own)
-_FORMATS: list[CheckpointFormat] = [DEEPSPEED, OWN]  # probed in this order; ours last
+DCP_REFUSAL = (
+    "torch.distributed.checkpoint's format (FSDP2, torchtitan, transformers' FSDP/TP) is recognised but neither "
+    "read nor written by this engine yet (issue 86): consolidate it with torch.distributed.checkpoint.format_utils."
+    "dcp_to_torch_save(directory, 'full.pt') and pass torch.load('full.pt', weights_only=True)['model'] to "
+    "initialize(weights=...) (the optimizer state does not carry over)"
+)
+DCP = CheckpointFormat("dcp", _finds_dcp, _refusing("dcp", DCP_REFUSAL), refusal=DCP_REFUSAL)
+_BUILT_IN = (DCP, DEEPSPEED, OWN)
+_FORMATS: list[CheckpointFormat] = list(_BUILT_IN)  # probed in this order; ours last
 
 
 def register(format: CheckpointFormat) -> None:
@@ -58,7 +83,7 @@ def register(format: CheckpointFormat) -> None:
 
 def unregister(name: str) -> None:
     """Forget a registered format (the built-in ones stay)."""
-    _FORMATS[:] = [f for f in _FORMATS if f.name != name or f in (DEEPSPEED, OWN)]
+    _FORMATS[:] = [f for f in _FORMATS if f.name != name or f in _BUILT_IN]
 
 
 def known() -> tuple[CheckpointFormat, ...]:
@@ -88,6 +113,8 @@ def writing(name: str) -> CheckpointFormat:
     for f in _FORMATS:
         if f.name == name and f.save is not None:
             return f
+        if f.name == name and f.refusal is not None:
+            raise ValueError(f"checkpoint format {name!r}: {f.refusal}")
     written = ", ".join(repr(f.name) for f in _FORMATS if f.save is not None)
     read_only = [f.name for f in _FORMATS if f.name == name]
     why = "is read, not written" if read_only else "is not a registered format"
