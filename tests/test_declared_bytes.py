@@ -21,7 +21,7 @@ import zero_engine
 from configs import engine_config
 from disk import DISK
 from harness import run_on_ranks
-from zero_engine.accounting import on_tier
+from zero_engine.accounting import bytes_of
 from zero_engine.memory import estimate_from_config
 from zero_engine.offload import Tier
 from zero_engine.optimizer_kinds import OPTIMIZERS
@@ -93,9 +93,8 @@ def held_and_declared(rank: int, world: int, cases: list[dict[str, Any]], direct
         counted: list[Any] = []
         declared = estimate_from_config(zero_engine.load_config(config), trainable, world, frozen_params=frozen,
                                         matrix_params=matrices, terms=counted)
-        on_nvme = {kind: on_tier(counted, Tier.NVME, kind=kind) for kind in KINDS}
-        on_nvme["frozen_parameters"] = sum(term.nbytes for term in counted
-                                           if term.tier is Tier.NVME and term.part == "frozen parameters")
+        on_nvme = {kind: bytes_of(counted, tier=Tier.NVME, kind=kind) for kind in KINDS}
+        on_nvme["frozen_parameters"] = bytes_of(counted, tier=Tier.NVME, part="frozen parameters")
         results.append({"held": {key: held[key] for key in COMPARED}, "scalars": scalars,
                         "declared": declared._asdict(), "tier_buffers": tier_buffers, "on_nvme": on_nvme})
     return results

@@ -45,7 +45,7 @@ def llama(
     return Model(config)
 
 
-def lora_config(*, dropout: float = 0.0, random_init: bool = True, **options: Any) -> Any:
+def lora_config(*, random_init: bool = True, **options: Any) -> Any:
     """PEFT's LoRA of rank 4 on the queries and values; ``random_init`` starts the B matrices off
     zero (``init_lora_weights=False``), so the adapters change the outputs from the first step."""
     from peft import LoraConfig
@@ -53,7 +53,7 @@ def lora_config(*, dropout: float = 0.0, random_init: bool = True, **options: An
     options = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], **options}
     if random_init:
         options["init_lora_weights"] = False
-    return LoraConfig(lora_dropout=dropout, **options)
+    return LoraConfig(lora_dropout=0.0, **options)
 
 
 def with_lora(model: nn.Module, **options: Any) -> Any:

@@ -52,8 +52,9 @@ class Holding:
     frozen_bytes: float  # a frozen element as stored (int8 at stage 3 when asked)
     frozen_sharded: bool  # stage 3 and ``frozen_weights: shard``
 
-    def per_rank(self, bytes_per_element: float, sharded: bool, count: int | None = None) -> int:
-        total = round((self.trainable if count is None else count) * bytes_per_element)
+    def per_rank(self, bytes_per_element: float, sharded: bool) -> int:
+        """A trainable kind's bytes on one rank."""
+        total = round(self.trainable * bytes_per_element)
         return total // self.group if sharded else total
 
 
@@ -88,14 +89,16 @@ def declared(plan: OffloadPlan, stage: Stage, holding: Holding) -> list[Counted]
     return counted
 
 
-def on_tier(counted: Sequence[Counted], tier: Tier, *, kind: str | None = None) -> int:
-    """Bytes the terms put on ``tier`` (of one ``kind`` of state only, when given)."""
-    return sum(term.nbytes for term in counted if term.tier is tier and kind in (None, term.kind))
+def bytes_of(counted: Sequence[Counted], *, tier: Tier | None = None, kind: str | None = None,
+             part: str | None = None) -> int:
+    """Bytes of the terms on ``tier``, of ``kind`` and of ``part``, each when given."""
+    return sum(term.nbytes for term in counted
+               if tier in (None, term.tier) and kind in (None, term.kind) and part in (None, term.part))
 
 
 def by_tier(counted: Sequence[Counted]) -> dict[Tier, int]:
     """Bytes on each tier off the device that holds any."""
-    return {tier: nbytes for tier in Tier if tier is not Tier.DEVICE and (nbytes := on_tier(counted, tier))}
+    return {tier: nbytes for tier in Tier if tier is not Tier.DEVICE and (nbytes := bytes_of(counted, tier=tier))}
 
 
 def _nvme_note(counted: Sequence[Counted], stage: Stage) -> str:
@@ -105,8 +108,8 @@ def _nvme_note(counted: Sequence[Counted], stage: Stage) -> str:
     shards read at each gather (a forward and a backward per micro-batch) and the trainable ones
     written once (frozen ones never)."""
     optimizer, shards = swap_file_bytes(counted)
-    gradient = sum(term.nbytes for term in counted if term.tier is Tier.NVME and term.part == "step gradient")
-    frozen = sum(term.nbytes for term in counted if term.tier is Tier.NVME and term.part == "frozen parameters")
+    gradient = bytes_of(counted, tier=Tier.NVME, part="step gradient")
+    frozen = bytes_of(counted, tier=Tier.NVME, part="frozen parameters")
     written = optimizer + shards - frozen
     parts = [f"masters, optimizer state and step gradient {optimizer / 2**30:.3f} GiB"] if optimizer else []
     parts += [f"parameter shards {shards / 2**30:.3f} GiB"] if shards else []
@@ -121,8 +124,8 @@ def _nvme_note(counted: Sequence[Counted], stage: Stage) -> str:
 def swap_file_bytes(counted: Sequence[Counted]) -> tuple[int, int]:
     """NVMe's bytes as its two swap files hold them: the optimizer side's (masters, optimizer
     state and step gradient) and the parameter shards' (frozen ones too)."""
-    shards = on_tier(counted, Tier.NVME, kind="parameters")
-    return on_tier(counted, Tier.NVME) - shards, shards
+    shards = bytes_of(counted, tier=Tier.NVME, kind="parameters")
+    return bytes_of(counted, tier=Tier.NVME) - shards, shards
 
 
 def _check_nvme_room(plan: OffloadPlan, counted: Sequence[Counted], local_ranks: int) -> None:
@@ -153,14 +156,14 @@ TIER_ACCOUNTS: dict[Tier, TierAccount] = {
 def tier_notes(counted: Sequence[Counted], stage: Stage) -> list[str]:
     """The notes of the tiers that hold anything, printed before the states."""
     return [account.note(counted, stage) for tier, account in TIER_ACCOUNTS.items()
-            if account.note is not None and on_tier(counted, tier)]
+            if account.note is not None and bytes_of(counted, tier=tier)]
 
 
 def tier_lines(counted: Sequence[Counted], total: int) -> list[str]:
     """One line per tier off the device that holds anything: its bytes and its remark."""
     off = sum(by_tier(counted).values())
     return [f"{account.label:18s} {nbytes / 2**30:10.3f} GiB  {account.remark(total, off)}"
-            for tier, account in TIER_ACCOUNTS.items() if (nbytes := on_tier(counted, tier))]
+            for tier, account in TIER_ACCOUNTS.items() if (nbytes := bytes_of(counted, tier=tier))]
 
 
 def check_room(plan: OffloadPlan, counted: Sequence[Counted], local_ranks: int) -> None:

@@ -31,7 +31,7 @@ from .config import ZeroEngineConfig, load_config, read_config_mapping
 from .errors import ConfigError
 from .activations import DecoderShape, activation_bytes
 from .accounting import Counted, tier_lines, tier_notes
-from .memory import estimate_from_config, report_of
+from .memory import MemoryReport, estimate_from_config
 from .optimizer_kinds import state_note
 from .stage import stage_for
 from .stage_choice import candidates, choose, format_table
@@ -104,14 +104,14 @@ def _estimate(args: argparse.Namespace) -> int:
             return code
         group = args.shard_group_size or config.zero_optimization.shard_group_size_for(args.world_size)
         counted: list[Counted] = []
-        estimate_from_config(
+        report = estimate_from_config(
             config, args.params, args.world_size, group, frozen_params=args.frozen_params,
             matrix_params=args.matrix_params, terms=counted,
         )
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    _print_states(config, args, group, counted)
+    _print_states(config, args, group, report, counted)
     if shape is not None:
         _print_activations(config, args, shape)
     return 0
@@ -175,10 +175,13 @@ def _print_activations(config: ZeroEngineConfig, args: argparse.Namespace, shape
     print("  (the peak adds to the model states; stage 3 adds its gathered units; docs/guides/out-of-memory.md)")
 
 
-def _print_states(config: ZeroEngineConfig, args: argparse.Namespace, group: int, counted: list[Counted]) -> None:
-    """The formula's states per rank, with each tier's note and line and the optimizer's note."""
+def _print_states(
+    config: ZeroEngineConfig, args: argparse.Namespace, group: int, report: MemoryReport, counted: list[Counted]
+) -> None:
+    """The formula's states per rank (``report``, summed from the terms ``counted``), with each
+    tier's note and line and the optimizer's note."""
     zero = config.zero_optimization
-    stage, report = stage_for(zero.stage), report_of(counted)
+    stage = stage_for(zero.stage)
     dtype = "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else "fp32"
     sharding = ""
     if group < args.world_size:

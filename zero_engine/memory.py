@@ -22,7 +22,7 @@ from torch import nn
 from .devices import tensor_bytes
 from .config import ZeroEngineConfig
 from .stage import Stage, stage_for
-from .accounting import Counted, Holding, by_tier, declared
+from .accounting import Counted, Holding, by_tier, bytes_of, declared
 from .offload import offload_plan
 from .optim import state_bytes_per_param
 from .quantize import BLOCK
@@ -135,11 +135,11 @@ def estimate_from_config(
 def report_of(counted: Sequence[Counted]) -> MemoryReport:
     """The report of the formula's terms: each kind of state's bytes, the frozen parameters'
     among them, and each tier's off the device (the report's field of the tier's name)."""
-    kinds = {kind: sum(term.nbytes for term in counted if term.kind == kind)
-             for kind in ("parameters", "gradients", "optimizer_states", "master_parameters")}
+    kinds = {kind: bytes_of(counted, kind=kind) for kind in ("parameters", "gradients", "optimizer_states",
+                                                              "master_parameters")}
     return MemoryReport(
         **kinds, buffers=0, peak_gradients=kinds["gradients"],
-        frozen_parameters=sum(term.nbytes for term in counted if term.part == "frozen parameters"),
+        frozen_parameters=bytes_of(counted, part="frozen parameters"),
         **{tier.value: nbytes for tier, nbytes in by_tier(counted).items()},
     )
 
