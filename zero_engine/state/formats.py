@@ -39,16 +39,9 @@ Save = Callable[[Resumable, Counters, Path, str, Any, FileWriter], Path]
 class CheckpointFormat:
     name: str
     finds: Callable[[Path, str | None], bool]
-    read: Callable[[Path, str | None], Source]
+    read: Callable[[Path, str | None], Source] | None  # None: recognised only (its ``refusal`` says why)
     save: Save | None = None  # None: read only
     refusal: str | None = None  # recognised, neither read nor written yet: why, and what to do
-
-
-def _refusing(name: str, refusal: str) -> Callable[[Path, str | None], Source]:
-    """A reader that refuses, naming the directory, the format and ``refusal``."""
-    def read(directory: Path, tag: str | None) -> Source:
-        raise CheckpointError(f"{directory / tag if tag else directory}: a {name} checkpoint; {refusal}")
-    return read
 
 
 def _finds_dcp(directory: Path, tag: str | None) -> bool:
@@ -69,7 +62,7 @@ DCP_REFUSAL = (
     "dcp_to_torch_save(directory, 'full.pt') and pass torch.load('full.pt', weights_only=True)['model'] to "
     "initialize(weights=...) (the optimizer state does not carry over)"
 )
-DCP = CheckpointFormat("dcp", _finds_dcp, _refusing("dcp", DCP_REFUSAL), refusal=DCP_REFUSAL)
+DCP = CheckpointFormat("dcp", _finds_dcp, None, refusal=DCP_REFUSAL)
 _BUILT_IN = (DCP, DEEPSPEED, OWN)
 _FORMATS: list[CheckpointFormat] = list(_BUILT_IN)  # probed in this order; ours last
 
@@ -105,7 +98,10 @@ def finds_any(directory: str | Path, tag: str | None) -> bool:
 
 def open_source(directory: str | Path, tag: str | None = None) -> Source:
     """The checkpoint at ``directory``/``tag``, read by its format."""
-    return reading(directory, tag).read(Path(directory), tag)
+    found, root = reading(directory, tag), Path(directory)
+    if found.read is None:
+        raise CheckpointError(f"{root / tag if tag else root}: a {found.name} checkpoint; {found.refusal}")
+    return found.read(root, tag)
 
 
 def writing(name: str) -> CheckpointFormat:
