@@ -1,8 +1,9 @@
 """STRUCTURE item 6: what each tier and each optimizer kind declares it holds
 (`zero_engine.accounting`, `zero_engine.optimizer_kinds`), summed by `memory.declared_states`,
-against what a 2-rank build holds (`memory_report()`, counted from the tensors themselves): each
-kind of state, the frozen parameters and each tier's bytes, for every tier of the optimizer side
-and of stage 3's parameter shards and every optimizer in the table.
+against what a 2-rank build holds (`memory_report()`, counted from the tensors themselves, and
+held in turn against the storages behind every live tensor of the process): each kind of state,
+the frozen parameters and each tier's bytes, for every tier of the optimizer side and of stage
+3's parameter shards and every optimizer in the table.
 
 The model divides evenly over 2 ranks (no padding) and every parameter gets a gradient, so the
 two agree to the byte but for the optimizers' per-tensor scalars (step counters and the like),
@@ -22,8 +23,10 @@ from configs import engine_config
 from disk import DISK
 from harness import run_on_ranks
 from zero_engine.accounting import bytes_of
-from zero_engine.memory import estimate_from_config
+from zero_engine.memory import HELD_NOW, estimate_from_config
+from zero_engine.testing.process_memory import live_tensor_bytes
 from zero_engine.offload import Tier
+from zero_engine.sharding.gathering.agreement import PassKind, make_row
 from zero_engine.optimizer_kinds import OPTIMIZERS
 
 KINDS = ("parameters", "gradients", "optimizer_states", "master_parameters")
@@ -86,6 +89,7 @@ def held_and_declared(rank: int, world: int, cases: list[dict[str, Any]], direct
             if step == 0:
                 engine.step()
         held = engine.memory_report()
+        live = live_tensor_bytes() - x.untyped_storage().nbytes()  # the storages behind every live tensor
         scalars = _scalars(engine.optimizer)
         tier_buffers = engine.held.host_bytes  # what the tiers hold in host memory besides the states: NVMe's buffers
         engine.step()
@@ -96,7 +100,7 @@ def held_and_declared(rank: int, world: int, cases: list[dict[str, Any]], direct
         on_nvme = {kind: bytes_of(counted, tier=Tier.NVME, kind=kind) for kind in KINDS}
         on_nvme["frozen_parameters"] = bytes_of(counted, tier=Tier.NVME, part="frozen parameters")
         results.append({"held": {key: held[key] for key in COMPARED}, "scalars": scalars,
-                        "declared": declared._asdict(), "tier_buffers": tier_buffers, "on_nvme": on_nvme})
+                        "declared": declared._asdict(), "tier_buffers": tier_buffers, "live": live, "held_now": sum(held[key] for key in HELD_NOW), "on_nvme": on_nvme})
     return results
 
 
@@ -125,8 +129,13 @@ def two_ranks() -> list[list[dict[str, Any]]]:
     ",".join(f"{key}={value}" for key, value in case.items()) for case in CASES])
 def test_declared_bytes_are_what_a_two_rank_build_holds(two_ranks: list[list[dict[str, Any]]], index: int) -> None:
     case = CASES[index]
+    # Stage 3 keeps a host row of int64 per rank for its agreements, beside the model state.
+    agreement = 8 * len(make_row(0, PassKind.FORWARD, [], 0)) * len(two_ranks) if case["stage"] == 3 else 0
     for rank, results in enumerate(two_ranks):
         result = results[index]
+        # The report against the process: the storages behind every live tensor are what it
+        # holds now, plus the tiers' own buffers (NVMe's) and stage 3's agreement rows.
+        assert result["live"] == result["held_now"] + result["tier_buffers"] + agreement, (case, rank)
         held, declared = dict(result["held"]), result["declared"]
         held["optimizer_states"] -= result["scalars"]
         if case.get("optimizer_side") == "cpu":  # the scalars are in the host's optimizer state too
