@@ -96,6 +96,8 @@ class OptimizerStep:
         matrices = matrix_params(units) if kind is not None and kind.layout is ComputeLayout.WHOLE_MATRIX else None
         torch_groups = _optimizer_groups(groups, units) if matrices is None else split_groups(groups, units, matrices)
         self.optimizer = build_optimizer(settings.optimizer, stage, torch_groups, on_host=offload.optimizer)
+        # each torch group's parameters by name (a checkpoint that keeps options per parameter: DCP's)
+        self.group_names = [g.names for g in groups] if matrices is None else _names_by_group(torch_groups, units)
         for unit in units:
             unit.optimizer_shard.bind_optimizer(self.optimizer)
         if matrices is not None:  # each unit's matrices finish through its exchange (`compute_layout`)
@@ -269,10 +271,53 @@ class OptimizerStep:
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
 
+    def options_by_name(self) -> dict[str, dict[str, Any]]:
+        """Each trainable parameter's param-group options (what DCP's layout saves per parameter)."""
+        return {
+            name: {k: v for k, v in group.items() if k != "params"}
+            for group, names in zip(self.optimizer.param_groups, self.group_names) for name in names
+        }
+
+    def _saved_group_options(self, extra: dict[str, Any]) -> list[dict[str, Any] | None]:
+        """The saved options of each of this optimizer's groups: the checkpoint's groups in
+        order, or (options saved per parameter) those of the group's parameters, which must
+        agree; None where none of a group's parameters has any."""
+        by_name = extra.get("param_options")
+        if by_name is None:
+            return list(extra["param_groups"])
+        saved: list[dict[str, Any] | None] = []
+        for index, names in enumerate(self.group_names):
+            found = [(name, by_name[name]) for name in names if name in by_name]
+            for name, options in found[1:]:
+                differing = sorted(k for k in {**options, **found[0][1]} if options.get(k) != found[0][1].get(k)
+                                   and k not in IMPLEMENTATION_OPTIONS)
+                if differing:
+                    raise CheckpointError(
+                        f"param group {index}: the checkpoint gives {found[0][0]} and {name} different options "
+                        f"({', '.join(differing)}): pass param_groups as the saved run grouped them, or load with "
+                        "load_optimizer_states=False"
+                    )
+            ours = set(self.optimizer.defaults) - IMPLEMENTATION_OPTIONS
+            foreign = sorted(set(found[0][1]) - ours - IMPLEMENTATION_OPTIONS - {"initial_lr"}) if found else []
+            if foreign:
+                raise CheckpointError(
+                    f"{found[0][0]}: the checkpoint's optimizer options {', '.join(foreign)} are not "
+                    f"{type(self.optimizer).__name__}'s: saved with another optimizer; use the same optimizer.type, "
+                    "or load with load_optimizer_states=False"
+                )
+            saved.append(found[0][1] if found else None)
+        return saved
+
     def check_loadable(self, extra: dict[str, Any]) -> None:
         """Raise `CheckpointError` if `load_state` could not restore ``extra``'s optimizer state
         (checked with every other check of a load, before anything is restored)."""
         groups = extra["param_groups"]
+        if "param_options" in extra:  # options per parameter (DCP's layout)
+            if not extra["param_options"]:
+                raise CheckpointError("the checkpoint holds no optimizer state (no optimizer.param_groups entries): "
+                                      "load it with load_optimizer_states=False")
+            self._saved_group_options(extra)
+            return
         if not groups:
             raise CheckpointError(
                 "the checkpoint was saved by an engine without an optimizer (a model with nothing to train: no "
@@ -287,9 +332,9 @@ class OptimizerStep:
     def load_state(self, saved: SavedPieces, extra: dict[str, Any], fitting: set[str]) -> None:
         """Group options, the state of every piece whose parameter fits the checkpoint (``fitting``),
         the schedule's position and the loss scaler (`check_loadable` said they fit)."""
-        groups = extra["param_groups"]
-        for group, options in zip(self.optimizer.param_groups, groups):  # how to compute is this run's choice
-            group.update({key: value for key, value in options.items() if key not in IMPLEMENTATION_OPTIONS})
+        for group, options in zip(self.optimizer.param_groups, self._saved_group_options(extra)):
+            # how to compute is this run's choice
+            group.update({key: value for key, value in (options or {}).items() if key not in IMPLEMENTATION_OPTIONS})
         self.optimizer.state.clear()
         for unit in self.units:
             unit.optimizer_shard.load_state(saved, fitting)
@@ -313,6 +358,13 @@ def _optimizer_groups(groups: list[ParamGroup], units: list[FlatUnit]) -> list[d
         for target in unit.optimizer_shard.targets:
             per_group[unit.group_indices[target.piece.param_index]].append(target.tensor)
     return [dict(group.options, params=tensors) for group, tensors in zip(groups, per_group)]
+
+
+def _names_by_group(torch_groups: list[dict[str, Any]], units: list[FlatUnit]) -> list[list[str]]:
+    """The names of each torch group's optimizer targets on this rank (a whole-matrix
+    optimizer's groups are not the user's)."""
+    name_of = {id(target.tensor): target.name for unit in units for target in unit.optimizer_shard.targets}
+    return [list(dict.fromkeys(name_of[id(t)] for t in group["params"] if id(t) in name_of)) for group in torch_groups]
 
 
 def _sum_of_squares(norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:

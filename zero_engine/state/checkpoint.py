@@ -58,7 +58,7 @@ def load(
         if load_optimizer_states and state.optimizer is not None:
             _check_optimizer_type(source.checkpoint, state.optimizer)
             state.step.check_loadable(source.extra)
-            if source.writer == "deepspeed":
+            if source.writer != "zero_engine":  # another program's schedule (DeepSpeed's, DCP's torch scheduler)
                 _check_schedule(state.step.lr_scheduler, source)
 
     # Every rank reads and checks first, then all restore or none does (a file missing on one
@@ -126,7 +126,9 @@ def _check_fit(model: ModelState, checkpoint: Checkpoint, extra: dict[str, Any],
         excluded = still_frozen
     # Saved with exclude_frozen_parameters: the frozen weights come from the model as built (or weights=).
     missing = sorted(set(ours) - set(theirs) - (excluded & still_frozen))
-    unexpected = sorted(set(theirs) - set(ours))
+    # A format that lists every name (DCP's: a tied weight under each of its names) names our aliases too.
+    aliases = {alias for entry in model.saved_params(with_frozen=True).values() for alias in entry["aliases"]}
+    unexpected = sorted(set(theirs) - set(ours) - aliases)
     reshaped = sorted(f"{k} (checkpoint {theirs[k]}, model {ours[k]})" for k in set(ours) & set(theirs) if ours[k] != theirs[k])
     message = misfit_message(str(checkpoint.path), missing, unexpected, reshaped)
     if message is None:

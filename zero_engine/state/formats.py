@@ -1,5 +1,5 @@
 """Checkpoint formats: each a probe, a reader and, where this engine writes it, a writer, in one
-table, so that another format (DCP) is a module and a row.
+table, so that another format is a module and a row (DCP's: `dcp_format`).
 
 - ``finds(directory, tag)``: whether ``directory``/``tag`` (None: what the format calls its
   latest) holds a checkpoint of this format, from its files alone (cheap; errors are left to the
@@ -10,10 +10,10 @@ table, so that another format (DCP) is a module and a row.
   back; None for a format only read (DeepSpeed's).
 
 Readers are picked by probe, in table order, this engine's own last: a directory no other
-format claims is read as ours, whose errors name what is missing. A format recognised but not
-yet read nor written (DCP's, `torch.distributed.checkpoint`, until issue 86 lands) has a
-``refusal``: reading or writing it raises that, naming the directory, instead of our reader's
-"manifest missing". `register` puts a format
+format claims is read as ours, whose errors name what is missing. A format recognised but
+neither read nor written has a ``refusal`` (none of the built-in ones now): reading or writing
+it raises that, naming the directory, instead of our reader's "manifest missing". `register`
+puts a format
 ahead of the built-in ones; ``save_checkpoint(format=...)`` and the ``checkpoint_format`` key
 choose the writer (`writing`).
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import own_format
+from . import dcp_format, own_format
 from .deepspeed_checkpoint import find_deepspeed_tag, read_deepspeed
 from ..errors import CheckpointError
 from .payload import Counters, Resumable
@@ -44,11 +44,6 @@ class CheckpointFormat:
     refusal: str | None = None  # recognised, neither read nor written yet: why, and what to do
 
 
-def _finds_dcp(directory: Path, tag: str | None) -> bool:
-    """A DCP directory (``torch.distributed.checkpoint.save``): its ``.metadata`` file."""
-    return ((directory / tag) if tag else directory).joinpath(".metadata").is_file()
-
-
 def _read_deepspeed(directory: Path, tag: str | None) -> Source:
     translated = read_deepspeed(directory, tag)
     return Source(translated.checkpoint, translated.piece_index(), translated.extra, translated.ignored, "deepspeed")
@@ -56,13 +51,7 @@ def _read_deepspeed(directory: Path, tag: str | None) -> Source:
 
 DEEPSPEED = CheckpointFormat("deepspeed", lambda d, t: find_deepspeed_tag(d, t) is not None, _read_deepspeed)
 OWN = CheckpointFormat(own_format.NAME, own_format.finds_own, own_format.read_own, own_format.save_own)
-DCP_REFUSAL = (
-    "torch.distributed.checkpoint's format (FSDP2, torchtitan, transformers' FSDP/TP) is recognised but neither "
-    "read nor written by this engine yet (issue 86): consolidate it with torch.distributed.checkpoint.format_utils."
-    "dcp_to_torch_save(directory, 'full.pt') and pass torch.load('full.pt', weights_only=True)['model'] to "
-    "initialize(weights=...) (the optimizer state does not carry over)"
-)
-DCP = CheckpointFormat("dcp", _finds_dcp, None, refusal=DCP_REFUSAL)
+DCP = CheckpointFormat(dcp_format.NAME, dcp_format.finds_dcp, dcp_format.read_dcp, dcp_format.save_dcp)
 _BUILT_IN = (DCP, DEEPSPEED, OWN)
 _FORMATS: list[CheckpointFormat] = list(_BUILT_IN)  # probed in this order; ours last
 

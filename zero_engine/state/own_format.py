@@ -32,10 +32,12 @@ import io
 import json
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..comm import Comm
 from ..errors import CheckpointError
 from . import storage
 from .every_rank import on_every_rank
@@ -73,9 +75,36 @@ def save_own(
 ) -> Path:
     """Write a checkpoint of ``state`` under ``directory``/``tag`` through ``writer``; returns
     its path. Collective."""
+
+    def write(staging: Path) -> dict[str, dict[str, int | str]]:
+        written = {rank_file(comm.rank): writer.write_file(staging / rank_file(comm.rank), rank_payload(state))}
+        if comm.rank == 0:
+            written[EXTRA] = writer.write_file(staging / EXTRA, extra_payload(state, counters, client_state))
+        return written
+
+    def manifest(staging: Path, results: list[dict[str, dict[str, int | str]]]) -> None:
+        files = {name: entry for rank_files in results for name, entry in rank_files.items()}
+        writer.write_text(staging / MANIFEST, json.dumps(manifest_of(state, counters, tag, files), indent=1))
+
+    comm = state.model.comm
+    return save_staged(comm, directory, tag, client_state, writer, write, manifest)
+
+
+def save_staged(
+    comm: Comm,
+    directory: str | Path,
+    tag: str,
+    client_state: Any,
+    writer: storage.FileWriter,
+    write: Callable[[Path], Any],
+    manifest: Callable[[Path, list[Any]], None],
+) -> Path:
+    """A save in phases, each agreed by every rank (`on_every_rank`): the tag and root checked;
+    the staging directory made; every rank's ``write`` into it (its JSON result gathered); rank
+    0's ``manifest`` of the results, then the directory published (`storage.publish`). Any
+    failure removes the staging directory. Every format this engine writes saves through it."""
     root = Path(directory)
     staging = root / f".tmp-{tag}"
-    comm = state.model.comm
 
     def checked_tag() -> str:
         storage.check_tag(tag)
@@ -95,16 +124,9 @@ def save_own(
 
     on_every_rank(comm, "save_checkpoint", prepare)
 
-    def write() -> dict[str, dict[str, int | str]]:
-        written = {rank_file(comm.rank): writer.write_file(staging / rank_file(comm.rank), rank_payload(state))}
-        if comm.rank == 0:
-            written[EXTRA] = writer.write_file(staging / EXTRA, extra_payload(state, counters, client_state))
-        return written
-
     def publish_files() -> None:
         if comm.rank == 0:
-            manifest = manifest_of(state, counters, tag, files)
-            writer.write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
+            manifest(staging, results)
             writer.publish(root, staging, tag)
 
     def remove_staging() -> None:  # nothing half-written stays behind
@@ -112,9 +134,7 @@ def save_own(
             shutil.rmtree(staging, ignore_errors=True)
 
     try:
-        files: dict[str, dict[str, int | str]] = {}
-        for rank_files in on_every_rank(comm, f"save_checkpoint to {staging}", write, remove_staging):
-            files.update(rank_files)
+        results = on_every_rank(comm, f"save_checkpoint to {staging}", lambda: write(staging), remove_staging)
         on_every_rank(comm, f"save_checkpoint publishing {root / tag}", publish_files, remove_staging)
     except BaseException:  # a peer that died mid-save, an interrupt: remove what this rank can
         remove_staging()

@@ -36,6 +36,7 @@ from ..errors import CheckpointError
 
 FORMAT = "zero_engine/1"
 MANIFEST, EXTRA, LATEST = "manifest.json", "extra.pt", "latest"
+DCP_MANIFEST = "zero_engine.json"  # this engine's manifest beside a DCP checkpoint it wrote (`dcp_format`)
 
 
 def rank_file(rank: int) -> str:
@@ -141,7 +142,7 @@ def tag_path(root: Path, tag: str) -> Path:
     """The directory holding ``tag``: its pending new copy while a re-save is being moved into
     place (it exists only once complete), else ``root/tag``."""
     pending = pending_path(root, tag)
-    return pending if (pending / MANIFEST).is_file() else root / tag
+    return pending if (pending / MANIFEST).is_file() or (pending / DCP_MANIFEST).is_file() else root / tag
 
 
 def _fsync_dir(path: Path) -> None:
