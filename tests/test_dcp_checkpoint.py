@@ -16,6 +16,8 @@ from torch import nn
 
 import zero_engine
 from harness import run_on_ranks
+from tiny import llama
+from zero_engine.state import formats
 
 STEPS, GLOBAL_BATCH, TOL = 5, 6, 2e-5
 
@@ -66,7 +68,7 @@ def fsdp_run(rank: int, world: int, root: str, tags: list[str], save: bool) -> d
         fully_shard(model)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
 
-    def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, schedule: Any = None) -> list[float]:
         losses = []
         for step in steps:
             x, y = batch(step, rank, world)
@@ -74,6 +76,8 @@ def fsdp_run(rank: int, world: int, root: str, tags: list[str], save: bool) -> d
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            if schedule is not None:
+                schedule.step()
             losses.append(global_loss(loss))
         return losses
 
@@ -83,10 +87,11 @@ def fsdp_run(rank: int, world: int, root: str, tags: list[str], save: bool) -> d
     out: dict[str, Any] = {}
     if save:
         model, optimizer = build(0)
-        out["before"] = train(model, optimizer, range(STEPS))
-        dcp.save(fsdp_state(model, optimizer), checkpoint_id=f"{root}/fsdp")
+        schedule = decaying(optimizer)  # torchtitan saves its position as the part "lr_scheduler"
+        out["before"] = train(model, optimizer, range(STEPS), schedule)
+        dcp.save({**fsdp_state(model, optimizer), "lr_scheduler": schedule.state_dict()}, checkpoint_id=f"{root}/fsdp")
         out["saved"] = full(model)
-        out["after"] = train(model, optimizer, range(STEPS, 2 * STEPS))
+        out["after"] = train(model, optimizer, range(STEPS, 2 * STEPS), schedule)
         out["params"] = full(model)
         return out
     for tag in tags:
@@ -98,6 +103,10 @@ def fsdp_run(rank: int, world: int, root: str, tags: list[str], save: bool) -> d
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
         out[tag] = {"after": train(model, optimizer, range(STEPS, 2 * STEPS)), "params": full(model)}
     return out
+
+
+def decaying(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.2 * step))
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -123,10 +132,11 @@ def engine_train(engine: Any, rank: int, world: int, steps: range) -> list[float
 
 
 def engine_resumes(rank: int, world: int, root: str, stages: list[int]) -> dict[int, Any]:
-    """At each stage: the engine loads FSDP2's checkpoint and trains 5 steps."""
+    """At each stage: the engine loads FSDP2's checkpoint (the schedule's position too) and
+    trains 5 steps."""
     out = {}
     for stage in stages:
-        engine = zero_engine.initialize(make_net(2), engine_config(stage, world))
+        engine = zero_engine.initialize(make_net(2), engine_config(stage, world), lr_scheduler=decaying)
         engine.load_checkpoint(root, tag="fsdp")
         out[stage] = {"after": engine_train(engine, rank, world, range(STEPS, 2 * STEPS)),
                       "params": engine.full_state_dict(), "step": engine.global_step}
@@ -178,6 +188,93 @@ def refusals(rank: int, world: int, root: str) -> dict[str, Any]:
     return found
 
 
+# -- a Hugging Face model with a tied head, there and back -----------------------------------------
+
+
+def tokens(step: int, rank: int, world: int) -> torch.Tensor:
+    rows = torch.randint(0, 64, (GLOBAL_BATCH, 12), generator=torch.Generator().manual_seed(900 + step))
+    share = GLOBAL_BATCH // world
+    return rows[rank * share : (rank + 1) * share]
+
+
+def perturbed_llama(seed: int) -> nn.Module:
+    model = llama(tied=True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def fsdp_llama(rank: int, world: int, root: str, load: str | None) -> dict[str, Any]:
+    """FSDP2 over a tied tiny Llama (each decoder layer and the root): 3 steps and a save, then
+    3 more; or from ``load``, 3 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = perturbed_llama(7) if load else llama(tied=True)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+
+    def train(steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            ids = tokens(step, rank, world)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(global_loss(loss))
+        return losses
+
+    out: dict[str, Any] = {}
+    if load is None:
+        out["before"] = train(range(3))
+        dcp.save(fsdp_state(model, optimizer), checkpoint_id=f"{root}/hf")
+    else:
+        state = fsdp_state(model, optimizer)
+        dcp.load(state, checkpoint_id=f"{root}/{load}")
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+    out["after"] = train(range(3, 6))
+    out["params"] = {name: param.full_tensor().detach().clone() for name, param in model.named_parameters()}
+    return out
+
+
+def engine_llama(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The engine at stage 3 loads FSDP2's save of the tied Llama, saves it again as DCP, and
+    trains 3 steps."""
+    config = {**engine_config(3, world), "zero_optimization": {"stage": 3, "reduce_bucket_size": 500}}
+    engine = zero_engine.initialize(perturbed_llama(5), config)
+    engine.load_checkpoint(root, tag="hf")
+    engine.save_checkpoint(root, tag="hf-back", format="dcp")
+    losses = []
+    for step in range(3, 6):
+        ids = tokens(step, rank, world)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(global_loss(loss))
+    params = engine.full_state_dict()
+    engine.close()
+    return {"after": losses, "params": params}
+
+
+def test_a_tied_hugging_face_model_goes_from_fsdp2_to_the_engine_and_back(tmp_path: Path) -> None:
+    fsdp = run_on_ranks(2, fsdp_llama, str(tmp_path), None, allow_numpy=True)[0]
+    ours = run_on_ranks(3, engine_llama, str(tmp_path), allow_numpy=True)[0]
+    back = run_on_ranks(2, fsdp_llama, str(tmp_path), "hf-back", allow_numpy=True)[0]
+    for found, what in ((ours, "the engine from FSDP2"), (back, "FSDP2 from the engine's save")):
+        assert max(abs(a - b) for a, b in zip(found["after"], fsdp["after"])) <= TOL, (what, found["after"], fsdp["after"])
+    assert_close({name: ours["params"][name] for name in fsdp["params"]}, fsdp["params"], "the engine from FSDP2")
+    assert torch.equal(ours["params"]["lm_head.weight"], ours["params"]["model.embed_tokens.weight"])  # still tied
+    assert_close(back["params"], fsdp["params"], "FSDP2 from the engine's save")
+
+
 def assert_close(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], what: str) -> None:
     assert sorted(ours) == sorted(theirs), what
     for name in theirs:
@@ -212,8 +309,11 @@ def test_a_dcp_checkpoint_that_does_not_fit_is_refused_on_every_rank(fsdp_saved:
         assert_close(found["weights"], fsdp["saved"], "weights=")
 
 
-def test_fsdp2_resumes_the_engines_dcp_checkpoint(tmp_path: Path) -> None:
-    cases = {1: [0], 3: [1, 3]}
+@pytest.mark.parametrize("cases", [
+    {1: [0], 2: [1], 3: [3]},
+    pytest.param({1: [1, 3], 2: [0, 3], 3: [0, 1]}, marks=pytest.mark.slow),  # with the fast one: stages 0, 1, 3 at worlds 1-3
+])
+def test_fsdp2_resumes_the_engines_dcp_checkpoint(tmp_path: Path, cases: dict[int, list[int]]) -> None:
     ours = {world: run_on_ranks(world, engine_saves, str(tmp_path), stages)[0] for world, stages in cases.items()}
     tags = [f"s{stage}w{world}" for world, stages in cases.items() for stage in stages]
     theirs = run_on_ranks(2, fsdp_run, str(tmp_path), tags, False, allow_numpy=True)[0]
@@ -224,3 +324,36 @@ def test_fsdp2_resumes_the_engines_dcp_checkpoint(tmp_path: Path) -> None:
             assert_close(fsdp["params"], found["params"], f"FSDP2 from stage {stage}, world {world}")
             assert found["resumed"] == pytest.approx(found["after"], abs=1e-7), (stage, world)  # and here, exactly
             assert found["step"] == 2 * STEPS  # the counter saved (5), then 5 steps here
+
+
+def test_zero_engine_convert_goes_between_dcp_and_the_other_formats(fsdp_saved: tuple[Path, dict[str, Any]],
+                                                                    tmp_path: Path) -> None:
+    """``zero-engine convert``: FSDP2's checkpoint into this engine's format (which resumes as the
+    DCP one does), and a DeepSpeed checkpoint into DCP's (which torch's own ``dcp_to_torch_save``
+    reads, the same weights)."""
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root, fsdp = fsdp_saved
+    cli = [sys.executable, "-m", "zero_engine.cli", "convert"]
+    done = subprocess.run([*cli, str(root), str(tmp_path / "ours"), "--tag", "fsdp"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "a dcp checkpoint as zero_engine" in done.stdout, done.stdout
+    assert (tmp_path / "ours" / "fsdp" / "manifest.json").is_file()
+    found = run_on_ranks(2, engine_resumes, str(tmp_path / "ours"), [3])[0][3]
+    assert max(abs(a - b) for a, b in zip(found["after"], fsdp["after"])) <= TOL
+    assert_close(found["params"], fsdp["params"], "resumed from the converted checkpoint")
+
+    deepspeed = Path(__file__).parent / "data" / "deepspeed_checkpoints" / "stage3_bf16"
+    done = subprocess.run([*cli, str(deepspeed), str(tmp_path / "dcp"), "--to", "dcp"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    tag = (tmp_path / "dcp" / "latest").read_text()
+    dcp_to_torch_save(tmp_path / "dcp" / tag, tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    direct = zero_engine.load_consolidated(deepspeed)
+    assert sorted(full["model"]) == sorted(direct)
+    assert all(torch.equal(full["model"][name], direct[name]) for name in direct)
+    assert any(key.endswith(".exp_avg_sq") for key in full["optimizer"]), sorted(full["optimizer"])[:4]
+    assert full["train_state"]["step"] == formats.open_source(deepspeed).extra["global_step"] > 0

@@ -13,9 +13,9 @@ from torch import nn
 def llama(
     *, vocab: int = 64, hidden: int = 32, ffn: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
     positions: int = 32, attention: str | None = None, window: int | None = None, qwen3: bool = False,
-    **extra: Any,
+    tied: bool = False, **extra: Any,
 ) -> Any:
-    """A tiny ``LlamaForCausalLM`` (untied head); with ``window``, its Mistral twin (sliding-window
+    """A tiny ``LlamaForCausalLM`` (untied head unless ``tied``); with ``window``, its Mistral twin (sliding-window
     attention of that width); with ``qwen3``, its Qwen3 twin (an RMSNorm on each head's queries
     and keys, heads of 4). ``attention`` picks the attention implementation (transformers' default
     when None); ``extra`` goes to the config."""
@@ -40,7 +40,7 @@ def llama(
     config = Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions,
-        tie_word_embeddings=False, **extra,
+        tie_word_embeddings=tied, **extra,
     )
     return Model(config)
 

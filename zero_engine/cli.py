@@ -13,8 +13,10 @@
     zero-engine consolidate CHECKPOINT OUT --format hf [--max-shard-size S] [--dtype D]
                                                          write Hugging Face's sharded safetensors
                                                          layout into the directory OUT, streamed
-    zero-engine convert DEEPSPEED_DIR OUT_DIR [--tag T]  a DeepSpeed ZeRO checkpoint in this engine's
-                                                         format (optimizer state, step and schedule kept)
+    zero-engine convert SOURCE OUT_DIR [--tag T] [--to zero_engine|dcp]
+                                                         a checkpoint (DeepSpeed's, DCP's, ours) in this
+                                                         engine's format or DCP's (torchtitan's layout,
+                                                         for FSDP2): optimizer state, step and schedule kept
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .optimizer_kinds import state_note
 from .stage import stage_for
 from .stage_choice import candidates, choose, format_table
 from .state.consolidate import load_consolidated, write_state_dict
-from .state.convert import convert_deepspeed
+from .state.convert import convert_checkpoint
 from .state.export import export_checkpoint
 from .validation import check_config, summary, trainer_stand_ins
 from .values import as_count
@@ -269,14 +271,18 @@ def _export(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     try:
-        written, translated = convert_deepspeed(args.deepspeed_dir, args.out_dir, args.tag)
+        written, found = convert_checkpoint(args.source, args.out_dir, args.tag, args.to)
     except (OSError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {written}: DeepSpeed stage {translated.stage} on {len(translated.pieces_by_rank)} rank(s), "
-          f"step {translated.extra['global_step']}; load_checkpoint reads it at any stage and world size")
-    if translated.ignored:
-        print(f"not carried over (this engine has no such state): {', '.join(translated.ignored)}")
+    manifest = found.checkpoint.manifest
+    stage = f" stage {manifest['stage']}" if manifest.get("stage") is not None else ""
+    print(f"wrote {written}: a {found.writer}{stage} checkpoint as {args.to}, {len(manifest['params'])} tensors, "
+          f"step {found.extra['global_step']}; "
+          + ("load_checkpoint reads it at any stage and world size" if args.to == "zero_engine"
+             else "dcp.load reads it into FSDP2 (torchtitan's layout), load_checkpoint here"))
+    if found.ignored:
+        print(f"not carried over (this engine has no such state): {', '.join(found.ignored)}")
     return 0
 
 
@@ -353,10 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     consolidate.add_argument("--dtype", help="with --format hf: write the weights in this dtype (default: fp32)")
     consolidate.set_defaults(run=_consolidate)
-    convert = verbs.add_parser("convert", help="rewrite a DeepSpeed ZeRO checkpoint in this engine's format")
-    convert.add_argument("deepspeed_dir", help="the directory DeepSpeed's save_checkpoint wrote (holding 'latest')")
+    convert = verbs.add_parser(
+        "convert", help="rewrite a checkpoint (DeepSpeed's, DCP's, this engine's) in this engine's format or DCP's"
+    )
+    convert.add_argument("source", help="the checkpoint directory (holding 'latest', or the tag with --tag)")
     convert.add_argument("out_dir", help="the checkpoint directory to write (the same tag)")
-    convert.add_argument("--tag", help="which DeepSpeed tag (default: its latest)")
+    convert.add_argument("--tag", help="which tag (default: its latest)")
+    convert.add_argument("--to", choices=["zero_engine", "dcp"], default="zero_engine",
+                         help="the format to write: this engine's (default) or DCP's, torchtitan's layout, for FSDP2")
     convert.set_defaults(run=_convert)
     return parser
 

@@ -98,7 +98,7 @@ def read_dcp(directory: Path, tag: str | None) -> Source:
     rng: list[Any] = []
     if ours is not None:  # this engine's save: its own extra.pt and generators beside DCP's files
         extra = storage.read_file(path / EXTRA)
-        rng = [storage.read_file(path / rng_file(rank)) for rank in range(ours["world_size"])]
+        rng = [storage.read_file(path / rng_file(rank)) for rank in range(ours.get("world_size") or 0)]
         ignored: list[str] = []
     else:
         extra, ignored = _foreign_extra(path, index)
@@ -375,23 +375,60 @@ def save_dcp(
         return {"files": files, "items": out.items}
 
     def manifest(staging: Path, results: list[dict[str, Any]]) -> None:
-        items = _deduplicated([item for result in results for item in result["items"]])
-        data = metadata_bytes(items, str(root / tag))
-        with open(staging / METADATA, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        files = {name: entry for result in results for name, entry in result["files"].items()}
-        files[METADATA] = {"bytes": len(data), "sha256": storage.sha256_of(staging / METADATA)}
-        ours = {
-            "format": FORMAT, "tag": tag, "global_step": counters.global_step, "stage": state.stage,
-            "world_size": comm.mesh.world,
+        finish(staging, results, str(root / tag), writer, {
+            "tag": tag, "global_step": counters.global_step, "stage": state.stage, "world_size": comm.mesh.world,
             "optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
-            "config": state.config.model_dump(mode="json"), "files": files,
-        }
-        writer.write_text(staging / DCP_MANIFEST, json.dumps(ours, indent=1))
+            "config": state.config.model_dump(mode="json"),
+        })
 
     return save_staged(comm, root, tag, client_state, writer, write, manifest)
+
+
+def finish(staging: Path, results: list[dict[str, Any]], checkpoint_id: str, writer: storage.FileWriter,
+           fields: dict[str, Any]) -> None:
+    """DCP's ``.metadata`` of every rank's written items, then ``zero_engine.json`` (``fields``
+    and every file's size and SHA-256)."""
+    items = _deduplicated([item for result in results for item in result["items"]])
+    data = metadata_bytes(items, checkpoint_id)
+    with open(staging / METADATA, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    files = {name: entry for result in results for name, entry in result["files"].items()}
+    files[METADATA] = {"bytes": len(data), "sha256": storage.sha256_of(staging / METADATA)}
+    writer.write_text(staging / DCP_MANIFEST, json.dumps({"format": FORMAT, **fields, "files": files}, indent=1))
+
+
+def convert_to_dcp(source: Source, staging: Path, checkpoint_id: str) -> None:
+    """Any checkpoint (`sources.Source`) written into ``staging`` as one DCP rank would (in one
+    process: ``zero-engine convert --to dcp``)."""
+    params, extra = source.checkpoint.manifest["params"], source.extra
+    out = _DataFile(staging, 0)
+    try:
+        write_pieces(out, [piece for name in params for piece in source.index.pieces.get(name, ())], params)
+        write_whole(out, extra["module"], _options_of(source), extra.get("lr_scheduler"), extra["global_step"])
+    finally:
+        files = {out.name: out.close()}
+    files[EXTRA] = storage.write_file(staging / EXTRA, {**extra, "module": {}})
+    finish(staging, [{"files": files, "items": out.items}], checkpoint_id, storage.FILES, {
+        "tag": staging.name, "global_step": extra["global_step"], "world_size": 0,  # no rank's generators
+        "optimizer": source.checkpoint.manifest.get("optimizer"),
+    })
+
+
+def _options_of(source: Source) -> dict[str, dict[str, Any]]:
+    """Each trainable parameter's param-group options: as saved per parameter, or the one group's
+    (a checkpoint of several groups does not say which parameter is in which)."""
+    extra, params = source.extra, source.checkpoint.manifest["params"]
+    if "param_options" in extra:
+        return extra["param_options"]
+    groups = extra.get("param_groups") or []
+    if len(groups) > 1:
+        raise CheckpointError(
+            f"{source.checkpoint.path}: {len(groups)} optimizer param groups, and the checkpoint does not record which "
+            "parameter is in which, which DCP's layout needs: resume it in the engine and save_checkpoint(format='dcp')"
+        )
+    return {name: dict(groups[0]) for name, entry in params.items() if groups and not entry.get("frozen")}
 
 
 def _options(state: Resumable) -> dict[str, dict[str, Any]]:
