@@ -357,3 +357,32 @@ def test_zero_engine_convert_goes_between_dcp_and_the_other_formats(fsdp_saved: 
     assert all(torch.equal(full["model"][name], direct[name]) for name in direct)
     assert any(key.endswith(".exp_avg_sq") for key in full["optimizer"]), sorted(full["optimizer"])[:4]
     assert full["train_state"]["step"] == formats.open_source(deepspeed).extra["global_step"] > 0
+
+
+@pytest.mark.parametrize("shape", [(5,), (4, 6), (3, 4, 5), ()])
+def test_pieces_and_chunks_meet_in_the_flat_order(shape: tuple[int, ...]) -> None:
+    """A flat piece as rectangles, each one run of the flat order; any chunk (FSDP2's row
+    block, a tensor-parallel column block, a 3-D corner) as runs holding exactly its elements."""
+    import itertools
+    import math
+
+    from zero_engine.state.dcp_layout import rectangles, runs
+
+    total = math.prod(shape)
+    whole = torch.arange(total).view(shape)
+    for start in range(total + 1):
+        for numel in range(total - start + 1):
+            at = 0
+            for rect in rectangles(shape, start, numel):
+                cut = whole[tuple(slice(o, o + s) for o, s in zip(rect.offsets, rect.sizes))]
+                assert torch.equal(cut.reshape(-1), torch.arange(start + rect.lo, start + rect.hi))
+                assert (rect.lo, [r.start for r in runs(shape, rect.offsets, rect.sizes)]) == (at, [start + rect.lo])
+                at = rect.hi
+            assert at == numel
+    for offsets in itertools.product(*(range(d) for d in shape)):
+        for sizes in itertools.product(*(range(1, d - o + 1) for d, o in zip(shape, offsets))):
+            chunk = whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+            found = runs(shape, offsets, sizes)
+            assert sum(run.numel for run in found) == chunk.numel()
+            for run in found:
+                assert torch.equal(chunk[run.within : run.within + run.numel], torch.arange(run.start, run.start + run.numel))

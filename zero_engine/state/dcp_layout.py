@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from ..sharding.units.param_placement import flat_boxes
+
 MODEL, STATE, GROUPS = "model.", "optimizer.state.", "optimizer.param_groups."
 
 
@@ -33,35 +35,12 @@ class Run(NamedTuple):
 
 def rectangles(shape: tuple[int, ...], start: int, numel: int) -> list[Rectangle]:
     """Elements ``[start, start + numel)`` of a tensor of ``shape``, flattened, as rectangles in
-    order (their ``lo``/``hi`` relative to ``start``)."""
-    out: list[Rectangle] = []
-
-    def cut(dims: tuple[int, ...], prefix: tuple[int, ...], a: int, b: int, base: int) -> None:
-        if a >= b:
-            return
-        inner = math.prod(dims[1:])
-        first, last = a // inner, b // inner
-        if len(dims) == 1 or (a % inner == 0 and b % inner == 0):
-            out.append(Rectangle((*prefix, first, *(0 for _ in dims[1:])), (*(1 for _ in prefix), last - first, *dims[1:]),
-                                 base + a - start, base + b - start))
-            return
-        if first == last:  # inside one row
-            cut(dims[1:], (*prefix, first), a - first * inner, b - first * inner, base + first * inner)
-            return
-        if a % inner:
-            cut(dims[1:], (*prefix, first), a - first * inner, inner, base + first * inner)
-            first += 1
-        if last > first:
-            out.append(Rectangle((*prefix, first, *(0 for _ in dims[1:])), (*(1 for _ in prefix), last - first, *dims[1:]),
-                                 base + first * inner - start, base + last * inner - start))
-        if b % inner:
-            cut(dims[1:], (*prefix, last), 0, b - last * inner, base + last * inner)
-
-    if not shape:
-        if numel:
-            out.append(Rectangle((), (), 0, 1))
-        return out
-    cut(tuple(shape), (), start, start + numel, 0)
+    order (`param_placement.flat_boxes`; their ``lo``/``hi`` relative to ``start``)."""
+    out, lo = [], 0
+    for box in flat_boxes(shape, start, numel):
+        count = math.prod(box.sizes)
+        out.append(Rectangle(tuple(box.offsets), tuple(box.sizes), lo, lo + count))
+        lo += count
     return out
 
 
