@@ -87,7 +87,8 @@ class ZeroEngineConfig(_Section):
     )
     checkpoint_format: str = Field(
         "zero_engine", description="Ours: the format save_checkpoint writes when its format= is not given: "
-        "'zero_engine' (this engine's own, any stage and world size), or a format registered with "
+        "'zero_engine' (this engine's own, any stage and world size), 'dcp' (torch.distributed.checkpoint in "
+        "torchtitan's layout, which FSDP2 loads with dcp.load), or a format registered with "
         "zero_engine.state.formats.register. load_checkpoint reads any registered format, found by its files."
     )
     managed_gradient_accumulation: bool = Field(
