@@ -22,22 +22,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import zero_engine
+from bench_export import Block  # the same tower's block (scripts/ is on the path of a script run from it)
 from zero_engine.testing.process_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 
 MiB = 2**20
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.relu(self.fc1(x)))
 
 
 def tower(width: int, depth: int) -> nn.Module:
