@@ -17,7 +17,7 @@ from torch import nn
 import zero_engine
 from harness import run_on_ranks
 from tiny import llama
-from zero_engine.state import formats
+from zero_engine.state import formats, storage
 
 STEPS, GLOBAL_BATCH, TOL = 5, 6, 2e-5
 
@@ -290,10 +290,13 @@ def fsdp_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     return root, run_on_ranks(2, fsdp_run, str(root), [], True, allow_numpy=True)[0]
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(1, marks=pytest.mark.slow), 3])
-def test_the_engine_resumes_fsdp2s_checkpoint_at_every_stage(fsdp_saved: tuple[Path, dict[str, Any]], world: int) -> None:
+@pytest.mark.parametrize("world, stages", [
+    (2, [0, 1, 2, 3]), (3, [3]),
+    pytest.param(1, [0, 1, 2, 3], marks=pytest.mark.slow), pytest.param(3, [0, 1, 2], marks=pytest.mark.slow),
+])
+def test_the_engine_resumes_fsdp2s_checkpoint_at_every_stage(fsdp_saved: tuple[Path, dict[str, Any]], world: int,
+                                                             stages: list[int]) -> None:
     root, fsdp = fsdp_saved
-    stages = [0, 1, 2, 3] if world == 2 else [3]
     for stage, found in run_on_ranks(world, engine_resumes, str(root), stages)[0].items():
         assert max(abs(a - b) for a, b in zip(found["after"], fsdp["after"])) <= TOL, (stage, found["after"], fsdp["after"])
         assert_close(found["params"], fsdp["params"], f"stage {stage}, world {world}")
@@ -326,6 +329,45 @@ def test_fsdp2_resumes_the_engines_dcp_checkpoint(tmp_path: Path, cases: dict[in
             assert_close(fsdp["params"], found["params"], f"FSDP2 from stage {stage}, world {world}")
             assert found["resumed"] == pytest.approx(found["after"], abs=1e-7), (stage, world)  # and here, exactly
             assert found["step"] == 2 * STEPS  # the counter saved (5), then 5 steps here
+
+
+class FullDisk(storage.FileWriter):
+    """A disk that fills at the first file the save writes through the writer."""
+
+    def write_file(self, path: Path, payload: Any) -> dict[str, int | str]:
+        raise OSError(f"{path}: No space left on device")
+
+
+def damaged_and_failed(rank: int, world: int, root: str) -> dict[str, str]:
+    """A DCP save verified as the own format's are: a flipped byte in a data file is refused on
+    every rank; a save whose disk fills leaves nothing behind."""
+    engine = zero_engine.initialize(make_net(0), engine_config(1, world))
+    engine_train(engine, rank, world, range(2))
+    path = engine.save_checkpoint(root, tag="good", format="dcp")
+    if rank == 0:
+        data = bytearray((path / "__1_0.distcp").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (path / "__1_0.distcp").write_bytes(bytes(data))
+    engine.comm.barrier()
+    found = {}
+    for case, call in [("damaged", lambda: engine.load_checkpoint(root, tag="good")),
+                       ("full disk", lambda: engine.save_checkpoint(root, tag="full", format="dcp"))]:
+        engine.checkpoint_writer = FullDisk() if case == "full disk" else storage.FILES
+        try:
+            call()
+            found[case] = "accepted"
+        except zero_engine.CheckpointError as err:
+            found[case] = str(err)
+    found["left"] = sorted(p.name for p in Path(root).iterdir())
+    engine.close()
+    return found
+
+
+def test_a_dcp_save_is_verified_and_atomic(tmp_path: Path) -> None:
+    for found in run_on_ranks(2, damaged_and_failed, str(tmp_path)):
+        assert "failed on 2 of 2 ranks" in found["damaged"] and "__1_0.distcp: checksum does not match" in found["damaged"]
+        assert "No space left on device" in found["full disk"], found["full disk"]
+        assert found["left"] == ["good", "latest"], found["left"]  # no half-written tag, no staging directory
 
 
 def test_zero_engine_convert_goes_between_dcp_and_the_other_formats(fsdp_saved: tuple[Path, dict[str, Any]],
