@@ -99,10 +99,9 @@ def read_dcp(directory: Path, tag: str | None) -> Source:
     if ours is not None:  # this engine's save: its own extra.pt and generators beside DCP's files
         extra = storage.read_file(path / EXTRA)
         rng = [storage.read_file(path / rng_file(rank)) for rank in range(ours.get("world_size") or 0)]
-        ignored: list[str] = []
     else:
-        extra, ignored = _foreign_extra(path, index)
-    return Source(Checkpoint(path, manifest), DcpPieces(path, index, rng), extra, ignored, NAME)
+        extra = _foreign_extra(path, index)
+    return Source(Checkpoint(path, manifest), DcpPieces(path, index, rng), extra, [], NAME)
 
 
 def _verified_manifest(path: Path) -> dict[str, Any] | None:
@@ -129,7 +128,7 @@ def _verified_manifest(path: Path) -> dict[str, Any] | None:
     return manifest
 
 
-def _foreign_extra(path: Path, index: Index) -> tuple[dict[str, Any], list[str]]:
+def _foreign_extra(path: Path, index: Index) -> dict[str, Any]:
     """What loading restores beside the pieces, from a DCP checkpoint another program wrote:
     the options of each parameter's param group, the schedule, the step counter (torchtitan's
     ``train_state.step``); the other parts become the ``client_state``."""
@@ -151,11 +150,10 @@ def _foreign_extra(path: Path, index: Index) -> tuple[dict[str, Any], list[str]]
     for group in options.values():
         if group not in distinct:
             distinct.append(group)
-    extra = {
+    return {
         "module": {}, "param_groups": distinct, "param_options": options, "lr_scheduler": parts.pop("lr_scheduler", None),
         "loss_scaler": None, "global_step": int(step), "skipped_steps": 0, "client_state": parts or None,
     }
-    return extra, []
 
 
 def _place(tree: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
