@@ -172,12 +172,14 @@ def refusals(rank: int, world: int, root: str) -> dict[str, Any]:
     wider = nn.Sequential(nn.Linear(7, 11), nn.LayerNorm(11), nn.GELU(), nn.Linear(11, 5), nn.Tanh(), nn.Linear(5, 3))
     deeper = nn.Sequential(*make_net(2), nn.Linear(3, 3))
     sgd = {**engine_config(3, world), "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
-    for case, model, config in [("re-shaped", wider, engine_config(3, world)), ("missing", deeper, engine_config(1, world)),
-                                ("optimizer", make_net(2), sgd)]:
+    for case, model, config, tag in [
+        ("re-shaped", wider, engine_config(3, world), "fsdp"), ("missing", deeper, engine_config(1, world), "fsdp"),
+        ("optimizer", make_net(2), sgd, "fsdp"), ("state shape", make_net(2), engine_config(3, world), "odd-state"),
+    ]:
         engine = zero_engine.initialize(model, config)
         before = engine.full_state_dict()
         try:
-            engine.load_checkpoint(root, tag="fsdp")
+            engine.load_checkpoint(root, tag=tag)
             found[case] = "accepted"
         except zero_engine.CheckpointError as err:
             found[case] = str(err)
@@ -303,14 +305,19 @@ def test_the_engine_resumes_fsdp2s_checkpoint_at_every_stage(fsdp_saved: tuple[P
 
 
 def test_a_dcp_checkpoint_that_does_not_fit_is_refused_on_every_rank(fsdp_saved: tuple[Path, dict[str, Any]]) -> None:
+    import torch.distributed.checkpoint as dcp
+
     root, fsdp = fsdp_saved
+    odd = {"state.0.weight.exp_avg": torch.zeros(3), "param_groups.0.weight.lr": 0.01}  # a moment of 3 for a 10 x 7 weight
+    dcp.save({"model": make_net(0).state_dict(), "optimizer": odd}, checkpoint_id=root / "odd-state")  # one process
     for rank, found in enumerate(run_on_ranks(2, refusals, str(root))):
-        for case in ("re-shaped", "missing", "optimizer"):
+        for case in ("re-shaped", "missing", "optimizer", "state shape"):
             assert "failed on 2 of 2 ranks" in found[case], (rank, case, found[case])
             assert found[f"{case} untouched"], (rank, case)
         assert "re-shaped: 0.bias (checkpoint [10], model [11]), 0.weight (checkpoint [10, 7], model [11, 7])" in found["re-shaped"]
         assert "missing: 6.bias, 6.weight" in found["missing"], found["missing"]
         assert "optimizer options amsgrad, betas" in found["optimizer"] and "not SGD's" in found["optimizer"], found["optimizer"]
+        assert "optimizer.state.0.weight.exp_avg has shape [3], its parameter [10, 7]" in found["state shape"]
         assert_close(found["weights"], fsdp["saved"], "weights=")
 
 

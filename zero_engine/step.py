@@ -286,6 +286,7 @@ class OptimizerStep:
         if by_name is None:
             return list(extra["param_groups"])
         saved: list[dict[str, Any] | None] = []
+        ours = set(self.optimizer.defaults) - IMPLEMENTATION_OPTIONS
         for index, names in enumerate(self.group_names):
             found = [(name, by_name[name]) for name in names if name in by_name]
             for name, options in found[1:]:
@@ -297,7 +298,6 @@ class OptimizerStep:
                         f"({', '.join(differing)}): pass param_groups as the saved run grouped them, or load with "
                         "load_optimizer_states=False"
                     )
-            ours = set(self.optimizer.defaults) - IMPLEMENTATION_OPTIONS
             foreign = sorted(set(found[0][1]) - ours - IMPLEMENTATION_OPTIONS - {"initial_lr"}) if found else []
             if foreign:
                 raise CheckpointError(
@@ -406,6 +406,9 @@ class NoOptimizerStep:
 
     def extra_state(self) -> dict[str, Any]:
         return {"param_groups": [], "lr_scheduler": None, "loss_scaler": None}
+
+    def options_by_name(self) -> dict[str, dict[str, Any]]:
+        return {}
 
     def check_loadable(self, extra: dict[str, Any]) -> None:
         """Any checkpoint's optimizer state is left (nothing here to restore it into)."""

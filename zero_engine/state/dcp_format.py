@@ -69,8 +69,7 @@ def dcp_directory(directory: str | Path, tag: str | None) -> Path | None:
         tag = storage.resolve_tag(root, tag)
     except (OSError, CheckpointError):
         return None
-    pending = storage.pending_path(root, tag)
-    path = pending if (pending / DCP_MANIFEST).is_file() else root / tag
+    path = storage.tag_path(root, tag)
     return path if (path / METADATA).is_file() else None
 
 
@@ -121,10 +120,11 @@ def _verified_manifest(path: Path) -> dict[str, Any] | None:
         target = path / name
         if "/" in name or not target.is_file():
             raise CheckpointError(f"{target}: listed in {DCP_MANIFEST} but missing")
-        if target.stat().st_size != expected["bytes"]:
-            raise CheckpointError(f"{target}: {target.stat().st_size} bytes, {DCP_MANIFEST} says {expected['bytes']} (truncated?)")
-        if storage.sha256_of(target) != expected["sha256"]:
-            raise CheckpointError(f"{target}: checksum does not match {DCP_MANIFEST} (corrupted)")
+        descriptor = os.open(target, os.O_RDONLY)
+        try:
+            storage.check_listed(target, descriptor, expected, DCP_MANIFEST)
+        finally:
+            os.close(descriptor)
     return manifest
 
 
@@ -173,7 +173,7 @@ def _as_lists(tree: Any) -> Any:
 
 
 def _whole(path: Path, entry: TensorEntry) -> torch.Tensor:
-    whole = torch.empty(entry.shape, dtype=entry.dtype)
+    whole = torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
     for chunk in entry.chunks:
         whole[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = read_blob(path, chunk)
     return whole
@@ -182,16 +182,27 @@ def _whole(path: Path, entry: TensorEntry) -> torch.Tensor:
 class DcpPieces(PieceIndex):
     """The saved pieces of each parameter, cut from DCP's chunks as they are asked for: a range
     reads the chunks that cover it alone (a few kept loaded: a load asks parameter by
-    parameter, the master then each state)."""
+    parameter, the master then each state). Each optimizer state is classed when the
+    checkpoint is opened (with a load's other checks, before anything is restored): elementwise
+    (its parameter's shape) or a scalar (Adam's step); any other shape is refused."""
 
     def __init__(self, directory: Path, index: Index, rng: list[Any]) -> None:
         super().__init__((), rng)
         self.directory, self.index = directory, index
-        self.states: dict[str, dict[str, TensorEntry]] = {}
+        self.states: dict[str, dict[str, TensorEntry]] = {}  # elementwise, by parameter and key
+        self.scalars: dict[str, dict[str, TensorEntry]] = {}
         for fqn, entry in index.tensors.items():
             named = state_key(fqn)
-            if named is not None:
+            param = index.tensors.get(MODEL + named[0]) if named is not None else None
+            if param is None:
+                continue
+            if not entry.shape and (named[1] == "step" or param.shape):
+                self.scalars.setdefault(named[0], {})[named[1]] = entry
+            elif entry.shape == param.shape:
                 self.states.setdefault(named[0], {})[named[1]] = entry
+            else:
+                raise CheckpointError(f"{directory}: optimizer state {fqn} has shape {list(entry.shape)}, its parameter "
+                                      f"{list(param.shape)}: neither elementwise nor a scalar, not readable")
         self._loaded: OrderedDict[tuple[str, Chunk], torch.Tensor] = OrderedDict()
         self.pieces = _AllPieces(self)  # type: ignore[assignment]
 
@@ -201,14 +212,9 @@ class DcpPieces(PieceIndex):
             return []
         shape = model.shape
         pieces: dict[tuple[int, int], SavedPiece] = {}
-        scalars: dict[str, torch.Tensor] = {}
+        scalars = {key: self._chunk(STATE + f"{name}.{key}", entry.chunks[0]).reshape(())
+                   for key, entry in self.scalars.get(name, {}).items()}
         for key, entry in [(None, model), *self.states.get(name, {}).items()]:
-            if key is not None and (key == "step" or entry.shape != shape) and not entry.shape:
-                scalars[key] = self._chunk(STATE + f"{name}.{key}", entry.chunks[0]).reshape(())
-                continue
-            if entry.shape != shape:
-                raise CheckpointError(f"{self.directory}: optimizer state {STATE}{name}.{key} has shape "
-                                      f"{list(entry.shape)}, its parameter {list(shape)}: not elementwise, not readable")
             fqn = MODEL + name if key is None else STATE + f"{name}.{key}"
             for chunk in entry.chunks:
                 for run in runs(shape, chunk.offsets, chunk.sizes):
@@ -262,7 +268,9 @@ class _AllPieces(Mapping):
 
 class _DataFile:
     """One rank's DCP data file: each item a ``torch.save`` of its own, back to back, and the
-    record DCP's metadata needs of it."""
+    record DCP's metadata needs of it. An item's key is ``<part>.<key in the part>`` (the part:
+    ``model``, ``optimizer``, ``lr_scheduler``, ``train_state``), as DCP flattens a state dict of
+    those parts; its path in the state dict follows from it."""
 
     def __init__(self, directory: Path, rank: int) -> None:
         self.name = data_file(rank)
@@ -271,27 +279,26 @@ class _DataFile:
         self.items: list[dict[str, Any]] = []
         self.seen: set[tuple[str, tuple[int, ...]]] = set()
 
-    def tensor(self, fqn: str, path: tuple[Any, ...], shape: tuple[int, ...], offsets: tuple[int, ...],
-               values: torch.Tensor) -> None:
+    def tensor(self, fqn: str, shape: tuple[int, ...], offsets: tuple[int, ...], values: torch.Tensor) -> None:
         if (fqn, offsets) in self.seen:
             return
         self.seen.add((fqn, offsets))
         record = {"shape": list(shape), "dtype": str(values.dtype).removeprefix("torch."), "offsets": list(offsets),
                   "sizes": list(values.shape)}
-        self._write(fqn, path, values.detach().to("cpu").contiguous().clone(), record)
+        self._write(fqn, values.detach().to("cpu").contiguous().clone(), record)
 
-    def value(self, fqn: str, path: tuple[Any, ...], value: Any) -> None:
+    def value(self, fqn: str, value: Any) -> None:
         if (fqn, ()) in self.seen:
             return
         self.seen.add((fqn, ()))
-        self._write(fqn, path, value, {})
+        self._write(fqn, value, {})
 
-    def _write(self, fqn: str, path: tuple[Any, ...], payload: Any, record: dict[str, Any]) -> None:
+    def _write(self, fqn: str, payload: Any, record: dict[str, Any]) -> None:
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         offset = self.handle.tell()
         self.handle.write(buffer.getbuffer())
-        self.items.append({"fqn": fqn, "path": list(path), "file": self.name, "offset": offset,
+        self.items.append({"fqn": fqn, "path": fqn.split(".", 1), "file": self.name, "offset": offset,
                            "length": self.handle.tell() - offset, **record})
 
     def close(self) -> dict[str, int | str]:
@@ -305,24 +312,21 @@ def write_pieces(out: _DataFile, pieces: list[SavedPiece], params: dict[str, dic
     """Each piece's master under every name of its parameter, and its optimizer state, as DCP
     chunks (rectangles of the whole parameter); a scalar state (Adam's step) whole."""
     for piece in pieces:
-        entry = params[piece["name"]]
-        shape, name = tuple(entry["shape"]), piece["name"]
+        name, entry = piece["name"], params[piece["name"]]
+        shape = tuple(entry["shape"])
+        elementwise = {}
         for key, value in piece["state"].items():
-            if not (torch.is_tensor(value) and value.dim() == 1 and value.numel() == piece["numel"]):
-                fqn = f"{STATE}{name}.{key}"
-                if torch.is_tensor(value):
-                    out.tensor(fqn, ("optimizer", fqn[len("optimizer."):]), tuple(value.shape), (0,) * value.dim(), value)
-                else:
-                    out.value(fqn, ("optimizer", fqn[len("optimizer."):]), value)
+            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == piece["numel"]:
+                elementwise[key] = value
+            elif torch.is_tensor(value):
+                out.tensor(f"{STATE}{name}.{key}", tuple(value.shape), (0,) * value.dim(), value)
+            else:
+                out.value(f"{STATE}{name}.{key}", value)
         for rect in rectangles(shape, piece["start"], piece["numel"]):
             for alias in entry["aliases"]:
-                values = piece["master"][rect.lo : rect.hi].reshape(rect.sizes)
-                out.tensor(MODEL + alias, ("model", alias), shape, rect.offsets, values)
-            for key, value in piece["state"].items():
-                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == piece["numel"]:
-                    fqn = f"{STATE}{name}.{key}"
-                    out.tensor(fqn, ("optimizer", fqn[len("optimizer."):]), shape, rect.offsets,
-                               value[rect.lo : rect.hi].reshape(rect.sizes))
+                out.tensor(MODEL + alias, shape, rect.offsets, piece["master"][rect.lo : rect.hi].reshape(rect.sizes))
+            for key, value in elementwise.items():
+                out.tensor(f"{STATE}{name}.{key}", shape, rect.offsets, value[rect.lo : rect.hi].reshape(rect.sizes))
 
 
 def write_whole(out: _DataFile, loose: dict[str, torch.Tensor], options: dict[str, dict[str, Any]],
@@ -330,14 +334,13 @@ def write_whole(out: _DataFile, loose: dict[str, torch.Tensor], options: dict[st
     """What one rank writes whole: the loose entries (buffers, frozen parameters kept whole),
     each parameter's param-group options, the schedule and torchtitan's step counter."""
     for name, tensor in loose.items():
-        out.tensor(MODEL + name, ("model", name), tuple(tensor.shape), (0,) * tensor.dim(), tensor)
+        out.tensor(MODEL + name, tuple(tensor.shape), (0,) * tensor.dim(), tensor)
     for name, group in options.items():
         for option, value in group.items():
-            fqn = f"{GROUPS}{name}.{option}"
-            out.value(fqn, ("optimizer", fqn[len("optimizer."):]), value)
+            out.value(f"{GROUPS}{name}.{option}", value)
     for key, value in (scheduler or {}).items():
-        out.value(f"lr_scheduler.{key}", ("lr_scheduler", key), value)
-    out.value("train_state.step", ("train_state", "step"), global_step)
+        out.value(f"lr_scheduler.{key}", value)
+    out.value("train_state.step", global_step)
 
 
 def save_dcp(
@@ -362,7 +365,7 @@ def save_dcp(
             write_pieces(out, payload["pieces"], params)
             if comm.rank == 0:
                 scheduler = state.step.lr_scheduler
-                write_whole(out, model.loose_state(with_frozen=with_frozen), _options(state),
+                write_whole(out, model.loose_state(with_frozen=with_frozen), state.step.options_by_name(),
                             scheduler.state_dict() if scheduler is not None else None, counters.global_step)
         finally:
             files = {out.name: out.close()}
@@ -388,10 +391,7 @@ def finish(staging: Path, results: list[dict[str, Any]], checkpoint_id: str, wri
     and every file's size and SHA-256)."""
     items = _deduplicated([item for result in results for item in result["items"]])
     data = metadata_bytes(items, checkpoint_id)
-    with open(staging / METADATA, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    storage.write_bytes(staging / METADATA, data)
     files = {name: entry for result in results for name, entry in result["files"].items()}
     files[METADATA] = {"bytes": len(data), "sha256": storage.sha256_of(staging / METADATA)}
     writer.write_text(staging / DCP_MANIFEST, json.dumps({"format": FORMAT, **fields, "files": files}, indent=1))
@@ -427,11 +427,6 @@ def _options_of(source: Source) -> dict[str, dict[str, Any]]:
             "parameter is in which, which DCP's layout needs: resume it in the engine and save_checkpoint(format='dcp')"
         )
     return {name: dict(groups[0]) for name, entry in params.items() if groups and not entry.get("frozen")}
-
-
-def _options(state: Resumable) -> dict[str, dict[str, Any]]:
-    options = getattr(state.step, "options_by_name", None)
-    return options() if options is not None else {}
 
 
 def _deduplicated(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -72,9 +72,18 @@ def write_file(path: Path, payload: Any) -> dict[str, int | str]:
 
 
 def write_text(path: Path, text: str) -> None:
+    _write_durably(path, "w", text)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    _write_durably(path, "wb", data)
+
+
+def _write_durably(path: Path, mode: str, data: str | bytes) -> None:
+    """``data`` in ``path``, flushed to the disk before returning."""
     try:
-        with open(path, "w") as handle:
-            handle.write(text)
+        with open(path, mode) as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
     except OSError as err:
@@ -291,15 +300,20 @@ def _verified(path: Path, opened: list[tuple[int, int]]) -> Checkpoint:
                 descriptor = files.open(name)
             except FileNotFoundError:
                 raise CheckpointError(f"{file}: listed in the manifest but missing") from None
-            size = os.fstat(descriptor).st_size
-            if size != expected["bytes"]:
-                raise CheckpointError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated?)")
-            if sha256_of(file, descriptor) != expected["sha256"]:
-                raise CheckpointError(f"{file}: checksum does not match the manifest (corrupted)")
+            check_listed(file, descriptor, expected)
     except BaseException:
         files.close()
         raise
     return Checkpoint(path, manifest, files)
+
+
+def check_listed(file: Path, descriptor: int, expected: dict[str, Any], listing: str = "the manifest") -> None:
+    """The open ``file`` against its size and SHA-256 as ``listing`` records them."""
+    size = os.fstat(descriptor).st_size
+    if size != expected["bytes"]:
+        raise CheckpointError(f"{file}: {size} bytes, {listing} says {expected['bytes']} (truncated?)")
+    if sha256_of(file, descriptor) != expected["sha256"]:
+        raise CheckpointError(f"{file}: checksum does not match {listing} (corrupted)")
 
 
 def _read_manifest(files: VerifiedFiles, manifest_path: Path, path: Path) -> dict[str, Any]:
