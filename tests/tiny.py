@@ -1,5 +1,6 @@
 """The tiny models the tests share: one Hugging Face Llama (with its sliding-window and q/k-norm
-twins), its LoRA adapters, and one hand-written GPT. Each builds from ``torch.manual_seed(0)``,
+twins), one mixture-of-experts causal LM of each family transformers fuses the experts of
+(Qwen3-MoE, Mixtral), its LoRA adapters, and one hand-written GPT. Each builds from ``torch.manual_seed(0)``,
 so two tests that ask for the same shape get the same weights."""
 
 from __future__ import annotations
@@ -43,6 +44,37 @@ def llama(
         tie_word_embeddings=tied, **extra,
     )
     return Model(config)
+
+
+def moe(
+    family: str = "qwen3_moe", *, experts: int = 8, top_k: int = 2, vocab: int = 64, hidden: int = 16, layers: int = 2,
+    **extra: Any,
+) -> Any:
+    """A tiny mixture-of-experts causal LM with fused experts (``mlp.experts.gate_up_proj`` /
+    ``down_proj``, 3-D): ``qwen3_moe`` (Qwen3-MoE: top-k renormalised) or ``mixtral``, eager
+    attention, every layer sparse, router weights drawn (Qwen3-MoE's start at zero, which
+    would route every token alike)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+        num_experts_per_tok=top_k, max_position_embeddings=64, attn_implementation="eager", **extra,
+    )
+    if family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            intermediate_size=32, moe_intermediate_size=12, num_experts=experts, decoder_sparse_step=1,
+            mlp_only_layers=[], norm_topk_prob=True, head_dim=8, **common,
+        ))
+    elif family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=12, num_local_experts=experts, head_dim=8, **common))
+    else:
+        raise ValueError(f"no tiny MoE family {family!r}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("gate.weight"):
+                param.normal_(0.0, 0.5)
+    return model
 
 
 def lora_config(*, random_init: bool = True, **options: Any) -> Any:

@@ -45,7 +45,7 @@ class EngineSettings:
                 config.sequence_parallel_eval, config.tiled_loss_tokens, config.tiled_mlp_tokens, zero.recompute_units,
                 # DeepSpeed's activation_checkpointing.cpu_checkpointing: with recompute_units, recompute_offload
                 zero.recompute_units and (zero.recompute_offload or bool(checkpointing.get("cpu_checkpointing"))),
-                config.sequence_parallel_size,
+                config.sequence_parallel_size, config.expert_parallel_size,
             ),
             config.steps_per_print, config.wall_clock_breakdown, Monitors.from_config(config),
             _written_format(config.checkpoint_format), config,

@@ -178,7 +178,7 @@ def _build_engine(
         settings = settings_under_split(model, settled.plan, settings, sequence, log=comm.rank == 0)
     units = UnitPlan.derive(
         model, settled.plan, settled.groups, stage.shard_parameters, precision.compute_dtype, settings.bucket_numel,
-        settings.frozen_quantization, compute_layouts(config.optimizer.type),
+        settings.frozen_quantization, compute_layouts(config.optimizer.type), settled.transforms.placement_of,
     )  # every unit, planned once: built by the engine, sized for the host check before
     if settings.offload.any:  # the formula's host bytes, before any of them is allocated
         trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)

@@ -252,7 +252,7 @@ class OptimizerStep:
 
     def _gather_params(self) -> None:
         """Whole parameters get every rank's update; stage 3 units stay sharded until used."""
-        gatherings = [unit.gather(self.comm) for unit in self.units if not unit.sharded_params]
+        gatherings = [unit.gather(unit.sharded_over(self.comm)) for unit in self.units if not unit.sharded_params]
         for gathering in gatherings:
             gathering.wait()
 

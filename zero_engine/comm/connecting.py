@@ -38,9 +38,10 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
         data = own_group(timeout, "data", None)
     elif "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         config.zero_optimization.shard_group_size_for(1)  # a group size that needs more ranks fails here too
-        if config.sequence_parallel_size > 1:
-            raise ConfigError(f"sequence_parallel_size = {config.sequence_parallel_size} needs as many ranks: this "
-                              "process runs alone (launch with torchrun)")
+        for key in ("sequence_parallel_size", "expert_parallel_size"):
+            if getattr(config, key) > 1:
+                raise ConfigError(f"{key} = {getattr(config, key)} needs as many ranks: this process runs alone "
+                                  "(launch with torchrun)")
         return Comm.alone(primitives)
     else:
         backend = choose_backend(config.comm.backend, device)
@@ -58,6 +59,16 @@ def connect(config: ZeroEngineConfig, device: torch.device) -> Comm:
     return make_comm(Mesh.from_config(config, world_size, shard_group_size=size), world, data, timeout)
 
 
+def expected_place() -> tuple[int, int]:
+    """This process's (rank, world size) before the engine connects: the caller's process
+    group's, else torchrun's environment's, else one rank (what `connect` will find)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return 0, 1
+
+
 def make_comm(mesh: Mesh, world: GroupComm, data: Any, timeout_s: float) -> Comm:
     """The `Comm` of ``mesh`` over ``world`` (``data``: its process group): a group per use of
     ``mesh.communicators()``, made in that order on every rank."""
@@ -66,7 +77,29 @@ def make_comm(mesh: Mesh, world: GroupComm, data: Any, timeout_s: float) -> Comm
         group = _group_of_use(timeout_s, mesh, use, role, own, world.rank, data)
         groups[use] = GroupComm(mesh.rank_in(use, world.rank), mesh.size(use), world.backend, group, None,
                                 world.primitives, world.force_collectives)
-    return Comm(mesh, groups, timeout_s)
+    owners = {axis: _owners_comm(mesh, axis, world, timeout_s) for axis in CUT_AXES if mesh.degree(axis) > 1}
+    return Comm(mesh, groups, timeout_s, owners=owners)
+
+
+CUT_AXES = ("expert",)  # axes parameters may be cut along: each gets its owners' groups (`Comm.owners_of`)
+
+
+def _owners_comm(mesh: Mesh, axis: str, world: GroupComm, timeout_s: float, stage_reduce: bool = False) -> Comm:
+    """The `Comm` of the ranks that hold the same part of a parameter cut along ``axis``: the
+    groups of each use of ``mesh.without(axis)``, in ``mesh``'s global ranks (a group of its
+    own per use, role ``owners:<axis>``; with ``stage_reduce``, stage 3's reduce group too)."""
+    sub, rank = mesh.without(axis), world.rank
+    uses = [("world", True)] + [(use, own) for use, _, own in sub.communicators()]
+    groups: dict[str, GroupComm] = {}
+    for use, _ in uses + ([("reduce", True)] if stage_reduce else []):
+        axes = sub.axes_of("zero" if use == "reduce" else use)
+        size = sub.size("zero" if use == "reduce" else use)
+        role = f"owners:{axis}:{'reduce' if use == 'reduce' else 'data'}"
+        made = [own_group(timeout_s, role, None, ranks) for ranks in mesh.groups_along(axes)] if size > 1 else []
+        group = made[mesh.group_index_along(axes, rank)] if made else None
+        groups[use] = GroupComm(mesh.rank_along(axes, rank), size, world.backend, group, None, world.primitives,
+                                world.force_collectives)
+    return Comm(sub, groups, timeout_s)
 
 
 def _group_of_use(timeout_s: float, mesh: Mesh, use: str, role: str, own: bool, rank: int, data: Any) -> Any:
@@ -94,7 +127,8 @@ def with_stage_groups(comm: Comm, stage: Stage) -> Comm:
     reduces = GroupComm(
         comm.shard_rank, size, comm.backend, group, None, comm.world.primitives, comm.world.force_collectives
     )
-    return comm.with_group("reduce", reduces)
+    owners = {axis: _owners_comm(comm.mesh, axis, comm.world, comm.timeout_s, stage_reduce=True) for axis in comm.owners}
+    return comm.with_group("reduce", reduces).with_owners(owners)
 
 
 def make_data_communicators(comm: Comm, device: torch.device) -> None:

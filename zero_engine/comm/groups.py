@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from ..devices import HOST, tensor_bytes
-from .mesh import COMMUNICATORS as COMMON_USES
 from .mesh import Mesh
 from .handles import (
     DONE, ON_SIDE_STREAM, CollectiveKind, EachRank, Finishing, Pending, SecondPhaseStarter, SecondPhaseThread, TwoPhase,
@@ -46,6 +45,9 @@ from .handles import (
 # Control tensors (agreements, JSON exchanges) live here, named explicitly: a factory without
 # ``device=`` follows ``torch.set_default_device``, which would put every agreement through
 # gloo's CUDA staging and sync the GPU once per gather.
+
+
+_FIRST_USES = ("zero", "replicate", "sequence")  # a `Comm`'s own properties name their groups
 
 
 class GroupComm:
@@ -117,16 +119,18 @@ class GroupComm:
         return Pending((dist.all_to_all_single(received, send, group=self.group, async_op=True),))
 
     def exchange_pieces(
-        self, send: torch.Tensor, send_sizes: Sequence[int], received: torch.Tensor, received_sizes: Sequence[int]
+        self, send: torch.Tensor, send_sizes: Sequence[int], received: torch.Tensor, received_sizes: Sequence[int],
+        kind: CollectiveKind = CollectiveKind.MATRIX_EXCHANGE,
     ) -> Pending:
         """Send ``send``'s ``send_sizes[j]`` elements (consecutive, in group rank order) to group
         rank ``j``, receiving rank ``j``'s into ``received`` likewise: an all-to-all of pieces
         of any sizes, zero included (a whole-matrix optimizer's pieces to each matrix's owner
-        and back). Counted as the bytes this rank sends to others."""
+        and back; tokens to their experts' owners, ``kind`` ALL_TO_ALL). Counted as the bytes
+        this rank sends to others."""
         if self.skips_collectives:
             return DONE
         own = send_sizes[self.rank]
-        self._bytes[CollectiveKind.MATRIX_EXCHANGE] += (sum(send_sizes) - own) * send.element_size()
+        self._bytes[kind] += (sum(send_sizes) - own) * send.element_size()
         return Pending((dist.all_to_all_single(
             received, send, list(received_sizes), list(send_sizes), group=self.group, async_op=True
         ),))
@@ -282,12 +286,16 @@ class Comm:
     """
 
     def __init__(
-        self, mesh: Mesh, groups: Mapping[str, GroupComm], timeout_s: float | None = None, *, checked: bool = True
+        self, mesh: Mesh, groups: Mapping[str, GroupComm], timeout_s: float | None = None, *, checked: bool = True,
+        owners: Mapping[str, Comm] | None = None,
     ) -> None:
         """``groups``: ``world`` and the groups of ``mesh.communicators()`` (one that is
         missing: a group of one rank, which its use must have); ``reduce``, stage 3's
         reduce-scatters on a group of the zero ranks of their own (the zero group itself when
-        missing), so their order needs no agreement with the gathers'."""
+        missing), so their order needs no agreement with the gathers'. ``owners``: for an axis
+        parameters are cut along (``expert``), the `Comm` of the ranks holding the same part
+        (`owners_of`)."""
+        self.owners = dict(owners or {})
         world = groups["world"]
         self.world = world
         self.mesh = mesh  # the layout and the rank counts by use
@@ -332,7 +340,23 @@ class Comm:
 
     def with_group(self, use: str, group: GroupComm) -> Comm:
         """This `Comm` with ``group`` as its group of ``use`` (stage 3's reduce group)."""
-        return Comm(self.mesh, {**self._groups, use: group}, self.timeout_s)
+        return Comm(self.mesh, {**self._groups, use: group}, self.timeout_s, owners=self.owners)
+
+    def with_owners(self, owners: Mapping[str, Comm]) -> Comm:
+        """This `Comm` with these owners' `Comm`s (`owners_of`)."""
+        return Comm(self.mesh, self._groups, self.timeout_s, owners=owners)
+
+    def owners_of(self, axes: tuple[str, ...]) -> Comm:
+        """The `Comm` that shards, reduces and gathers a parameter cut along ``axes``: over the
+        ranks that hold the same part of it (the mesh `without` those axes: its ``zero`` group
+        splits the part's state, its ``world`` sums its gradients), this `Comm` itself for a
+        parameter cut along none."""
+        if not axes:
+            return self
+        if len(axes) > 1 or axes[0] not in self.owners:
+            raise KeyError(f"no owners' groups for a parameter cut along {list(axes)}: this engine has "
+                           f"{sorted(self.owners) or 'none'}")
+        return self.owners[axes[0]]
 
     @property
     def shard_group(self) -> GroupComm:
@@ -426,7 +450,8 @@ class Comm:
         shard, replica and reduce groups, the sequence group, then any other axis's (some may be
         the same group)."""
         first = (self.world, self.shard_group, self.replica_group, self.reduce_group, self.sequence_group)
-        return first + tuple(self._groups[use] for use, _, _ in self.mesh.communicators()[len(COMMON_USES):])
+        others = tuple(self._groups[use] for use, _, _ in self.mesh.communicators() if use not in _FIRST_USES)
+        return first + others + tuple(group for owners in self.owners.values() for group in owners.data_groups)
 
     def abort_data_groups(self) -> str:
         """After the ranks diverged, on NCCL: abort the engine's data communicators, whose
@@ -472,11 +497,15 @@ class Comm:
         per_scope = {name: comm.report() for name, comm in scopes.items()}
         if self.sequence_group.world_size > 1:  # Ulysses' all-to-alls, inside each sequence group
             per_scope["sequence_group"] = self.sequence_group.report()
-        for use, _, _ in self.mesh.communicators()[len(COMMON_USES):]:  # any other axis's
+        for use, _, _ in self.mesh.communicators():  # any other axis's (the expert group's exchanges)
+            if use in _FIRST_USES:
+                continue
             if self._groups[use].world_size > 1:
                 per_scope[f"{use}_group"] = self._groups[use].report()
         if self.reduce_group is not self.shard_group:
             per_scope["intra_group"] = _sum_reports(per_scope["intra_group"], self.reduce_group.report())
+        for axis, owners in self.owners.items():  # the reductions and gathers of parameters cut along an axis
+            per_scope[f"{axis}_owners"] = _owned_report(owners)
         report = {
             kind.value: {
                 direction: sum(part[kind.value][direction] for part in per_scope.values())
@@ -491,6 +520,15 @@ class Comm:
     def reset_report(self) -> None:
         for comm in {id(c): c for c in self.data_groups}.values():
             comm.reset_report()
+
+
+def _owned_report(owners: Comm) -> dict[str, dict[str, int]]:
+    """An owners' `Comm`'s bytes per kind, each of its groups counted once."""
+    parts = [group.report() for group in {id(g): g for g in owners.data_groups}.values()]
+    total = parts[0]
+    for part in parts[1:]:
+        total = _sum_reports(total, part)
+    return total
 
 
 def _sum_reports(a: dict[str, dict[str, int]], b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:

@@ -69,6 +69,13 @@ class ZeroEngineConfig(_Section):
         "read the same micro-batches; attention exchanged over them (Hugging Face models, 'sdpa' or 'eager'). "
         "train_batch_size counts the data-parallel ranks, world size / this."
     )
+    expert_parallel_size: PositiveCount = Field(
+        1, description="Ours: expert parallelism. Each mixture-of-experts block's experts (a Hugging Face MoE "
+        "model's fused experts, found at initialize) owned by groups of this many consecutive ranks, "
+        "num_experts / this on each, tokens sent to their experts' owners by all-to-all (dropless, the model's own "
+        "router and expert code). Every rank still reads its own micro-batches; experts' state is sharded over "
+        "the world / this ranks that own the same experts. DeepSpeed's expert_parallel.autoep_size is read as it."
+    )
     sequence_parallel_eval: bool = Field(
         True, description="Ours: with sequence_parallel_size above 1, evaluation and other forwards without gradients "
         "(eval(), torch.no_grad()) are split over the sequence group as training forwards are, the loss the whole "
@@ -100,7 +107,10 @@ class ZeroEngineConfig(_Section):
     )
     disable_python_gc: bool = _deepspeed_option(False)
     log_level: str | None = _deepspeed_option(None)
-    use_data_before_expert_parallelism: bool = _deepspeed_option(False)
+    use_data_before_expert_parallelism: bool = Field(
+        False, description="DeepSpeed: expert groups of ranks far apart instead of consecutive; refused when true "
+        "(expert groups are consecutive ranks here, DeepSpeed's default)."
+    )
     vocabulary_size: PositiveCount | None = _deepspeed_option(None)
     # Read by no part of DeepSpeed 0.19.8 (its accelerator picks the backend and the device), but
     # found in configs written for it, DeepSpeed's own examples among them.
@@ -154,8 +164,12 @@ class ZeroEngineConfig(_Section):
             "refused when 'sum'",
         ),
         "expert_parallel": Refused(
-            lambda c: bool((c.expert_parallel or {}).get("enabled")),
-            lambda c: "expert_parallel.enabled = true (expert parallelism; experts are sharded as any module)",
+            lambda c: bool(_autoep_refusals(c.expert_parallel)),
+            lambda c: "; ".join(_autoep_refusals(c.expert_parallel)),
+        ),
+        "use_data_before_expert_parallelism": Refused(
+            lambda c: c.use_data_before_expert_parallelism,
+            lambda c: "use_data_before_expert_parallelism = true (expert groups are consecutive ranks here)",
         ),
         "sparse_gradients": Refused(
             lambda c: c.sparse_gradients,
@@ -202,7 +216,6 @@ class ZeroEngineConfig(_Section):
         "seq_parallel_communication_data_type": "there is no sequence parallelism",
         "disable_python_gc": "the engine leaves Python's garbage collector as it is",
         "log_level": "the engine logs through Python's logging (logger zero_engine); set its level there",
-        "use_data_before_expert_parallelism": "there is no expert parallelism; experts are sharded as any module",
         "vocabulary_size": "nothing here depends on the vocabulary size",
         "dist_backend": (
             "DeepSpeed 0.19.8 does not read it either; comm.backend picks the backend (auto: NCCL on CUDA, gloo "
@@ -239,6 +252,19 @@ class ZeroEngineConfig(_Section):
             raise ValueError(
                 "zero_optimization.recompute_offload = true needs zero_optimization.recompute_units = true: it "
                 "offloads what each recomputed unit keeps"
+            )
+        autoep = _autoep_size(self.expert_parallel)
+        if autoep is not None:
+            if "expert_parallel_size" in self.model_fields_set and self.expert_parallel_size != autoep:
+                raise ValueError(
+                    f"expert_parallel_size = {self.expert_parallel_size} and DeepSpeed's expert_parallel.autoep_size "
+                    f"= {autoep} disagree: set one of them"
+                )
+            self.__dict__["expert_parallel_size"] = autoep  # not an assignment: that would validate again
+        if self.expert_parallel_size > 1 and self.sequence_parallel_size > 1:
+            raise ValueError(
+                f"expert_parallel_size = {self.expert_parallel_size} with sequence_parallel_size = "
+                f"{self.sequence_parallel_size}: expert parallelism under the sequence split is not built (set one)"
             )
         if zero.mics_shard_size == 0:
             raise ValueError("zero_optimization.mics_shard_size = 0: use -1 (unset) or a number of ranks per group")
@@ -285,6 +311,39 @@ def resolve_batch_sizes(total: int | None, micro: int | None, accum: int | None,
             "give two of the three and the third is derived"
         )
     return BatchSizes(total, micro, accum)
+
+
+# DeepSpeed's AutoEP keys (``expert_parallel``) and what each means here: read, or of no effect
+# (the model's own router and expert code run, found by structure).
+_AUTOEP_READ = {"enabled", "autoep_size"}
+_AUTOEP_NO_EFFECT = {"preset_model", "use_grouped_mm"}
+
+
+def _autoep_size(section: dict[str, Any] | None) -> int | None:
+    """DeepSpeed's ``expert_parallel.autoep_size`` when its section is enabled (1 when enabled
+    without one), else None."""
+    section = section or {}
+    if not section.get("enabled"):
+        return None
+    size = section.get("autoep_size", 1)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
+
+
+def _autoep_refusals(section: dict[str, Any] | None) -> list[str]:
+    """What of an enabled ``expert_parallel`` section this engine cannot honour, by key."""
+    section = section or {}
+    if not section.get("enabled"):
+        return []
+    found = []
+    size = section.get("autoep_size", 1)
+    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+        found.append(f"expert_parallel.autoep_size = {size!r} (a positive number of ranks)")
+    if section.get("load_balance_coeff") is not None:
+        found.append(f"expert_parallel.load_balance_coeff = {section['load_balance_coeff']!r} (the model's own "
+                     "auxiliary loss applies: its config's router_aux_loss_coef)")
+    for key in sorted(set(section) - _AUTOEP_READ - _AUTOEP_NO_EFFECT - {"load_balance_coeff"}):
+        found.append(f"expert_parallel.{key} (not read here: expert_parallel_size and the model's own router decide)")
+    return found
 
 
 def _pipeline_size(section: dict[str, Any] | None) -> int:

@@ -78,6 +78,12 @@ class ModelState:
         # One CPU fp32 copy per parameter, made once: a unit's straight from its full master.
         copies: dict[nn.Parameter, torch.Tensor] = {}
         for unit in self.all_units:
+            if unit.is_cut:  # parts on several ranks: every rank takes part in gathering each whole
+                for index, param in enumerate(unit.params):
+                    whole = self.whole_value(unit, index)
+                    if keep:
+                        copies[param] = whole.to("cpu", torch.float32, copy=True)
+                continue
             full = self.full_master(unit, rank0_only)
             if keep:
                 for index, param in enumerate(unit.params):
@@ -101,7 +107,27 @@ class ModelState:
         its dtype), on rank 0 alone with ``rank0_only`` when they must be gathered (the other
         ranks get None)."""
         whole = self.whole_master(unit)
-        return whole if whole is not None else unit.gather_masters(self.comm, onto=0 if rank0_only else None)
+        if whole is not None:
+            return whole
+        return unit.gather_masters(unit.sharded_over(self.comm), onto=0 if rank0_only else None)
+
+    def whole_value(self, unit: FlatUnit | FrozenUnit, index: int) -> torch.Tensor:
+        """Parameter ``index`` of ``unit`` whole, on every rank: its fp32 master (a frozen unit's
+        values in its dtype), gathered over the ranks of its unit, then, for a parameter cut along
+        an axis (an expert's weights, owned per rank), over that axis's group into the whole
+        parameter. Collective on every rank."""
+        kept = unit.view_of(self.full_master(unit), index)
+        placement = unit.placements[index]
+        if placement.replicated:
+            return kept
+        if len(placement.sharded) != 1 or placement.box.offsets[1:] != (0,) * (kept.dim() - 1):
+            raise NotImplementedError(f"{unit.names[index]}: only parameters cut along dim 0 of one axis are gathered")
+        group = self.comm.group(placement.sharded[0].axis)
+        whole = torch.empty(placement.global_shape, dtype=kept.dtype, device=kept.device)
+        flat, numel = whole.view(-1), kept.numel()  # equal parts along dim 0, in the group's rank order
+        flat[group.rank * numel : (group.rank + 1) * numel] = kept.reshape(-1)
+        group.all_gather(flat).wait()
+        return whole
 
     @staticmethod
     def whole_master(unit: FlatUnit | FrozenUnit) -> torch.Tensor | None:

@@ -49,6 +49,7 @@ class Entry:
     whole: torch.Tensor | None = None
     unit: FlatUnit | FrozenUnit | None = None
     index: int = 0
+    cut: bool = False  # parts on several ranks (an expert's weights): gathered whole alone (`ModelState.whole_value`)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -82,7 +83,9 @@ def entries(model_state: ModelState) -> list[Entry]:
         elif param in placed:
             unit, index = placed[param]
             whole = model_state.whole_master(unit)  # stage 0's masters, stages 1-2's in fp32: no collective
-            if whole is not None:
+            if unit.is_cut:
+                found.append(Entry(name, unit=unit, index=index, cut=True))
+            elif whole is not None:
                 found.append(Entry(name, whole=unit.view_of(whole, index)))
             else:
                 found.append(Entry(name, unit=unit, index=index))
@@ -179,6 +182,12 @@ def _entries_out(
 
     for entry in entries(model_state):
         if wanted is not None and not wanted(entry.name):
+            continue
+        if entry.cut:  # a bucket of its own, gathered on every rank (`ModelState.whole_value`)
+            yield from flush()
+            yield gathered_buckets
+            gathered_buckets += 1
+            yield from emit(entry, model_state.whole_value(entry.unit, entry.index))
             continue
         if entry.whole is not None:
             yield from flush()

@@ -151,6 +151,20 @@ class ModuleTransforms:
             self.revert()
             raise
 
+    def placement_of(self, param: nn.Parameter) -> Any:
+        """Where a parameter the first phase made lies (a `Placement`: an expert cut along the
+        expert axis), or None: whole on every rank."""
+        for transform in self._converted:
+            found = getattr(transform, "placements", {}).get(param)
+            if found is not None:
+                return found
+        return None
+
+    def whole_sources(self) -> list[tuple[nn.Parameter, Any, int]]:
+        """Each parameter the first phase cut from a whole one, with that whole tensor and the
+        offset of its part along dim 0 (the engine starts every rank from rank 0's whole ones)."""
+        return [found for t in self._converted if hasattr(t, "whole_sources") for found in t.whole_sources()]
+
     def revert(self) -> None:
         """Undo the first phase, the last converted first."""
         while self._converted:

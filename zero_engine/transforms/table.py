@@ -4,7 +4,8 @@ row here, and the engine names none of them.
 
 Rows, in the order they are made (the seam sorts them by ``ORDER``, keeping this order within
 one): no key/value cache in training forwards (a Hugging Face model's ``use_cache``), attention
-exchanged over the sequence group (``sequence_parallel_size``), the loss and the MLPs in tiles
+exchanged over the sequence group (``sequence_parallel_size``), experts owned per rank and tokens
+exchanged over the expert group (``expert_parallel_size``), the loss and the MLPs in tiles
 (``tiled_loss_tokens``, ``tiled_mlp_tokens``), each unit recomputed in backward
 (``recompute_units``, its input kept on the host with ``recompute_offload``). ``compile()``
 adds its own later (`unit_forwards.Compile`).
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from .experts import ExpertParallel
 from .no_cache import NoCacheInTraining
 from .seam import ModuleTransform, ModuleTransforms
 from .tiled_loss import TiledLoss
@@ -32,6 +34,7 @@ class TransformSettings(NamedTuple):
     recompute: bool  # each unit recomputed in backward (``recompute_units``)
     recompute_offload: bool = False  # its kept input in host memory (recompute_offload, DeepSpeed's cpu_checkpointing)
     sequence: int = 1  # sequence_parallel_size: the ranks that split each sequence (the mesh's sequence axis)
+    expert: int = 1  # expert_parallel_size: the ranks that own different experts (the mesh's expert axis)
 
 
 class Row(NamedTuple):
@@ -45,6 +48,7 @@ class Row(NamedTuple):
 TABLE: list[Row] = [
     Row("(always)", lambda s: True, lambda s: NoCacheInTraining()),
     Row("sequence_parallel_size", lambda s: s.sequence > 1, lambda s: UlyssesAttention(split_eval=s.split_eval)),
+    Row("expert_parallel_size", lambda s: s.expert > 1, lambda s: ExpertParallel(s.expert)),
     Row("tiled_loss_tokens", lambda s: s.tiled_loss_tokens > 0, lambda s: TiledLoss(s.tiled_loss_tokens)),
     Row("tiled_mlp_tokens", lambda s: s.tiled_mlp_tokens > 0, lambda s: TiledMLP(s.tiled_mlp_tokens)),
     Row("recompute_units", lambda s: s.recompute, lambda s: Recompute(offload=s.recompute_offload)),

@@ -170,13 +170,14 @@ def build_units(
         placement.settle()  # every unit built: what the tiers size by the largest
         return _in_arrival_order(units, position), [], NoGather()
     sharded = [
-        ShardedFlatUnit(
-            planned.tensors, planned.names, planned.group_indices, comm.shard_rank, comm.num_shards,
+        _owned_by(ShardedFlatUnit(
+            planned.tensors, planned.names, planned.group_indices, owners.shard_rank, owners.num_shards,
             label=planned.label, compute_dtype=compute_dtype, device=device,
             materialize=_materializer(deferred, planned.tensors), placement=placement, codec=settings.codecs.gather,
             placements=planned.placements,
-        )
+        ), owners, comm)
         for planned in plan.sharded
+        for owners in [comm.owners_of(planned.cut_axes)]
     ]
     quantizer = BlockQuantizer(8)  # one for every int8 frozen unit: its decode buffer is shared
     frozen = [
@@ -198,6 +199,14 @@ def build_units(
     resident = [_whole_unit(planned, comm, settings, placement) for planned in plan.whole]
     placement.settle()
     return _in_arrival_order([*sharded, *resident], position), frozen, gatherer
+
+
+def _owned_by(unit: FlatUnit, owners: Comm, comm: Comm) -> FlatUnit:
+    """``unit``, sharded over ``owners`` when they are not the engine's ``comm`` (a unit of
+    parameters cut along an axis: `Comm.owners_of`)."""
+    if owners is not comm:
+        unit.comm = owners
+    return unit
 
 
 def _opened(tier: Any, held: Holdings) -> Any:
@@ -268,11 +277,12 @@ def _materializer(deferred: DeferredInit | None, params: list[nn.Parameter]) -> 
 
 
 def _whole_unit(planned: PlannedUnit, comm: Comm, settings: BuildSettings, placement: Placement) -> FlatUnit:
-    return FlatUnit(
-        planned.tensors, planned.names, planned.group_indices, comm.shard_rank, comm.num_shards,
+    owners = comm.owners_of(planned.cut_axes)
+    return _owned_by(FlatUnit(
+        planned.tensors, planned.names, planned.group_indices, owners.shard_rank, owners.num_shards,
         compute_dtype=settings.compute_dtype, spec=settings.unit_spec, placement=placement,
         placements=planned.placements,
-    )
+    ), owners, comm)
 
 
 def planned_host_buffers(plan: UnitPlan, settings: BuildSettings, num_shards: int) -> list[int]:

@@ -405,7 +405,7 @@ class ParamGatherer(NoGather):
     def _launch_gather(self, index: int, wanted: bool) -> None:
         """The schedule's turn for this gather: every rank launches it (again, in place, where
         the unit is gathered already)."""
-        self.units[index].unshard(self.comm)
+        self.units[index].unshard(self.units[index].sharded_over(self.comm))
         self.gathered.launched(index, wanted)
 
     def _end_pass(self) -> None:

@@ -124,8 +124,9 @@ class ShardedGradReducer(GradReducer):
         if bucket is None:  # no gradient here this backward; other ranks may have some
             bucket = self._acquire(unit)
         bucket.zero_missing(unit)
-        if self.comm.num_replicas == 1:
-            self._in_flight.append((unit, bucket, self.codec.reduce_scatter(self.comm, bucket.flat), False))
+        comm = unit.sharded_over(self.comm)
+        if comm.num_replicas == 1:
+            self._in_flight.append((unit, bucket, self.codec.reduce_scatter(comm, bucket.flat), False))
         else:
             self._in_flight.append((unit, bucket, *self._reduce_hybrid(unit, bucket.flat)))
 
@@ -135,7 +136,8 @@ class ShardedGradReducer(GradReducer):
         window (as FSDP's HSDP skips the all-reduce on accumulation micro-steps), so
         inter-group traffic is one shard all-reduce per optimizer step, whatever the
         accumulation. A further backward on the boundary crosses with its own part only."""
-        inside = self.codec.reduce_scatter_in_group(self.comm, flat)
+        comm = unit.sharded_over(self.comm)
+        inside = self.codec.reduce_scatter_in_group(comm, flat)
         if not self._boundary:
             return inside, False
         start, end = unit.layout.shard_range(unit.rank)
@@ -146,9 +148,9 @@ class ShardedGradReducer(GradReducer):
             if id(unit) not in self._crossed:  # carry the group's part of the window, once
                 self._crossed.add(id(unit))
                 unit.optimizer_shard.move_grad_into(shard)
-            return self.codec.all_reduce_across_groups(self.comm, shard)
+            return self.codec.all_reduce_across_groups(comm, shard)
 
-        return TwoPhase(inside, across_groups, self.comm.second_phases, flat.device), True
+        return TwoPhase(inside, across_groups, comm.second_phases, flat.device), True
 
     def _may_wait_for_oldest(self) -> bool:
         """Whether waiting for the oldest reduction in flight is safe: it completed already, or

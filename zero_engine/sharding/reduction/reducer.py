@@ -284,7 +284,7 @@ class FullGradReducer(GradReducer):
             flat = flat.to(self.reduce_dtype)
             self._copy_bytes += tensor_bytes(flat)
             self.peak_grad_bytes = max(self.peak_grad_bytes, self.held_grad_bytes() + self._copy_bytes)
-        self._pending.append((unit, flat, self.reduction.launch(flat, self.comm)))
+        self._pending.append((unit, flat, self.reduction.launch(flat, unit.sharded_over(self.comm))))
 
     def _complete_oldest(self) -> None:
         unit, flat, pending = self._pending.popleft()

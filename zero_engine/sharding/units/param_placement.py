@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ...comm import Comm
 from ...optimizer_kinds import ComputeLayout
 
 
@@ -155,9 +156,22 @@ class Placement:
 
 
 class PlacedParams:
-    """What a unit answers of its parameters' placements (`placements`, one per parameter)."""
+    """What a unit answers of its parameters' placements (`placements`, one per parameter),
+    and which ranks it is sharded over."""
 
     placements: list[Placement]
+    # The ranks the unit is sharded, reduced and gathered over when not the engine's (the
+    # owners of parameters cut along an axis: `Comm.owners_of`); set by the build.
+    comm: Comm | None = None
+
+    def sharded_over(self, engine_comm: Comm) -> Comm:
+        """The `Comm` this unit's collectives run on: its own (`comm`), else the engine's."""
+        return self.comm if self.comm is not None else engine_comm
+
+    @property
+    def is_cut(self) -> bool:
+        """Whether its parameters are cut along an axis (each rank holds a part: `global_value`)."""
+        return any(not placement.replicated for placement in self.placements)
 
     def global_shape(self, index: int) -> tuple[int, ...]:
         """Parameter ``index``'s shape across every rank (the manifest's, the consolidated one)."""

@@ -89,6 +89,24 @@ class PlannedUnit:
     def numel(self) -> int:
         return sum(planned.numel for planned in self.params)
 
+    @property
+    def cut_axes(self) -> tuple[str, ...]:
+        """The mesh axes this unit's parameters are cut along (none: whole on every rank); one
+        unit's parameters are all cut alike (`_by_cut`), so one set of ranks shards it."""
+        return _cut_axes(self.params[0]) if self.params else ()
+
+
+def _cut_axes(planned: PlannedParam) -> tuple[str, ...]:
+    return tuple(cut.axis for cut in planned.placement.sharded)  # type: ignore[union-attr]
+
+
+def _by_cut(params: Sequence[PlannedParam]) -> list[list[PlannedParam]]:
+    """``params`` in groups cut alike (whole ones first), each in its order."""
+    groups: dict[tuple[str, ...], list[PlannedParam]] = {}
+    for planned in params:
+        groups.setdefault(_cut_axes(planned), []).append(planned)
+    return [groups[key] for key in sorted(groups, key=len)]
+
 
 @dataclass
 class UnitPlan:
@@ -110,14 +128,22 @@ class UnitPlan:
         bucket_numel: int,
         quantization: FrozenQuantization = NO_QUANTIZATION,
         compute_layout: Callable[[str, nn.Parameter], ComputeLayout] | None = None,
+        placement_of: Callable[[nn.Parameter], Placement | None] | None = None,
     ) -> UnitPlan:
         """The plan of a stage that shards parameters (stage 3) or does not; ``quantization``
         says which frozen parameters stage 3 keeps in int8, ``compute_layout`` how the optimizer
-        computes on each trainable parameter (None: elementwise on every one)."""
+        computes on each trainable parameter (None: elementwise on every one), ``placement_of``
+        where a parameter a transform cut lies (None: whole on every rank). Parameters cut
+        along an axis go in units of their own, sharded over the ranks that hold the same part."""
         position = {param: index for index, param in enumerate(model.parameters())}
+        if placement_of is not None:
+            _refuse_cut_frozen(model, placement_of)
 
         def trainable(name: str, param: nn.Parameter, group: int) -> PlannedParam:
             layout = compute_layout(name, param) if compute_layout is not None else ComputeLayout.ELEMENTWISE
+            cut = placement_of(param) if placement_of is not None else None
+            if cut is not None:
+                return PlannedParam(name, param, group, _cut_placement(name, cut, layout))
             return PlannedParam(name, param, group, Placement.whole(param.shape, layout))
 
         if not shard_parameters:
@@ -127,13 +153,13 @@ class UnitPlan:
             ]
             return cls(modules, whole=_whole_units(per_group, position, bucket_numel))
         sharded = [
-            PlannedUnit(
-                UnitKind.SHARDED,
-                [trainable(n, p, g) for n, p, g in zip(unit.names, unit.params, unit.group_indices)],
-                unit.label, module=unit,
-            )
+            PlannedUnit(UnitKind.SHARDED, params, unit.label + (f" [{', '.join(_cut_axes(params[0]))}]"
+                                                                if _cut_axes(params[0]) else ""), module=unit)
             for unit in modules.units
             if unit.params
+            for params in _by_cut(
+                [trainable(n, p, g) for n, p, g in zip(unit.names, unit.params, unit.group_indices)]
+            )
         ]
         quantization.check_patterns(list(frozen_params(model).values()))
         frozen = [
@@ -174,7 +200,32 @@ def _whole_units(
     parameters in reverse model order (the order their gradients arrive in)."""
     units = []
     for planned in per_group:
-        ordered = sorted(planned, key=lambda item: position[item.param], reverse=True)
-        for indices in plan_units([item.numel for item in ordered], bucket_numel):
-            units.append(PlannedUnit(UnitKind.WHOLE, [ordered[i] for i in indices]))
+        for alike in _by_cut(planned):
+            ordered = sorted(alike, key=lambda item: position[item.param], reverse=True)
+            for indices in plan_units([item.numel for item in ordered], bucket_numel):
+                units.append(PlannedUnit(UnitKind.WHOLE, [ordered[i] for i in indices]))
     return units
+
+
+def _refuse_cut_frozen(model: nn.Module, placement_of: Callable[[nn.Parameter], Placement | None]) -> None:
+    """A frozen parameter cut along an axis (a frozen expert: a PEFT base) is not built yet:
+    refused by name."""
+    for name, param in model.named_parameters():
+        if not param.requires_grad and placement_of(param) is not None:
+            raise NotImplementedError(
+                f"{name} is frozen and cut along {[c.axis for c in placement_of(param).sharded]} (expert "
+                "parallelism): frozen experts owned per rank are not built; train them, or leave "
+                "expert_parallel_size at 1"
+            )
+
+
+def _cut_placement(name: str, cut: Placement, layout: ComputeLayout) -> Placement:
+    """A cut parameter's placement with the optimizer's compute layout, or a clear refusal
+    where the optimizer computes on whole matrices."""
+    if layout is ComputeLayout.WHOLE_MATRIX:
+        raise NotImplementedError(
+            f"{name} is cut along {[c.axis for c in cut.sharded]} (expert parallelism), and the optimizer computes "
+            "on it as a whole matrix (Muon): give the experts to the elementwise optimizer (Muon's adam param "
+            "group) or leave expert_parallel_size at 1"
+        )
+    return Placement(cut.global_shape, cut.box, cut.sharded, layout)
