@@ -146,3 +146,148 @@ def test_experts_owned_per_rank_whole_grid(world: int) -> None:
     results = run_on_ranks(world, train_cases, cases, timeout=1800, allow_numpy=True)
     for index, case in enumerate(cases):
         _check(case, world, [results[rank][index] for rank in range(world)])
+
+
+# -- one checkpoint format: saved with experts owned per rank, resumed at any layout -----------
+
+GLOBAL, RESUME_AT = 4, 3  # samples a step, and the step a checkpoint is saved after
+
+
+def resume_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case: load ``load_from`` (if given), train steps ``[first, last)`` on this rank's share
+    of the global batches (``GLOBAL`` samples a step), save to ``save_to`` (if given); its
+    losses (rank 0: the step's mean over ranks, exchanged) and the whole model at the end."""
+    import zero_engine
+
+    torch.set_num_threads(1)
+    found = []
+    batches = _batches(1, GLOBAL, 1)[:, 0, 0]  # [step, sample, seq]
+    micro = GLOBAL // world
+    for case in cases:
+        config = {**_config({**case, "micro": micro, "accum": 1}), "checkpoint_format": case.get("format", "zero_engine")}
+        engine = zero_engine.initialize(moe("qwen3_moe"), config)
+        if case.get("load_from"):
+            engine.load_checkpoint(case["load_from"], tag="t")
+        losses = []
+        for step in range(case["first"], case["last"]):
+            ids = batches[step, rank * micro : (rank + 1) * micro]
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        if case.get("save_to"):
+            engine.save_checkpoint(case["save_to"], tag="t")
+        state = engine.full_state_dict()
+        found.append({"losses": losses, "state": state if rank == 0 else None, "step": engine.global_step})
+        engine.close()
+    return found
+
+
+def _one_process_steps(last: int, clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = moe("qwen3_moe")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    batches = _batches(1, GLOBAL, 1)[:, 0, 0]
+    losses = []
+    for step in range(last):
+        optimizer.zero_grad()
+        loss = model(input_ids=batches[step], labels=batches[step]).loss
+        loss.backward()
+        losses.append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("checkpoint_format", ["zero_engine", "dcp"])
+def test_a_checkpoint_saved_with_experts_owned_per_rank_resumes_at_any_layout(tmp_path, checkpoint_format) -> None:
+    """Saved at E = 2 on 2 ranks, stage 1; resumed at E = 1 alone (stage 0), E = 4 on 4 ranks
+    (stage 3), E = 2 on 4 ranks (stage 2): every continuation is one process's."""
+    clip, saved = 0.05, str(tmp_path / "saved")
+    first = {"stage": 1, "experts": 2, "clip": clip, "first": 0, "last": RESUME_AT, "save_to": saved,
+             "format": checkpoint_format}
+    run_on_ranks(2, resume_cases, [first], timeout=300, allow_numpy=True)
+    expected_losses, expected_state = _one_process_steps(2 * RESUME_AT, clip)
+    layouts = [(1, 1, 0), (4, 4, 3), (4, 2, 2)]
+    if checkpoint_format == "dcp":
+        layouts = layouts[1:2]  # one layout for the other format
+    for world, experts, stage in layouts:
+        case = {"stage": stage, "experts": experts, "clip": clip, "first": RESUME_AT, "last": 2 * RESUME_AT,
+                "load_from": saved}
+        results = run_on_ranks(world, resume_cases, [case], timeout=300, allow_numpy=True)
+        assert results[0][0]["step"] == 2 * RESUME_AT
+        for step, loss in enumerate(expected_losses[RESUME_AT:]):
+            mean = sum(results[rank][0]["losses"][step] for rank in range(world)) / world
+            assert abs(mean - loss) < TOL, (world, experts, stage, step, mean, loss)
+        state = results[0][0]["state"]
+        for name, tensor in expected_state.items():
+            assert (state[name] - tensor).abs().max() < TOL, (world, experts, stage, name)
+
+
+# -- bad input: refused at initialize on every rank, naming what is wrong ---------------------
+
+
+class _ListedExperts(torch.nn.Module):
+    """A block with a router and a list of expert modules (the layout before transformers 5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(4, 2)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(expert(x) for expert in self.experts)
+
+
+def refusals(rank: int, world: int, cases: list[dict]) -> list[str]:
+    import zero_engine
+
+    torch.set_num_threads(1)
+    found = []
+    for case in cases:
+        model = {"qwen3_moe": lambda: moe("qwen3_moe", experts=case.get("count", 6)), "llama": lambda: __import__("tiny").llama(),
+                 "listed": _ListedExperts}[case["model"]]()
+        if case.get("frozen"):
+            for name, param in model.named_parameters():
+                param.requires_grad_("experts" not in name)
+        config = {**_config({"stage": 2, "experts": case["experts"], "clip": 0.0, "micro": 1, "accum": 1}),
+                  **case.get("config", {})}
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        try:
+            zero_engine.initialize(model, config)
+            found.append("accepted")
+        except Exception as err:  # noqa: BLE001 - the message is what is tested
+            after = dict(model.named_parameters())
+            untouched = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+            found.append(f"{type(err).__name__}: {err} | model given back: {untouched}")
+    return found
+
+
+def test_bad_expert_parallel_input_is_refused_on_every_rank() -> None:
+    cases = [
+        {"model": "qwen3_moe", "experts": 3, "count": 8},  # 8 experts do not split in 3
+        {"model": "qwen3_moe", "experts": 4, "count": 8},  # 4 does not divide 3 ranks
+        {"model": "llama", "experts": 3},  # no MoE block
+        {"model": "listed", "experts": 3},  # not fused
+        {"model": "qwen3_moe", "experts": 3, "config": {"optimizer": {"type": "muon", "params": {"lr": 1e-3}}}},
+        {"model": "qwen3_moe", "experts": 3, "frozen": True},
+        {"model": "qwen3_moe", "experts": 3, "config": {"expert_parallel": {
+            "enabled": True, "autoep_size": 3, "load_balance_coeff": 0.01}}},
+        {"model": "qwen3_moe", "experts": 3, "config": {"expert_parallel": {"enabled": True, "autoep_size": 1}}},
+    ]
+    results = run_on_ranks(3, refusals, cases, timeout=300, allow_numpy=True)
+    expected = [
+        "ConfigError: expert_parallel_size = 3 does not divide the 8 experts of model.layers.0.mlp.experts",
+        "ConfigError: expert_parallel_size = 4 does not divide the world size 3",
+        "ConfigError: expert_parallel_size = 3: LlamaForCausalLM has no mixture-of-experts block",
+        "ConfigError: expert_parallel_size: experts (ModuleList) is not a fused experts module",
+        "experts.gate_up_proj is cut along ['expert'] (expert parallelism), and the optimizer computes on it as a "
+        "whole matrix (Muon)",
+        "model.layers.0.mlp.experts.gate_up_proj is frozen and cut along ['expert']",
+        "expert_parallel.load_balance_coeff = 0.01",
+        "expert_parallel_size = 3 and DeepSpeed's expert_parallel.autoep_size = 1 disagree",
+    ]
+    for rank in range(3):
+        for case, got, wanted in zip(cases, results[rank], expected):
+            assert wanted in got, (rank, case, got)
+            assert got.endswith("model given back: True"), (rank, case, got)
