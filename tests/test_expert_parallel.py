@@ -291,3 +291,70 @@ def test_bad_expert_parallel_input_is_refused_on_every_rank() -> None:
         for case, got, wanted in zip(cases, results[rank], expected):
             assert wanted in got, (rank, case, got)
             assert got.endswith("model given back: True"), (rank, case, got)
+
+
+# -- what a rank holds and moves, measured from the process -----------------------------------
+
+
+def measured(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Per case: the bytes of the storages the expert weights and their gradients live in at
+    stage 0 (what is materialised, from the tensors themselves), the bytes torch.distributed
+    all-gathers (and broadcasts: gloo's all-gather) during one stage 3 forward, and its
+    all-to-all bytes over a training step."""
+    import torch.distributed as dist
+
+    import zero_engine
+    from zero_engine.comm import groups
+
+    torch.set_num_threads(1)
+    counted = {"gather": 0, "all_to_all": 0}
+
+    def counting(kind, original, output_at):
+        def call(*args, **kwargs):
+            counted[kind] += args[output_at].numel() * args[output_at].element_size()
+            return original(*args, **kwargs)
+        return call
+
+    dist.broadcast = counting("gather", dist.broadcast, 0)
+    groups._all_gather_into_tensor = counting("gather", groups._all_gather_into_tensor, 0)
+    dist.all_to_all_single = counting("all_to_all", dist.all_to_all_single, 1)  # what this rank sends
+    found = []
+    for case in cases:
+        model = moe("qwen3_moe", experts=16)
+        engine = zero_engine.initialize(model, _config({**case, "clip": 0.0, "micro": 2, "accum": 1}))
+        ids = _batches(world, 2, 1)[0, 0, rank]
+        counted.update(gather=0, all_to_all=0)
+        loss = engine(input_ids=ids, labels=ids).loss
+        gathered = counted["gather"]
+        engine.backward(loss)
+        engine.step()
+        experts = [p for name, p in engine.module.named_parameters() if "experts" in name]
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in experts}
+        grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                 for p in experts if p.grad is not None}
+        found.append({"storage": sum(storages.values()), "grad_storage": sum(grads.values()), "gathered": gathered,
+                      "all_to_all": counted["all_to_all"], "report": engine.comm_report().get("expert_group")})
+        engine.close()
+    return found
+
+
+def test_each_rank_holds_and_gathers_only_its_own_experts() -> None:
+    full = moe("qwen3_moe", experts=16)
+    expert_bytes = 4 * sum(p.numel() for name, p in full.named_parameters() if "experts" in name)
+    dense_bytes = 4 * sum(p.numel() for name, p in full.named_parameters() if "experts" not in name)
+    cases = [{"stage": 0, "experts": 1}, {"stage": 0, "experts": 2}, {"stage": 0, "experts": 4},
+             {"stage": 3, "experts": 1}, {"stage": 3, "experts": 2}]
+    results = run_on_ranks(4, measured, cases, timeout=300, allow_numpy=True)  # E = 2: two ranks own each expert
+    for rank in range(4):
+        whole, owned, quarter, gathered_whole, gathered_owned = results[rank]
+        # stage 0: the expert weights' storage (and their gradients') is all experts, then 1/E of them
+        assert whole["storage"] >= expert_bytes and whole["grad_storage"] >= expert_bytes
+        for part, share in ((owned, 2), (quarter, 4)):
+            assert expert_bytes / share <= part["storage"] < 1.05 * expert_bytes / share, (part, expert_bytes)
+            assert expert_bytes / share <= part["grad_storage"] < 1.05 * expert_bytes / share
+        # stage 3 (4 ranks): a forward gathers the dense parameters and every expert, then only this rank's
+        assert gathered_whole["gathered"] >= dense_bytes + expert_bytes
+        assert dense_bytes + expert_bytes / 2 <= gathered_owned["gathered"] < 1.05 * (dense_bytes + expert_bytes / 2)
+        # tokens travel only with expert parallelism, and comm_report counts what torch.distributed sent
+        assert whole["all_to_all"] == 0 and owned["all_to_all"] > 0
+        assert owned["report"]["sent"] > 0
