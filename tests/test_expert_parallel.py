@@ -9,6 +9,8 @@ import torch
 
 from harness import run_on_ranks
 from tiny import moe
+from zero_engine import load_config
+from zero_engine.memory import estimate_from_config
 
 STEPS, SEQ, VOCAB, LR = 10, 5, 64, 1e-2
 TOL = 2e-5
@@ -333,7 +335,8 @@ def measured(rank: int, world: int, cases: list[dict]) -> list[dict]:
         grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
                  for p in experts if p.grad is not None}
         found.append({"storage": sum(storages.values()), "grad_storage": sum(grads.values()), "gathered": gathered,
-                      "all_to_all": counted["all_to_all"], "report": engine.comm_report().get("expert_group")})
+                      "all_to_all": counted["all_to_all"], "report": engine.comm_report().get("expert_group"),
+                      "memory": engine.memory_report()})
         engine.close()
     return found
 
@@ -358,3 +361,10 @@ def test_each_rank_holds_and_gathers_only_its_own_experts() -> None:
         # tokens travel only with expert parallelism, and comm_report counts what torch.distributed sent
         assert whole["all_to_all"] == 0 and owned["all_to_all"] > 0
         assert owned["report"]["sent"] > 0
+        # the formula (estimate, stage: auto, the offload check) counts each rank's experts as it holds them
+        for case, got in zip(cases, results[rank]):
+            config = load_config(_config({**case, "clip": 0.0, "micro": 2, "accum": 1}))
+            formula = estimate_from_config(config, (dense_bytes + expert_bytes) // 4, 4, expert_params=expert_bytes // 4)
+            kinds = ("parameters", "optimizer_states") + (("gradients",) if case["stage"] == 0 else ())  # stage 3's let go
+            for kind in kinds:
+                assert abs(got["memory"][kind] - getattr(formula, kind)) <= 0.03 * getattr(formula, kind), (case, kind)

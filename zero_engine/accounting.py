@@ -51,11 +51,17 @@ class Holding:
     optimizer_bytes: float
     frozen_bytes: float  # a frozen element as stored (int8 at stage 3 when asked)
     frozen_sharded: bool  # stage 3 and ``frozen_weights: shard``
+    experts: int = 0  # of ``trainable``, the elements of experts owned per rank (``expert_parallel_size``)
+    expert_parallel: int = 1  # E: each rank holds 1/E of the experts, sharded over group / E ranks
 
     def per_rank(self, bytes_per_element: float, sharded: bool) -> int:
-        """A trainable kind's bytes on one rank."""
-        total = round(self.trainable * bytes_per_element)
-        return total // self.group if sharded else total
+        """A trainable kind's bytes on one rank: sharded, a 1/group share (the experts' 1/E
+        split over group / E owners is the same share); whole, every dense element and this
+        rank's 1/E of the experts."""
+        if sharded:
+            return round(self.trainable * bytes_per_element) // self.group
+        held = self.trainable - self.experts + self.experts // self.expert_parallel
+        return round(held * bytes_per_element)
 
 
 def declared(plan: OffloadPlan, stage: Stage, holding: Holding) -> list[Counted]:

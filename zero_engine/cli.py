@@ -108,7 +108,7 @@ def _estimate(args: argparse.Namespace) -> int:
         counted: list[Counted] = []
         report = estimate_from_config(
             config, args.params, args.world_size, group, frozen_params=args.frozen_params,
-            matrix_params=args.matrix_params, terms=counted,
+            matrix_params=args.matrix_params, terms=counted, expert_params=args.expert_params,
         )
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -326,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--frozen-params", type=_non_negative_count, default=0,
         help="frozen parameters (a LoRA base, a reference model), e.g. 7e9: their storage alone, sharded at stage 3 "
         "(in int8 there with zero_quantized_nontrainable_weights)",
+    )
+    estimate.add_argument(
+        "--expert-params", type=_non_negative_count, default=0,
+        help="of --params, the experts' (a MoE model's): with expert_parallel_size E each rank holds 1/E of them",
     )
     estimate.add_argument("--world-size", type=_positive_count, default=1, help="data-parallel ranks")
     estimate.add_argument(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -181,9 +182,9 @@ def _build_engine(
         settings.frozen_quantization, compute_layouts(config.optimizer.type), settled.transforms.placement_of,
     )  # every unit, planned once: built by the engine, sized for the host check before
     if settings.offload.any:  # the formula's host bytes, before any of them is allocated
-        trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
+        trainable, experts = _global_counts(model, settled.transforms)
         counted: list[Counted] = []
-        formula = estimate_from_config(config, trainable, comm.mesh.world, terms=counted)
+        formula = estimate_from_config(config, trainable, comm.mesh.world, terms=counted, expert_params=experts)
         _check_host_memory(formula.host, units, settings, comm)
         check_room(settings.offload, counted, offload.local_ranks())  # NVMe: each rank's files
     if comm.rank == 0:
@@ -193,6 +194,20 @@ def _build_engine(
         model, settled.engine, comm, stage, batch, settled.groups, precision, units, settings, device=settled.device,
         deferred=deferred, lr_scheduler=lr_scheduler, transforms=settled.transforms,
     )
+
+
+def _global_counts(model: nn.Module, transforms: ModuleTransforms) -> tuple[int, int]:
+    """The trainable elements of the whole model, and of them those a transform cut per rank
+    (experts): counted by their whole shapes, as the formula counts them."""
+    trainable = experts = 0
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        cut = transforms.placement_of(param)
+        numel = math.prod(cut.global_shape) if cut is not None else param.numel()
+        trainable += numel
+        experts += numel if cut is not None else 0
+    return trainable, experts
 
 
 def _check_not_wrapped(model: Any) -> None:

@@ -99,6 +99,7 @@ def estimate_from_config(
     matrix_params: int = 0,
     *,
     terms: list[Counted] | None = None,
+    expert_params: int = 0,
 ) -> MemoryReport:
     """The formula for a config: the terms `zero_engine.accounting.declared` gives for its stage,
     precision, optimizer (state bytes from its kind, `zero_engine.optimizer_kinds`; for a
@@ -110,7 +111,8 @@ def estimate_from_config(
     sharding ``G`` takes the place of ``N``. ``num_params`` trainable parameters;
     ``frozen_params`` frozen ones add their storage alone (2 bytes under fp16/bf16, else 4; about
     1 in int8 at stage 3 under ``zero_quantized_nontrainable_weights``), sharded at stage 3 unless
-    ``frozen_weights`` is ``replicate``."""
+    ``frozen_weights`` is ``replicate``. ``expert_params`` of the trainable ones are experts,
+    owned by 1 of each ``expert_parallel_size`` ranks: whole states count this rank's share."""
     mixed = config.fp16.enabled or config.bf16.enabled
     zero = config.zero_optimization
     if shard_group_size is None:
@@ -125,6 +127,7 @@ def estimate_from_config(
         ),
         frozen_bytes=frozen_element_bytes(stage, mixed=mixed, int8_frozen=zero.zero_quantized_nontrainable_weights),
         frozen_sharded=stage.shard_parameters and zero.frozen_weights == "shard",
+        experts=expert_params if config.expert_parallel_size > 1 else 0, expert_parallel=config.expert_parallel_size,
     )
     counted = declared(offload_plan(zero, stage), stage, holding)
     if terms is not None:

@@ -165,6 +165,10 @@ def summary(config: ZeroEngineConfig, batch: BatchSizes | None, ranks: int | Non
         parts.append("shard groups of each node's ranks (settled at launch)")
     if config.sequence_parallel_size > 1:
         parts.append("evaluation split too" if config.sequence_parallel_eval else "evaluation whole")
+    if config.expert_parallel_size > 1:
+        owners = f", each expert's state over {ranks // config.expert_parallel_size} rank(s)" if ranks else ""
+        parts.append(f"experts owned per rank: 1/{config.expert_parallel_size} of every MoE block's on each, tokens "
+                     f"exchanged over groups of {config.expert_parallel_size}{owners}")
     if zero.recompute_units:
         offloads = zero.recompute_offload or bool((config.activation_checkpointing or {}).get("cpu_checkpointing"))
         parts.append("units recomputed, their inputs on the host" if offloads else "units recomputed")
