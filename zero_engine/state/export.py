@@ -210,7 +210,7 @@ def export_model(
     in_units = {alias for unit in units for param in unit.params for alias in aliases[id(param)]}
     loose = loose_entries(model.loose_state(), out, skip=in_units.__contains__)
     entries = [
-        TensorSpec(name, out or _stored_dtype(unit), tuple(unit.shapes[index]))
+        TensorSpec(name, out or _stored_dtype(unit), tuple(unit.global_shape(index)))
         for unit, unit_names in zip(units, names) for index, name in enumerate(unit_names)
     ] + [TensorSpec(name, dtype_out, tuple(tensor.shape)) for name, tensor, dtype_out in loose]
     writer = ShardWriter(directory, plan_shards(entries, max_bytes)) if comm.rank == 0 else None
@@ -223,6 +223,12 @@ def export_model(
             except Exception as err:  # noqa: BLE001 (reported on every rank below)
                 failure.append(err)
     for unit, unit_names in zip(units, names):
+        if unit.is_cut:  # parts on several ranks (experts owned per rank): each parameter gathered whole
+            for index, name in enumerate(unit_names):
+                whole = model.whole_value(unit, index)
+                write(functools.partial(writer.add, name, whole) if writer is not None else lambda: None)
+                del whole
+            continue
         full = model.full_master(unit, rank0_only=True)  # rank 0 holds this one unit
         write(functools.partial(_add_unit, writer, unit, unit_names, full))
         del full
