@@ -223,7 +223,7 @@ def test_sequence_groups_are_consecutive_ranks_inside_shard_groups():
     assert mesh.groups("sequence") == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert [mesh.rank_in("batch", rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert mesh.groups("zero") == [(0, 1, 2, 3), (4, 5, 6, 7)]
-    with pytest.raises(ValueError, match="a shard group of 4 ranks does not hold whole sequence groups of 3"):
+    with pytest.raises(ValueError, match="a shard group of 4 ranks does not hold whole groups of 1 expert x 3 sequence ranks"):
         Mesh.for_world(8, 4, sequence=3)
 
 

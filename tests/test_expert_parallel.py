@@ -420,3 +420,25 @@ def test_bf16_and_save_pretrained_with_experts_owned_per_rank(tmp_path) -> None:
     state = results[0]["state"]
     for name, tensor in loaded.state_dict().items():
         assert tensor.shape == state[name].shape and torch.equal(tensor, state[name]), name
+
+
+def test_the_expert_axis_groups_consecutive_ranks_and_its_owners_the_rest() -> None:
+    from zero_engine.comm import Mesh
+    from zero_engine.errors import ConfigError
+
+    mesh = Mesh.for_world(8, 4, expert=2)  # two shard groups of 4, expert groups of 2 inside them
+    assert mesh.axes == (("replicate", 2), ("shard", 2), ("expert", 2), ("sequence", 1))
+    assert mesh.groups("expert") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert mesh.groups("zero") == [(0, 1, 2, 3), (4, 5, 6, 7)]  # dense state: over the whole shard group
+    owners = mesh.without("expert")
+    assert mesh.groups_along(owners.axes_of("zero")) == [(0, 2), (1, 3), (4, 6), (5, 7)]  # same experts, one group
+    assert mesh.groups_along(owners.axes_of("world")) == [(0, 2, 4, 6), (1, 3, 5, 7)]  # same experts, everywhere
+    assert [mesh.rank_along(owners.axes_of("world"), rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert mesh.batch == 8  # every rank reads its own samples
+    import zero_engine
+
+    with pytest.raises(ConfigError, match="expert_parallel_size = 3 does not divide the world size 4"):
+        Mesh.from_config(zero_engine.load_config({"expert_parallel_size": 3}), 4)
+    with pytest.raises(ConfigError, match="expert_parallel_size = 4 does not divide zero_optimization.shard_group_size 2"):
+        Mesh.from_config(zero_engine.load_config({"expert_parallel_size": 4, "zero_optimization": {
+            "shard_group_size": 2}}), 8)

@@ -89,7 +89,7 @@ class Engine(ModelAccess, StepView, WindowView, SequenceView):
         self.loop_hooks = LoopHooks()  # what the loop tells the transforms, and asks them
         self._scaling_backward = False  # inside engine.backward
         self._open_gathered: list[GatheredParameters] = []  # engine.gathered() contexts open (no step inside one)
-        self._sync_from_rank0(transforms.whole_sources() if transforms is not None else [])
+        _sync_from_rank0(comm, model, transforms.whole_sources() if transforms is not None else [])
         self.device = device or _model_device(model)  # where parameters, gradients and state live
         self.offload = build.offload  # what lives in host memory instead
         self.lifecycle = Lifecycle()  # where training is; the reducer and the gatherer share it
@@ -121,17 +121,6 @@ class Engine(ModelAccess, StepView, WindowView, SequenceView):
         )
 
     # -- construction --------------------------------------------------------------------------
-
-    def _sync_from_rank0(self, cut: list[tuple[nn.Parameter, torch.Tensor, int]]) -> None:
-        """Every rank starts from rank 0's parameters and buffers (those on the meta device
-        are initialized identically on every rank instead); a parameter a transform cut from a
-        whole one (``cut``: an expert's weights) from rank 0's whole one, then its own part of it."""
-        parts = {id(kept) for kept, _, _ in cut}
-        tensors = [p.data for p in self.module.parameters() if id(p) not in parts] + list(self.module.buffers())
-        self.comm.broadcast([t for t in tensors if not t.is_meta] + [whole for _, whole, _ in cut], src=0)
-        with torch.no_grad():
-            for kept, whole, start in cut:
-                kept.copy_(whole[start : start + kept.shape[0]])
 
     # -- the training loop -----------------------------------------------------------------------
 
@@ -406,3 +395,13 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _sync_from_rank0(comm: Comm, module: nn.Module, cut: list[tuple[nn.Parameter, torch.Tensor, int]]) -> None:
+    """Every rank starts from rank 0's parameters and buffers (those on the meta device are
+    initialized identically on every rank instead); a parameter a transform cut from a whole one
+    (``cut``: an expert's weights) from rank 0's whole one, then its own part of it."""
+    parts = {id(kept) for kept, _, _ in cut}
+    tensors = [p.data for p in module.parameters() if id(p) not in parts] + list(module.buffers())
+    comm.broadcast([t for t in tensors if not t.is_meta] + [whole for _, whole, _ in cut], src=0)
+    with torch.no_grad():
+        for kept, whole, start in cut:
+            kept.copy_(whole[start : start + kept.shape[0]])

@@ -58,8 +58,9 @@ DEEPSPEED_SECTIONS: dict[str, str] = {
     "nebula": "checkpoints are written by save_checkpoint in their own format",
     "timers": "no timers are kept; comm_report() gives the bytes moved",
     "datastates_ckpt": "checkpoints are written by save_checkpoint in their own format",
-    "expert_parallel": "there is no expert parallelism; experts are sharded as any module (enabling it is refused "
-    "at initialize)",
+    "expert_parallel": "AutoEP: enabled with autoep_size is read as expert_parallel_size (preset_model and "
+    "use_grouped_mm change nothing: the model's own router and expert code run); load_balance_coeff and other keys "
+    "are refused at initialize",
 }
 
 
