@@ -128,7 +128,9 @@ def _case(family: str, stage: int, experts: int, accum: int = 1, clip: float = 0
 FAST = {
     2: [_case("qwen3_moe", stage, 2, accum=2, clip=0.05) for stage in (0, 1, 2, 3)] + [_case("mixtral", 3, 2)]
     # transformers' default experts implementation is grouped_mm; its plain loop too
-    + [{**_case("mixtral", 2, 2, clip=0.05), "model": {"experts_implementation": "eager"}}],
+    + [{**_case("mixtral", 2, 2, clip=0.05), "model": {"experts_implementation": "eager"}}]
+    # each decoder layer recomputed in backward: the exchanges run again there, on every rank
+    + [_case("qwen3_moe", 3, 2, accum=2, clip=0.05, recompute_units=True)],
     4: [_case("qwen3_moe", 3, 4, clip=0.05), _case("mixtral", 1, 2, accum=2, clip=0.05),
         # hybrid sharding: shard groups of 2 (one expert group each), replicated across the two
         _case("qwen3_moe", 3, 2, accum=2, clip=0.05, shard_group_size=2),
@@ -442,3 +444,38 @@ def test_the_expert_axis_groups_consecutive_ranks_and_its_owners_the_rest() -> N
     with pytest.raises(ConfigError, match="expert_parallel_size = 4 does not divide zero_optimization.shard_group_size 2"):
         Mesh.from_config(zero_engine.load_config({"expert_parallel_size": 4, "zero_optimization": {
             "shard_group_size": 2}}), 8)
+
+
+def closed(rank: int, world: int, stage: int) -> list:
+    """``close(unshard=True)`` gives every rank the whole model back, and it runs as the whole
+    model; ``close()`` leaves the experts owned per rank and a new engine refuses the model."""
+    import zero_engine
+
+    torch.set_num_threads(1)
+    ids = _batches(world, 2, 1)[0, 0, rank]
+    found = []
+    for unshard in (True, False):
+        model = moe("qwen3_moe")
+        engine = zero_engine.initialize(model, _config(_case("qwen3_moe", stage, 2, micro=2)))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        state = engine.full_state_dict()
+        expected = engine(input_ids=ids, labels=ids).loss.item()
+        engine.close(unshard=unshard)
+        if unshard:
+            same = all(torch.equal(param.detach(), state[name]) for name, param in model.named_parameters())
+            found.append((same, abs(model(input_ids=ids, labels=ids).loss.item() - expected)))
+        else:
+            try:
+                zero_engine.initialize(model, _config(_case("qwen3_moe", stage, 2, micro=2)))
+                found.append("accepted")
+            except ValueError as err:
+                found.append(str(err))
+    return found
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_close_gives_the_whole_model_back_only_when_asked(stage: int) -> None:
+    for unshard, refused in run_on_ranks(2, closed, stage, timeout=300, allow_numpy=True):
+        assert unshard[0] and unshard[1] < 1e-6, unshard
+        assert "close it with engine.close(unshard=True)" in refused, refused

@@ -316,15 +316,17 @@ class Engine(ModelAccess, StepView, WindowView, SequenceView):
     def close(self, *, unshard: bool = False) -> None:
         """Remove the engine's hooks from the model's parameters and modules.
 
-        At stage 3 each rank keeps only its shard of every sharded parameter, so the model is
-        not whole after ``close()``, and `zero_engine.initialize` refuses it; ``unshard=True``
+        At stage 3 each rank keeps only its shard of every sharded parameter (with
+        ``expert_parallel_size``, at any stage, its own experts), so the model is not whole
+        after ``close()``, and `zero_engine.initialize` refuses it; ``unshard=True``
         (collective: call it on every rank) first gathers the whole model and puts each
         parameter's values back into it, as given to `initialize` (fp32 masters in their
         dtype): every rank then holds the whole model, as FSDP's unshard leaves it. Below
         stage 3 the parameters are whole already and ``unshard`` changes nothing. A transform's
         first phase (modules it replaced before the plan) is undone once the parameters are
         whole again."""
-        whole = self.full_state_dict() if unshard and self.stage.shard_parameters else None
+        parts = self.stage.shard_parameters or any(unit.is_cut for unit in self.units)  # experts owned per rank too
+        whole = self.full_state_dict() if unshard and parts else None
         self.reducer.remove_hooks()
         self.gatherer.remove_hooks()
         self.transforms.remove_forwards()
@@ -336,7 +338,7 @@ class Engine(ModelAccess, StepView, WindowView, SequenceView):
             with torch.no_grad():
                 for name, param in self.module.named_parameters(remove_duplicate=False):
                     param.data = whole[name].to(device=self.device, dtype=self._dtypes_as_given[name])
-        elif self.stage.shard_parameters and (self.units or self.frozen_units):
+        elif parts and (self.units or self.frozen_units):
             _LEFT_SHARDED[self.module] = None
             return  # the transforms' first phase stays: what it made holds the shards
         self.transforms.revert()  # the modules and parameters the first phase replaced, back with their values

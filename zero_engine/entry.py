@@ -228,8 +228,8 @@ def _check_not_wrapped(model: Any) -> None:
         )
     if left_sharded(model):
         raise ValueError(
-            "initialize: a stage 3 engine was closed on this model without unshard, so each rank holds only its "
-            "shard of the parameters: close it with engine.close(unshard=True) (collective: the whole model on "
+            "initialize: a stage 3 engine (or one with expert_parallel_size) was closed on this model without "
+            "unshard, so each rank holds only its shard of the parameters (or its own experts): close it with engine.close(unshard=True) (collective: the whole model on "
             "every rank) before building a new engine, or save (engine.save_checkpoint), build the model again "
             "(on the meta device for a big one) and initialize it with weights=<the checkpoint directory>"
         )

@@ -20,13 +20,15 @@ Two phases (`seam.ConvertsModel`):
    save it in the whole parameter's coordinates and state dicts gather it whole. The whole
    weights are kept until the forward phase, so a failed `initialize` gives the model back.
 2. the forward phase wraps each experts module's ``forward``. The model's router has already
-   chosen each token's top-k experts and weights; the wrapper sorts the (token, slot) pairs by
+   chosen each token's top-k experts and weights; the wrapper sorts the (slot, token) routes by
    expert, exchanges the counts per owner and local expert (one small all-to-all: the splits
-   differ by rank and by step), sends each pair's hidden state to its expert's owner
+   differ by rank and by step), sends each route's hidden state to its expert's owner
    (`exchange`, an all-to-all whose backward is the reverse exchange), where the model's own
-   expert forward runs with weight 1 on what arrived, sends the outputs back, and combines them
-   with the router's weights into each token's output, as the model's code does (the sum over
-   a token's experts in the same, ascending order). Nothing is dropped and there is no capacity.
+   expert forward runs with weight 1 on each source rank's rows apart (as one process runs that
+   rank's micro-batch: the same products, the same sums of the weights' gradients), sends the
+   outputs back, and combines them with the router's weights into each token's output, as the
+   model's code does (a token's experts summed in ascending order, each expert's routes in the
+   loop's order). Nothing is dropped and there is no capacity.
 
 Every rank takes part in both exchanges of every block in every forward and backward, tokens or
 not: the exchanged rows are made part of the graph on every rank whenever gradients are on, so a
@@ -95,6 +97,7 @@ class ExpertParallel:
         self.placements: dict[nn.Parameter, Placement] = {}  # each kept expert weight's, for the plan
         self._replaced: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter, int]] = []
         self._forwards: list[WrappedForwards] = []
+        self._owned: list[tuple[nn.Module, int]] = []  # after the forward phase: each experts module, its count
 
     # -- the first phase ---------------------------------------------------------------------
 
@@ -144,8 +147,12 @@ class ExpertParallel:
         return [(kept, whole.detach(), self.placements[kept].box.offsets[0]) for _, _, whole, kept, _ in self._replaced]
 
     def revert(self) -> None:
-        """Before the forward phase: the whole weights back. After it (``close()``), this rank's
-        experts stay its own: the whole model is ``full_state_dict()`` / ``save_pretrained``."""
+        """Before the forward phase: the whole weights back. After it (``close(unshard=True)``
+        put the whole weights in), each experts module counts all its experts again."""
+        for experts, count in self._owned:
+            if all(param.shape[0] == count for param in experts.parameters(recurse=False)):
+                experts.num_experts = count
+        self._owned = []
         while self._replaced:
             experts, name, whole, _, count = self._replaced.pop()
             setattr(experts, name, whole)
@@ -167,6 +174,7 @@ class ExpertParallel:
             WrappedForwards([module], lambda forward, module=module: _dispatching(forward, module, group, self.size))
             for module in modules
         ]
+        self._owned = [(experts, count) for experts, *_, count in self._replaced]
         self._replaced.clear()  # the whole weights are let go: from here this rank holds its experts only
 
     def remove(self) -> None:
@@ -202,15 +210,14 @@ def route(
     flat = top_k_index.t().reshape(-1)  # slot-major: route ``slot * tokens + token``
     order = torch.argsort(flat, stable=True)  # by expert, then slot, then token: the model's loop's order
     counts = torch.bincount(flat.clamp(max=total), minlength=total + 1)[:total]  # a sentinel id (>= total) routes nowhere
-    sent = int(counts.sum())
-    order = order[:sent]
+    received_counts = torch.empty_like(counts)
+    group.all_to_all(counts, received_counts, kind=CollectiveKind.ALL_TO_ALL).wait()
+    send_rows = counts.view(size, local).sum(1).tolist()  # the host learns the splits: one sync a block
+    order = order[: sum(send_rows)]
     token_of = order % tokens
     rows = hidden_states[token_of]
     if torch.is_grad_enabled() and not rows.requires_grad:
         rows = rows.detach().requires_grad_()  # every rank's exchanges in the graph (see the module)
-    received_counts = torch.empty_like(counts)
-    group.all_to_all(counts, received_counts, kind=CollectiveKind.ALL_TO_ALL).wait()
-    send_rows = counts.view(size, local).sum(1).tolist()
     received_by_expert = received_counts.view(size, local)  # [source rank, local expert]
     receive_rows = received_by_expert.sum(1).tolist()
     received = exchange(rows, send_rows, receive_rows, group)
