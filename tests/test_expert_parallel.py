@@ -214,7 +214,7 @@ def _one_process_steps(last: int, clip: float) -> tuple[list[float], dict[str, t
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("checkpoint_format", ["zero_engine", "dcp"])
+@pytest.mark.parametrize("checkpoint_format", ["zero_engine", pytest.param("dcp", marks=pytest.mark.slow)])
 def test_a_checkpoint_saved_with_experts_owned_per_rank_resumes_at_any_layout(tmp_path, checkpoint_format) -> None:
     """Saved at E = 2 on 2 ranks, stage 1; resumed at E = 1 alone (stage 0), E = 4 on 4 ranks
     (stage 3), E = 2 on 4 ranks (stage 2): every continuation is one process's."""
@@ -474,7 +474,7 @@ def closed(rank: int, world: int, stage: int) -> list:
     return found
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_close_gives_the_whole_model_back_only_when_asked(stage: int) -> None:
     for unshard, refused in run_on_ranks(2, closed, stage, timeout=300, allow_numpy=True):
         assert unshard[0] and unshard[1] < 1e-6, unshard
