@@ -44,10 +44,12 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         model = moe(case["family"], **case.get("model", {}))
         engine = zero_engine.initialize(model, _config(case))
+        _starve(engine.module, case)
         routed: list[list[int]] = []
 
         def count(module, args, output, routed=routed):  # the router's choices for this rank's tokens
-            routed.append(torch.bincount(output[2].reshape(-1), minlength=8).tolist())
+            if isinstance(output, tuple) and len(output) == 3:  # (logits, weights, indices); DeepSeek's: logits alone
+                routed.append(torch.bincount(output[2].reshape(-1), minlength=8).tolist())
 
         hooks = [m.register_forward_hook(count) for n, m in engine.module.named_modules() if n.endswith("mlp.gate")]
         batches = _batches(world, case["micro"], case["accum"])
@@ -64,17 +66,32 @@ def train_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
             hook.remove()
         state = engine.full_state_dict()
         held = {name: tuple(shape) for unit in engine.units for name, shape in zip(unit.names, unit.shapes)
-                if "experts" in name}  # the parameters as this rank's units hold them (whole or its box)
+                if ".experts." in name}  # the parameters as this rank's units hold them (whole or its box); not shared_experts
         found.append({"losses": losses, "norms": norms, "state": state if rank == 0 else None, "held": held,
                       "routed": routed})
         engine.close()
     return found
 
 
+def _starve(model: torch.nn.Module, case: dict) -> None:
+    """With ``case["starve"]``, every route goes to the first ``starve`` experts (the first
+    owner's): the other owners' experts receive no token in any step."""
+    if not case.get("starve"):
+        return
+
+    def remap(module, args, output):  # (logits, weights, indices)
+        return output[0], output[1], output[2] % case["starve"]
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(remap)
+
+
 def one_process(case: dict, world: int) -> dict:
     """The same model trained in one process on the same global batches: each step the mean of
     every rank's micro-batch means, AdamW, clipping as torch clips."""
     model = moe(case["family"], **case.get("model", {}))
+    _starve(model, case)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     batches = _batches(world, case["micro"], case["accum"])
     losses, norms = [], []
@@ -115,8 +132,11 @@ def _check(case: dict, world: int, results: list[dict]) -> None:
         assert (state[name] - tensor).abs().max() < TOL, (case, name, (state[name] - tensor).abs().max())
     # some expert received no token on some rank in some micro-step, and every expert some token somewhere
     routed = [counts for got in results for counts in got["routed"]]
-    assert any(0 in counts for counts in routed)
-    assert all(sum(column) > 0 for column in zip(*routed))
+    if case.get("starve"):  # no token for the other owners' experts, ever
+        assert all(sum(column) == 0 for column in list(zip(*routed))[case["starve"]:])
+    elif case["family"] != "deepseek_v3":  # its router returns logits; the block picks the experts
+        assert any(0 in counts for counts in routed)
+        assert all(sum(column) > 0 for column in zip(*routed))
 
 
 def _case(family: str, stage: int, experts: int, accum: int = 1, clip: float = 0.0, micro: int = 1, **zero) -> dict:
@@ -130,7 +150,12 @@ FAST = {
     # transformers' default experts implementation is grouped_mm; its plain loop too
     + [{**_case("mixtral", 2, 2, clip=0.05), "model": {"experts_implementation": "eager"}}]
     # each decoder layer recomputed in backward: the exchanges run again there, on every rank
-    + [_case("qwen3_moe", 3, 2, accum=2, clip=0.05, recompute_units=True)],
+    + [_case("qwen3_moe", 3, 2, accum=2, clip=0.05, recompute_units=True)]
+    # OLMoE, and DeepSeek-V3 (a dense first layer, a shared expert, group-limited routing)
+    + [_case("olmoe", 2, 2, clip=0.05), _case("deepseek_v3", 3, 2, accum=2, clip=0.05)]
+    # the second owner's experts never receive a token: their (zero) gradients still arrive
+    # between the backward's exchanges, or stage 2's in-order reductions hang
+    + [{**_case("qwen3_moe", stage, 2, accum=2, clip=0.05), "starve": 4} for stage in (2, 3)],
     4: [_case("qwen3_moe", 3, 4, clip=0.05), _case("mixtral", 1, 2, accum=2, clip=0.05),
         # hybrid sharding: shard groups of 2 (one expert group each), replicated across the two
         _case("qwen3_moe", 3, 2, accum=2, clip=0.05, shard_group_size=2),

@@ -51,7 +51,8 @@ def moe(
     **extra: Any,
 ) -> Any:
     """A tiny mixture-of-experts causal LM with fused experts (``mlp.experts.gate_up_proj`` /
-    ``down_proj``, 3-D): ``qwen3_moe`` (Qwen3-MoE: top-k renormalised) or ``mixtral``, eager
+    ``down_proj``, 3-D): ``qwen3_moe`` (Qwen3-MoE: top-k renormalised), ``mixtral``, ``olmoe``
+    or ``deepseek_v3`` (a dense first layer, a shared expert, group-limited routing), eager
     attention, every layer sparse, router weights drawn (Qwen3-MoE's start at zero, which
     would route every token alike)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -68,6 +69,21 @@ def moe(
         ))
     elif family == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(intermediate_size=12, num_local_experts=experts, head_dim=8, **common))
+    elif family == "olmoe":
+        from transformers import OlmoeConfig, OlmoeForCausalLM
+
+        model = OlmoeForCausalLM(OlmoeConfig(
+            intermediate_size=12, num_experts=experts, bos_token_id=None, eos_token_id=None, pad_token_id=None, **common,
+        ))
+    elif family == "deepseek_v3":  # a dense first layer, then MoE layers with a shared expert, group-limited routing
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        common["num_key_value_heads"] = 2
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(
+            intermediate_size=32, moe_intermediate_size=12, n_routed_experts=experts, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, **{**common, "num_hidden_layers": layers + 1},
+        ))
     else:
         raise ValueError(f"no tiny MoE family {family!r}")
     with torch.no_grad():

@@ -32,7 +32,11 @@ Two phases (`seam.ConvertsModel`):
 
 Every rank takes part in both exchanges of every block in every forward and backward, tokens or
 not: the exchanged rows are made part of the graph on every rank whenever gradients are on, so a
-rank whose experts got no token still runs the backward's exchanges its peers wait in.
+rank whose experts got no token still runs the backward's exchanges its peers wait in. Such a
+rank's expert weights still get their gradient (zeros) between the two exchanges, where the
+other ranks' experts get theirs: the reducers launch units in order and may wait for one inside
+the backward, so a unit left without a gradient until the backward's end would hold this rank's
+later reductions back while a peer waits for them before its next exchange (a hang at stage 2).
 """
 
 from __future__ import annotations
@@ -193,7 +197,8 @@ def _dispatching(
         def compute(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # weight 1: combined at the source
             return forward(rows, ids, torch.ones_like(ids, dtype=top_k_weights.dtype), *args, **kwargs)
 
-        return route(hidden_states, top_k_index, top_k_weights, group, size, experts.num_experts, compute)
+        return route(hidden_states, top_k_index, top_k_weights, group, size, experts.num_experts, compute,
+                     idle=lambda: sum(param.sum() for param in experts.parameters(recurse=False) if param.requires_grad))
 
     return dispatched
 
@@ -201,10 +206,13 @@ def _dispatching(
 def route(
     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, group: GroupComm,
     size: int, local: int, compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    idle: Callable[[], torch.Tensor | int] = lambda: 0,
 ) -> torch.Tensor:
     """Each token's output: the sum over its routes of the router's weight times its expert's
     output, the experts computed by their owners (``compute(rows, local expert ids)``, this
-    rank's ``local`` experts on what its group of ``size`` sent)."""
+    rank's ``local`` experts on what its group of ``size`` sent). When no row reaches this
+    rank's experts, ``idle()`` (a sum of their weights) joins the graph times zero, so they get
+    their gradient where a computing rank's do (see the module)."""
     tokens = top_k_index.shape[0]
     total = local * size
     flat = top_k_index.t().reshape(-1)  # slot-major: route ``slot * tokens + token``
@@ -230,6 +238,8 @@ def route(
         compute(rows_from, ids_from.view(-1, 1)) if rows_from.shape[0] else rows_from.clone()
         for rows_from, ids_from in zip(received.split(receive_rows), ids.split(receive_rows))
     ]) if received.shape[0] else received.clone()
+    if not received.shape[0] and torch.is_grad_enabled():
+        outputs = outputs + 0.0 * idle()
     returned = exchange(outputs, receive_rows, send_rows, group)
     weights = top_k_weights.t().reshape(-1)[order].unsqueeze(1)
     combined = torch.zeros_like(hidden_states)
