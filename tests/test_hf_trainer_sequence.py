@@ -292,3 +292,151 @@ def test_hugging_faces_parallelism_config_is_read_as_the_configs_keys() -> None:
                sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="flash_attention_2"))
     fixed = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=False, sp_seq_length=64)
     assert merged({}, sp_size=2, sp_backend="deepspeed", sp_handler=fixed)["sequence_parallel_size"] == 2
+
+
+# -- TRL's GRPO and RLOO under the split ---------------------------------------------------------
+
+# not reward_std: TRL's deviation over every rank's rewards, each group's k times (documented)
+RL_KEYS = ("loss", "grad_norm", "reward", "num_tokens", "kl", "entropy", "completions/mean_length",
+           "rewards/_reward/mean", "frac_reward_zero_std")
+
+
+def _reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """A reward that tells completions apart (so advantages are not zero): some words, and length."""
+    return [float(c.count("w1") + c.count("w2")) + len(c.split()) / 10 for c in completions]
+
+
+def rl_run(kind: str, world: int, root: str, k: int, engine: bool = True, **options: Any) -> dict[str, Any]:
+    """TRL's GRPOTrainer or RLOOTrainer with LoRA (its reference: the adapters disabled, beta
+    0.04), 4 prompts' groups of 4 completions a generation, accumulation 2, stage 3: as
+    `class ZeroGRPOTrainer(ZeroEngineTrainer, GRPOTrainer)` at k (each group's completions its
+    first rank's, their log-probabilities gathered over the group), or plain TRL."""
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    from trl_cases import base_model, datasets, lora, tokenizer
+    from zero_engine.integrations.transformers import ZeroEngineTrainer
+
+    config, cls = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
+    settings = dict(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2)
+    args = config(
+        output_dir=f"{root}/{kind}{k}{engine}", max_completion_length=6, learning_rate=3e-3, logging_steps=1, report_to=[],
+        seed=0, use_cpu=True, save_strategy="no", max_steps=3, beta=0.04, bf16=False, disable_tqdm=True,
+        dataloader_num_workers=0, **{**settings, **options},
+    )
+    arguments = dict(model=base_model(), reward_funcs=_reward, args=args, processing_class=tokenizer(),
+                     train_dataset=datasets("dpo").remove_columns(["chosen", "rejected"]), peft_config=lora())
+    if not engine:
+        trainer = cls(**arguments)
+    else:
+        zero = type(f"Zero{cls.__name__}", (ZeroEngineTrainer, cls), {})
+        trainer = zero(**arguments, zero_config={"zero_optimization": {"stage": 3}, "sequence_parallel_size": k,
+                                                 "steps_per_print": 10**9})
+    if options:  # built only (a refusal)
+        return {}
+    if k > 1 and trainer.args.process_index % k:  # a draw of this rank's own (a callback's, a logger's): its
+        import random  # group still shuffles and samples as its first rank
+
+        import torch
+
+        torch.rand(7), random.random()
+    trainer.train()
+    logs = [{key: entry[key] for key in RL_KEYS if key in entry} for entry in trainer.state.log_history
+            if "loss" in entry]
+    parameters = trainer.zero_engine.named_full_parameters() if engine else trainer.model.named_parameters()
+    adapters = {name.replace(".default", ""): value.detach().clone() for name, value in parameters if "lora_" in name}
+    return {"logs": logs, "adapters": adapters}
+
+
+def rl_trained(rank: int, world: int, root: str, k: int) -> dict[str, Any]:
+    runs: dict[str, Any] = {kind: rl_run(kind, world, root, k, engine=k > 1) for kind in ("grpo", "rloo")}
+    if k == 1:  # the engine without the split: as plain TRL (TRL's own training_step runs, generating once a window)
+        runs["grpo_engine"] = rl_run("grpo", world, root, 1)
+    else:
+        try:  # each rank's generation batch of 1 prompt x 1 micro-step cannot hold a group of 2
+            rl_run("grpo", world, root, k, per_device_train_batch_size=1, num_generations=2,
+                   gradient_accumulation_steps=1)
+        except ValueError as error:
+            runs["refused"] = str(error)
+        try:  # advantages scaled by the whole (gathered) batch's deviation
+            rl_run("grpo", world, root, k, scale_rewards="batch")
+        except NotImplementedError as error:
+            runs["refused_batch"] = str(error)
+        runs["generate"], runs["shared"] = generate_after_a_split_step(rank, k)
+    return runs
+
+
+def generate_after_a_split_step(rank: int, k: int) -> tuple[bool, list]:
+    """Whether a PEFT model's ``generate`` (which calls the model it wraps, past the engine's
+    root) samples after a split training step what it sampled before (the step changes no
+    weight: learning rate 0); and `share_leaders_rows` of rows each rank made apart (every
+    rank of a group gets its first's)."""
+    import torch
+    from peft import get_peft_model
+
+    import zero_engine
+    from trl_cases import base_model, lora
+    from zero_engine.sequence_loader import share_leaders_rows
+
+    torch.manual_seed(0)
+    model = get_peft_model(base_model(), lora())
+    engine = zero_engine.initialize(model, {
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "zero_optimization": {"stage": 0}, "sequence_parallel_size": k, "steps_per_print": 10**9})
+    prompt = torch.tensor([[6, 63, 48, 17]] * 4)
+
+    def generate() -> torch.Tensor:
+        torch.manual_seed(5)
+        with torch.no_grad():
+            return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                                  max_new_tokens=6, pad_token_id=0)
+
+    engine.train()
+    before = generate()
+    ids = torch.randint(4, 60, (1, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[:, :3] = 0
+    engine.backward(engine(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)
+    engine.step()
+    after = generate()
+    shared = share_leaders_rows(engine, [[rank] * (rank + 1), [7, rank]], [[0.5] * (rank + 1), [1.5, rank]])
+    engine.close()
+    return torch.equal(before, after), list(shared)
+
+
+def _compare_rl(plain_ranks: list[dict[str, Any]], split_runs: list[dict[str, Any]]) -> None:
+    for runs in plain_ranks:
+        assert len(runs["grpo_engine"]["logs"]) == len(runs["grpo"]["logs"]) == 3
+        for mine, theirs in zip(runs["grpo_engine"]["logs"], runs["grpo"]["logs"]):
+            assert mine == pytest.approx(theirs, abs=1e-6), (mine, theirs)
+        for name, value in runs["grpo"]["adapters"].items():
+            assert (runs["grpo_engine"]["adapters"][name] - value).abs().max().item() <= 1e-6, name
+    for kind in ("grpo", "rloo"):
+        for rank, runs in enumerate(split_runs):
+            plain, split = plain_ranks[rank // 2][kind], runs[kind]
+            assert len(plain["logs"]) == len(split["logs"]) == 3
+            for mine, theirs in zip(split["logs"], plain["logs"]):
+                assert mine.keys() == theirs.keys() >= {"loss", "grad_norm", "reward", "num_tokens", "kl", "entropy"}
+                assert mine == pytest.approx(theirs, abs=TOLERANCE), (kind, mine, theirs)
+            assert plain["adapters"].keys() == split["adapters"].keys()
+            for name, value in plain["adapters"].items():
+                assert (split["adapters"][name] - value).abs().max().item() <= 1e-5, (kind, name)
+    for rank, runs in enumerate(split_runs):
+        assert "whole prompt groups of num_generations = 2" in runs["refused"]
+        assert "scale_rewards='batch'" in runs["refused_batch"]
+        assert runs["generate"]
+        leader = rank - rank % 2
+        assert runs["shared"] == [[[leader] * (leader + 1), [7, leader]], [[0.5] * (leader + 1), [1.5, float(leader)]]]
+
+
+def test_grpo_and_rloo_at_k2_train_as_plain_trl_on_one_rank(tmp_path: Path) -> None:
+    plain = run_on_ranks(1, rl_trained, str(tmp_path), 1, allow_numpy=True, backend=None, timeout=300)
+    split = run_on_ranks(2, rl_trained, str(tmp_path), 2, allow_numpy=True, backend=None, timeout=300)
+    _compare_rl(plain, split)
+
+
+@pytest.mark.slow
+def test_grpo_and_rloo_at_k2_on_4_ranks_train_as_plain_trl_on_2(tmp_path: Path) -> None:
+    plain = run_on_ranks(2, rl_trained, str(tmp_path), 1, allow_numpy=True, backend=None, timeout=600)
+    split = run_on_ranks(4, rl_trained, str(tmp_path), 2, allow_numpy=True, backend=None, timeout=600)
+    assert plain[0]["grpo"]["logs"] == plain[1]["grpo"]["logs"]  # the Trainer logs means over ranks
+    _compare_rl(plain, split)

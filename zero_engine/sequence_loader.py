@@ -19,6 +19,7 @@ rank's loader ends, every rank's does, at the same step.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -81,3 +82,61 @@ def share_over_group(engine: Any, batch: Any) -> list[Any] | None:
         received = iter(tensors)
         shared.append(map_tensors(lambda _: next(received), batch))
     return shared
+
+
+def share_leaders_rows(
+    engine: Any, rows: list[list[int]], values: list[list[float]] | None = None
+) -> tuple[list[list[int]], list[list[float]] | None]:
+    """The sequence group's first rank's ``rows`` (lists of token ids of any lengths, as many on
+    every rank of the group) and ``values`` (one float per id, or None), on every rank of the
+    group: what a per-rank sampling step (TRL's completions) made on each rank made the same
+    (collective over every rank: each calls it once per generation)."""
+    comm = engine.comm
+    leader = comm.mesh.group_of("sequence", comm.rank)[0]
+    lengths, with_values = comm.all_gather_json([[len(row) for row in rows], values is not None])[leader]
+    if len(lengths) != len(rows):
+        raise ValueError(
+            f"rank {comm.rank} made {len(rows)} rows where the first rank of its sequence group ({leader}) made "
+            f"{len(lengths)}: the ranks of a sequence group must be given the same prompts"
+        )
+    mine = comm.rank == leader
+    ids = torch.tensor([t for row in rows for t in row] if mine else [0] * sum(lengths), dtype=torch.int64)
+    shared = [ids.to(engine.device)]
+    if with_values:
+        flat = [v for row in values for v in row] if mine and values is not None else [0.0] * sum(lengths)
+        shared.append(torch.tensor(flat, dtype=torch.float64, device=engine.device))
+    comm.sequence_group.broadcast(shared, src=0)
+    split = [part.cpu().split(lengths) for part in shared]
+    return [row.tolist() for row in split[0]], [row.tolist() for row in split[1]] if with_values else None
+
+
+def share_leaders_rng(engine: Any) -> None:
+    """Every rank of the sequence group continues from its first rank's random state (torch's
+    host generator, this rank's GPU's on CUDA, Python's ``random``): what a trainer draws
+    outside the model for the group's one batch (TRL's shuffle of a generation batch, its
+    sampling, a reward that draws) drawn alike on the group's ranks, as one rank draws it
+    (collective over every rank)."""
+    comm = engine.comm
+    leader = comm.mesh.group_of("sequence", comm.rank)[0]
+    python_state = comm.all_gather_json(random.getstate())[leader]
+    states = [torch.get_rng_state(), *_device_rng_states(engine.device)]
+    moved = [state.to(engine.device) for state in states]
+    comm.sequence_group.broadcast(moved, src=0)
+    torch.set_rng_state(moved[0].cpu())
+    _set_device_rng_states(engine.device, [state.cpu() for state in moved[1:]])
+    random.setstate(_as_tuples(python_state))
+
+
+def _device_rng_states(device: torch.device) -> list[torch.Tensor]:
+    """CUDA only: this rank's GPU generator state."""
+    return [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []
+
+
+def _set_device_rng_states(device: torch.device, states: list[torch.Tensor]) -> None:
+    """CUDA only: this rank's GPU generator state set."""
+    if device.type == "cuda" and states:
+        torch.cuda.set_rng_state(states[0], device)
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

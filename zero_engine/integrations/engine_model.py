@@ -32,6 +32,19 @@ class EngineModel(nn.Module):
     def _get_name(self) -> str:  # Hugging Face's Trainer picks the label smoother's shift by the class name
         return self.module._get_name()
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped model's own attributes where this module has none: a loop that takes this
+        for the model unwrapped (Accelerate's ``unwrap_model`` knows DDP's and DeepSpeed's
+        wrappers only; TRL's generation reads ``is_gradient_checkpointing`` and calls
+        ``generate`` on what it returns) reaches the model's, its ``generate`` the engine's
+        (gathered at stage 3, every rank as many forwards)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":  # not yet set (in __init__)
+                raise
+            return getattr(self.module, name)
+
 
 class SteppedByEngine:
     """The optimizer or schedule as a framework's loop sees it: ``engine.step()`` already

@@ -15,7 +15,14 @@ its own overridable methods:
 - evaluation's metrics gathered over the data-parallel ranks once per group (its ranks evaluated
   one batch), and the logits a ``compute_metrics`` reads gathered whole over the group;
 - TRL's token count kept once per group (its losses, from the fused LM head's per-token outputs,
-  are whole already: the split gathers those outputs over the group).
+  are whole already: the split gathers those outputs over the group);
+- TRL's GRPO and RLOO: each rank of a group generates (at stage 3 every rank must run the
+  model's forwards), then every rank keeps the group's first rank's completions
+  (`zero_engine.sequence_loader.share_leaders_rows`), so the group scores, splits and trains
+  one batch. TRL gathers rewards over every rank, each group's ``k`` times: means, the
+  per-prompt groups (each rank's generation batch holds whole groups, checked at
+  ``__init__``) and each rank's slice of the advantages are those of ``k`` = 1; its count of
+  tokens seen is divided by ``k``.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..sequence_loader import share_leaders_rng, share_leaders_rows
 from ..transforms.seam import MODEL
 from ..transforms.ulysses import UlyssesAttention
-from .config_filling import shard_over_data_ranks
+from .config_filling import data_parallel_rank, shard_over_data_ranks
 
 
 class SequenceGroupsTrainer:
@@ -41,6 +49,10 @@ class SequenceGroupsTrainer:
     accelerator: Any
     model: nn.Module
     _require_engine: Any  # the engine, once built (the Trainer's)
+    state: Any
+    _metrics: Any  # TRL's
+    num_generations: int  # TRL's GRPO / RLOO
+    _shares_generations = False  # TRL's GRPO / RLOO under the split: each group's completions its first rank's
 
     def get_train_dataloader(self) -> Any:
         return shard_over_data_ranks(super().get_train_dataloader(), self.args.world_size, self.args.process_index,
@@ -95,6 +107,99 @@ class SequenceGroupsTrainer:
         split = [t for t in self._require_engine().transforms.of_order(MODEL) if isinstance(t, UlyssesAttention)]
         return bool(split) and split[0].active
 
+    def _share_generations_over_groups(self) -> None:
+        """TRL's GRPO / RLOO under the split (see the module): what generates elsewhere than the
+        model's own ``generate`` on each rank (vLLM, continuous batching, a ``rollout_func``),
+        tools and environments (run on every rank of a group), vision models, a generation
+        batch of partial prompt groups, and advantages scaled by the whole batch's deviation
+        refused by name; the generation batch counted over the data-parallel ranks, and each
+        group seeded as its data-parallel rank, as at ``k`` = 1 on world / k ranks."""
+        k, args = self._sequence_parallel, self.args
+        trl = {cls.__name__ for cls in type(self).__mro__ if cls.__module__.startswith("trl.")}
+        if k == 1 or not {"GRPOTrainer", "RLOOTrainer"} & trl:
+            return
+        name = next(cls.__name__ for cls in type(self).__mro__ if cls.__module__.startswith("trl."))
+        unsupported = [
+            reason for reason, present in (
+                ("use_vllm", getattr(self, "use_vllm", False)),
+                ("use_transformers_continuous_batching", getattr(self, "use_transformers_continuous_batching", False)),
+                ("rollout_func", getattr(self, "rollout_func", None) is not None),
+                ("tools", bool(getattr(self, "tools", None))),
+                ("environment_factory", getattr(self, "environment_factories", None) is not None),
+                ("a vision model", getattr(self, "_is_vlm", False)),
+            ) if present
+        ]
+        if unsupported:
+            raise NotImplementedError(
+                f"sequence_parallel_size = {k} through {name} with {', '.join(unsupported)} is not wired: only the "
+                "model's own generate on every rank is (its completions shared over each sequence group)"
+            )
+        batch_scaled = [
+            option for option, present in (
+                ("scale_rewards='batch'", getattr(self, "scale_rewards", None) == "batch"),
+                ("multi_objective_aggregation='normalize_then_sum'",
+                 getattr(self, "multi_objective_aggregation", None) == "normalize_then_sum"),
+                ("normalize_advantages=True", getattr(self, "normalize_advantages", False) is True),
+            ) if present
+        ]
+        if batch_scaled:
+            raise NotImplementedError(
+                f"sequence_parallel_size = {k} through {name} with {', '.join(batch_scaled)}: TRL gathers each "
+                "sequence group's rewards k times, so a standard deviation over the whole gathered batch is not "
+                "k = 1's (per-prompt groups' are); use the default per-group scaling"
+            )
+        local = args.per_device_train_batch_size * args.steps_per_generation
+        if local % self.num_generations:
+            raise ValueError(
+                f"sequence_parallel_size = {k} through {name}: each rank's generation batch "
+                f"(per_device_train_batch_size x steps_per_generation = {args.per_device_train_batch_size} x "
+                f"{args.steps_per_generation}) must hold whole prompt groups of num_generations = "
+                f"{self.num_generations} (TRL gathers each group's rewards k times)"
+            )
+        evaluated = getattr(self, "num_generations_eval", None) or self.num_generations
+        if self._split_eval and args.per_device_eval_batch_size % evaluated:
+            raise ValueError(
+                f"sequence_parallel_size = {k} through {name}: each rank's evaluation batch "
+                f"(per_device_eval_batch_size = {args.per_device_eval_batch_size}) must hold whole prompt groups of "
+                f"{evaluated} generations, or set sequence_parallel_eval: false"
+            )
+        args.generation_batch_size = local * (args.world_size // k)
+        self._shares_generations = True
+        # TRL seeds each rank apart (seed + rank) so that ranks sample apart: a group samples as
+        # its data-parallel rank would at k = 1 on world / k ranks
+        from accelerate.utils import set_seed
+
+        set_seed(args.seed + data_parallel_rank(args.world_size, args.process_index, k))
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        """The Trainer's (TRL's GRPO / RLOO: generation, scoring, shuffling); under the split
+        every rank of a group first takes its first rank's random state, so the group draws
+        as one rank: the same shuffle, the same samples."""
+        if self._shares_generations and self._groups_share_batches():
+            share_leaders_rng(self._require_engine())
+        return super()._prepare_inputs(inputs)  # type: ignore[misc]
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's GRPO / RLOO generation; under the split every rank of a group then holds its
+        first rank's completions (and their log-probabilities, where the backend gives them:
+        GRPO returns both, RLOO the completions alone)."""
+        generated = super()._generate_single_turn(*args, **kwargs)  # type: ignore[misc]
+        if not self._groups_share_batches():
+            return generated
+        if isinstance(generated, tuple):
+            return share_leaders_rows(self._require_engine(), *generated)
+        return share_leaders_rows(self._require_engine(), generated)[0]
+
+    def _generate(self, prompts: list) -> Any:
+        """TRL's GRPO / RLOO; its count of tokens seen summed over every rank, each group's
+        completions ``k`` times: counted once."""
+        seen = self.state.num_input_tokens_seen
+        result = super()._generate(prompts)  # type: ignore[misc]
+        if self._groups_share_batches() and self.model.training:
+            self.state.num_input_tokens_seen = seen + (self.state.num_input_tokens_seen - seen) // self._sequence_parallel
+            self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
+        return result
+
     def get_total_train_batch_size(self, args: Any) -> int:
         return super().get_total_train_batch_size(args) // self._sequence_parallel
 
@@ -121,8 +226,8 @@ class SequenceGroupsTrainer:
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss / k  # scaled by the world size where the engine averages over the data-parallel ranks
         # TRL's losses come from the fused head's per-token outputs, gathered whole by the split
-        if self._loss_from_outputs and tokens_before is not None and self.model.training:
-            # TRL gathered each group's batch k times
+        if self._loss_from_outputs and tokens_before is not None and self.model.training and not self._shares_generations:
+            # TRL gathered each group's batch k times (GRPO and RLOO count theirs at generation: `_generate`)
             self._total_train_tokens = tokens_before + (self._total_train_tokens - tokens_before) // k
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return (loss, outputs) if return_outputs else loss

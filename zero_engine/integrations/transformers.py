@@ -28,7 +28,7 @@ How the Trainer's loop meets the engine, through the Trainer's own overridable m
   `zero_engine.integrations.parallelism_config`): the ranks of a sequence group read the same
   batches and the engine splits each along the sequence; what the Trainer's loop does
   differently then is `zero_engine.integrations.sequence_trainer.SequenceGroupsTrainer`'s.
-  TRL's losses other than SFT's (whole sequences' log-probabilities) are refused.
+  TRL's SFT, DPO, GRPO and RLOO train split; its other trainers are refused.
 
 A model too large for one rank is built on the meta device and materialized by the engine
 (``zero_weights=`` a Hugging Face directory or safetensors file, ``zero_param_init_fn=`` for
@@ -55,6 +55,8 @@ from .sequence_trainer import SequenceGroupsTrainer
 from .training_arguments import fill_from_arguments, fill_schedule, provisional_schedule
 
 __all__ = ["ZeroEngineTrainer"]
+
+SPLIT_TRL_TRAINERS = {"SFTTrainer", "DPOTrainer", "GRPOTrainer", "RLOOTrainer"}  # TRL's, under sequence_parallel_size
 
 
 class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
@@ -104,6 +106,7 @@ class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
         checked = load_config(provisional_schedule(raw))  # every other error now, not at train()
         # evaluation split over the sequence group too (sequence_parallel_eval): its loaders and metrics follow
         self._split_eval = self._sequence_parallel > 1 and checked.sequence_parallel_eval
+        self._share_generations_over_groups()
         self._zero_weights = zero_weights
         self._zero_param_init_fn = zero_param_init_fn
         self.zero_engine: Engine | None = None
@@ -116,18 +119,18 @@ class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
         log-probabilities) train as in one process: the split gathers those outputs whole over the
         group (`zero_engine.transforms.ulysses`). Refused at ``sequence_parallel_size``
         above 1: losses read from the logits (``compute_loss_func``, label smoothing), a rank
-        holding a slice of them, and TRL's other trainers (GRPO's and RLOO's completions are
-        generated on each rank, so the ranks of a group would be given different sequences)."""
+        holding a slice of them, and TRL's trainers other than SFT's, DPO's, GRPO's and RLOO's
+        (GRPO's and RLOO's completions are shared over each group: `SequenceGroupsTrainer`)."""
         trl = [cls for cls in type(self).__mro__ if cls.__module__.startswith("trl.")]
         if not trl:
             return False
         if self.compute_loss_func is not None or self.args.label_smoothing_factor:
             refuse_sequence_parallel(raw, trl[0].__name__, "its loss reads the logits (compute_loss_func or label "
                                      "smoothing), and a rank holds a slice of each sequence's")
-        if not {"SFTTrainer", "DPOTrainer"} & {cls.__name__ for cls in trl}:
-            refuse_sequence_parallel(raw, trl[0].__name__, "its batches are made on each rank (GRPO's and RLOO's "
-                                     "completions are generated there), and the ranks of a sequence group must "
-                                     "split the same sequences; SFTTrainer and DPOTrainer train split")
+        if not SPLIT_TRL_TRAINERS & {cls.__name__ for cls in trl}:
+            refuse_sequence_parallel(raw, trl[0].__name__, "its batches are made on each rank, and the ranks of a "
+                                     "sequence group must split the same sequences; SFTTrainer, DPOTrainer, "
+                                     "GRPOTrainer and RLOOTrainer train split")
         return True
 
     def _offloaded_checkpointing(self, raw: dict[str, Any]) -> dict[str, Any]:
@@ -184,6 +187,7 @@ class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
         self.optimizer = SteppedByEngine(engine.optimizer)
         self.lr_scheduler = SteppedByEngine(engine.lr_scheduler)
         self.model_wrapped = self._engine_model
+        self.accelerator.backward = self._engine_backward  # what the Trainer's training_step ends with
         if resume_from_checkpoint is not None:
             self._load_engine_checkpoint(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
@@ -237,28 +241,25 @@ class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
+        """The Trainer's own (through what a subclass wraps it in: TRL's GRPO counts its
+        micro-steps there, DPO enters its activation offload), its loss divided by the
+        accumulation as the Trainer divides it; the backward is the engine's
+        (`_engine_backward`)."""
+        self._require_engine().train()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _engine_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """The accelerator's ``backward`` for this trainer: ``engine.backward`` (the Trainer
+        divided by its own count, a short last window included) and ``engine.step()``, which
+        applies the optimizer on the Trainer's accumulation boundary, as Accelerate does for
+        DeepSpeed."""
         engine = self._require_engine()
-        engine.train()
-        inputs = self._prepare_inputs(inputs)
-        with self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        del inputs
-        if not self._loss_scaled_for_accumulation(num_items_in_batch):
-            loss = loss / self.current_gradient_accumulation_steps
         boundary = self.accelerator.sync_gradients  # the Trainer's: its short last window included
         engine.set_gradient_accumulation_boundary(boundary)
         engine.backward(loss, scale_wrt_gas=False)
         if boundary:
             self._step_lr = engine.get_lr()[0]
         engine.step()
-        return loss.detach()
-
-    def _loss_scaled_for_accumulation(self, num_items_in_batch: Any) -> bool:
-        """The Trainer's rule: a loss normalized by the tokens of the whole accumulated batch
-        (by the model or ``compute_loss_func``) is not divided again."""
-        if self.loss_is_scaled_for_ga is not None:  # a custom compute_loss says
-            return bool(self.loss_is_scaled_for_ga)
-        return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
 
     def _clip_grad_norm(self, model: nn.Module) -> float | None:
         return self._require_engine().get_global_grad_norm()  # clipped inside engine.step()

@@ -270,6 +270,7 @@ class UlyssesAttention:
         self._name = ""
         self._previous_implementation: str | None = None
         self._handles: list[RemovableHandle] = []
+        self._in_root = False  # inside a forward of the root (the model given to initialize)
         self._wrappers: list[SequenceParallelAttention] = []  # a plain model's attention cores
 
     @property
@@ -312,6 +313,9 @@ class UlyssesAttention:
             model.register_forward_pre_hook(self._split, with_kwargs=True),
             model.register_forward_hook(self._whole_loss, always_call=True),
         ]
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        if base is not model:  # a wrapper's generate (PEFT's) calls the model it holds, past this root's hooks
+            self._handles.append(base.register_forward_pre_hook(self._whole_unless_through_root))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -443,7 +447,16 @@ class UlyssesAttention:
         noted, self._noted = self._noted, None
         self.before_exchanges(SplitBatch(*shape, int(noted.item()) if noted is not None else 0))
 
+    def _whole_unless_through_root(self, module: nn.Module, args: tuple) -> None:
+        """The wrapped model called directly, not through the root (PEFT's ``generate`` after a
+        split training step): its forward runs whole, not with the last split forward's state
+        (which a recomputation in that forward's backward still needs, so it is kept until
+        then): its attention would exchange and read that forward's masks."""
+        if not self._in_root:
+            self.active = False
+
     def _split(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self._in_root = True
         training = module.training and torch.is_grad_enabled()
         self.active = self._loss_pending = training or (self.split_eval and _evaluation(args, kwargs))
         if not self.active:
@@ -505,6 +518,7 @@ class UlyssesAttention:
     def _whole_loss(self, module: nn.Module, args: Any, output: Any) -> Any:
         """The loss's value made the micro-batch's on every rank of the group; its gradient
         stays this rank's slice's (the gradients of the group are summed)."""
+        self._in_root = False
         if not self._loss_pending:
             return None
         self._loss_pending = False
