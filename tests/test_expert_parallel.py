@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import run_on_ranks
 from tiny import moe
+
 from zero_engine import load_config
 from zero_engine.memory import estimate_from_config
 
@@ -285,7 +285,8 @@ def refusals(rank: int, world: int, cases: list[dict]) -> list[str]:
     torch.set_num_threads(1)
     found = []
     for case in cases:
-        model = {"qwen3_moe": lambda: moe("qwen3_moe", experts=case.get("count", 6)), "llama": lambda: __import__("tiny").llama(),
+        count = case.get("count", 6)
+        model = {"qwen3_moe": lambda count=count: moe("qwen3_moe", experts=count), "llama": lambda: __import__("tiny").llama(),
                  "listed": _ListedExperts}[case["model"]]()
         if case.get("frozen"):
             for name, param in model.named_parameters():
@@ -321,8 +322,8 @@ def test_bad_expert_parallel_input_is_refused_on_every_rank() -> None:
         "ConfigError: expert_parallel_size = 4 does not divide the world size 3",
         "ConfigError: expert_parallel_size = 3: LlamaForCausalLM has no mixture-of-experts block",
         "ConfigError: expert_parallel_size: experts (ModuleList) is not a fused experts module",
-        "experts.gate_up_proj is cut along ['expert'] (expert parallelism), and the optimizer computes on it as a "
-        "whole matrix (Muon)",
+        ("experts.gate_up_proj is cut along ['expert'] (expert parallelism), and the optimizer computes on it as a "
+         "whole matrix (Muon)"),
         "model.layers.0.mlp.experts.gate_up_proj is frozen and cut along ['expert']",
         "expert_parallel.load_balance_coeff = 0.01",
         "expert_parallel_size = 3 and DeepSpeed's expert_parallel.autoep_size = 1 disagree",

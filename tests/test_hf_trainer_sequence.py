@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from harness import run_on_ranks
 from tiny import llama, with_lora
 
@@ -56,8 +55,8 @@ def sft_run(world: int, root: str, k: int) -> dict[str, Any]:
     """TRL's SFTTrainer as `test_trl` runs it (its loss and metrics computed from the model's
     outputs: at k = 2 a rank's slice's, made the micro-batch's by the engine's trainer)."""
     from trl import SFTConfig, SFTTrainer
-
     from trl_cases import base_model, datasets, lora, tokenizer
+
     from zero_engine.integrations.transformers import ZeroEngineTrainer
 
     args = SFTConfig(
@@ -312,19 +311,19 @@ def rl_run(kind: str, world: int, root: str, k: int, engine: bool = True, **opti
     `class ZeroGRPOTrainer(ZeroEngineTrainer, GRPOTrainer)` at k (each group's completions its
     first rank's, their log-probabilities gathered over the group), or plain TRL."""
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-
     from trl_cases import base_model, datasets, lora, tokenizer
+
     from zero_engine.integrations.transformers import ZeroEngineTrainer
 
     config, cls = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
-    settings = dict(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2)
+    settings = {"per_device_train_batch_size": 4, "num_generations": 4, "gradient_accumulation_steps": 2}
     args = config(
         output_dir=f"{root}/{kind}{k}{engine}", max_completion_length=6, learning_rate=3e-3, logging_steps=1, report_to=[],
         seed=0, use_cpu=True, save_strategy="no", max_steps=3, beta=0.04, bf16=False, disable_tqdm=True,
         dataloader_num_workers=0, **{**settings, **options},
     )
-    arguments = dict(model=base_model(), reward_funcs=_reward, args=args, processing_class=tokenizer(),
-                     train_dataset=datasets("dpo").remove_columns(["chosen", "rejected"]), peft_config=lora())
+    arguments = {"model": base_model(), "reward_funcs": _reward, "args": args, "processing_class": tokenizer(),
+                 "train_dataset": datasets("dpo").remove_columns(["chosen", "rejected"]), "peft_config": lora()}
     if not engine:
         trainer = cls(**arguments)
     else:
@@ -372,9 +371,9 @@ def generate_after_a_split_step(rank: int, k: int) -> tuple[bool, list]:
     rank of a group gets its first's)."""
     import torch
     from peft import get_peft_model
+    from trl_cases import base_model, lora
 
     import zero_engine
-    from trl_cases import base_model, lora
     from zero_engine.sequence_loader import share_leaders_rows
 
     torch.manual_seed(0)

@@ -12,9 +12,11 @@ How the Trainer's loop meets the engine, through the Trainer's own overridable m
   arguments and decay / no-decay groups) unless the config has an ``optimizer`` section (the
   groups still keep biases and norms undecayed); the Trainer's schedule unless the config has a
   ``scheduler`` section.
-- ``training_step`` tells the engine the Trainer's accumulation boundary, then runs
-  ``engine.backward(loss, scale_wrt_gas=False)`` (the Trainer divides by its own count, a short
-  last window included) and ``engine.step()``, as Accelerate does for DeepSpeed. The engine
+- ``training_step`` is the Trainer's own (through what a subclass wraps it in, TRL's); its
+  ``accelerator.backward`` is the engine's: it tells the engine the Trainer's accumulation
+  boundary, then runs ``engine.backward(loss, scale_wrt_gas=False)`` (the Trainer divides by
+  its own count, a short last window included) and ``engine.step()``, as Accelerate does for
+  DeepSpeed. The engine
   clips, steps the optimizer and steps the schedule on applied steps only, so the optimizer and
   schedule the Trainer steps afterwards are stand-ins that do nothing (`engine_model.SteppedByEngine`).
   The logged gradient norm is the engine's, the logged rate the one the step used.
