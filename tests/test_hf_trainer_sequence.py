@@ -4,7 +4,8 @@ model: the same config with ``sequence_parallel_size: 2`` logs the losses, gradi
 rates (SFT: token accuracy, entropy and token count too) of its run with k = 1 on half the
 ranks (the same global batches), within 1e-4, trains the same adapters, and evaluates the same
 (``trainer.evaluate()``, split as training is: loss and a metric of the logits within 1e-5). Fast: k = 2 on 2
-ranks against 1 rank; slow: k = 2 on 4 ranks against 2. The three share a spawn."""
+ranks against 1 rank; slow: k = 2 on 4 ranks against 2. TRL's GRPO and RLOO too (each group's
+completions its first rank's). All share a spawn."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def trained(rank: int, world: int, root: str, k: int) -> dict[str, Any]:
     if k > 1:  # Hugging Face's own key, as an argument and as accelerate launch's variables
         runs["parallelism_config"] = trainer_run(world, root, k, via="argument")
         runs["launch_variables"] = trainer_run(world, root, k, via="variables")
+    runs.update(rl_trained(rank, world, root, k))  # TRL's GRPO and RLOO (below)
     return runs
 
 
@@ -245,6 +247,7 @@ def test_the_trainer_at_k2_logs_what_it_logs_at_k1_on_half_the_ranks(tmp_path: P
     plain = run_on_ranks(1, trained, str(tmp_path), 1, allow_numpy=True, backend=None, timeout=300)
     split = run_on_ranks(2, trained, str(tmp_path), 2, allow_numpy=True, backend=None, timeout=300)
     _compare(plain, split)
+    _compare_rl(plain, split)
 
 
 @pytest.mark.slow
@@ -252,7 +255,9 @@ def test_the_trainer_at_k2_on_4_ranks_logs_what_it_logs_at_k1_on_2(tmp_path: Pat
     plain = run_on_ranks(2, trained, str(tmp_path), 1, allow_numpy=True, backend=None, timeout=600)
     split = run_on_ranks(4, trained, str(tmp_path), 2, allow_numpy=True, backend=None, timeout=600)
     assert plain[0]["trainer"]["logs"] == plain[1]["trainer"]["logs"]
+    assert plain[0]["grpo"]["logs"] == plain[1]["grpo"]["logs"]  # the Trainer logs means over ranks
     _compare(plain, split)
+    _compare_rl(plain, split)
 
 
 def test_hugging_faces_parallelism_config_is_read_as_the_configs_keys() -> None:
@@ -425,17 +430,3 @@ def _compare_rl(plain_ranks: list[dict[str, Any]], split_runs: list[dict[str, An
         assert runs["generate"]
         leader = rank - rank % 2
         assert runs["shared"] == [[[leader] * (leader + 1), [7, leader]], [[0.5] * (leader + 1), [1.5, float(leader)]]]
-
-
-def test_grpo_and_rloo_at_k2_train_as_plain_trl_on_one_rank(tmp_path: Path) -> None:
-    plain = run_on_ranks(1, rl_trained, str(tmp_path), 1, allow_numpy=True, backend=None, timeout=300)
-    split = run_on_ranks(2, rl_trained, str(tmp_path), 2, allow_numpy=True, backend=None, timeout=300)
-    _compare_rl(plain, split)
-
-
-@pytest.mark.slow
-def test_grpo_and_rloo_at_k2_on_4_ranks_train_as_plain_trl_on_2(tmp_path: Path) -> None:
-    plain = run_on_ranks(2, rl_trained, str(tmp_path), 1, allow_numpy=True, backend=None, timeout=600)
-    split = run_on_ranks(4, rl_trained, str(tmp_path), 2, allow_numpy=True, backend=None, timeout=600)
-    assert plain[0]["grpo"]["logs"] == plain[1]["grpo"]["logs"]  # the Trainer logs means over ranks
-    _compare_rl(plain, split)

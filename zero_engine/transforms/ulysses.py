@@ -315,7 +315,7 @@ class UlyssesAttention:
         ]
         base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
         if base is not model:  # a wrapper's generate (PEFT's) calls the model it holds, past this root's hooks
-            self._handles.append(base.register_forward_pre_hook(self._whole_unless_through_root))
+            self._handles.append(base.register_forward_pre_hook(lambda module, args: _whole_past_root(self)))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -446,14 +446,6 @@ class UlyssesAttention:
         shape = tuple(first.shape[:2]) if first is not None and first.dim() >= 2 else (0, 0)
         noted, self._noted = self._noted, None
         self.before_exchanges(SplitBatch(*shape, int(noted.item()) if noted is not None else 0))
-
-    def _whole_unless_through_root(self, module: nn.Module, args: tuple) -> None:
-        """The wrapped model called directly, not through the root (PEFT's ``generate`` after a
-        split training step): its forward runs whole, not with the last split forward's state
-        (which a recomputation in that forward's backward still needs, so it is kept until
-        then): its attention would exchange and read that forward's masks."""
-        if not self._in_root:
-            self.active = False
 
     def _split(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._in_root = True
@@ -643,6 +635,15 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, tail: int) -> torch
     if tail:
         mask[..., -tail:].masked_fill_(~allowed[..., -tail:], float("-inf"))
     return mask
+
+
+def _whole_past_root(split: UlyssesAttention) -> None:
+    """The wrapped model called directly, not through the root (PEFT's ``generate`` after a
+    split training step): its forward runs whole, not with the last split forward's state
+    (which a recomputation in that forward's backward still needs, so it is kept until then):
+    its attention would exchange and read that forward's masks."""
+    if not split._in_root:
+        split.active = False
 
 
 def _evaluation(args: tuple, kwargs: dict[str, Any]) -> bool:
