@@ -373,13 +373,15 @@ def generate_after_a_split_step(rank: int, k: int) -> tuple[bool, list]:
     """Whether a PEFT model's ``generate`` (which calls the model it wraps, past the engine's
     root) samples after a split training step what it sampled before (the step changes no
     weight: learning rate 0); and `share_leaders_rows` of rows each rank made apart (every
-    rank of a group gets its first's)."""
+    rank of a group gets its first's), and the draws after `share_leaders_rng` (its first's)."""
+    import random
+
     import torch
     from peft import get_peft_model
     from trl_cases import base_model, lora
 
     import zero_engine
-    from zero_engine.sequence_loader import share_leaders_rows
+    from zero_engine.sequence_loader import share_leaders_rng, share_leaders_rows
 
     torch.manual_seed(0)
     model = get_peft_model(base_model(), lora())
@@ -403,11 +405,21 @@ def generate_after_a_split_step(rank: int, k: int) -> tuple[bool, list]:
     engine.step()
     after = generate()
     shared = share_leaders_rows(engine, [[rank] * (rank + 1), [7, rank]], [[0.5] * (rank + 1), [1.5, rank]])
+    random.seed(rank)  # each rank's own random state, then its group's first rank's
+    if rank % 2:  # a second gauss cached on some ranks only
+        random.gauss(0, 1)
+    torch.manual_seed(rank)
+    share_leaders_rng(engine)
+    draws = [random.random(), random.gauss(0, 1), torch.rand(1).item()]
     engine.close()
-    return torch.equal(before, after), list(shared)
+    return torch.equal(before, after), [*shared, draws]
 
 
 def _compare_rl(plain_ranks: list[dict[str, Any]], split_runs: list[dict[str, Any]]) -> None:
+    import random
+
+    import torch
+
     for runs in plain_ranks:
         assert len(runs["grpo_engine"]["logs"]) == len(runs["grpo"]["logs"]) == 3
         for mine, theirs in zip(runs["grpo_engine"]["logs"], runs["grpo"]["logs"]):
@@ -429,4 +441,9 @@ def _compare_rl(plain_ranks: list[dict[str, Any]], split_runs: list[dict[str, An
         assert "scale_rewards='batch'" in runs["refused_batch"]
         assert runs["generate"]
         leader = rank - rank % 2
-        assert runs["shared"] == [[[leader] * (leader + 1), [7, leader]], [[0.5] * (leader + 1), [1.5, float(leader)]]]
+        rows, values, draws = runs["shared"]
+        assert [rows, values] == [[[leader] * (leader + 1), [7, leader]], [[0.5] * (leader + 1), [1.5, float(leader)]]]
+        assert draws == split_runs[leader]["shared"][2]
+        random.seed(leader)
+        torch.manual_seed(leader)
+        assert draws == [random.random(), random.gauss(0, 1), torch.rand(1).item()]  # the first rank's own

@@ -115,16 +115,18 @@ def share_leaders_rng(engine: Any) -> None:
     host generator, this rank's GPU's on CUDA, Python's ``random``): what a trainer draws
     outside the model for the group's one batch (TRL's shuffle of a generation batch, its
     sampling, a reward that draws) drawn alike on the group's ranks, as one rank draws it
-    (collective over every rank)."""
-    comm = engine.comm
-    leader = comm.mesh.group_of("sequence", comm.rank)[0]
-    python_state = comm.all_gather_json(random.getstate())[leader]
-    states = [torch.get_rng_state(), *_device_rng_states(engine.device)]
+    (collective over the sequence group: one broadcast)."""
+    version, words, gauss = random.getstate()  # Mersenne Twister: 625 words below 2**32, a cached gauss
+    python_state = [torch.tensor(words, dtype=torch.int64),
+                    torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64)]
+    states = [torch.get_rng_state(), *python_state, *_device_rng_states(engine.device)]
     moved = [state.to(engine.device) for state in states]
-    comm.sequence_group.broadcast(moved, src=0)
-    torch.set_rng_state(moved[0].cpu())
-    _set_device_rng_states(engine.device, [state.cpu() for state in moved[1:]])
-    random.setstate(_as_tuples(python_state))
+    engine.comm.sequence_group.broadcast(moved, src=0)
+    host, words_moved, gauss_moved, *device = [state.cpu() for state in moved]
+    torch.set_rng_state(host)
+    _set_device_rng_states(engine.device, device)
+    cached = float(gauss_moved[1]) if gauss_moved[0] else None
+    random.setstate((version, tuple(int(word) for word in words_moved.tolist()), cached))
 
 
 def _device_rng_states(device: torch.device) -> list[torch.Tensor]:
@@ -136,7 +138,3 @@ def _set_device_rng_states(device: torch.device, states: list[torch.Tensor]) -> 
     """CUDA only: this rank's GPU generator state set."""
     if device.type == "cuda" and states:
         torch.cuda.set_rng_state(states[0], device)
-
-
-def _as_tuples(value: Any) -> Any:
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
