@@ -169,16 +169,17 @@ def shard_over_data_ranks(loader: Any, processes: int, rank: int, k: int, framew
             "not shard a map-style dataset's batches over ranks (an iterable dataset, or dispatched batches), so the "
             "ranks of a sequence group cannot be given the same batches; use a map-style dataset"
         )
-    shard.num_processes = Mesh.for_world(processes, processes, sequence=k).batch
-    shard.process_index = data_parallel_rank(processes, rank, k)
+    shard.process_index, shard.num_processes = data_parallel_place(processes, rank, k)
     if shard.num_processes == 1:  # one data-parallel rank: as Accelerate's own loader of one process, no padding
         shard.even_batches = False  # of the last batch with samples from the start
     return loader
 
 
-def data_parallel_rank(processes: int, rank: int, k: int) -> int:
-    """Which data-parallel rank global ``rank`` is under ``sequence_parallel_size: k``."""
-    return Mesh.for_world(processes, processes, sequence=k).rank_in("batch", rank)
+def data_parallel_place(processes: int, rank: int, k: int) -> tuple[int, int]:
+    """Which data-parallel rank global ``rank`` is under ``sequence_parallel_size: k``, and of
+    how many."""
+    mesh = Mesh.for_world(processes, processes, sequence=k)  # the shard group size does not matter here
+    return mesh.rank_in("batch", rank), mesh.batch
 
 
 LOADER_REASON = "its data loader would give each rank of a sequence group a different batch"

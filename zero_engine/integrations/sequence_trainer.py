@@ -35,7 +35,14 @@ from torch import nn
 from ..sequence_loader import share_leaders_rng, share_leaders_rows
 from ..transforms.seam import MODEL
 from ..transforms.ulysses import UlyssesAttention
-from .config_filling import data_parallel_rank, shard_over_data_ranks
+from .config_filling import data_parallel_place, shard_over_data_ranks
+
+GENERATING_TRL_TRAINERS = {"GRPOTrainer", "RLOOTrainer"}  # TRL's, whose completions are made on each rank
+
+
+def trl_classes(trainer: Any) -> list[type]:
+    """TRL's classes in ``trainer``'s class order (none: not a TRL trainer)."""
+    return [cls for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")]
 
 
 class SequenceGroupsTrainer:
@@ -115,10 +122,10 @@ class SequenceGroupsTrainer:
         refused by name; the generation batch counted over the data-parallel ranks, and each
         group seeded as its data-parallel rank, as at ``k`` = 1 on world / k ranks."""
         k, args = self._sequence_parallel, self.args
-        trl = {cls.__name__ for cls in type(self).__mro__ if cls.__module__.startswith("trl.")}
-        if k == 1 or not {"GRPOTrainer", "RLOOTrainer"} & trl:
+        trl = trl_classes(self)
+        if k == 1 or not GENERATING_TRL_TRAINERS & {cls.__name__ for cls in trl}:
             return
-        name = next(cls.__name__ for cls in type(self).__mro__ if cls.__module__.startswith("trl."))
+        name = trl[0].__name__
         unsupported = [
             reason for reason, present in (
                 ("use_vllm", getattr(self, "use_vllm", False)),
@@ -169,7 +176,7 @@ class SequenceGroupsTrainer:
         # its data-parallel rank would at k = 1 on world / k ranks
         from accelerate.utils import set_seed
 
-        set_seed(args.seed + data_parallel_rank(args.world_size, args.process_index, k))
+        set_seed(args.seed + data_parallel_place(args.world_size, args.process_index, k)[0])
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         """The Trainer's (TRL's GRPO / RLOO: generation, scoring, shuffling); under the split

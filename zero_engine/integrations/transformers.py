@@ -53,12 +53,12 @@ from ..state.adapters import adapter_names, is_peft_model
 from .config_filling import optimizer_section, refuse_sequence_parallel, sequence_parallel_size
 from .engine_model import EngineModel, SteppedByEngine
 from .parallelism_config import accelerate_without_parallelism, merge_parallelism, parallelism_from, set_attention
-from .sequence_trainer import SequenceGroupsTrainer
+from .sequence_trainer import GENERATING_TRL_TRAINERS, SequenceGroupsTrainer, trl_classes
 from .training_arguments import fill_from_arguments, fill_schedule, provisional_schedule
 
 __all__ = ["ZeroEngineTrainer"]
 
-SPLIT_TRL_TRAINERS = {"SFTTrainer", "DPOTrainer", "GRPOTrainer", "RLOOTrainer"}  # TRL's, under sequence_parallel_size
+SPLIT_TRL_TRAINERS = {"SFTTrainer", "DPOTrainer", *GENERATING_TRL_TRAINERS}  # TRL's, under sequence_parallel_size
 
 
 class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
@@ -123,7 +123,7 @@ class ZeroEngineTrainer(SequenceGroupsTrainer, Trainer):
         above 1: losses read from the logits (``compute_loss_func``, label smoothing), a rank
         holding a slice of them, and TRL's trainers other than SFT's, DPO's, GRPO's and RLOO's
         (GRPO's and RLOO's completions are shared over each group: `SequenceGroupsTrainer`)."""
-        trl = [cls for cls in type(self).__mro__ if cls.__module__.startswith("trl.")]
+        trl = trl_classes(self)
         if not trl:
             return False
         if self.compute_loss_func is not None or self.args.label_smoothing_factor:
